@@ -1,0 +1,153 @@
+"""KV block allocation with reference counts and a prefix cache.
+
+A block is *free* when no sequence references it. A free block may still hold a published
+prefix (its hash stays in the index) until it is handed out again: free blocks are reused
+least-recently-freed first, so hot prefixes survive longest. A block's hash is published only
+after its KV has been written (``publish``), and reuse compares stored token ids, so a hash
+collision can never serve wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from typing import NamedTuple
+
+from kvrelay.engine.prefix_hash import ROOT_HASH, hash_block
+from kvrelay.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class PrefixMatch(NamedTuple):
+    block_ids: list[int]
+    hashes: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # hash -> block id
+        # Per-sequence chained hashes of its full blocks, kept across preemption.
+        self._seq_hashes: dict[str, list[int]] = {}
+        self.num_cache_queries = 0  # prompt tokens looked up
+        self.num_cache_hits = 0  # prompt tokens found
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Extra blocks ``seq`` needs to hold KV for its first ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def cached_block_hashes(self) -> list[int]:
+        """Hashes of every block whose KV is held (used or free-but-cached)."""
+        return list(self._cached)
+
+    def match_prefix(self, token_ids: Seq[int], max_tokens: int) -> PrefixMatch:
+        """Longest run of cached full blocks at the start of ``token_ids[:max_tokens]``."""
+        ids: list[int] = []
+        hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return PrefixMatch(ids, hashes)
+        parent = ROOT_HASH
+        bs = self.block_size
+        for start in range(0, max_tokens - bs + 1, bs):
+            chunk = tuple(token_ids[start:start + bs])
+            parent = hash_block(parent, chunk)
+            bid = self._cached.get(parent)
+            if bid is None or self.blocks[bid].token_ids != chunk:
+                break
+            ids.append(bid)
+            hashes.append(parent)
+        return PrefixMatch(ids, hashes)
+
+    # -- allocation ----------------------------------------------------------------------------
+    def allocate_prefix(self, seq: Sequence, match: PrefixMatch) -> None:
+        """Give a block-less ``seq`` the matched cached blocks; their tokens count as computed."""
+        assert not seq.block_table
+        for bid in match.block_ids:
+            self._ref(bid)
+        seq.block_table = list(match.block_ids)
+        seq.num_computed_tokens = match.num_blocks * self.block_size
+        self._seq_hashes[seq.request_id] = list(match.hashes)
+        self.num_cache_queries += seq.num_prompt_tokens
+        self.num_cache_hits += seq.num_computed_tokens
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq.block_table`` to cover ``num_tokens`` tokens; False (and no change) when
+        there are not enough free blocks."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            bid, _ = self._free.popitem(last=False)
+            block = self.blocks[bid]
+            if block.hash is not None:  # evict the cached prefix this block held
+                if self._cached.get(block.hash) == bid:
+                    del self._cached[block.hash]
+                block.hash = None
+                block.token_ids = ()
+            block.ref_count = 1
+            seq.block_table.append(bid)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            assert block.ref_count > 0, f"double free of block {bid}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[bid] = None
+        seq.block_table = []
+        self._seq_hashes.pop(seq.request_id, None)
+
+    def publish(self, seq: Sequence) -> None:
+        """Publish the hashes of ``seq``'s full blocks whose KV is now in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        hashes = self._seq_hashes.setdefault(seq.request_id, [])
+        n_full = min(seq.num_computed_tokens, len(seq.block_table) * bs) // bs
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for i in range(len(hashes), n_full):
+            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, chunk)
+            hashes.append(parent)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and parent not in self._cached:
+                block.hash = parent
+                block.token_ids = chunk
+                self._cached[parent] = block.block_id
+
+    def _ref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self._free[bid]
+        block.ref_count += 1

@@ -1,0 +1,123 @@
+"""Engine configuration: one frozen dataclass per component, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["both", "prefill", "decode"]
+ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'512MiB', '2G', '1048576' -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"cannot parse a byte size from {value!r} (examples: 512MiB, 2GiB, 1e9)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # checkpoint directory (config.json + *.safetensors)
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("ModelConfig.model must name a checkpoint directory")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "sdpa", "flash"):
+            raise ValueError(f"attention_backend must be auto|sdpa|flash, got "
+                             f"{self.attention_backend!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 512 * 2**20  # bytes for the KV tensor
+    num_blocks: int | None = None  # overrides the memory budget when set
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 128  # sequences in one step
+    enable_chunked_prefill: bool = True
+    # Prompts longer than this are "long": at most one of them is prefilling at a time and short
+    # prompts go first within a step's budget, so a long prompt cannot block the queue.
+    long_prefill_threshold: int | None = None  # default: max_num_batched_tokens // 4
+    max_waiting: int = 1024  # admission control: add_request beyond this raises EngineOverloaded
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be positive")
+        if self.long_prefill_threshold is None:
+            object.__setattr__(self, "long_prefill_threshold",
+                               max(1, self.max_num_batched_tokens // 4))
+        if self.long_prefill_threshold < 1:
+            raise ValueError("long_prefill_threshold must be positive")
+        if self.max_waiting < 1:
+            raise ValueError("max_waiting must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    role: Role = "both"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike[str], **kwargs: Any) -> EngineConfig:
+        """Flat keyword arguments (vLLM's ``LLM(model, **kw)`` style) into component configs."""
+        parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        role = kwargs.pop("role", "both")
+        for key, value in kwargs.items():
+            for comp in parts:
+                if key in {f.name for f in dataclasses.fields(comp)}:
+                    parts[comp][key] = value
+                    break
+            else:
+                raise TypeError(f"unknown engine option {key!r}")
+        return cls(
+            model=ModelConfig(model=os.fspath(model), **parts[ModelConfig]),
+            cache=CacheConfig(**parts[CacheConfig]),
+            scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+            role=role,
+        )

@@ -1,0 +1,272 @@
+"""The token-level engine: requests in, token deltas out, one ``step()`` at a time.
+
+``step()`` is three calls: ``schedule()``, ``run(batch)``, ``postprocess(batch, tokens)``,
+preceded by collecting KV transfer events. Text, stop strings and streaming live above it
+(``OutputProcessor``); transport lives below it (``KVConnector``). Not thread-safe: one thread
+drives an engine (see ``AsyncEngine``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvrelay.engine.block_manager import BlockManager
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.kv_connector import KVConnector
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.sampler import TokenLogprob
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine cannot take this request now (queue full or no KV blocks); retry later."""
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request since its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Reservation(NamedTuple):
+    block_ids: list[int]
+    num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_sending: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    waiting_prompt_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   self.runner.max_model_len, eos_token_ids)
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_cache(self.runner.kv, self.runner.kv_spec)
+        self.seqs: dict[str, Sequence] = {}
+        # Finished requests whose blocks the connector still reads, with the output to report
+        # once they are delivered (None when nobody waits for one).
+        self._sending: dict[str, tuple[Sequence, RequestOutput | None]] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        self.num_preemptions = 0
+
+    # -- properties ----------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.arch.vocab_size
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_blocks=self.block_manager.num_blocks,
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.waiting_for_kv), num_sending=len(self._sending),
+            prefix_cache_queries=self.block_manager.num_cache_queries,
+            prefix_cache_hits=self.block_manager.num_cache_hits,
+            num_preemptions=self.num_preemptions,
+            waiting_prompt_tokens=sum(q.num_uncomputed_tokens for q in s.waiting)
+            + sum(q.num_uncomputed_tokens for q in s.running if not q.is_decode),
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs) or bool(self._sending) or bool(self._pending)
+
+    def has_schedulable(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting or s.running or self._pending
+                    or any(q.kv_ready and q.num_output_tokens for q in s.waiting_for_kv.values()))
+
+    # -- requests ------------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: it needs at least one token")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; this model serves at most "
+                             f"{self.max_model_len - 1} prompt tokens (max_model_len "
+                             f"{self.max_model_len})")
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not (0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _new_seq(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 kv_transfer_params: object | None, arrival_time: float | None) -> Sequence:
+        if request_id in self.seqs or request_id in self._sending:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        return Sequence(request_id, prompt_token_ids, sampling,
+                        kv_transfer_params=kv_transfer_params, arrival_time=arrival_time)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    *, kv_transfer_params: object | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request to prefill here (and decode, unless it stops after its first token)."""
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests already waiting")
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, kv_transfer_params,
+                            arrival_time)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], *,
+                kv_transfer_params: object | None = None) -> Reservation:
+        """Hold blocks for a prompt whose KV another engine will write (decode role)."""
+        seq = self._new_seq(request_id, prompt_token_ids, SamplingParams(), kv_transfer_params,
+                            None)
+        bm = self.block_manager
+        n = seq.num_prompt_tokens
+        match = bm.match_prefix(seq.token_ids, n)
+        need = -(-n // bm.block_size) - match.num_blocks
+        if not bm.can_allocate(need):
+            raise EngineOverloaded(f"no KV room for {n} tokens: {need} blocks needed, "
+                                   f"{bm.num_free_blocks} free")
+        bm.allocate_prefix(seq, match)
+        assert bm.allocate(seq, n)
+        seq.num_cached_tokens = seq.num_computed_tokens
+        if seq.num_computed_tokens == n:
+            seq.kv_ready = True  # every prompt block was cached here already
+        self.seqs[request_id] = seq
+        self.scheduler.add_waiting_for_kv(seq)
+        if self.connector is not None and not seq.kv_ready:
+            self.connector.request_waiting_for_kv(seq)
+        return Reservation(list(seq.block_table), seq.num_computed_tokens)
+
+    def start_decode(self, request_id: str, first_token_id: int,
+                     sampling: SamplingParams) -> None:
+        """Give a reserved request its first token (sampled by the prefill engine)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status != SequenceStatus.WAITING_FOR_KV:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        if seq.num_output_tokens:
+            raise ValueError(f"request {request_id!r} already started decoding")
+        if not (0 <= first_token_id < self.vocab_size):
+            raise ValueError(f"first token {first_token_id} is outside the vocabulary")
+        seq.sampling = sampling
+        seq.append_token(first_token_id)
+        reason = self.scheduler.check_stop(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.ABORT, emit=False)
+        return True
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self._collect_transfer_events()
+        out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
+        outputs, self._pending = self._pending, []
+        if not out.scheduled:
+            return outputs
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+        sampled = self.runner.run(out.scheduled, self.connector)
+        finished = {s.request_id for s in self.scheduler.postprocess(out, sampled.tokens)}
+        for (seq, _), tok, lp in zip(out.scheduled, sampled.tokens, sampled.logprobs,
+                                     strict=True):
+            if tok is None or seq.request_id not in self.seqs:
+                continue
+            o = RequestOutput(seq.request_id, [tok], logprobs=[lp],
+                              num_prompt_tokens=seq.num_prompt_tokens,
+                              num_cached_tokens=seq.num_cached_tokens)
+            if seq.request_id in finished:
+                o.finished, o.finish_reason = True, seq.finish_reason
+                if self._release(seq, o):
+                    continue  # reported once its KV is delivered
+            outputs.append(o)
+        return outputs
+
+    # -- internals -----------------------------------------------------------------------------
+    def _finish(self, seq: Sequence, reason: FinishReason, *, emit: bool = True,
+                error: str | None = None) -> None:
+        if seq.status != SequenceStatus.FINISHED:
+            self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._release(seq, None)
+        if emit:
+            self._pending.append(RequestOutput(seq.request_id, [], True, reason, error=error,
+                                               num_prompt_tokens=seq.num_prompt_tokens,
+                                               num_cached_tokens=seq.num_cached_tokens))
+
+    def _release(self, seq: Sequence, output: RequestOutput | None) -> bool:
+        """Forget ``seq``; free its blocks unless the connector still reads them (True)."""
+        self.seqs.pop(seq.request_id, None)
+        if self.connector is not None and self.connector.request_finished(seq):
+            self._sending[seq.request_id] = (seq, output)
+            return True
+        self.block_manager.free(seq)
+        return False
+
+    def _collect_transfer_events(self) -> None:
+        if self.connector is None:
+            return
+        ev = self.connector.take_events()
+        for rid, reason in ev.failed:
+            seq = self.seqs.get(rid)
+            if seq is not None and seq.status == SequenceStatus.WAITING_FOR_KV:
+                logger.warning("KV for %s will not arrive: %s", rid, reason)
+                self._finish(seq, FinishReason.ERROR, error=f"KV transfer failed: {reason}")
+            elif rid in self._sending and self._sending[rid][1] is not None:
+                o = self._sending[rid][1]
+                o.finish_reason, o.error = FinishReason.ERROR, f"KV transfer failed: {reason}"
+        for rid in ev.sent:
+            held = self._sending.pop(rid, None)
+            if held is not None:
+                self.block_manager.free(held[0])
+                if held[1] is not None:
+                    self._pending.append(held[1])
+        for rid in ev.received:
+            seq = self.seqs.get(rid)
+            if seq is None or seq.status != SequenceStatus.WAITING_FOR_KV:
+                continue
+            seq.kv_ready = True
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.block_manager.publish(seq)

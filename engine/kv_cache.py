@@ -1,0 +1,104 @@
+"""The one preallocated paged KV tensor and how it is sized.
+
+Layout: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (2 = K, V). A token's
+slot is ``block_id * block_size + offset``; each layer gets views of its K and V planes. This one
+tensor is what a KV transport registers, so its address arithmetic lives here, in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one engine's KV cache; everything a peer needs to address its bytes."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
+        dtype_from_name(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one plane (K or V) of one layer: the unit a transport moves."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_block_all_layers(self) -> int:
+        """Bytes one block id costs across all layers and both planes (used for sizing)."""
+        return 2 * self.num_layers * self.block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block_all_layers
+
+    def plane_block_offset(self, layer: int, kv: int, block: int) -> int:
+        """Byte offset of (layer, K=0/V=1, block) from the start of the tensor."""
+        assert 0 <= layer < self.num_layers and kv in (0, 1) and 0 <= block < self.num_blocks
+        return ((layer * 2 + kv) * self.num_blocks + block) * self.block_bytes
+
+
+def blocks_for_budget(
+    budget_bytes: int, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+    dtype: str,
+) -> int:
+    """How many blocks fit in ``budget_bytes``."""
+    probe = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, 1, dtype)
+    n = budget_bytes // probe.bytes_per_block_all_layers
+    if n < 1:
+        raise ValueError(
+            f"KV budget of {budget_bytes} bytes holds no block: one block needs "
+            f"{probe.bytes_per_block_all_layers} bytes (layers={num_layers}, "
+            f"kv_heads={num_kv_heads}, head_dim={head_dim}, block_size={block_size}, {dtype})"
+        )
+    return int(n)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Allocate the cache zero-filled: padded attention gathers may read never-written slots."""
+    return torch.zeros(spec.shape, dtype=spec.torch_dtype, device=device)
+
+
+def layer_views(kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer as ``[num_blocks, block_size, kv_heads, head_dim]`` views."""
+    return kv[layer, 0], kv[layer, 1]

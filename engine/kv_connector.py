@@ -1,0 +1,78 @@
+"""The hooks through which KV leaves or enters an engine's cache.
+
+The engine calls a connector at fixed points and never learns how bytes move. Methods by side:
+
+Scheduler side (bookkeeping only, no I/O):
+  - ``request_waiting_for_kv(seq)``: ``seq`` holds reserved blocks that a peer will fill.
+  - ``request_finished(seq) -> bool``: ``seq`` finished or was aborted; return True to keep its
+    blocks allocated until a later ``take_events().sent`` names it (they are still being read).
+  - ``take_events() -> TransferEvents``: transfers that completed or failed since the last call.
+  - ``has_pending() -> bool``: whether events may still come (the engine loop keeps polling).
+
+Worker side (moves bytes, called by the model runner around the forward pass):
+  - ``register_kv_cache(kv, spec)``: once, with the engine's single KV tensor.
+  - ``start_step(scheduled)``: before the forward; ``scheduled`` says which tokens each sequence
+    computes this step (counters not yet advanced).
+  - ``save_layer(layer)``: right after ``layer``'s new K/V were written to the cache, while later
+    layers still compute: the place to start streaming that layer.
+  - ``end_step()``: after the forward.
+
+Lifecycle: ``close()`` releases the transport.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrelay.engine.kv_cache import KVCacheSpec
+    from kvrelay.engine.sequence import Sequence
+
+
+class ScheduledSeq(NamedTuple):
+    """One sequence's share of a step: compute ``num_new_tokens`` tokens from
+    ``seq.num_computed_tokens`` on (the counter is advanced after the step)."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+class TransferEvents(NamedTuple):
+    sent: list[str]  # request ids whose blocks the connector no longer reads
+    received: list[str]  # request ids whose KV has fully arrived
+    failed: list[tuple[str, str]]  # (request id, reason): the transfer will never complete
+
+
+class KVConnector(ABC):
+    # -- lifecycle / worker side -------------------------------------------------------------
+    @abstractmethod
+    def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None: ...
+
+    def start_step(self, scheduled: Seq[ScheduledSeq]) -> None:  # noqa: B027
+        """Default: nothing to send."""
+
+    def save_layer(self, layer: int) -> None:  # noqa: B027
+        """Default: nothing to send."""
+
+    def end_step(self) -> None:  # noqa: B027
+        """Default: nothing to send."""
+
+    def close(self) -> None:  # noqa: B027
+        """Default: nothing to release."""
+
+    # -- scheduler side -----------------------------------------------------------------------
+    def request_waiting_for_kv(self, seq: Sequence) -> None:  # noqa: B027
+        """Default: receives nothing."""
+
+    @abstractmethod
+    def request_finished(self, seq: Sequence) -> bool: ...
+
+    @abstractmethod
+    def take_events(self) -> TransferEvents: ...
+
+    @abstractmethod
+    def has_pending(self) -> bool: ...

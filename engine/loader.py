@@ -1,0 +1,132 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from kvrelay.engine.attention import AttentionFn
+from kvrelay.engine.models.arch import ModelArch, arch_from_hf_config, load_hf_config, rope_inv_freq
+from kvrelay.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (kvrelay loads "
+                                f"safetensors checkpoints only)")
+    return files
+
+
+def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class _Target:
+    """Where one checkpoint tensor goes: a parameter, or a row slice of a fused parameter."""
+
+    __slots__ = ("param", "start", "stop")
+
+    def __init__(self, param: torch.Tensor, start: int | None = None, stop: int | None = None):
+        self.param, self.start, self.stop = param, start, stop
+
+    def view(self) -> torch.Tensor:
+        return self.param if self.start is None else self.param[self.start:self.stop]
+
+
+def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
+    arch = model.arch
+    out: dict[str, _Target] = {"model.embed_tokens.weight": _Target(model.embed),
+                               "model.norm.weight": _Target(model.norm.weight)}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = _Target(model.lm_head)
+    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
+        arch.intermediate_size
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a, m = layer.attn, layer.mlp
+        out[p + "input_layernorm.weight"] = _Target(layer.input_norm.weight)
+        out[p + "post_attention_layernorm.weight"] = _Target(layer.post_attn_norm.weight)
+        for kind, fused in (("weight", a.qkv_weight), ("bias", a.qkv_bias)):
+            if fused is not None:
+                out[p + f"self_attn.q_proj.{kind}"] = _Target(fused, 0, q)
+                out[p + f"self_attn.k_proj.{kind}"] = _Target(fused, q, q + kv)
+                out[p + f"self_attn.v_proj.{kind}"] = _Target(fused, q + kv, q + 2 * kv)
+        out[p + "self_attn.o_proj.weight"] = _Target(a.o_weight)
+        if a.o_bias is not None:
+            out[p + "self_attn.o_proj.bias"] = _Target(a.o_bias)
+        if a.q_norm is not None:
+            out[p + "self_attn.q_norm.weight"] = _Target(a.q_norm.weight)
+            out[p + "self_attn.k_norm.weight"] = _Target(a.k_norm.weight)
+        for kind, fused in (("weight", m.gate_up_weight), ("bias", m.gate_up_bias)):
+            if fused is not None:
+                out[p + f"mlp.gate_proj.{kind}"] = _Target(fused, 0, inter)
+                out[p + f"mlp.up_proj.{kind}"] = _Target(fused, inter, 2 * inter)
+        out[p + "mlp.down_proj.weight"] = _Target(m.down_weight)
+        if m.down_bias is not None:
+            out[p + "mlp.down_proj.bias"] = _Target(m.down_bias)
+    return out
+
+
+def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
+               attn_fn: AttentionFn, max_positions: int) -> tuple[LlamaForCausalLM, ModelArch]:
+    hf_cfg = load_hf_config(model_dir)
+    arch = arch_from_hf_config(hf_cfg)
+    inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(arch, attn_fn, inv_freq.to(device), rope_scale, max_positions)
+    model.rotary.to(dtype)
+    targets = _targets(model)
+    loaded: set[str] = set()
+    ignored = 0
+    for name, tensor in iter_checkpoint(model_dir):
+        target = targets.get(name)
+        if target is None:
+            if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
+                ignored += 1  # tied head stored anyway; stale rope buffers of old checkpoints
+                continue
+            raise ValueError(f"unexpected weight {name!r} in {model_dir} for {arch.architecture}")
+        view = target.view()
+        if tuple(view.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(view.shape)}")
+        view.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights: {shown}")
+    logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s", model_dir,
+                arch.architecture, arch.num_layers,
+                sum(p.numel() for p in model.parameters()) / 1e6, device, dtype)
+    return model.eval(), arch

@@ -1,0 +1,187 @@
+"""Owns the model and the KV tensor; turns a scheduled batch into tensors, runs it, samples."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from typing import NamedTuple
+
+import torch
+
+from kvrelay.engine.attention import AttentionMetadata, PrefillSpan, forward_context, select_backend
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_cache,
+    blocks_for_budget,
+    dtype_from_name,
+    dtype_name,
+)
+from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq
+from kvrelay.engine.loader import load_model
+from kvrelay.engine.sampler import TokenLogprob, sample
+
+logger = logging.getLogger(__name__)
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flat batch that sample
+    sampled_order: list[int]  # scheduled index of each sampling row
+
+
+class SampledTokens(NamedTuple):
+    tokens: list[int | None]  # per scheduled sequence (None: a partial prefill chunk)
+    logprobs: list[TokenLogprob | None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        mc = config.model
+        self.device = resolve_device(mc.device)
+        if mc.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = dtype_from_name(mc.dtype)
+        if self.device.type == "cpu" and mc.num_threads:
+            torch.set_num_threads(mc.num_threads)
+        self.backend, attn_fn = select_backend(mc.attention_backend, self.device)
+        from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
+
+        arch = arch_from_hf_config(load_hf_config(mc.model))
+        max_len = min(mc.max_model_len or arch.max_position_embeddings,
+                      arch.max_position_embeddings)
+        self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
+                                           attn_fn=attn_fn, max_positions=max_len)
+        cc = config.cache
+        num_blocks = cc.num_blocks or blocks_for_budget(
+            cc.kv_cache_memory, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim, block_size=cc.block_size, dtype=dtype_name(self.dtype))
+        self.kv_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                   cc.block_size, num_blocks, dtype_name(self.dtype))
+        self.kv = allocate_kv_cache(self.kv_spec, self.device)
+        self.model.bind_kv_cache(self.kv)
+        # A sequence can never hold more tokens than the cache has slots.
+        self.max_model_len = min(max_len, num_blocks * cc.block_size)
+        self.block_size = cc.block_size
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(mc.seed)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
+                    num_blocks, cc.block_size, self.kv_spec.total_bytes / 2**20, self.backend,
+                    self.max_model_len)
+
+    # -- inputs --------------------------------------------------------------------------------
+    def _slots(self, block_tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        """``[N, max(lengths)]`` cache slots of positions ``0..len-1`` of each block table
+        (padding points at slot 0, which the masks hide)."""
+        bs = self.block_size
+        width = -(-max(lengths) // bs)
+        table = torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables],
+                             dtype=torch.long)
+        slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(block_tables), width * bs)
+        return slots[:, :max(lengths)]
+
+    def prepare(self, scheduled: Seq[ScheduledSeq]) -> StepInputs:
+        bs = self.block_size
+        prefill = [i for i, s in enumerate(scheduled) if s.num_new_tokens > 1]
+        decode = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        spans: list[PrefillSpan] = []
+        logits_rows: list[int] = []
+        sampled_order: list[int] = []
+        for i in prefill + decode:
+            seq, n = scheduled[i]
+            c = seq.num_computed_tokens
+            start = len(ids)
+            ids.extend(seq.token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            bt = seq.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
+            if n > 1:
+                ctx = None if c == 0 else self._slots([bt], [c + n])[0]
+                spans.append(PrefillSpan(start, n, c + n, ctx))
+            if c + n == seq.num_tokens:
+                logits_rows.append(len(ids) - 1)
+                sampled_order.append(i)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            num_prefill_tokens=sum(scheduled[i].num_new_tokens for i in prefill),
+            prefills=spans,
+        )
+        if decode:
+            lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
+            meta.decode_ctx_lens = torch.tensor(lens, dtype=torch.long)
+            meta.decode_slots = self._slots([scheduled[i].seq.block_table for i in decode], lens)
+        if self.backend == "flash":
+            self._add_flash_metadata(meta, scheduled, prefill + decode)
+        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+                          self._to_device(meta), torch.tensor(logits_rows, dtype=torch.long),
+                          sampled_order)
+
+    def _add_flash_metadata(self, meta: AttentionMetadata, scheduled: Seq[ScheduledSeq],
+                            order: list[int]) -> None:
+        q_lens = [scheduled[i].num_new_tokens for i in order]
+        k_lens = [scheduled[i].seq.num_computed_tokens + scheduled[i].num_new_tokens
+                  for i in order]
+        slots = self._slots([scheduled[i].seq.block_table for i in order], k_lens)
+        meta.gather_slots = torch.cat([slots[j, :k] for j, k in enumerate(k_lens)])
+        meta.cu_seqlens_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        meta.cu_seqlens_k = torch.tensor([0, *k_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
+
+    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+        if self.device.type == "cpu":
+            return meta
+        d = self.device
+        meta.slot_mapping = meta.slot_mapping.to(d, non_blocking=True)
+        for span in meta.prefills:
+            if span.ctx_slots is not None:
+                span.ctx_slots = span.ctx_slots.to(d, non_blocking=True)
+        for name in ("decode_ctx_lens", "decode_slots", "cu_seqlens_q", "cu_seqlens_k",
+                     "gather_slots"):
+            t = getattr(meta, name)
+            if t is not None:
+                setattr(meta, name, t.to(d, non_blocking=True))
+        return meta
+
+    # -- the forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
+            -> SampledTokens:
+        inputs = self.prepare(scheduled)
+        meta = inputs.meta
+        if connector is not None:
+            connector.start_step(scheduled)
+            meta.on_kv_written = connector.save_layer
+        with forward_context(meta):
+            hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device))
+        if connector is not None:
+            connector.end_step()
+        tokens: list[int | None] = [None] * len(scheduled)
+        logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
+        if inputs.sampled_order:
+            rows = hidden.index_select(0, inputs.logits_indices.to(self.device))
+            logits = self.model.compute_logits(rows)
+            seqs = [scheduled[i].seq for i in inputs.sampled_order]
+            sampled, lps = sample(logits, seqs, self.generator)
+            for i, tok, lp in zip(inputs.sampled_order, sampled, lps, strict=True):
+                tokens[i], logprobs[i] = tok, lp
+        return SampledTokens(tokens, logprobs)
+
+    @torch.inference_mode()
+    def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
+        """Logits of every new token of a step (tests compare them with transformers)."""
+        inputs = self.prepare(scheduled)
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device))
+        return self.model.compute_logits(hidden)

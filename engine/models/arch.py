@@ -1,0 +1,149 @@
+"""What the engine needs to know of a checkpoint's architecture, read from its config.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Hugging Face architecture name -> family variant. All are the Llama decoder with small twists.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    layer_windows: tuple[int | None, ...]  # sliding window per layer (None = full attention)
+    identity: str  # stable digest of the config: peers exchanging KV must agree on it
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        assert len(self.layer_windows) == self.num_layers
+
+
+def load_hf_config(model_dir: str) -> Any:
+    """The checkpoint's transformers config, read offline."""
+    from transformers import AutoConfig
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_dir!r} is not a checkpoint directory: no config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs or raw.get('model_type')!r} in {model_dir}; "
+            f"kvrelay supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+
+
+def arch_from_hf_config(cfg: Any) -> ModelArch:
+    archs = list(getattr(cfg, "architectures", None) or [])
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs!r}; kvrelay supports "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+    rope_type = rope_parameters(cfg).get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    num_heads = cfg.num_attention_heads
+    num_kv = getattr(cfg, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    attn_bias = bool(getattr(cfg, "attention_bias", False))
+    n_layers = cfg.num_hidden_layers
+    if family == "mistral":
+        w = getattr(cfg, "sliding_window", None)
+        windows: tuple[int | None, ...] = (w,) * n_layers
+    else:
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
+        w = getattr(cfg, "sliding_window", None)
+        windows = tuple(w if t == "sliding_attention" else None for t in types)
+    digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
+    return ModelArch(
+        architecture=arch,
+        family=family,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=n_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        max_position_embeddings=int(cfg.max_position_embeddings),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else attn_bias,
+        o_bias=False if family == "qwen2" else attn_bias,
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        layer_windows=windows,
+        identity=f"{arch}:{digest.hexdigest()[:16]}",
+    )
+
+
+def rope_parameters(cfg: Any) -> dict[str, Any]:
+    """Rope settings in transformers 5's ``rope_parameters`` form (legacy keys are folded in)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    legacy = getattr(cfg, "rope_scaling", None)
+    if isinstance(legacy, dict):
+        params = {**legacy, **params}
+    if "rope_type" not in params and "type" in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_type", "default")
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
+    return params
+
+
+def rope_inv_freq(cfg: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale, exactly as transformers computes them."""
+    params = rope_parameters(cfg)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return inv.float(), float(scale)

@@ -1,0 +1,147 @@
+"""The Llama decoder family (Llama 2/3, Mistral, Qwen2, Qwen3) on the paged KV cache.
+
+Tokens of a step arrive flattened (``[T]``), so one matmul serves every sequence in the batch.
+q/k/v and gate/up projections are fused into single weights at load time. Logits are computed
+only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrelay.engine.attention import AttentionFn, current_metadata, write_kv
+from kvrelay.engine.models.arch import ModelArch
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = _param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE from precomputed cos/sin tables (half width: the two halves share)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float, max_positions: int):
+        super().__init__()
+        pos = torch.arange(max_positions, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int, attn_fn: AttentionFn):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, arch.hidden_size)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if arch.qkv_bias else None
+        self.o_weight = _param(arch.hidden_size, self.q_size)
+        self.o_bias = _param(arch.hidden_size) if arch.o_bias else None
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.window = arch.layer_windows[layer]
+        self.scale = arch.head_dim ** -0.5
+        self.attn_fn = attn_fn
+        self.k_cache: torch.Tensor | None = None  # flat [slots, kv_heads, head_dim] views
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotary: Rotary) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        meta = current_metadata()
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        if meta.on_kv_written is not None:
+            meta.on_kv_written(self.layer)
+        o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        return F.linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.inter = arch.intermediate_size
+        self.gate_up_weight = _param(2 * arch.intermediate_size, arch.hidden_size)
+        self.gate_up_bias = _param(2 * arch.intermediate_size) if arch.mlp_bias else None
+        self.down_weight = _param(arch.hidden_size, arch.intermediate_size)
+        self.down_bias = _param(arch.hidden_size) if arch.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return F.linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int, attn_fn: AttentionFn):
+        super().__init__()
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.attn = Attention(arch, layer, attn_fn)
+        self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotary: Rotary) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, rotary)
+        return h + self.mlp(self.post_attn_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, attn_fn: AttentionFn, inv_freq: torch.Tensor,
+                 rope_scale: float, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.embed = _param(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, attn_fn)
+                                    for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size,
+                                                                     arch.hidden_size)
+        self.rotary = Rotary(inv_freq, rope_scale, max_positions)
+
+    def bind_kv_cache(self, kv: torch.Tensor) -> None:
+        """Give each layer flat views of its K and V planes of the engine's one KV tensor."""
+        for i, layer in enumerate(self.layers):
+            _, _, nb, bs, kvh, hd = kv.shape
+            layer.attn.k_cache = kv[i, 0].view(nb * bs, kvh, hd)
+            layer.attn.v_cache = kv[i, 1].view(nb * bs, kvh, hd)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, head_dim / 2]
+        sin = self.rotary.sin[positions].unsqueeze(1)
+        for layer in self.layers:
+            h = layer(h, cos, sin, self.rotary)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head for the rows that sample: ``[N, hidden] -> [N, vocab]``."""
+        weight = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(self.norm(hidden), weight)

@@ -1,0 +1,31 @@
+"""Chained hashes of full KV blocks: the identity of a cached prefix.
+
+Block ``i``'s hash covers its own token ids and the hash of block ``i-1``, so equal hashes mean
+equal prefixes (a collision is caught by comparing stored token ids). The function is stable
+across processes and machines (no Python ``hash``), so a router can compute the same hashes
+from a prompt and compare them with what workers report. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+ROOT_HASH = 0
+
+
+def hash_block(parent: int, token_ids: Sequence[int]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+    """Hashes of every *full* block of ``token_ids`` (a partial tail block has none)."""
+    out: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        out.append(parent)
+    return out

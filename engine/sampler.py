@@ -1,0 +1,76 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Random rows are sampled with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which
+draws from ``p`` exactly and lets each request keep its own generator: a seeded request gets
+the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import NamedTuple
+
+import torch
+
+from kvrelay.engine.sequence import Sequence
+
+
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the n most likely tokens and their logprobs
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    cum = probs.cumsum(dim=-1)
+    drop |= (cum - probs) >= top_p[:, None]  # keeps at least the first token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, seqs: Seq[Sequence],
+           default_generator: torch.Generator) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of ``logits [N, vocab]`` (row i belongs to ``seqs[i]``)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        params = [seqs[i].sampling for i in random_rows]
+        temp = torch.tensor([p.temperature for p in params], device=logits.device)
+        rows = logits.index_select(0, idx) / temp[:, None]
+        if any(p.needs_filtering for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            rows = _filter(rows, top_k, top_p)
+        probs = rows.softmax(dim=-1)
+        race = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            seq = seqs[i]
+            if seq.generator is None and seq.sampling.seed is not None:
+                seq.generator = torch.Generator(device=logits.device)
+                seq.generator.manual_seed(seq.sampling.seed)
+            race[j].exponential_(generator=seq.generator or default_generator)
+        tokens[idx] = (probs / race).argmax(dim=-1)
+    token_list = tokens.tolist()
+
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    if want:
+        lp = logits.index_select(0, torch.tensor(want, device=logits.device)).log_softmax(-1)
+        for j, i in enumerate(want):
+            n = seqs[i].sampling.logprobs or 0
+            tok = token_list[i]
+            top: list[tuple[int, float]] = []
+            if n:
+                vals, ids = lp[j].topk(n)
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            logprobs[i] = TokenLogprob(tok, float(lp[j, tok]), top)
+    return token_list, logprobs

@@ -1,0 +1,1 @@
+"""Protocol buffers of kvrelay.v1 and their committed generated stubs."""
