@@ -1,0 +1,187 @@
+"""Drive an ``EngineCore`` on its own thread and talk to it from asyncio.
+
+Every engine mutation runs on the engine thread (commands go through a queue), so the core
+stays single-threaded. The thread steps while there is work; while it only waits for KV
+transfers it polls every ``poll_interval`` seconds, and when idle it blocks on the command
+queue: no spinning, ≈ 0 CPU at rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from kvrelay.engine.engine_core import EngineCore, EngineStats, RequestOutput, Reservation
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, *, poll_interval: float = 0.002,
+                 on_step: Callable[[float, int], None] | None = None):
+        self.core = core
+        self.poll_interval = poll_interval
+        self.on_step = on_step  # (seconds, tokens) after each step that ran the model
+        self._cmds: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.stats: EngineStats = core.stats()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(lambda: None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.core.connector is not None:
+            self.core.connector.close()
+
+    # -- API -----------------------------------------------------------------------------------
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the engine thread; its exception is raised here."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 (handed to the awaiting caller)
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._cmds.put(run)
+        return await fut
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling: SamplingParams, *, kv_transfer_params: object | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Prefill here and stream outputs until the request finishes."""
+        stream = self._open(request_id)
+        try:
+            await self.call(self.core.add_request, request_id, prompt_token_ids, sampling,
+                            kv_transfer_params=kv_transfer_params, arrival_time=arrival_time)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], *,
+                      kv_transfer_params: object | None = None) -> Reservation:
+        self._open(request_id)
+        try:
+            return await self.call(self.core.reserve, request_id, prompt_token_ids,
+                                   kv_transfer_params=kv_transfer_params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+
+    async def decode(self, request_id: str, first_token_id: int,
+                     sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a reserved request's tokens after ``first_token_id``."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        await self.call(self.core.start_decode, request_id, first_token_id, sampling)
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        self._streams.pop(request_id, None)
+        return await self.call(self.core.abort, request_id)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    async def _drain(self, request_id: str,
+                     stream: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the caller went away: give the blocks back
+                self._cmds.put(lambda: self.core.abort(request_id))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _run(self) -> None:
+        import time
+
+        core = self.core
+        while not self._stop.is_set():
+            if core.has_schedulable():
+                timeout = 0.0
+            elif core.has_unfinished():
+                timeout = self.poll_interval  # waiting on transfers: poll, don't spin
+            else:
+                timeout = 0.5
+            try:
+                cmd = self._cmds.get(timeout=timeout) if timeout else self._cmds.get_nowait()
+                cmd()
+                while True:
+                    self._cmds.get_nowait()()
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
+                break
+            if not core.has_unfinished():
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = core.step()
+            except Exception:
+                logger.exception("engine step failed; failing every request in flight")
+                outputs = self._fail_all("engine step failed")
+            self.stats = core.stats()
+            if self.on_step is not None and outputs:
+                self.on_step(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs))
+            if outputs and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _fail_all(self, reason: str) -> list[RequestOutput]:
+        outs = []
+        for rid in list(self.core.seqs):
+            self.core.abort(rid)
+            outs.append(RequestOutput(rid, [], True, FinishReason.ERROR, error=reason))
+        return outs
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
