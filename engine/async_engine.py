@@ -60,7 +60,7 @@ class AsyncEngine:
         def run() -> None:
             try:
                 result = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 (handed to the awaiting caller)
+            except BaseException as e:
                 loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
                 loop.call_soon_threadsafe(_set_result, fut, result)
@@ -103,7 +103,7 @@ class AsyncEngine:
             yield out
 
     async def abort(self, request_id: str) -> bool:
-        self._streams.pop(request_id, None)
+        """Abort a request; a consumer still reading its stream gets a final ABORT output."""
         return await self.call(self.core.abort, request_id)
 
     # -- internals -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.model_runner import ModelRunner
-from kvrelay.engine.sampler import TokenLogprob
+from kvrelay.engine.sampler import TokenLogprob, seeded_generator, skip_draw
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -41,6 +41,9 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_arrived: bool = False  # a reserved request's KV is complete (no tokens in this output)
+    scheduled_at: float | None = None  # time.monotonic() of the request's first step
+    computed_at: float | None = None  # time.monotonic() when these tokens were sampled
 
 
 class Reservation(NamedTuple):
@@ -164,9 +167,9 @@ class EngineCore:
         bm.allocate_prefix(seq, match)
         assert bm.allocate(seq, n)
         seq.num_cached_tokens = seq.num_computed_tokens
-        if seq.num_computed_tokens == n:
-            seq.kv_ready = True  # every prompt block was cached here already
         self.seqs[request_id] = seq
+        if seq.num_computed_tokens == n:
+            self._kv_arrived(seq)  # every prompt block was cached here already
         self.scheduler.add_waiting_for_kv(seq)
         if self.connector is not None and not seq.kv_ready:
             self.connector.request_waiting_for_kv(seq)
@@ -183,6 +186,9 @@ class EngineCore:
         if not (0 <= first_token_id < self.vocab_size):
             raise ValueError(f"first token {first_token_id} is outside the vocabulary")
         seq.sampling = sampling
+        if not sampling.greedy and sampling.seed is not None:
+            seq.generator = seeded_generator(sampling.seed, self.runner.device)
+            skip_draw(seq.generator, self.vocab_size, self.runner.device)
         seq.append_token(first_token_id)
         reason = self.scheduler.check_stop(seq)
         if reason is not None:
@@ -192,7 +198,7 @@ class EngineCore:
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, FinishReason.ABORT, emit=False)
+        self._finish(seq, FinishReason.ABORT)
         return True
 
     # -- the step ------------------------------------------------------------------------------
@@ -208,6 +214,7 @@ class EngineCore:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
         sampled = self.runner.run(out.scheduled, self.connector)
+        done = time.monotonic()
         finished = {s.request_id for s in self.scheduler.postprocess(out, sampled.tokens)}
         for (seq, _), tok, lp in zip(out.scheduled, sampled.tokens, sampled.logprobs,
                                      strict=True):
@@ -215,7 +222,8 @@ class EngineCore:
                 continue
             o = RequestOutput(seq.request_id, [tok], logprobs=[lp],
                               num_prompt_tokens=seq.num_prompt_tokens,
-                              num_cached_tokens=seq.num_cached_tokens)
+                              num_cached_tokens=seq.num_cached_tokens,
+                              scheduled_at=seq.first_scheduled_time, computed_at=done)
             if seq.request_id in finished:
                 o.finished, o.finish_reason = True, seq.finish_reason
                 if self._release(seq, o):
@@ -267,6 +275,12 @@ class EngineCore:
             seq = self.seqs.get(rid)
             if seq is None or seq.status != SequenceStatus.WAITING_FOR_KV:
                 continue
-            seq.kv_ready = True
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            self.block_manager.publish(seq)
+            self._kv_arrived(seq)
+
+    def _kv_arrived(self, seq: Sequence) -> None:
+        seq.kv_ready = True
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.publish(seq)
+        self._pending.append(RequestOutput(seq.request_id, [], kv_arrived=True,
+                                           num_prompt_tokens=seq.num_prompt_tokens,
+                                           num_cached_tokens=seq.num_cached_tokens))

@@ -135,8 +135,9 @@ class ModelRunner:
                   for i in order]
         slots = self._slots([scheduled[i].seq.block_table for i in order], k_lens)
         meta.gather_slots = torch.cat([slots[j, :k] for j, k in enumerate(k_lens)])
-        meta.cu_seqlens_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        meta.cu_seqlens_k = torch.tensor([0, *k_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        i32 = torch.int32
+        meta.cu_seqlens_q = torch.tensor([0, *q_lens], dtype=i32).cumsum(0, dtype=i32)
+        meta.cu_seqlens_k = torch.tensor([0, *k_lens], dtype=i32).cumsum(0, dtype=i32)
         meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:

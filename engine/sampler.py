@@ -21,6 +21,18 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]  # the n most likely tokens and their logprobs
 
 
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def skip_draw(generator: torch.Generator, vocab_size: int, device: torch.device) -> None:
+    """Advance ``generator`` past one token's draw. A decode engine continuing a seeded request
+    whose first token was sampled elsewhere does this, so the stream equals an aggregated run."""
+    torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
+
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -55,8 +67,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence],
         for j, i in enumerate(random_rows):
             seq = seqs[i]
             if seq.generator is None and seq.sampling.seed is not None:
-                seq.generator = torch.Generator(device=logits.device)
-                seq.generator.manual_seed(seq.sampling.seed)
+                seq.generator = seeded_generator(seq.sampling.seed, logits.device)
             race[j].exponential_(generator=seq.generator or default_generator)
         tokens[idx] = (probs / race).argmax(dim=-1)
     token_list = tokens.tolist()

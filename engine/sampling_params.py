@@ -45,7 +45,8 @@ class SamplingParams:
         if not (0.0 < float(self.top_p) <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
         if self.seed is not None and not (0 <= int(self.seed) < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):

@@ -35,7 +35,8 @@ def select_backend(name: str, device: torch.device) -> tuple[str, AttentionFn]:
         if device.type != "cuda":
             raise ValueError("attention_backend=flash needs a CUDA device; use sdpa on CPU")
         if not flash_available():
-            raise ImportError("attention_backend=flash needs flash-attn: pip install 'kvrelay[gpu]'")
+            raise ImportError(
+                "attention_backend=flash needs flash-attn: pip install 'kvrelay[gpu]'")
         from kvrelay.engine.attention.flash import flash_attention
 
         return "flash", flash_attention

@@ -10,7 +10,7 @@ masked correctly.
 from __future__ import annotations
 
 import torch
-from flash_attn import flash_attn_varlen_func  # noqa: F401  (fails loudly without the extra)
+from flash_attn import flash_attn_varlen_func
 
 from kvrelay.engine.attention.metadata import AttentionMetadata
 

@@ -1,0 +1,283 @@
+"""The ``kvrelay`` command: every process and tool of the cluster.
+
+Every long option ``--foo-bar`` of a process also reads the environment variable
+``KVRELAY_FOO_BAR`` (the flag wins), so containers are configured by env alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+ENV_PREFIX = "KVRELAY_"
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _truthy(v: str) -> bool:
+    return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def opt(p: argparse.ArgumentParser | Any, flag: str, *, env: bool = True, **kw: Any) -> None:
+    """``add_argument`` whose default comes from ``KVRELAY_<FLAG>`` when that is set."""
+    name = env_name(flag)
+    if env and name in os.environ:
+        raw = os.environ[name]
+        if kw.get("action") == "store_true":
+            kw["default"] = _truthy(raw)
+        elif kw.get("action") == "append":
+            kw["default"] = [x for x in raw.split(",") if x]
+        else:
+            kw["default"] = raw
+    if env:
+        kw["help"] = (kw.get("help") or "") + f" [env {name}]"
+    p.add_argument(flag, **kw)
+
+
+# -- option groups --------------------------------------------------------------------------
+def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    g = p.add_argument_group("engine")
+    opt(g, "--model", required=model_required and env_name("--model") not in os.environ,
+        help="checkpoint directory (config.json + *.safetensors + tokenizer)")
+    opt(g, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    opt(g, "--device", default="auto", help="auto|cpu|cuda|cuda:N")
+    opt(g, "--max-model-len", type=int, default=None)
+    opt(g, "--block-size", type=int, default=16, help="tokens per KV block")
+    opt(g, "--kv-cache-memory", default="512MiB", help="KV cache budget (e.g. 512MiB, 4GiB)")
+    opt(g, "--num-kv-blocks", type=int, default=None, help="exact KV blocks (overrides budget)")
+    opt(g, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    opt(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    opt(g, "--max-num-seqs", type=int, default=128)
+    opt(g, "--no-chunked-prefill", action="store_true", help="prefill whole prompts only")
+    opt(g, "--long-prefill-threshold", type=int, default=None,
+        help="prompts longer than this are chunked one at a time (default budget/4)")
+    opt(g, "--max-waiting", type=int, default=1024, help="queued requests before refusing")
+    opt(g, "--num-threads", type=int, default=None, help="torch threads on CPU")
+    opt(g, "--attention-backend", default="auto", choices=["auto", "sdpa", "flash"])
+    opt(g, "--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any:
+    from kvrelay.engine.config import EngineConfig
+
+    kw: dict[str, Any] = dict(
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        block_size=int(args.block_size), kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=int(args.max_num_batched_tokens),
+        max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
+        long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),
+        num_threads=args.num_threads, attention_backend=args.attention_backend,
+        seed=int(args.seed), role=role)
+    for k in ("max_model_len", "num_blocks", "long_prefill_threshold", "num_threads"):
+        if kw[k] is not None:
+            kw[k] = int(kw[k])
+    return EngineConfig.from_kwargs(args.model, **kw)
+
+
+def add_common_process_options(p: argparse.ArgumentParser) -> None:
+    opt(p, "--log-level", default="INFO")
+    opt(p, "--log-format", default="text", choices=["text", "json"])
+    opt(p, "--cluster-token", default=None,
+        help="shared secret required on internal ports (prefer the env var)")
+    opt(p, "--ready-file", default=None,
+        help="write a JSON file with the bound ports once serving (for supervisors)")
+
+
+def _write_ready(path: str | None, doc: dict[str, Any]) -> None:
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def _read_secret_list(value: str | None, file: str | None) -> tuple[str, ...]:
+    keys: list[str] = [k.strip() for k in (value or "").split(",") if k.strip()]
+    if file:
+        with open(file) as f:
+            keys += [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    return tuple(keys)
+
+
+# -- subcommands ------------------------------------------------------------------------------
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from kvrelay.engine.demo_model import write_demo_model
+
+    write_demo_model(args.out_dir, size=args.size, seed=args.seed)
+    print(f"wrote the {args.size} demo model to {args.out_dir}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kvrelay.engine.llm import LLM
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
+    for text in llm.stream(args.prompt, sp):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from kvrelay.logs import setup_logging
+    from kvrelay.worker import WorkerSettings, run_worker
+
+    setup_logging(f"{args.role}-worker", args.log_level, args.log_format)
+    settings = WorkerSettings(
+        role=args.role, routers=tuple(r for r in args.router or [] if r), host=args.host,
+        port=int(args.port), advertise_host=args.advertise_host, worker_id=args.worker_id,
+        cluster_token=args.cluster_token,
+        heartbeat_interval_s=float(args.heartbeat_interval),
+        lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout))
+    config = engine_config_from_args(args, role=args.role)
+    asyncio.run(run_worker(settings, config, on_ready=lambda w: _write_ready(
+        args.ready_file, {"port": w.port, "worker_id": w.worker_id, "pid": os.getpid()})))
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from kvrelay.logs import setup_logging
+    from kvrelay.router.lifecycle import RouterConfig
+    from kvrelay.router.server import RouterSettings, run_router
+    from kvrelay.rpc import TLSFiles
+
+    setup_logging("router", args.log_level, args.log_format)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        tls = TLSFiles(args.tls_cert, args.tls_key)
+    settings = RouterSettings(
+        model=args.model, host=args.host, port=int(args.port), control_host=args.control_host,
+        control_port=int(args.control_port), http_host=args.http_host,
+        http_port=None if args.http_port in (None, "", "-1") else int(args.http_port),
+        served_model_name=args.served_model_name,
+        api_keys=_read_secret_list(args.api_keys, args.api_key_file),
+        cluster_token=args.cluster_token, tls=tls,
+        heartbeat_interval_s=float(args.heartbeat_interval),
+        config=RouterConfig(policy=args.policy, lease_ttl_s=float(args.lease_ttl),
+                            kv_timeout_s=float(args.kv_timeout),
+                            max_inflight=int(args.max_inflight),
+                            max_migrations=int(args.max_migrations)))
+    asyncio.run(run_router(settings, on_ready=lambda r: _write_ready(
+        args.ready_file, {"port": r.port, "control_port": r.control_port,
+                          "http_port": r.http_port, "pid": os.getpid()})))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvrelay.client import generate_cli
+
+    return generate_cli(args)
+
+
+# -- parser -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo-model", help="write the built-in demo model (no hub needed)")
+    p.add_argument("out_dir")
+    p.add_argument("--size", default="tiny", choices=["tiny", "base"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser("run", help="generate offline with the engine alone")
+    add_engine_options(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("worker", help="run a prefill, decode or aggregated worker")
+    opt(p, "--role", required=env_name("--role") not in os.environ,
+        choices=["prefill", "decode", "both"])
+    opt(p, "--router", action="append", help="router control address HOST:PORT (repeatable)")
+    opt(p, "--host", default="127.0.0.1", help="interface for the control gRPC port")
+    opt(p, "--port", type=int, default=0, help="control gRPC port (0 = any free)")
+    opt(p, "--advertise-host", default=None, help="host the router should dial")
+    opt(p, "--worker-id", default=None, help="stable name (default role-host-pid)")
+    opt(p, "--heartbeat-interval", type=float, default=1.0)
+    opt(p, "--lease-ttl", type=float, default=10.0, help="default KV lease TTL (s)")
+    opt(p, "--drain-timeout", type=float, default=30.0, help="SIGTERM drain bound (s)")
+    add_engine_options(p)
+    add_common_process_options(p)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("router", help="run the router (public gRPC/HTTP, worker registry)")
+    opt(p, "--model", required=env_name("--model") not in os.environ,
+        help="checkpoint directory (tokenizer + config)")
+    opt(p, "--served-model-name", default=None)
+    opt(p, "--host", default="127.0.0.1", help="public gRPC interface")
+    opt(p, "--port", type=int, default=50051, help="public gRPC port")
+    opt(p, "--control-host", default="127.0.0.1", help="interface for worker heartbeats")
+    opt(p, "--control-port", type=int, default=50052)
+    opt(p, "--http-host", default="127.0.0.1")
+    opt(p, "--http-port", default=None, help="OpenAI-compatible HTTP port (unset = off)")
+    opt(p, "--policy", default="least_loaded", help="routing policy")
+    opt(p, "--lease-ttl", type=float, default=10.0)
+    opt(p, "--kv-timeout", type=float, default=30.0)
+    opt(p, "--max-inflight", type=int, default=512)
+    opt(p, "--max-migrations", type=int, default=2)
+    opt(p, "--heartbeat-interval", type=float, default=1.0)
+    opt(p, "--api-keys", default=None, help="comma-separated API keys (prefer the env var)")
+    opt(p, "--api-key-file", default=None, help="file with one API key per line")
+    opt(p, "--tls-cert", default=None)
+    opt(p, "--tls-key", default=None)
+    add_common_process_options(p)
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("generate", help="stream an answer from a running router")
+    opt(p, "--target", default="127.0.0.1:50051", help="router gRPC address")
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    opt(p, "--api-key", default=None)
+    opt(p, "--tls-ca", default=None, help="CA certificate to verify a TLS router")
+    p.add_argument("--show-stats", action="store_true", help="print usage and timing after")
+    p.set_defaults(func=cmd_generate)
+
+    for name, help_, fn in _extra_commands():
+        p = sub.add_parser(name, help=help_)
+        fn(p)
+    return ap
+
+
+def _extra_commands() -> list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]]:
+    """Subcommands that live with their subsystem (the Ray launcher)."""
+    try:
+        from kvrelay.deploy.ray_cli import register
+    except ImportError:
+        return []
+    return register()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

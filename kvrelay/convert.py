@@ -1,0 +1,69 @@
+"""Protobuf <-> engine dataclasses, done once at the edge. Bad values raise ValueError with a
+message fit for the client (servicers turn it into INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+from kvrelay.engine.sampler import TokenLogprob
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sequence import FinishReason
+from kvrelay.proto import generate_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 16
+
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+_FINISH_BACK = {v: k for k, v in _FINISH.items()}
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    kw: dict = {
+        "max_tokens": msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        "stop": tuple(msg.stop),
+        "stop_token_ids": tuple(msg.stop_token_ids),
+        "ignore_eos": msg.ignore_eos,
+        "include_stop_str_in_output": msg.include_stop_str_in_output,
+    }
+    for name in ("temperature", "top_p", "top_k", "seed", "logprobs", "skip_special_tokens"):
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
+    if kw.get("top_k") == -1:
+        kw["top_k"] = 0
+    return SamplingParams(**kw)
+
+
+def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
+        stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens,
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
+    return msg
+
+
+def finish_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH[reason]
+
+
+def finish_from_proto(value: int) -> FinishReason | None:
+    return _FINISH_BACK.get(value)
+
+
+def logprob_to_proto(lp: TokenLogprob | None) -> pb.TokenLogprob:
+    if lp is None:
+        return pb.TokenLogprob()
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])

@@ -1,0 +1,156 @@
+"""gRPC plumbing shared by the router and the workers: servers, channels, auth, status mapping."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+CLUSTER_TOKEN_KEY = "x-kvrelay-cluster-token"
+API_KEY_KEY = "x-api-key"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+MAX_MESSAGE_BYTES = 64 * 2**20
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class SecretSet:
+    """Accepted secrets (API keys or cluster tokens), compared in constant time."""
+
+    def __init__(self, secrets: Iterable[str]):
+        self._secrets = [s.encode() for s in secrets if s]
+
+    def __bool__(self) -> bool:
+        return bool(self._secrets)
+
+    def __repr__(self) -> str:  # never print the secrets themselves
+        return f"SecretSet({len(self._secrets)} secrets)"
+
+    def check(self, presented: str | bytes | None) -> bool:
+        if presented is None:
+            return False
+        p = presented.encode() if isinstance(presented, str) else presented
+        ok = False
+        for s in self._secrets:  # no early exit: time does not depend on which key matched
+            ok |= hmac.compare_digest(s, p)
+        return ok
+
+
+def bearer_or_key(metadata: dict[str, Any]) -> str | None:
+    """The API key a client presented: ``authorization: Bearer K`` or ``x-api-key: K``."""
+    auth = metadata.get("authorization")
+    if isinstance(auth, str) and auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    key = metadata.get(API_KEY_KEY)
+    return key if isinstance(key, str) else None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls whose metadata fails ``check`` with UNAUTHENTICATED (health is exempt)."""
+
+    def __init__(self, check: Callable[[dict[str, Any]], bool], what: str):
+        self._check = check
+        self._what = what
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith(HEALTH_PREFIX):
+            return await continuation(details)
+        md = {k: v for k, v in (details.invocation_metadata or ())}
+        if self._check(md):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        message = f"missing or invalid {self._what}"
+        logger.warning("refused %s: %s", details.method, message)
+
+        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover (makes this an async generator)
+
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+        return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
+
+
+def cluster_token_interceptor(tokens: SecretSet) -> AuthInterceptor:
+    return AuthInterceptor(lambda md: tokens.check(md.get(CLUSTER_TOKEN_KEY)), "cluster token")
+
+
+def api_key_interceptor(keys: SecretSet) -> AuthInterceptor:
+    return AuthInterceptor(lambda md: keys.check(bearer_or_key(md)), "API key")
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    cert_file: str
+    key_file: str
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        with open(self.key_file, "rb") as k, open(self.cert_file, "rb") as c:
+            return grpc.ssl_server_credentials([(k.read(), c.read())])
+
+
+def make_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
+    return grpc.aio.server(interceptors=interceptors or [], options=SERVER_OPTIONS)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSFiles | None = None) -> int:
+    """Bind ``host:port`` (port 0 picks a free one) and return the bound port."""
+    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = (server.add_secure_port(addr, tls.server_credentials()) if tls
+             else server.add_insecure_port(addr))
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {addr}")
+    return bound
+
+
+def add_health(server: grpc.aio.Server, services: Iterable[str]) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", *services):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+def set_serving(servicer: health.HealthServicer, services: Iterable[str], serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", *services):
+        servicer.set(name, status)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((CLUSTER_TOKEN_KEY, token),) if token else ()

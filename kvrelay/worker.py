@@ -1,0 +1,212 @@
+"""One worker process: an engine in a role, its gRPC servicers, heartbeats, graceful drain.
+
+``role=prefill`` serves PrefillWorker and streams KV out; ``role=decode`` serves DecodeWorker
+and receives KV; ``role=both`` serves DecodeWorker.GenerateLocal only (the aggregated
+baseline). SIGTERM drains: the worker reports itself draining, refuses new work, lets requests
+in flight finish (bounded by ``drain_timeout_s``), then exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.engine_core import EngineCore
+from kvrelay.heartbeat import Heartbeater
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import worker_pb2_grpc
+from kvrelay.rpc import (
+    SecretSet,
+    add_health,
+    bind,
+    cluster_token_interceptor,
+    make_server,
+    set_serving,
+)
+
+logger = logging.getLogger(__name__)
+
+_ROLE = {"prefill": wpb.ROLE_PREFILL, "decode": wpb.ROLE_DECODE, "both": wpb.ROLE_BOTH}
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: str
+    routers: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    worker_id: str | None = None
+    cluster_token: str | None = None
+    heartbeat_interval_s: float = 1.0
+    lease_ttl_s: float = 10.0
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in _ROLE:
+            raise ValueError(f"role must be one of {sorted(_ROLE)}, got {self.role!r}")
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.heartbeat_interval_s <= 0 or self.lease_ttl_s <= 0:
+            raise ValueError("heartbeat_interval_s and lease_ttl_s must be positive")
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+
+    def advertised(self, port: int) -> str:
+        host = self.advertise_host or self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Worker:
+    """Assembles and runs one worker; ``start()`` then ``wait()`` (or ``stop()``)."""
+
+    def __init__(self, settings: WorkerSettings, engine_config: EngineConfig):
+        if engine_config.role != settings.role:
+            raise ValueError("engine role and worker role differ")
+        self.settings = settings
+        self.engine_config = engine_config
+        self.worker_id = settings.resolved_worker_id()
+        self.incarnation = secrets.token_hex(8)
+        self.port = 0
+        self._stopped = asyncio.Event()
+        self._draining = False
+        self._last_tokens = (time.monotonic(), 0)
+        self._step_tokens = 0
+        self._tokens_per_s = 0.0
+
+    # -- assembly ------------------------------------------------------------------------------
+    def _build_engine(self) -> None:
+        from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
+
+        role = self.settings.role
+        self.kv = None
+        if role != "both":
+            from kvrelay.kv_transfer.worker_side import make_kv_endpoint
+
+            self.kv = make_kv_endpoint(role, agent_name=self.worker_id,
+                                       incarnation=self.incarnation)
+        model_dir = self.engine_config.model.model
+        tok = load_tokenizer(model_dir)
+        eos = frozenset(eos_token_ids(model_dir, tok))
+        core = EngineCore(self.engine_config, self.kv.connector if self.kv else None, eos)
+        self.engine = AsyncEngine(core, on_step=self._on_step)
+
+    def _on_step(self, seconds: float, tokens: int) -> None:
+        self._step_tokens += tokens
+
+    def _load(self) -> wpb.WorkerLoad:
+        now = time.monotonic()
+        t0, n0 = self._last_tokens
+        if now - t0 >= 1.0:
+            self._tokens_per_s = (self._step_tokens - n0) / (now - t0)
+            self._last_tokens = (now, self._step_tokens)
+        s = self.engine.stats
+        return wpb.WorkerLoad(
+            num_blocks=s.num_blocks, free_blocks=s.num_free_blocks, running=s.num_running,
+            waiting=s.num_waiting, waiting_for_kv=s.num_waiting_for_kv,
+            queued_prompt_tokens=s.waiting_prompt_tokens,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            step_tokens_per_s=self._tokens_per_s, draining=self._draining)
+
+    async def start(self) -> None:
+        st = self.settings
+        self._build_engine()
+        self.engine.start()
+        interceptors = []
+        if st.cluster_token:
+            interceptors.append(cluster_token_interceptor(SecretSet([st.cluster_token])))
+        self.server = make_server(interceptors)
+        services: list[str] = []
+        self.decode_servicer = None
+        self.prefill_servicer = None
+        if st.role in ("decode", "both"):
+            from kvrelay.decode_worker.leases import LeaseTable
+            from kvrelay.decode_worker.servicer import DecodeServicer
+
+            self.leases = LeaseTable(self.engine.abort, default_ttl_s=st.lease_ttl_s)
+            self.leases.start()
+            self.decode_servicer = DecodeServicer(self.engine, self.leases, self.kv)
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.decode_servicer, self.server)
+            services.append("kvrelay.v1.DecodeWorker")
+        if st.role == "prefill":
+            from kvrelay.prefill_worker.servicer import PrefillServicer
+
+            self.prefill_servicer = PrefillServicer(self.engine, self.kv, self.worker_id,
+                                                    cluster_token=st.cluster_token)
+            worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.prefill_servicer,
+                                                                self.server)
+            services.append("kvrelay.v1.PrefillWorker")
+        self.health = add_health(self.server, services)
+        self._services = services
+        self.port = bind(self.server, st.host, st.port)
+        await self.server.start()
+        core = self.engine.core
+        info = wpb.WorkerInfo(
+            worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
+            incarnation=self.incarnation, model_identity=core.runner.arch.identity,
+            block_size=core.config.cache.block_size, max_model_len=core.max_model_len)
+        self.heartbeater = Heartbeater(list(st.routers), info, self._load,
+                                       interval_s=st.heartbeat_interval_s,
+                                       cluster_token=st.cluster_token)
+        self.heartbeater.start()
+        logger.info("worker %s (%s) serving on %s:%d, routers %s", self.worker_id, st.role,
+                    st.host, self.port, ", ".join(st.routers) or "none")
+
+    # -- shutdown ------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Refuse new work, let requests in flight finish (bounded), then stop."""
+        if self._draining:
+            return
+        self._draining = True
+        logger.info("draining: no new requests; waiting for %d in flight",
+                    len(self.engine.core.seqs))
+        set_serving(self.health, self._services, False)
+        for s in (self.decode_servicer, self.prefill_servicer):
+            if s is not None:
+                s.draining = True
+        with contextlib.suppress(Exception):
+            await self.heartbeater.beat_now()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.engine.core.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        await self.heartbeater.stop()
+        await self.server.stop(grace=1.0)
+        if self.decode_servicer is not None:
+            await self.leases.stop()
+        self.engine.shutdown()
+        self._stopped.set()
+        logger.info("worker %s stopped", self.worker_id)
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def run_worker(settings: WorkerSettings, engine_config: EngineConfig,
+                     on_ready: Callable[[Worker], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT (which drain) or the worker stops."""
+    worker = Worker(settings, engine_config)
+    await worker.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: loop.create_task(worker.drain()))
+    if on_ready is not None:
+        on_ready(worker)
+    await worker.wait()

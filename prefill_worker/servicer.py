@@ -1,0 +1,145 @@
+"""PrefillWorker gRPC servicer: prefill a prompt, stream its KV into a decode worker's blocks,
+return the first token once every byte has landed.
+
+The prefill engine batches and chunks prompts across requests and keeps its own prefix cache.
+It holds a request's blocks only until the transfer completes (then they stay only as prefix
+cache). Returning after delivery, not before, lets a transfer failure surface as this call's
+error, so the router can retry on another prefill worker under the same decode lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import Protocol
+
+import grpc
+
+from kvrelay.convert import logprob_to_proto, sampling_from_proto
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
+from kvrelay.engine.sequence import FinishReason
+from kvrelay.logs import request_context
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import worker_pb2_grpc
+from kvrelay.rpc import insecure_channel, token_metadata
+
+logger = logging.getLogger(__name__)
+
+
+class KVSender(Protocol):
+    """What the servicer needs of the KV transport on the sending side."""
+
+    def has_peer(self, agent_name: str, incarnation: str) -> bool: ...
+
+    def add_peer(self, peer_info: bytes) -> None: ...
+
+    def destination(self, request_id: str, agent_name: str, block_ids: list[int],
+                    skip_blocks: int, lease_id: str) -> object: ...
+
+    def block_bytes(self) -> int: ...
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, engine: AsyncEngine, kv: KVSender, worker_id: str, *,
+                 cluster_token: str | None = None):
+        self.engine = engine
+        self.kv = kv
+        self.worker_id = worker_id
+        self.draining = False
+        self._md = token_metadata(cluster_token)
+        self._peer_locks: dict[str, asyncio.Lock] = {}
+
+    async def _ensure_peer(self, dest: wpb.KVDestination) -> None:
+        """Fetch a decode worker's transfer info once per incarnation."""
+        lock = self._peer_locks.setdefault(dest.agent_name, asyncio.Lock())
+        async with lock:
+            if self.kv.has_peer(dest.agent_name, dest.incarnation):
+                return
+            async with insecure_channel(dest.decode_address) as ch:
+                stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+                info = await stub.GetTransferInfo(wpb.TransferInfoRequest(), metadata=self._md,
+                                                  timeout=10.0)
+            if info.incarnation != dest.incarnation:
+                raise ConnectionError(f"decode worker {dest.agent_name} restarted "
+                                      f"(incarnation {info.incarnation}, lease from "
+                                      f"{dest.incarnation})")
+            await self.engine.call(self.kv.add_peer, info.peer_info)
+            logger.info("connected to decode worker %s at %s", dest.agent_name,
+                        dest.decode_address)
+
+    def _validate(self, request: wpb.PrefillRequest) -> int:
+        """Returns the number of leading blocks the receiver already has."""
+        if not request.request_id or len(request.request_id) > 256:
+            raise ValueError("request_id must be 1..256 characters")
+        ids = list(request.prompt_token_ids)
+        self.engine.core.validate_prompt(ids)
+        dest = request.dest
+        if not dest.agent_name or not dest.decode_address:
+            raise ValueError("dest.agent_name and dest.decode_address are required")
+        bs = self.engine.core.config.cache.block_size
+        need = -(-len(ids) // bs)
+        if len(dest.block_ids) != need:
+            raise ValueError(f"dest has {len(dest.block_ids)} blocks; {len(ids)} tokens need "
+                             f"{need} blocks of {bs}")
+        if dest.skip_prefix_tokens % bs or dest.skip_prefix_tokens > len(ids):
+            raise ValueError(f"skip_prefix_tokens {dest.skip_prefix_tokens} must be a multiple "
+                             f"of the block size {bs} and at most the prompt length")
+        return dest.skip_prefix_tokens // bs
+
+    async def Prefill(self, request: wpb.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
+        rid = request.request_id
+        with request_context(rid):
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+            try:
+                skip_blocks = self._validate(request)
+                # Only the first token is sampled here; stop strings are the router's business.
+                sampling = replace(sampling_from_proto(request.sampling), max_tokens=1, stop=(),
+                                   stop_token_ids=())
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            dest = request.dest
+            try:
+                await self._ensure_peer(dest)
+            except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"cannot reach decode worker {dest.agent_name}: {detail}")
+            except ValueError as e:  # incompatible KV layouts: a deployment error
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip_blocks,
+                                         dest.lease_id)
+            t0 = time.monotonic()
+            out: RequestOutput | None = None
+            try:
+                async for o in self.engine.generate(rid, list(request.prompt_token_ids),
+                                                    sampling, kv_transfer_params=params,
+                                                    arrival_time=t0):
+                    out = o
+            except EngineOverloaded as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if out is None or out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) \
+                    or not out.new_token_ids:
+                reason = (out.error if out is not None else None) or "prefill aborted"
+                logger.warning("prefill failed: %s", reason)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+            done = time.monotonic()
+            scheduled = out.scheduled_at or t0
+            computed = out.computed_at or done
+            sent_blocks = len(dest.block_ids) - skip_blocks
+            return wpb.PrefillResponse(
+                first_token_id=out.new_token_ids[0],
+                logprob=logprob_to_proto(out.logprobs[0] if out.logprobs else None),
+                cached_prompt_tokens=out.num_cached_tokens,
+                queue_ms=(scheduled - t0) * 1000.0,
+                prefill_ms=(computed - scheduled) * 1000.0,
+                transfer_ms=(done - computed) * 1000.0,
+                kv_bytes=sent_blocks * self.kv.block_bytes(),
+                worker_id=self.worker_id,
+            )

@@ -1,0 +1,101 @@
+"""The public gRPC API (kvrelay.v1.Generation) and the internal Registry servicer.
+
+Servicers translate and nothing more: protobuf in -> ``RouterService`` -> protobuf out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvrelay.convert import finish_to_proto, logprob_to_proto, sampling_from_proto
+from kvrelay.logs import request_context
+from kvrelay.proto import generate_pb2 as pb
+from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.errors import RouterError
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.service import Delta, RouterService
+
+logger = logging.getLogger(__name__)
+
+
+def delta_to_proto(d: Delta) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids)
+    if any(lp is not None for lp in d.logprobs):
+        msg.logprobs.extend(logprob_to_proto(lp) for lp in d.logprobs)
+    if d.finished:
+        msg.finish_reason = finish_to_proto(d.finish_reason)
+        if d.stop_reason is not None:
+            msg.stop_reason = str(d.stop_reason)
+        if d.usage is not None:
+            msg.usage.CopyFrom(pb.Usage(prompt_tokens=d.usage.prompt_tokens,
+                                        completion_tokens=d.usage.completion_tokens,
+                                        cached_prompt_tokens=d.usage.cached_prompt_tokens))
+        if d.timing is not None:
+            t = d.timing
+            msg.timing.CopyFrom(pb.Timing(queue_ms=t.queue_ms, ttft_ms=t.ttft_ms,
+                                          e2e_ms=t.e2e_ms, prefill_ms=t.prefill_ms,
+                                          transfer_ms=t.transfer_ms, mean_itl_ms=t.mean_itl_ms))
+        if d.trace is not None:
+            msg.trace.extend(pb.TraceEvent(name=e.name, t_ms=e.t_ms, worker=e.worker)
+                             for e in d.trace.events)
+    return msg
+
+
+async def abort_with(context: grpc.aio.ServicerContext, e: RouterError) -> None:
+    if e.retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
+    await context.abort(e.code, e.message)
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, service: RouterService):
+        self.service = service
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        kind = request.WhichOneof("prompt")
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            timeout_ms = request.timeout_ms or None
+            remaining = context.time_remaining()
+            if remaining is not None:
+                grpc_ms = max(1, int(remaining * 1000))
+                timeout_ms = min(timeout_ms, grpc_ms) if timeout_ms else grpc_ms
+            spec = self.service.build_spec(
+                request_id=request.request_id or None,
+                text=request.text if kind == "text" else None,
+                token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
+                sampling=sampling, timeout_ms=timeout_ms, model=request.model or None)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RouterError as e:
+            await abort_with(context, e)
+        with request_context(spec.request_id):
+            try:
+                async for delta in self.service.generate(spec):
+                    yield delta_to_proto(delta)
+            except RouterError as e:
+                logger.warning("request failed: %s %s", e.code.name, e.message)
+                await abort_with(context, e)
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        s = self.service
+        return pb.ListModelsResponse(models=[pb.ModelCard(
+            id=s.model_name, max_model_len=s.effective_max_model_len(), vocab_size=s.vocab_size)])
+
+
+class RegistryServicer(worker_pb2_grpc.RegistryServicer):
+    def __init__(self, registry: WorkerRegistry):
+        self.registry = registry
+
+    async def Heartbeat(self, request: wpb.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> wpb.HeartbeatResponse:
+        try:
+            return self.registry.heartbeat(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))

@@ -1,0 +1,131 @@
+"""The router process: public gRPC API (API keys, optional TLS) and an internal control port
+(worker registry, optional cluster token)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
+from kvrelay.router.grpc_api import GenerationServicer, RegistryServicer
+from kvrelay.router.lifecycle import Lifecycle, RouterConfig
+from kvrelay.router.policy import make_policy
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.service import RouterService
+from kvrelay.rpc import (
+    SecretSet,
+    TLSFiles,
+    add_health,
+    api_key_interceptor,
+    bind,
+    cluster_token_interceptor,
+    make_server,
+    token_metadata,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model: str  # checkpoint directory: tokenizer and config
+    host: str = "127.0.0.1"
+    port: int = 50051  # public gRPC
+    control_host: str = "127.0.0.1"
+    control_port: int = 50052  # worker heartbeats
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None  # OpenAI-compatible HTTP API when set
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    cluster_token: str | None = None
+    tls: TLSFiles | None = None
+    heartbeat_interval_s: float = 1.0
+    config: RouterConfig = field(default_factory=RouterConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("port", "control_port"):
+            if not (0 <= getattr(self, name) < 65536):
+                raise ValueError(f"{name} must be in [0, 65536)")
+
+
+class Router:
+    def __init__(self, settings: RouterSettings):
+        self.settings = settings
+        self.port = self.control_port = 0
+        self.http_port: int | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
+        from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
+
+        st = self.settings
+        arch = arch_from_hf_config(load_hf_config(st.model))
+        tokenizer = load_tokenizer(st.model)
+        self.registry = WorkerRegistry(heartbeat_interval_s=st.heartbeat_interval_s,
+                                       model_identity=arch.identity)
+        self.registry.start()
+        lifecycle = Lifecycle(self.registry, make_policy(st.config.policy), st.config,
+                              token_metadata(st.cluster_token))
+        name = st.served_model_name or os.path.basename(os.path.normpath(st.model))
+        self.service = RouterService(
+            lifecycle, tokenizer, model_name=name, vocab_size=arch.vocab_size,
+            max_model_len=arch.max_position_embeddings,
+            eos_token_ids=frozenset(eos_token_ids(st.model, tokenizer)),
+            max_inflight=st.config.max_inflight)
+
+        keys = SecretSet(st.api_keys)
+        self.public = make_server([api_key_interceptor(keys)] if keys else [])
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.service),
+                                                           self.public)
+        add_health(self.public, ["kvrelay.v1.Generation"])
+        self.port = bind(self.public, st.host, st.port, st.tls)
+
+        tokens = SecretSet([st.cluster_token] if st.cluster_token else [])
+        self.control = make_server([cluster_token_interceptor(tokens)] if tokens else [])
+        worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.registry),
+                                                       self.control)
+        add_health(self.control, ["kvrelay.v1.Registry"])
+        self.control_port = bind(self.control, st.control_host, st.control_port)
+        await self.public.start()
+        await self.control.start()
+        self.http = None
+        if st.http_port is not None:
+            from kvrelay.router.http_api import HttpServer
+
+            self.http = HttpServer(self.service, self.registry, host=st.http_host,
+                                   port=st.http_port, api_keys=keys, tls=st.tls)
+            await self.http.start()
+            self.http_port = self.http.port
+        logger.info("router serving %s: gRPC %s:%d, control %s:%d%s", name, st.host, self.port,
+                    st.control_host, self.control_port,
+                    f", HTTP {st.http_host}:{self.http_port}" if self.http_port else "")
+
+    async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        if self.http is not None:
+            await self.http.stop()
+        await self.public.stop(grace=2.0)
+        await self.control.stop(grace=1.0)
+        await self.registry.stop()
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def run_router(settings: RouterSettings,
+                     on_ready: Callable[[Router], None] | None = None) -> None:
+    router = Router(settings)
+    await router.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: loop.create_task(router.stop()))
+    if on_ready is not None:
+        on_ready(router)
+    await router.wait()

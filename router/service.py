@@ -1,0 +1,210 @@
+"""The router's request front half, shared by the gRPC and HTTP APIs: validate, tokenize, run
+the lifecycle, detokenize, apply stop strings, and account usage, timing and trace."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvrelay.engine.output_processor import OutputProcessor
+from kvrelay.engine.sampler import TokenLogprob
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sequence import FinishReason
+from kvrelay.router.errors import RouterError
+from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
+from kvrelay.router.trace import Trace
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+MAX_PROMPT_CHARS = 4 * 2**20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_TIMEOUT_MS = 3_600_000
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class Timing:
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    mean_itl_ms: float = 0.0
+
+
+@dataclass
+class Delta:
+    """New output of one request; the last one has ``finished`` and the accounting."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    timing: Timing | None = None
+    trace: Trace | None = None
+
+
+class RouterService:
+    def __init__(self, lifecycle: Lifecycle, tokenizer: object, *, model_name: str,
+                 vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 max_inflight: int = 512):
+        self.lifecycle = lifecycle
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.max_inflight = max_inflight
+        self.inflight = 0
+        lifecycle.eos_token_ids = eos_token_ids
+
+    # -- validation ----------------------------------------------------------------------------
+    def effective_max_model_len(self) -> int:
+        lens = [w.max_model_len for w in self.lifecycle.registry.workers.values()
+                if w.max_model_len]
+        return min([self.max_model_len, *lens])
+
+    def new_request_id(self) -> str:
+        return "req-" + secrets.token_hex(8)
+
+    def build_spec(self, *, request_id: str | None, text: str | None,
+                   token_ids: list[int] | None, sampling: SamplingParams,
+                   timeout_ms: int | None = None, model: str | None = None) -> GenerateSpec:
+        """Validate one request; raises RouterError(INVALID_ARGUMENT) with a message."""
+        t0 = time.monotonic()
+
+        def bad(msg: str) -> RouterError:
+            return RouterError(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+        rid = request_id or self.new_request_id()
+        if not REQUEST_ID_RE.match(rid):
+            raise bad("request_id must be 1-128 characters of letters, digits, '-', '_', '.', ':'")
+        if model and model != self.model_name:
+            raise RouterError(grpc.StatusCode.NOT_FOUND,
+                              f"model {model!r} is not served here; this router serves "
+                              f"{self.model_name!r}")
+        if (text is None) == (token_ids is None):
+            raise bad("give exactly one of a text prompt or prompt token ids")
+        if text is not None:
+            if not isinstance(text, str):
+                raise bad("the prompt must be a string")
+            if len(text) > MAX_PROMPT_CHARS:
+                raise bad(f"the prompt has {len(text)} characters; at most {MAX_PROMPT_CHARS}")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad("the prompt is not valid Unicode (lone surrogate)") from None
+            token_ids = self.tokenizer.encode(text)
+        assert token_ids is not None
+        if not token_ids:
+            raise bad("the prompt is empty: it needs at least one token")
+        bad_id = next((t for t in token_ids
+                       if not isinstance(t, int) or not (0 <= t < self.vocab_size)), None)
+        if bad_id is not None:
+            raise bad(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
+        max_len = self.effective_max_model_len()
+        if len(token_ids) >= max_len:
+            raise bad(f"the prompt has {len(token_ids)} tokens; this model takes at most "
+                      f"{max_len - 1} (context {max_len})")
+        if len(sampling.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN
+                                                        for s in sampling.stop):
+            raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} "
+                      f"characters")
+        bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
+        if bad_stop is not None:
+            raise bad(f"stop token id {bad_stop} is outside the vocabulary")
+        deadline = None
+        if timeout_ms:
+            if not (0 < timeout_ms <= MAX_TIMEOUT_MS):
+                raise bad(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}]")
+            deadline = t0 + timeout_ms / 1000.0
+        return GenerateSpec(rid, list(token_ids), sampling, deadline, arrival=t0)
+
+    # -- generation ----------------------------------------------------------------------------
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
+        if self.inflight >= self.max_inflight:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"router at capacity ({self.max_inflight} requests in flight)",
+                              retry_after_s=1.0)
+        self.inflight += 1
+        try:
+            async for d in self._generate(spec):
+                yield d
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
+        trace = Trace(spec.arrival)
+        trace.add("received")
+        proc = OutputProcessor(self.tokenizer, spec.prompt_token_ids, spec.sampling)
+        n_out = 0
+        cached = 0
+        first_at: float | None = None
+        last_at = spec.arrival
+        gaps: list[float] = []
+        tokens = self.lifecycle.tokens(spec, trace)
+        try:
+            async for chunk in tokens:
+                now = time.monotonic()
+                if first_at is None:
+                    first_at = now
+                    trace.add("first_token")
+                else:
+                    gaps.append(now - last_at)
+                last_at = now
+                n_out += len(chunk.token_ids)
+                cached = max(cached, chunk.cached_prompt_tokens)
+                step = proc.add(chunk.token_ids, finished=chunk.finish_reason is not None)
+                finish = FinishReason.STOP if step.stop_string else chunk.finish_reason
+                stop_reason: str | int | None = step.stop_string
+                if stop_reason is None and finish == FinishReason.STOP and chunk.token_ids:
+                    stop_reason = chunk.token_ids[-1]
+                delta = Delta(spec.request_id, step.text, chunk.token_ids, chunk.logprobs)
+                if finish is not None:
+                    delta.finished, delta.finish_reason, delta.stop_reason = True, finish, \
+                        stop_reason
+                    delta.usage = Usage(len(spec.prompt_token_ids), n_out, cached)
+                    delta.timing = self._timing(spec, trace, first_at, now, gaps)
+                    trace.add("finished", detail=finish.value)
+                    delta.trace = trace
+                    logger.info("finished %s: %d+%d tokens ttft=%.1fms e2e=%.1fms | %s",
+                                finish.value, len(spec.prompt_token_ids), n_out,
+                                delta.timing.ttft_ms, delta.timing.e2e_ms, trace.summary())
+                    yield delta
+                    return
+                yield delta
+        finally:
+            await tokens.aclose()
+
+    @staticmethod
+    def _timing(spec: GenerateSpec, trace: Trace, first_at: float | None, now: float,
+                gaps: list[float]) -> Timing:
+        t = Timing(e2e_ms=(now - spec.arrival) * 1000.0)
+        if first_at is not None:
+            t.ttft_ms = (first_at - spec.arrival) * 1000.0
+        if gaps:
+            t.mean_itl_ms = sum(gaps) / len(gaps) * 1000.0
+        p = trace.prefill
+        if p is not None:
+            t.prefill_ms, t.transfer_ms = p.prefill_ms, p.transfer_ms
+            start = trace.first("prefill_start")
+            t.queue_ms = (start.t_ms if start else 0.0) + p.queue_ms
+        return t

@@ -1,0 +1,37 @@
+"""A request's trace: named events with times since the router received it, and who did what."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TraceEvent:
+    name: str
+    t_ms: float
+    worker: str = ""
+    detail: str = ""
+
+
+@dataclass
+class Trace:
+    t0: float = field(default_factory=time.monotonic)
+    events: list[TraceEvent] = field(default_factory=list)
+    prefill: Any = None  # the PrefillResponse, for its timings
+
+    def add(self, name: str, worker: str = "", detail: str = "") -> TraceEvent:
+        ev = TraceEvent(name, (time.monotonic() - self.t0) * 1000.0, worker, detail)
+        self.events.append(ev)
+        return ev
+
+    def first(self, name: str) -> TraceEvent | None:
+        return next((e for e in self.events if e.name == name), None)
+
+    def summary(self) -> str:
+        return " ".join(f"{e.name}@{e.t_ms:.1f}ms" + (f"[{e.worker}]" if e.worker else "")
+                        for e in self.events)
