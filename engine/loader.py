@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from kvrelay.engine.attention import AttentionFn
 from kvrelay.engine.models.arch import ModelArch, arch_from_hf_config, load_hf_config, rope_inv_freq
-from kvrelay.engine.models.llama import LlamaForCausalLM
+from kvrelay.engine.models.llama import LlamaForCausalLM, onednn_packing_available
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
     arch = model.arch
     out: dict[str, _Target] = {"model.embed_tokens.weight": _Target(model.embed),
                                "model.norm.weight": _Target(model.norm.weight)}
-    if model.lm_head is not None:
-        out["lm_head.weight"] = _Target(model.lm_head)
+    if model.lm_head.weight is not None:
+        out["lm_head.weight"] = _Target(model.lm_head.weight)
     q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
         arch.intermediate_size
     for i, layer in enumerate(model.layers):
@@ -77,29 +77,32 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
         a, m = layer.attn, layer.mlp
         out[p + "input_layernorm.weight"] = _Target(layer.input_norm.weight)
         out[p + "post_attention_layernorm.weight"] = _Target(layer.post_attn_norm.weight)
-        for kind, fused in (("weight", a.qkv_weight), ("bias", a.qkv_bias)):
+        for kind, fused in (("weight", a.qkv.weight), ("bias", a.qkv.bias)):
             if fused is not None:
                 out[p + f"self_attn.q_proj.{kind}"] = _Target(fused, 0, q)
                 out[p + f"self_attn.k_proj.{kind}"] = _Target(fused, q, q + kv)
                 out[p + f"self_attn.v_proj.{kind}"] = _Target(fused, q + kv, q + 2 * kv)
-        out[p + "self_attn.o_proj.weight"] = _Target(a.o_weight)
-        if a.o_bias is not None:
-            out[p + "self_attn.o_proj.bias"] = _Target(a.o_bias)
+        out[p + "self_attn.o_proj.weight"] = _Target(a.o.weight)
+        if a.o.bias is not None:
+            out[p + "self_attn.o_proj.bias"] = _Target(a.o.bias)
         if a.q_norm is not None:
             out[p + "self_attn.q_norm.weight"] = _Target(a.q_norm.weight)
             out[p + "self_attn.k_norm.weight"] = _Target(a.k_norm.weight)
-        for kind, fused in (("weight", m.gate_up_weight), ("bias", m.gate_up_bias)):
+        for kind, fused in (("weight", m.gate_up.weight), ("bias", m.gate_up.bias)):
             if fused is not None:
                 out[p + f"mlp.gate_proj.{kind}"] = _Target(fused, 0, inter)
                 out[p + f"mlp.up_proj.{kind}"] = _Target(fused, inter, 2 * inter)
-        out[p + "mlp.down_proj.weight"] = _Target(m.down_weight)
-        if m.down_bias is not None:
-            out[p + "mlp.down_proj.bias"] = _Target(m.down_bias)
+        out[p + "mlp.down_proj.weight"] = _Target(m.down.weight)
+        if m.down.bias is not None:
+            out[p + "mlp.down_proj.bias"] = _Target(m.down.bias)
     return out
 
 
 def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
-               attn_fn: AttentionFn, max_positions: int) -> tuple[LlamaForCausalLM, ModelArch]:
+               attn_fn: AttentionFn, max_positions: int,
+               pack: bool | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
+    """Build the model and load its weights. ``pack`` (default: on CPU in fp32 when oneDNN is
+    available) prepacks the linear weights."""
     hf_cfg = load_hf_config(model_dir)
     arch = arch_from_hf_config(hf_cfg)
     inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
@@ -126,7 +129,12 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights: {shown}")
-    logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s", model_dir,
-                arch.architecture, arch.num_layers,
-                sum(p.numel() for p in model.parameters()) / 1e6, device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    if pack is None:
+        pack = device.type == "cpu" and dtype == torch.float32 and onednn_packing_available()
+    if pack:
+        model.pack_weights()
+    logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s%s", model_dir,
+                arch.architecture, arch.num_layers, n_params / 1e6, device, dtype,
+                ", oneDNN-packed" if pack else "")
     return model.eval(), arch

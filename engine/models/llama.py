@@ -19,6 +19,42 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def onednn_packing_available() -> bool:
+    """Whether this torch build can prepack fp32 linear weights for oneDNN (x86 CPU builds)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4), None)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4), w, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(torch.allclose(y, torch.full((2, 4), 4.0)))
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b``. On CPU in fp32 the weight is prepacked once into oneDNN's blocked
+    layout: a plain GEMM repacks the weight on every call, which at decode-sized batches
+    (a few rows) costs 2-3x the matmul itself."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight: nn.Parameter | None = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def pack(self, weight: torch.Tensor | None = None) -> None:
+        """Prepack (``weight`` defaults to this layer's own) and drop the dense copy."""
+        w = self.weight if weight is None else weight
+        assert w is not None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -53,10 +89,8 @@ class Attention(nn.Module):
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, arch.hidden_size)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if arch.qkv_bias else None
-        self.o_weight = _param(arch.hidden_size, self.q_size)
-        self.o_bias = _param(arch.hidden_size) if arch.o_bias else None
+        self.qkv = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
+        self.o = Linear(self.q_size, arch.hidden_size, arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.window = arch.layer_windows[layer]
@@ -68,7 +102,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: Rotary) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -81,22 +115,19 @@ class Attention(nn.Module):
         if meta.on_kv_written is not None:
             meta.on_kv_written(self.layer)
         o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
-        return F.linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        return self.o(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
         self.inter = arch.intermediate_size
-        self.gate_up_weight = _param(2 * arch.intermediate_size, arch.hidden_size)
-        self.gate_up_bias = _param(2 * arch.intermediate_size) if arch.mlp_bias else None
-        self.down_weight = _param(arch.hidden_size, arch.intermediate_size)
-        self.down_bias = _param(arch.hidden_size) if arch.mlp_bias else None
+        self.gate_up = Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
+        self.down = Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -122,9 +153,17 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i, attn_fn)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size,
-                                                                     arch.hidden_size)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = None  # shares the embedding (see weights())
         self.rotary = Rotary(inv_freq, rope_scale, max_positions)
+
+    def pack_weights(self) -> None:
+        """Prepack every linear for oneDNN (CPU, fp32), after the weights are loaded."""
+        for m in self.modules():
+            if isinstance(m, Linear) and m is not self.lm_head:
+                m.pack()
+        self.lm_head.pack(self.embed if self.arch.tie_word_embeddings else None)
 
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
         """Give each layer flat views of its K and V planes of the engine's one KV tensor."""
@@ -143,5 +182,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head for the rows that sample: ``[N, hidden] -> [N, vocab]``."""
-        weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(hidden), weight)
+        h = self.norm(hidden)
+        if self.lm_head.packed is None and self.lm_head.weight is None:  # tied, unpacked
+            return F.linear(h, self.embed)
+        return self.lm_head(h)
