@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
+
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.engine_core import EngineCore
+from kvrelay.engine.engine_core import EngineCore, EngineStats
 from kvrelay.heartbeat import Heartbeater
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -70,6 +72,25 @@ class WorkerSettings:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    async def GetStatus(self, request: wpb.GetStatusRequest,
+                        context: grpc.aio.ServicerContext) -> wpb.WorkerStatus:
+        w = self.worker
+        stats = await w.engine.call(w.engine.core.stats)
+        return wpb.WorkerStatus(info=w.info, load=w.load_message(stats))
+
+    async def Drain(self, request: wpb.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> wpb.DrainResponse:
+        w = self.worker
+        in_flight = len(w.engine.core.seqs)
+        asyncio.get_running_loop().create_task(
+            w.drain(request.timeout_ms / 1000.0 if request.timeout_ms else None))
+        return wpb.DrainResponse(in_flight=in_flight)
+
+
 class Worker:
     """Assembles and runs one worker; ``start()`` then ``wait()`` (or ``stop()``)."""
 
@@ -113,7 +134,9 @@ class Worker:
         if now - t0 >= 1.0:
             self._tokens_per_s = (self._step_tokens - n0) / (now - t0)
             self._last_tokens = (now, self._step_tokens)
-        s = self.engine.stats
+        return self.load_message(self.engine.stats)
+
+    def load_message(self, s: EngineStats) -> wpb.WorkerLoad:
         return wpb.WorkerLoad(
             num_blocks=s.num_blocks, free_blocks=s.num_free_blocks, running=s.num_running,
             waiting=s.num_waiting, waiting_for_kv=s.num_waiting_for_kv,
@@ -149,12 +172,14 @@ class Worker:
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.prefill_servicer,
                                                                 self.server)
             services.append("kvrelay.v1.PrefillWorker")
+        worker_pb2_grpc.add_WorkerControlServicer_to_server(ControlServicer(self), self.server)
+        services.append("kvrelay.v1.WorkerControl")
         self.health = add_health(self.server, services)
         self._services = services
         self.port = bind(self.server, st.host, st.port)
         await self.server.start()
         core = self.engine.core
-        info = wpb.WorkerInfo(
+        self.info = info = wpb.WorkerInfo(
             worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
             incarnation=self.incarnation, model_identity=core.runner.arch.identity,
             block_size=core.config.cache.block_size, max_model_len=core.max_model_len)
@@ -166,7 +191,7 @@ class Worker:
                     st.host, self.port, ", ".join(st.routers) or "none")
 
     # -- shutdown ------------------------------------------------------------------------------
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float | None = None) -> None:
         """Refuse new work, let requests in flight finish (bounded), then stop."""
         if self._draining:
             return
@@ -179,7 +204,7 @@ class Worker:
                 s.draining = True
         with contextlib.suppress(Exception):
             await self.heartbeater.beat_now()
-        deadline = time.monotonic() + self.settings.drain_timeout_s
+        deadline = time.monotonic() + (timeout_s or self.settings.drain_timeout_s)
         while self.engine.core.has_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.stop()

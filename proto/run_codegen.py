@@ -29,8 +29,8 @@ def generated_names() -> list[str]:
 
 
 def generate(out_dir: str) -> None:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as src:
         pkg = os.path.join(src, "kvrelay", "proto")

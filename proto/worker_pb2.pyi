@@ -19,6 +19,26 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 ROLE_BOTH: Role
 
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("info", "load", "last_seen_ms_ago")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_MS_AGO_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    load: WorkerLoad
+    last_seen_ms_ago: float
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_seen_ms_ago: _Optional[float] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
 class WorkerLoad(_message.Message):
     __slots__ = ("num_blocks", "free_blocks", "running", "waiting", "waiting_for_kv", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "step_tokens_per_s", "draining")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +102,22 @@ class HeartbeatResponse(_message.Message):
     interval_s: float
     want_full_block_set: bool
     def __init__(self, interval_s: _Optional[float] = ..., want_full_block_set: _Optional[bool] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_ms",)
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    timeout_ms: int
+    def __init__(self, timeout_ms: _Optional[int] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("in_flight",)
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    in_flight: int
+    def __init__(self, in_flight: _Optional[int] = ...) -> None: ...
 
 class TransferInfoRequest(_message.Message):
     __slots__ = ()

@@ -41,6 +41,11 @@ class RegistryStub:
                 request_serializer=kvrelay_dot_proto_dot_worker__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_proto_dot_worker__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/kvrelay.v1.Registry/ListWorkers',
+                request_serializer=kvrelay_dot_proto_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_proto_dot_worker__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -54,6 +59,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkers(self, request, context):
+        """Workers the router currently routes to (operators, tests, the Ray launcher).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +73,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvrelay_dot_proto_dot_worker__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvrelay_dot_proto_dot_worker__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=kvrelay_dot_proto_dot_worker__pb2.ListWorkersRequest.FromString,
+                    response_serializer=kvrelay_dot_proto_dot_worker__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,6 +109,156 @@ class Registry:
             '/kvrelay.v1.Registry/Heartbeat',
             kvrelay_dot_proto_dot_worker__pb2.HeartbeatRequest.SerializeToString,
             kvrelay_dot_proto_dot_worker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Registry/ListWorkers',
+            kvrelay_dot_proto_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+            kvrelay_dot_proto_dot_worker__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class WorkerControlStub:
+    """---------------------------------------------------------------- every worker
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetStatus = channel.unary_unary(
+                '/kvrelay.v1.WorkerControl/GetStatus',
+                request_serializer=kvrelay_dot_proto_dot_worker__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_proto_dot_worker__pb2.WorkerStatus.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvrelay.v1.WorkerControl/Drain',
+                request_serializer=kvrelay_dot_proto_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_proto_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerControlServicer:
+    """---------------------------------------------------------------- every worker
+
+    """
+
+    def GetStatus(self, request, context):
+        """Fresh identity and load (not the last heartbeat's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stop taking new requests, finish those in flight, then exit (scale-in).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=kvrelay_dot_proto_dot_worker__pb2.GetStatusRequest.FromString,
+                    response_serializer=kvrelay_dot_proto_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvrelay_dot_proto_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=kvrelay_dot_proto_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvrelay.v1.WorkerControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvrelay.v1.WorkerControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerControl:
+    """---------------------------------------------------------------- every worker
+
+    """
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.WorkerControl/GetStatus',
+            kvrelay_dot_proto_dot_worker__pb2.GetStatusRequest.SerializeToString,
+            kvrelay_dot_proto_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.WorkerControl/Drain',
+            kvrelay_dot_proto_dot_worker__pb2.DrainRequest.SerializeToString,
+            kvrelay_dot_proto_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

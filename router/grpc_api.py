@@ -99,3 +99,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             return self.registry.heartbeat(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    async def ListWorkers(self, request: wpb.ListWorkersRequest,
+                          context: grpc.aio.ServicerContext) -> wpb.ListWorkersResponse:
+        return wpb.ListWorkersResponse(workers=self.registry.status())

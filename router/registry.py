@@ -130,6 +130,16 @@ class WorkerRegistry:
         now = time.monotonic()
         return [w for w in self.workers.values() if w.role == role and w.usable(now)]
 
+    def status(self) -> list[wpb.WorkerStatus]:
+        now = time.monotonic()
+        role = {v: k for k, v in ROLE_NAMES.items()}
+        return [wpb.WorkerStatus(
+            info=wpb.WorkerInfo(worker_id=w.worker_id, role=role[w.role], address=w.address,
+                                incarnation=w.incarnation, model_identity=w.model_identity,
+                                block_size=w.block_size, max_model_len=w.max_model_len),
+            load=w.load, last_seen_ms_ago=(now - w.last_seen) * 1000.0)
+            for w in sorted(self.workers.values(), key=lambda w: w.worker_id)]
+
     def mark_suspect(self, worker_id: str, why: str) -> None:
         """Keep a worker that just failed a call out of routing for a moment."""
         w = self.workers.get(worker_id)
