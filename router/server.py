@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.router.grpc_api import GenerationServicer, RegistryServicer
 from kvrelay.router.lifecycle import Lifecycle, RouterConfig
+from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.policy import make_policy
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.service import RouterService
@@ -72,11 +73,12 @@ class Router:
         lifecycle = Lifecycle(self.registry, make_policy(st.config.policy), st.config,
                               token_metadata(st.cluster_token))
         name = st.served_model_name or os.path.basename(os.path.normpath(st.model))
+        self.metrics = RouterMetrics(self.registry, name)
         self.service = RouterService(
             lifecycle, tokenizer, model_name=name, vocab_size=arch.vocab_size,
             max_model_len=arch.max_position_embeddings,
             eos_token_ids=frozenset(eos_token_ids(st.model, tokenizer)),
-            max_inflight=st.config.max_inflight)
+            max_inflight=st.config.max_inflight, metrics=self.metrics)
 
         keys = SecretSet(st.api_keys)
         self.public = make_server([api_key_interceptor(keys)] if keys else [])
@@ -97,7 +99,7 @@ class Router:
         if st.http_port is not None:
             from kvrelay.router.http_api import HttpServer
 
-            self.http = HttpServer(self.service, self.registry, host=st.http_host,
+            self.http = HttpServer(self.service, self.metrics, host=st.http_host,
                                    port=st.http_port, api_keys=keys, tls=st.tls)
             await self.http.start()
             self.http_port = self.http.port

@@ -18,6 +18,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
+from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Delta:
 class RouterService:
     def __init__(self, lifecycle: Lifecycle, tokenizer: object, *, model_name: str,
                  vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 max_inflight: int = 512):
+                 max_inflight: int = 512, metrics: RouterMetrics | None = None):
         self.lifecycle = lifecycle
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -74,6 +75,7 @@ class RouterService:
         self.eos_token_ids = eos_token_ids
         self.max_inflight = max_inflight
         self.inflight = 0
+        self.metrics = metrics
         lifecycle.eos_token_ids = eos_token_ids
 
     # -- validation ----------------------------------------------------------------------------
@@ -145,11 +147,20 @@ class RouterService:
                               f"router at capacity ({self.max_inflight} requests in flight)",
                               retry_after_s=1.0)
         self.inflight += 1
+        m = self.metrics
+        if m is not None:
+            m.in_flight.labels(m.model).inc()
         try:
             async for d in self._generate(spec):
                 yield d
+        except RouterError as e:
+            if m is not None:
+                m.failed.labels(m.model, e.code.name).inc()
+            raise
         finally:
             self.inflight -= 1
+            if m is not None:
+                m.in_flight.labels(m.model).dec()
 
     async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
         trace = Trace(spec.arrival)
@@ -185,6 +196,7 @@ class RouterService:
                     delta.timing = self._timing(spec, trace, first_at, now, gaps)
                     trace.add("finished", detail=finish.value)
                     delta.trace = trace
+                    self._observe(delta, gaps)
                     logger.info("finished %s: %d+%d tokens ttft=%.1fms e2e=%.1fms | %s",
                                 finish.value, len(spec.prompt_token_ids), n_out,
                                 delta.timing.ttft_ms, delta.timing.e2e_ms, trace.summary())
@@ -193,6 +205,37 @@ class RouterService:
                 yield delta
         finally:
             await tokens.aclose()
+
+    def _observe(self, d: Delta, gaps: list[float]) -> None:
+        m = self.metrics
+        if m is None or d.timing is None or d.usage is None or d.trace is None:
+            return
+        t, u, model = d.timing, d.usage, m.model
+        m.ttft.labels(model).observe(t.ttft_ms / 1000.0)
+        m.e2e.labels(model).observe(t.e2e_ms / 1000.0)
+        for g in gaps:
+            m.itl.labels(model).observe(g)
+        if u.completion_tokens > 1:
+            m.tpot.labels(model).observe((t.e2e_ms - t.ttft_ms) / 1000.0
+                                         / (u.completion_tokens - 1))
+        m.finished.labels(model, d.finish_reason.value if d.finish_reason else "").inc()
+        m.prompt_tokens.labels(model).inc(u.prompt_tokens)
+        m.generation_tokens.labels(model).inc(u.completion_tokens)
+        m.cached_tokens.labels(model).inc(u.cached_prompt_tokens)
+        for ev in d.trace.events:
+            if ev.name == "prefill_failed":
+                m.transfer_failures.labels(model).inc()
+            elif ev.name == "migrate":
+                m.migrations.labels(model).inc()
+            elif ev.name in ("prefill_start", "local_start"):
+                m.decisions.labels(model, "disaggregated" if ev.name == "prefill_start"
+                                   else "local", ev.detail or "pool").inc()
+        p = d.trace.prefill
+        if p is not None:
+            m.queue.labels(model).observe(t.queue_ms / 1000.0)
+            m.prefill.labels(model).observe(p.prefill_ms / 1000.0)
+            m.transfer.labels(model).observe(p.transfer_ms / 1000.0)
+            m.transfer_bytes.labels(model).inc(p.kv_bytes)
 
     @staticmethod
     def _timing(spec: GenerateSpec, trace: Trace, first_at: float | None, now: float,

@@ -1,0 +1,324 @@
+"""OpenAI-compatible HTTP API on FastAPI + uvicorn, in the router's event loop.
+
+/v1/completions, /v1/chat/completions (SSE streaming with ``data: [DONE]``), /v1/models,
+/health, /metrics. Errors are OpenAI error objects; 429 and 503 carry ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.logs import request_context
+from kvrelay.router.errors import RouterError
+from kvrelay.router.lifecycle import GenerateSpec
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
+from kvrelay.router.service import Delta, RouterService
+from kvrelay.rpc import SecretSet, TLSFiles
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
+                504: "timeout_error"}
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   retry_after_s: float | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _router_error(e: RouterError) -> JSONResponse:
+    return error_response(e.http_status, e.message, retry_after_s=e.retry_after_s)
+
+
+def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    kw: dict[str, Any] = {
+        "max_tokens": max_tokens or 16,
+        "stop": tuple(req.stop_list()),
+        "stop_token_ids": tuple(req.stop_token_ids or ()),
+        "ignore_eos": req.ignore_eos, "seed": req.seed, "logprobs": logprobs,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+    }
+    if req.temperature is not None:
+        kw["temperature"] = req.temperature
+    if req.top_p is not None:
+        kw["top_p"] = req.top_p
+    if req.top_k is not None:
+        kw["top_k"] = 0 if req.top_k == -1 else req.top_k
+    return SamplingParams(**kw)
+
+
+def _usage(d: Delta) -> dict[str, Any]:
+    assert d.usage is not None
+    u = d.usage
+    out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens,
+                           "completion_tokens": u.completion_tokens,
+                           "total_tokens": u.prompt_tokens + u.completion_tokens}
+    if u.cached_prompt_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": u.cached_prompt_tokens}
+    return out
+
+
+def _trace(d: Delta) -> list[dict[str, Any]]:
+    assert d.trace is not None
+    return [{"name": e.name, "t_ms": round(e.t_ms, 3), "worker": e.worker}
+            for e in d.trace.events]
+
+
+class _Logprobs:
+    """Accumulates OpenAI-style logprobs (completions: token strings + top dicts)."""
+
+    def __init__(self, tokenizer: Any, chat: bool):
+        self.tok = tokenizer
+        self.chat = chat
+
+    def _s(self, tid: int) -> str:
+        return self.tok.decode([tid])
+
+    def block(self, d: Delta) -> dict[str, Any] | None:
+        lps = [lp for lp in d.logprobs if lp is not None]
+        if not lps:
+            return None
+        if self.chat:
+            return {"content": [{"token": self._s(lp.token_id), "logprob": lp.logprob,
+                                 "top_logprobs": [{"token": self._s(t), "logprob": v}
+                                                  for t, v in lp.top]} for lp in lps]}
+        return {"tokens": [self._s(lp.token_id) for lp in lps],
+                "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._s(t): v for t, v in lp.top} for lp in lps],
+                "text_offset": []}
+
+
+class HttpServer:
+    def __init__(self, service: RouterService, metrics: RouterMetrics | None, *, host: str,
+                 port: int, api_keys: SecretSet | None = None, tls: TLSFiles | None = None):
+        self.service = service
+        self.metrics = metrics
+        self.host, self.port = host, port
+        self.api_keys = api_keys or SecretSet([])
+        self.tls = tls
+        self.app = self._build_app()
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        kw: dict[str, Any] = {}
+        if self.tls is not None:
+            kw = {"ssl_certfile": self.tls.cert_file, "ssl_keyfile": self.tls.key_file}
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
+                                lifespan="off", access_log=False, timeout_graceful_shutdown=2,
+                                **kw)
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._task = asyncio.get_running_loop().create_task(self._server.serve())
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the bind error
+                raise OSError(f"HTTP server on {self.host}:{self.port} did not start")
+            if time.monotonic() > deadline:
+                raise TimeoutError("HTTP server did not start within 10s")
+            await asyncio.sleep(0.01)
+        sock = self._server.servers[0].sockets[0]
+        self.port = sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await asyncio.wait([self._task], timeout=5)
+
+    # -- app -----------------------------------------------------------------------------------
+    def _authorized(self, request: Request) -> bool:
+        if not self.api_keys:
+            return True
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else \
+            request.headers.get("x-api-key")
+        return self.api_keys.check(key)
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
+        service = self.service
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+            errs = exc.errors()
+            first = errs[0] if errs else {}
+            loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+            msg = first.get("msg", "invalid request")
+            return error_response(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next: Any) -> Response:
+            if request.url.path.startswith("/v1/") and not self._authorized(request):
+                return error_response(401, "missing or invalid API key")
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health() -> Response:
+            reg = service.lifecycle.registry
+            ok = bool(reg.alive("both")) or (bool(reg.alive("prefill"))
+                                              and bool(reg.alive("decode")))
+            if not ok:
+                return error_response(503, "no workers available", retry_after_s=1)
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            body = self.metrics.render() if self.metrics is not None else b""
+            return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [{
+                "id": service.model_name, "object": "model", "created": 0,
+                "owned_by": "kvrelay", "max_model_len": service.effective_max_model_len()}]})
+
+        @app.post("/v1/completions")
+        async def completions(req: CompletionRequest) -> Response:
+            try:
+                prompt = req.single_prompt()
+                sp = _sampling(req, req.max_tokens, req.logprobs)
+                spec = service.build_spec(
+                    request_id=req.request_id, text=prompt if isinstance(prompt, str) else None,
+                    token_ids=prompt if isinstance(prompt, list) else None, sampling=sp,
+                    timeout_ms=req.timeout_ms, model=req.model)
+            except ValueError as e:
+                return error_response(400, str(e))
+            except RouterError as e:
+                return _router_error(e)
+            return await self._respond(spec, req, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(req: ChatCompletionRequest) -> Response:
+            from kvrelay.engine.tokenizer import apply_chat_template
+
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                text = apply_chat_template(service.tokenizer, messages)
+                n_top = (req.top_logprobs or 0) if req.logprobs else None
+                sp = _sampling(req, req.max_completion_tokens or req.max_tokens, n_top)
+                ids = service.tokenizer.encode(text, add_special_tokens=False)
+                spec = service.build_spec(request_id=req.request_id, text=None, token_ids=ids,
+                                          sampling=sp, timeout_ms=req.timeout_ms,
+                                          model=req.model)
+            except ValueError as e:
+                return error_response(400, str(e))
+            except RouterError as e:
+                return _router_error(e)
+            return await self._respond(spec, req, chat=True)
+
+        return app
+
+    # -- responses -----------------------------------------------------------------------------
+    async def _respond(self, spec: GenerateSpec, req: _Common, *, chat: bool) -> Response:
+        rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
+        created = int(time.time())
+        model = self.service.model_name
+        lp = _Logprobs(self.service.tokenizer, chat)
+        stream = self.service.generate(spec)
+        with request_context(spec.request_id):
+            try:
+                first = await anext(stream)
+            except RouterError as e:
+                await stream.aclose()
+                return _router_error(e)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._sse(spec, first, stream, rid, created, model, chat, lp, include_usage,
+                          req.return_trace),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": spec.request_id})
+        text, lps, last = first.text, [first], first
+        with request_context(spec.request_id):
+            try:
+                while not last.finished:
+                    last = await anext(stream)
+                    text += last.text
+                    lps.append(last)
+            except RouterError as e:
+                return _router_error(e)
+            finally:
+                await stream.aclose()
+        merged = Delta(spec.request_id, text, [t for d in lps for t in d.token_ids],
+                       [x for d in lps for x in d.logprobs])
+        logprobs = lp.block(merged)
+        reason = last.finish_reason.value if last.finish_reason else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if last.stop_reason is not None:
+            choice["stop_reason"] = last.stop_reason
+        body: dict[str, Any] = {"id": rid, "object": "chat.completion" if chat else
+                                "text_completion", "created": created, "model": model,
+                                "choices": [choice], "usage": _usage(last)}
+        if req.return_trace:
+            body["kvrelay_trace"] = _trace(last)
+        return JSONResponse(body, headers={"X-Request-Id": spec.request_id})
+
+    async def _sse(self, spec: GenerateSpec, first: Delta, stream: AsyncIterator[Delta],
+                   rid: str, created: int, model: str, chat: bool, lp: _Logprobs,
+                   include_usage: bool, return_trace: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            doc = {"id": rid, "object": obj, "created": created, "model": model,
+                   "choices": choices, **extra}
+            if include_usage and "usage" not in extra:
+                doc["usage"] = None
+            return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+        with request_context(spec.request_id):
+            try:
+                if chat:
+                    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                d: Delta | None = first
+                while d is not None:
+                    reason = d.finish_reason.value if d.finished and d.finish_reason else None
+                    if d.text or d.finished or d.token_ids:
+                        choice: dict[str, Any] = {"index": 0, "logprobs": lp.block(d),
+                                                  "finish_reason": reason}
+                        if chat:
+                            choice["delta"] = {"content": d.text} if d.text else {}
+                        else:
+                            choice["text"] = d.text
+                        extra: dict[str, Any] = {}
+                        if d.finished and return_trace:
+                            extra["kvrelay_trace"] = _trace(d)
+                        yield event([choice], **extra)
+                    if d.finished:
+                        if include_usage:
+                            yield event([], usage=_usage(d))
+                        break
+                    d = await anext(stream, None)
+            except RouterError as e:
+                err = {"error": {"message": e.message, "type": _ERROR_TYPES.get(
+                    e.http_status, "server_error"), "code": e.http_status}}
+                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            finally:
+                await stream.aclose()
+            yield b"data: [DONE]\n\n"
+
+
+

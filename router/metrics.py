@@ -1,0 +1,105 @@
+"""Prometheus metrics of the router, named in the vLLM style under ``kvrelay:``.
+
+Request-level metrics are observed as requests finish. Pool gauges (KV usage, running,
+waiting, prefix-cache counters) are read from the workers' latest heartbeats at scrape time,
+with ``pool`` and ``worker`` labels, so the router's /metrics shows the whole cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvrelay.router.registry import WorkerRegistry
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+BYTES_BUCKETS = tuple(2.0 ** k for k in range(10, 34, 2))
+
+
+class _PoolCollector(Collector):
+    def __init__(self, registry: WorkerRegistry):
+        self.registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["pool", "worker"]
+        usage = GaugeMetricFamily("kvrelay:kv_cache_usage_perc",
+                                  "Fraction of KV blocks in use (last heartbeat)", labels=labels)
+        running = GaugeMetricFamily("kvrelay:num_requests_running",
+                                    "Requests in a worker's batch", labels=labels)
+        waiting = GaugeMetricFamily("kvrelay:num_requests_waiting",
+                                    "Requests queued on a worker (incl. waiting for KV)",
+                                    labels=labels)
+        queued = GaugeMetricFamily("kvrelay:num_queued_prompt_tokens",
+                                   "Prompt tokens queued for prefill", labels=labels)
+        queries = CounterMetricFamily("kvrelay:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache",
+                                      labels=labels)
+        hits = CounterMetricFamily("kvrelay:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache", labels=labels)
+        workers = GaugeMetricFamily("kvrelay:workers", "Live workers per pool", labels=["pool"])
+        per_pool: dict[str, int] = {"prefill": 0, "decode": 0, "both": 0}
+        for w in self.registry.workers.values():
+            lv = [w.role, w.worker_id]
+            ld = w.load
+            per_pool[w.role] = per_pool.get(w.role, 0) + 1
+            usage.add_metric(lv, 1.0 - ld.free_blocks / ld.num_blocks if ld.num_blocks else 0.0)
+            running.add_metric(lv, ld.running)
+            waiting.add_metric(lv, ld.waiting + ld.waiting_for_kv)
+            queued.add_metric(lv, ld.queued_prompt_tokens)
+            queries.add_metric(lv, ld.prefix_cache_queries)
+            hits.add_metric(lv, ld.prefix_cache_hits)
+        for pool, n in per_pool.items():
+            workers.add_metric([pool], n)
+        yield from (usage, running, waiting, queued, queries, hits, workers)
+
+
+class RouterMetrics:
+    def __init__(self, workers: WorkerRegistry, model_name: str):
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.model = model_name
+        self.ttft = Histogram("kvrelay:time_to_first_token_seconds", "Time to first token",
+                              m, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvrelay:inter_token_latency_seconds",
+                             "Gap between consecutive streamed tokens", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvrelay:time_per_output_token_seconds",
+                              "(e2e - ttft) / (output tokens - 1) per request", m,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvrelay:e2e_request_latency_seconds", "End-to-end latency", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("kvrelay:request_queue_time_seconds",
+                               "Receipt until the prefill was scheduled", m,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("kvrelay:request_prefill_time_seconds",
+                                 "Prefill compute time", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer = Histogram("kvrelay:kv_transfer_time_seconds",
+                                  "KV delivery after the last prefill compute", m,
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_bytes = Counter("kvrelay:kv_transfer_bytes", "KV bytes written P -> D", m,
+                                      registry=r)
+        self.transfer_failures = Counter("kvrelay:kv_transfer_failures",
+                                         "Prefill/transfer attempts that failed", m, registry=r)
+        self.migrations = Counter("kvrelay:request_migrations",
+                                  "Streams resumed on another worker", m, registry=r)
+        self.finished = Counter("kvrelay:request_success", "Finished requests", m +
+                                ["finished_reason"], registry=r)
+        self.failed = Counter("kvrelay:request_failures", "Requests that ended in an error",
+                              m + ["code"], registry=r)
+        self.prompt_tokens = Counter("kvrelay:prompt_tokens", "Prompt tokens", m, registry=r)
+        self.generation_tokens = Counter("kvrelay:generation_tokens", "Generated tokens", m,
+                                         registry=r)
+        self.cached_tokens = Counter("kvrelay:cached_prompt_tokens",
+                                     "Prompt tokens served from a prefix cache", m, registry=r)
+        self.in_flight = Gauge("kvrelay:router_requests_in_flight", "Requests in the router",
+                               m, registry=r)
+        self.decisions = Counter("kvrelay:router_decisions", "Routing decisions", m +
+                                 ["decision", "reason"], registry=r)
+        self.registry.register(_PoolCollector(workers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

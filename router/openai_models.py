@@ -1,0 +1,138 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their checks.
+
+Fields kvrelay cannot honour (n > 1, echo, penalties, best_of, suffix) are refused with a
+400 that says so, instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_HTTP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    user: str | None = None
+    request_id: str | None = None
+    timeout_ms: int | None = Field(default=None, gt=0)
+    # kvrelay extension: include the per-request trace in the final response/chunk.
+    return_trace: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalties(cls, v: float | None) -> float | None:
+        if v not in (None, 0, 0.0):
+            raise ValueError("presence/frequency penalties are not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_HTTP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("best_of is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (batches of prompts need n separate requests)."""
+        p: Any = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and all(isinstance(x, int) for x in p):
+            return list(p)
+        if isinstance(p, list) and len(p) == 1:
+            return p[0] if isinstance(p[0], str) else list(p[0])
+        raise ValueError("prompt must be one string or one list of token ids (batches of "
+                         "prompts are not supported: send one request per prompt)")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_HTTP_LOGPROBS)
+    add_generation_prompt: bool = True
