@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.sampler import TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
+from kvrelay.engine.tokenizer import OutputProcessor
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
@@ -183,7 +183,8 @@ class RouterService:
                 last_at = now
                 n_out += len(chunk.token_ids)
                 cached = max(cached, chunk.cached_prompt_tokens)
-                step = proc.add(chunk.token_ids, finished=chunk.finish_reason is not None)
+                step = proc.add(chunk.token_ids, finished=chunk.finish_reason is not None,
+                                stopped_on_token=chunk.finish_reason == FinishReason.STOP)
                 finish = FinishReason.STOP if step.stop_string else chunk.finish_reason
                 stop_reason: str | int | None = step.stop_string
                 if stop_reason is None and finish == FinishReason.STOP and chunk.token_ids:
