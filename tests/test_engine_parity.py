@@ -37,7 +37,7 @@ def prompts(seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_tokens(model_dir: str, prompt: tuple[int, ...], n: int) -> list[int]:
     return hf_greedy(model_dir, list(prompt), n).token_ids
 
@@ -191,10 +191,11 @@ def test_prompt_validation(hf_model_dir) -> None:
 
 def test_unsupported_architecture_is_named(tmp_path, hf_model_dir) -> None:
     src = hf_model_dir("llama")
-    cfg = json.load(open(os.path.join(src, "config.json")))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM.*Qwen3ForCausalLM"):
         EngineCore(EngineConfig.from_kwargs(str(tmp_path)))
 
 

@@ -1,0 +1,46 @@
+"""Shared fixtures: the tiny demo checkpoint and tiny HF checkpoints of each architecture.
+
+Everything is built lazily on first use (once per session) in a temporary directory, and offline:
+collection imports nothing heavy.
+
+    def test_parity(hf_model_dir):
+        model_dir = hf_model_dir("llama3")               # see hf_models.ARCHS
+        sharded = hf_model_dir("llama", max_shard_size="200KB")  # overrides: their own copy
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny demo checkpoint (``write_demo_model(size="tiny", seed=0)``)."""
+    from kvrelay.engine.demo_model import write_demo_model
+
+    return write_demo_model(str(tmp_path_factory.mktemp("demo-tiny")), size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """A factory ``hf_model_dir(arch, **overrides) -> checkpoint dir``, cached per arguments."""
+    from hf_models import make_hf_model
+
+    cache: dict[str, str] = {}
+
+    def get(arch: str, **overrides: Any) -> str:
+        key = arch + "".join(f",{k}={v!r}" for k, v in sorted(overrides.items()))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"hf-{arch}")
+            cache[key] = make_hf_model(str(out), arch, **overrides)
+        return cache[key]
+
+    return get

@@ -1,0 +1,187 @@
+"""Tiny random-weight Hugging Face checkpoints of every supported architecture, and HF's greedy.
+
+``make_hf_model(out_dir, arch)`` builds the model with transformers' own classes and saves it as
+a checkpoint directory (config.json + safetensors, sharded on request, plus the demo tokenizer),
+so the engine can be checked token for token against ``hf_greedy`` (transformers' ``generate``,
+fp32, CPU). Weights are scaled up from the usual 0.02 init so greedy output is not one token
+repeated, and norm weights and biases are random so a weight the engine forgets to load shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from kvrelay.engine.demo_model import (
+    SPECIAL_TOKENS,
+    TOKENIZER_VOCAB_SIZE,
+    init_random_weights,
+    quiet_transformers,
+    write_demo_tokenizer,
+)
+
+BOS_ID, EOS_ID, PAD_ID = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
+
+_BASE: dict[str, Any] = dict(
+    vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+    max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    config_class: str  # transformers config class name
+    config: dict[str, Any] = field(default_factory=dict)  # over _BASE
+    legacy_rope: bool = False  # write rope_theta/rope_scaling, as older checkpoints on disk do
+    bias_std: float = 0.0
+    embed_std: float = 1.0  # tied embeddings need less, or the model repeats its last token
+    max_shard_size: str | None = None  # e.g. "200KB": several shards + index.json
+
+    def __post_init__(self) -> None:
+        if self.config_class not in ("LlamaConfig", "Qwen2Config", "Qwen3Config",
+                                     "MistralConfig"):
+            raise ValueError(f"unsupported config class {self.config_class!r}")
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec("LlamaConfig"),
+    # llama3 rope with wavelengths on all three sides of [16, 64]; legacy keys on disk.
+    "llama3": ArchSpec("LlamaConfig", dict(num_hidden_layers=3, rope_theta=500000.0,
+                                           rope_scaling=LLAMA3_ROPE), legacy_rope=True),
+    "llama_tied": ArchSpec("LlamaConfig", dict(tie_word_embeddings=True), embed_std=0.3),
+    "llama_mha": ArchSpec("LlamaConfig", dict(num_key_value_heads=4)),
+    "llama_hd": ArchSpec("LlamaConfig", dict(head_dim=32)),  # 4 heads x 32 != hidden 64
+    "llama_bias": ArchSpec("LlamaConfig", dict(attention_bias=True), bias_std=0.2),
+    "llama_sharded": ArchSpec("LlamaConfig", dict(num_hidden_layers=3),
+                              max_shard_size="300KB"),
+    "qwen2": ArchSpec("Qwen2Config", dict(rope_theta=1000000.0), legacy_rope=True,
+                      bias_std=0.2),
+    "qwen3": ArchSpec("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0,
+                                          tie_word_embeddings=True), embed_std=0.3),
+    "mistral": ArchSpec("MistralConfig", dict(sliding_window=4096)),
+    "mistral_swa": ArchSpec("MistralConfig", dict(sliding_window=48)),  # masking matters
+}
+
+# The weights' scale: matrices N(0, GAIN**2 / fan_in), embeddings N(0, 1).
+GAIN = 1.5
+
+
+def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> str:
+    """Write a tiny ``arch`` checkpoint (see ``ARCHS``) to ``out_dir`` and return it.
+
+    ``overrides`` replace config fields (``num_hidden_layers=3``) or, for the keys
+    ``legacy_rope``, ``bias_std``, ``embed_std`` and ``max_shard_size``, the spec's own settings.
+    Each arch draws its weights from its own stream (``seed`` mixed with the arch's name), so
+    two arches never share weights by accident.
+    """
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
+    spec = ARCHS[arch]
+    legacy_rope = overrides.pop("legacy_rope", spec.legacy_rope)
+    bias_std = overrides.pop("bias_std", spec.bias_std)
+    embed_std = overrides.pop("embed_std", spec.embed_std)
+    max_shard_size = overrides.pop("max_shard_size", spec.max_shard_size)
+    kwargs = {**_BASE, **spec.config, **overrides}
+    if kwargs["vocab_size"] < TOKENIZER_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE}")
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    model_class = getattr(transformers, spec.config_class.replace("Config", "ForCausalLM"))
+    config.architectures = [model_class.__name__]
+    with torch.random.fork_rng(devices=[]):
+        model = model_class(config)
+    init_random_weights(model, seed * 1_000_003 + zlib.crc32(arch.encode()), gain=GAIN,
+                        embed_std=embed_std, norm_jitter=0.3, bias_std=bias_std)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    os.makedirs(out_dir, exist_ok=True)
+    save_kw: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kw["max_shard_size"] = max_shard_size
+    with quiet_transformers():
+        model.save_pretrained(out_dir, **save_kw)
+    if legacy_rope:
+        to_legacy_rope_keys(os.path.join(out_dir, "config.json"))
+    write_demo_tokenizer(out_dir)
+    return out_dir
+
+
+def to_legacy_rope_keys(config_path: str) -> None:
+    """Rewrite transformers 5's ``rope_parameters`` as ``rope_theta`` + ``rope_scaling``."""
+    with open(config_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    params = dict(cfg.pop("rope_parameters", None) or {})
+    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    rope_type = params.pop("rope_type", "default")
+    cfg["rope_scaling"] = None if rope_type == "default" else {"rope_type": rope_type, **params}
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+@functools.lru_cache(maxsize=16)
+def load_hf_model(model_dir: str) -> Any:
+    """transformers' model for ``model_dir`` in fp32 eval mode, eager attention (cached)."""
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, local_files_only=True, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    model.generation_config.eos_token_id = None  # EOS stops only when asked (hf_greedy)
+    return model
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch single-threaded for the duration: these models are far too small to gain from
+    threads, and on a shared CPU intra-op threads that spin-wait make a call up to 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class HFGreedy(NamedTuple):
+    token_ids: list[int]  # generated ids (the prompt not included)
+    logits: torch.Tensor  # [len(token_ids), vocab] fp32: the raw logits each id was chosen from
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int,
+              eos_token_id: int | list[int] | None = None) -> HFGreedy:
+    """transformers' greedy ``generate`` from ``prompt_ids``; EOS ends it only if given."""
+    from transformers import GenerationConfig
+
+    model = load_hf_model(model_dir)
+    gen = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
+                           eos_token_id=eos_token_id, pad_token_id=PAD_ID, output_logits=True,
+                           return_dict_in_generate=True)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+    with torch.inference_mode(), one_thread():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                             generation_config=gen)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logits = torch.stack([step[0] for step in out.logits]).float()
+    return HFGreedy(tokens, logits[:len(tokens)])
+
+
+def hf_forward_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    """One forward pass over ``token_ids``: logits ``[len(token_ids), vocab]`` in fp32."""
+    model = load_hf_model(model_dir)
+    with torch.inference_mode(), one_thread():
+        return model(torch.tensor([token_ids], dtype=torch.long)).logits[0].float()
