@@ -141,10 +141,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         port=int(args.port), advertise_host=args.advertise_host, worker_id=args.worker_id,
         cluster_token=args.cluster_token,
         heartbeat_interval_s=float(args.heartbeat_interval),
-        lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout))
+        lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout),
+        metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port))
     config = engine_config_from_args(args, role=args.role)
     asyncio.run(run_worker(settings, config, on_ready=lambda w: _write_ready(
-        args.ready_file, {"port": w.port, "worker_id": w.worker_id, "pid": os.getpid()})))
+        args.ready_file, {"port": w.port, "metrics_port": w.metrics_port,
+                          "worker_id": w.worker_id, "pid": os.getpid()})))
     return 0
 
 
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--heartbeat-interval", type=float, default=1.0)
     opt(p, "--lease-ttl", type=float, default=10.0, help="default KV lease TTL (s)")
     opt(p, "--drain-timeout", type=float, default=30.0, help="SIGTERM drain bound (s)")
+    opt(p, "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     add_engine_options(p)
     add_common_process_options(p)
     p.set_defaults(func=cmd_worker)

@@ -53,6 +53,7 @@ class WorkerSettings:
     heartbeat_interval_s: float = 1.0
     lease_ttl_s: float = 10.0
     drain_timeout_s: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP when set (0 = any free)
 
     def __post_init__(self) -> None:
         if self.role not in _ROLE:
@@ -127,6 +128,8 @@ class Worker:
 
     def _on_step(self, seconds: float, tokens: int) -> None:
         self._step_tokens += tokens
+        if self.metrics is not None:
+            self.metrics.step_time.observe(seconds)
 
     def _load(self) -> wpb.WorkerLoad:
         now = time.monotonic()
@@ -146,7 +149,14 @@ class Worker:
 
     async def start(self) -> None:
         st = self.settings
+        self.metrics = None
+        self.metrics_port: int | None = None
         self._build_engine()
+        if st.metrics_port is not None:
+            from kvrelay.worker_metrics import WorkerMetrics
+
+            self.metrics = WorkerMetrics(lambda: self.engine.stats, st.role, self.worker_id)
+            self.metrics_port = self.metrics.serve(st.host, st.metrics_port)
         self.engine.start()
         interceptors = []
         if st.cluster_token:
@@ -217,6 +227,8 @@ class Worker:
         if self.decode_servicer is not None:
             await self.leases.stop()
         self.engine.shutdown()
+        if self.metrics is not None:
+            self.metrics.close()
         self._stopped.set()
         logger.info("worker %s stopped", self.worker_id)
 

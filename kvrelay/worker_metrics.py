@@ -1,0 +1,71 @@
+"""A worker's own Prometheus metrics, served on ``--metrics-port`` (``/metrics``).
+
+Gauges are read from the engine's latest stats at scrape time; names match the router's pool
+gauges (``pool`` and ``worker`` labels) so an HPA can scale each pool on its own pods' metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvrelay.engine.engine_core import EngineStats
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+                5.12, 10.24)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], pool: str, worker: str):
+        self.stats = stats
+        self.labels = [pool, worker]
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
+        names = ["pool", "worker"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(self.labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(self.labels, value)
+            return c
+
+        yield gauge("kvrelay:kv_cache_usage_perc", "Fraction of KV blocks in use", s.kv_usage)
+        yield gauge("kvrelay:num_requests_running", "Requests in the batch", s.num_running)
+        yield gauge("kvrelay:num_requests_waiting", "Requests queued (incl. waiting for KV)",
+                    s.num_waiting + s.num_waiting_for_kv)
+        yield gauge("kvrelay:num_queued_prompt_tokens", "Prompt tokens queued for prefill",
+                    s.waiting_prompt_tokens)
+        yield gauge("kvrelay:num_requests_sending_kv", "Finished prefills still sending KV",
+                    s.num_sending)
+        yield counter("kvrelay:prefix_cache_queries", "Prompt tokens looked up",
+                      s.prefix_cache_queries)
+        yield counter("kvrelay:prefix_cache_hits", "Prompt tokens found", s.prefix_cache_hits)
+        yield counter("kvrelay:num_preemptions", "Sequences preempted (recompute)",
+                      s.num_preemptions)
+
+
+class WorkerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats], pool: str, worker: str):
+        self.registry = CollectorRegistry()
+        self.step_time = Histogram("kvrelay:engine_step_seconds", "Engine step duration",
+                                   ["pool", "worker"], buckets=STEP_BUCKETS,
+                                   registry=self.registry).labels(pool, worker)
+        self.registry.register(_EngineCollector(stats, pool, worker))
+        self._server: object | None = None
+
+    def serve(self, host: str, port: int) -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()  # type: ignore[attr-defined]
