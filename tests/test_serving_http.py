@@ -1,0 +1,158 @@
+"""The router's public APIs against real processes: gRPC and the OpenAI HTTP API (driven by the
+official ``openai`` client), /metrics, and bad input refused while the servers keep serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from cluster import Cluster
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrelay.client import sampling
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,", "def main():"]
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory):
+    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("both"), prefill=0, decode=0, both=1,
+                router_args=("--http-port", "0", "--served-model-name", "demo"))
+    with c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir):
+    llm = LLM(demo_model_dir, num_blocks=256)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    return {p: o for p, o in zip(PROMPTS, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    port = cluster.router.ready["http_port"]
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                         max_retries=0, timeout=60)
+
+
+def test_grpc_greedy_equals_the_engine_alone(cluster, reference) -> None:
+    with cluster.client() as c:
+        for p in PROMPTS:
+            r = c.generate(p, sampling(24, 0.0, ignore_eos=True))
+            assert r.token_ids == reference[p].token_ids
+            assert r.text == reference[p].text
+            assert r.finish_reason == "length" and r.usage.completion_tokens == 24
+            assert r.timing.ttft_ms > 0 and r.trace[0].name == "received"
+
+
+def test_openai_completions_match_grpc(cluster, oai, reference) -> None:
+    for p in PROMPTS:
+        want = reference[p].text
+        r = oai.completions.create(model="demo", prompt=p, max_tokens=24, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 24
+        chunks = list(oai.completions.create(model="demo", prompt=p, max_tokens=24,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_openai_chat_streaming_and_not(cluster, oai, demo_model_dir) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    r = oai.chat.completions.create(model="demo", messages=msgs, max_tokens=16, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens > 5
+    stream = oai.chat.completions.create(model="demo", messages=msgs, max_tokens=16,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == text
+    # The chat template rendered by the tokenizer, generated offline, gives the same text.
+    from kvrelay.engine.tokenizer import apply_chat_template
+
+    llm = LLM(demo_model_dir, num_blocks=64)
+    ids = llm.tokenizer.encode(apply_chat_template(llm.tokenizer, msgs),
+                               add_special_tokens=False)
+    assert llm.generate(ids, SamplingParams(max_tokens=16, temperature=0))[0].text == text
+
+
+def test_logprobs_stop_and_models(cluster, oai) -> None:
+    r = oai.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0,
+                               logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(len(t) == 3 for t in lp.top_logprobs)
+    full = oai.completions.create(model="demo", prompt="Hello", max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:8]
+    r = oai.completions.create(model="demo", prompt="Hello", max_tokens=20, temperature=0,
+                               stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert full.startswith(r.choices[0].text)
+    assert [m.id for m in oai.models.list().data] == ["demo"]
+
+
+def test_http_errors_are_openai_objects(cluster) -> None:
+    base = f"http://127.0.0.1:{cluster.router.ready['http_port']}"
+    cases = [
+        {"model": "demo", "prompt": "x", "max_tokens": 0},
+        {"model": "demo", "prompt": "x", "temperature": -1},
+        {"model": "demo", "prompt": "x", "n": 2},
+        {"model": "demo", "prompt": ""},
+        {"model": "demo", "prompt": [999999]},
+        {"model": "demo", "prompt": "x" * 20000},
+        {"prompt": 5},
+    ]
+    for body in cases:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/completions", json={"model": "other", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
+def test_metrics_parse_and_move(cluster, oai) -> None:
+    base = f"http://127.0.0.1:{cluster.router.ready['http_port']}"
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + ("" if not s.labels.get("finished_reason")
+                                else f"[{s.labels['finished_reason']}]")
+                out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    before = scrape()
+    oai.completions.create(model="demo", prompt="Count: 1 2 3", max_tokens=8, temperature=0,
+                           extra_body={"ignore_eos": True})
+    after = scrape()
+    assert after["kvrelay:request_success_total[length]"] == \
+        before.get("kvrelay:request_success_total[length]", 0) + 1
+    assert after["kvrelay:generation_tokens_total"] >= \
+        before.get("kvrelay:generation_tokens_total", 0) + 8
+    assert after["kvrelay:time_to_first_token_seconds_count"] > \
+        before.get("kvrelay:time_to_first_token_seconds_count", 0)
+    assert after["kvrelay:workers"] >= 1 and "kvrelay:kv_cache_usage_perc" in after
+
+
+def test_grpc_bad_input_then_still_serving(cluster) -> None:
+    import grpc
+
+    with cluster.client() as c:
+        bad = [("", sampling(4)), ("hi", sampling(4, temperature=-1.0)),
+               ([10**7], sampling(4)), ("hi", sampling(0)), ("x" * 20000, sampling(4)),
+               ("hi", sampling(4, top_p=0.0))]
+        for prompt, sp in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt, sp)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (prompt, sp)
+            assert e.value.details()
+        assert c.generate("still alive?", sampling(4)).usage.completion_tokens >= 1
