@@ -11,7 +11,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 ENV_PREFIX = "KVRELAY_"
@@ -261,19 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-stats", action="store_true", help="print usage and timing after")
     p.set_defaults(func=cmd_generate)
 
-    for name, help_, fn in _extra_commands():
-        p = sub.add_parser(name, help=help_)
-        fn(p)
+    from kvrelay.deploy.ray_cli import register  # serve/scale/status live with the launcher
+
+    for name, help_, fn in register():
+        fn(sub.add_parser(name, help=help_))
     return ap
-
-
-def _extra_commands() -> list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]]:
-    """Subcommands that live with their subsystem (the Ray launcher)."""
-    try:
-        from kvrelay.deploy.ray_cli import register
-    except ImportError:
-        return []
-    return register()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import logging
 import re
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -77,6 +78,8 @@ class RouterService:
         self.inflight = 0
         self.metrics = metrics
         lifecycle.eos_token_ids = eos_token_ids
+        # (time, ttft_ms) and (time, mean itl ms) of recently finished requests (autoscaling)
+        self._recent: deque[tuple[float, float, float | None]] = deque(maxlen=4096)
 
     # -- validation ----------------------------------------------------------------------------
     def effective_max_model_len(self) -> int:
@@ -198,6 +201,8 @@ class RouterService:
                     trace.add("finished", detail=finish.value)
                     delta.trace = trace
                     self._observe(delta, gaps)
+                    self._recent.append((now, delta.timing.ttft_ms,
+                                         delta.timing.mean_itl_ms if gaps else None))
                     logger.info("finished %s: %d+%d tokens ttft=%.1fms e2e=%.1fms | %s",
                                 finish.value, len(spec.prompt_token_ids), n_out,
                                 delta.timing.ttft_ms, delta.timing.e2e_ms, trace.summary())
@@ -206,6 +211,16 @@ class RouterService:
                 yield delta
         finally:
             await tokens.aclose()
+
+    def recent_latency(self, window_s: float) -> tuple[float | None, float | None]:
+        """p90 TTFT and p90 mean inter-token latency (ms) of requests finished lately."""
+        cutoff = time.monotonic() - window_s
+        ttft = sorted(t for at, t, _ in self._recent if at >= cutoff)
+        itl = sorted(i for at, _, i in self._recent if at >= cutoff and i is not None)
+
+        def p90(xs: list[float]) -> float | None:
+            return xs[min(len(xs) - 1, int(0.9 * len(xs)))] if xs else None
+        return p90(ttft), p90(itl)
 
     def _observe(self, d: Delta, gaps: list[float]) -> None:
         m = self.metrics
