@@ -1,0 +1,256 @@
+"""``NixlConnector``: the engine's KV connector for disaggregated prefill/decode over NIXL.
+
+One class serves both roles; a request's ``kv_transfer_params`` says which side it is on:
+
+- ``KVDestination`` (prefill engine): the request's prompt KV is streamed to the peer while it is
+  computed. ``start_step`` plans the blocks each scheduled request touches (``send_plan``),
+  ``save_layer(L)`` hands layer L's writes to the I/O thread (``transfer_thread``) while layer L+1
+  computes, ``end_step`` posts any layer the model did not report. After ``request_finished``
+  (which returns True: the blocks are still being read) and once every write is done, the
+  notification goes out exactly once; then ``take_events().sent`` names the request.
+  Aborted or failed requests are never notified: ``failed`` names them, then ``sent``.
+- ``KVExpectation`` (decode engine): ``request_waiting_for_kv`` opens an expectation;
+  ``take_events`` polls NIXL notifications and reports the request in ``received``.
+
+The control plane also uses ``peer_info()`` (our endpoint, for the gRPC channel) and
+``add_peer(info)`` (before the first request to a decode worker, and again when the peer's
+incarnation changed). Bookkeeping lives in ``tracker``; this module only routes between the
+engine, the tracker and the I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
+from kvrelay.engine.sequence import FinishReason
+from kvrelay.kv_transfer.errors import KVTransferError
+from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
+from kvrelay.kv_transfer.messages import KVDestination, KVExpectation, PeerInfo
+from kvrelay.kv_transfer.nixl_transport import NixlTransport
+from kvrelay.kv_transfer.tracker import NotifJob, RecvTracker, SendTracker
+from kvrelay.kv_transfer.transfer_thread import TransferThread, WriteJob
+
+if TYPE_CHECKING:
+    from kvrelay.engine.kv_cache import KVCacheSpec
+    from kvrelay.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_ABORTED = (FinishReason.ABORT, FinishReason.ERROR)
+
+
+@dataclass(frozen=True)
+class NixlConnectorConfig:
+    agent_name: str  # unique per worker process group; peers address us by it
+    model_id: str  # layout.model_identity(model_dir): refuses peers serving other weights
+    write_timeout_s: float = 10.0  # a write not done by then fails (retriable)
+    max_poll_interval_s: float = 2e-3  # longest wait between completion polls while in flight
+    # A receiving request aborted before its KV arrived keeps its blocks this long: the sender may
+    # have writes in flight (a cancel reaches it asynchronously), and they must not land in
+    # blocks already handed to another request.
+    abort_grace_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.agent_name:
+            raise ValueError("NixlConnectorConfig.agent_name must be non-empty")
+        if not self.model_id:
+            raise ValueError("NixlConnectorConfig.model_id must be non-empty")
+        if not self.write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
+        if self.abort_grace_s < 0:
+            raise ValueError(f"abort_grace_s must be >= 0, got {self.abort_grace_s}")
+        if not 0 < self.max_poll_interval_s <= 0.1:
+            raise ValueError(f"max_poll_interval_s must be in (0, 0.1], got "
+                             f"{self.max_poll_interval_s}")
+
+
+@dataclass
+class _PeerWrites:
+    """This step's blocks for one peer incarnation, all requests together: one write per
+    layer."""
+
+    local: list[int] = field(default_factory=list)
+    remote: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+
+class NixlConnector(KVConnector):
+    def __init__(self, config: NixlConnectorConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()  # guards the trackers (engine thread vs I/O thread)
+        self._send = SendTracker()
+        self._recv = RecvTracker()
+        self._transport: NixlTransport | None = None
+        self._thread: TransferThread | None = None
+        self._spec: KVCacheSpec | None = None
+        self._cuda = False
+        self._step: dict[tuple[str, str | None], _PeerWrites] = {}
+        self._saved: set[int] = set()
+        self._quarantine: dict[str, float] = {}  # aborted receivers -> when their blocks free
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
+        if self._transport is not None:
+            raise RuntimeError("register_kv_cache may be called once")
+        layout = KVLayout.from_spec(spec, self.config.model_id, device_kind_of(kv.device))
+        self._transport = NixlTransport(self.config.agent_name, kv, layout,
+                                        write_timeout_s=self.config.write_timeout_s)
+        self._spec = spec
+        self._cuda = kv.is_cuda
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
+        if self._transport is not None:
+            self._transport.close()
+
+    @property
+    def transport(self) -> NixlTransport:
+        if self._transport is None:
+            raise RuntimeError("register_kv_cache() first")
+        return self._transport
+
+    # -- control plane -------------------------------------------------------------------------
+    def peer_info(self) -> PeerInfo:
+        """Our endpoint, to publish on the control channel (``PeerInfo.to_bytes()``)."""
+        return self.transport.peer_info()
+
+    def add_peer(self, info: PeerInfo) -> bool:
+        """Connect to a decode worker (no-op if this incarnation is known). Raises
+        ``IncompatibleKVLayout`` with the flag to change when its KV layout differs."""
+        return self.transport.add_peer(info)
+
+    def peer_incarnation(self, name: str) -> str | None:
+        """The incarnation we hold for ``name`` (None: unknown): compare with the one the peer
+        advertises to decide whether to fetch and add its ``PeerInfo`` again."""
+        return self.transport.peer_incarnation(name)
+
+    def evict_peer(self, name: str) -> bool:
+        return self.transport.evict_peer(name)
+
+    # -- worker side ---------------------------------------------------------------------------
+    def start_step(self, scheduled: Seq[ScheduledSeq]) -> None:
+        self._step, self._saved = {}, set()
+        if self._spec is None:
+            return
+        bs = self._spec.block_size
+        with self._lock:
+            for seq, n in scheduled:
+                dest = seq.kv_transfer_params
+                if not isinstance(dest, KVDestination):
+                    continue
+                pw = self._send.plan(seq.request_id, dest, seq.block_table,
+                                     seq.num_computed_tokens, n, seq.num_prompt_tokens, bs,
+                                     self.transport.peer_incarnation(dest.peer))
+                if pw is None:
+                    continue
+                w = self._step.setdefault((dest.peer, pw.incarnation), _PeerWrites())
+                w.local += pw.local
+                w.remote += pw.remote
+                w.request_ids.append(seq.request_id)
+
+    def save_layer(self, layer: int) -> None:
+        if self._step and layer not in self._saved:
+            self._saved.add(layer)
+            self._submit((layer,))
+
+    def end_step(self) -> None:
+        if self._step:
+            assert self._spec is not None
+            rest = tuple(x for x in range(self._spec.num_layers) if x not in self._saved)
+            if rest:  # the model did not report these layers: send them now
+                self._submit(rest)
+        self._step, self._saved = {}, set()
+
+    def _submit(self, layers: tuple[int, ...]) -> None:
+        ready = None
+        if self._cuda:  # save_layer runs when kernels are queued, not done
+            ready = torch.cuda.Event()
+            ready.record()
+        thread = self._io()
+        for (peer, incarnation), w in self._step.items():
+            job = WriteJob(peer, layers, w.local, w.remote, tuple(w.request_ids), incarnation,
+                           ready)
+            with self._lock:
+                self._send.posted(job.request_ids)
+            thread.submit(job)
+
+    def _io(self) -> TransferThread:
+        if self._thread is None:
+            self._thread = TransferThread(self.transport, self._on_write_end, self._on_notif_end,
+                                          max_wait_s=self.config.max_poll_interval_s)
+        return self._thread
+
+    def _on_write_end(self, job: WriteJob, err: KVTransferError | None) -> list[NotifJob]:
+        with self._lock:
+            if err is None:
+                return self._send.write_done(job.request_ids)
+            return self._send.write_failed(job.request_ids, _reason(err))
+
+    def _on_notif_end(self, job: NotifJob, err: KVTransferError | None) -> None:
+        with self._lock:
+            self._send.notif_done(job.request_id, None if err is None else _reason(err))
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def request_waiting_for_kv(self, seq: Sequence) -> None:
+        exp = seq.kv_transfer_params
+        if not isinstance(exp, KVExpectation):
+            raise TypeError(f"request {seq.request_id!r} waits for KV but its kv_transfer_params "
+                            f"is {type(exp).__name__}, not KVExpectation")
+        deadline = None if exp.timeout_s is None else time.monotonic() + exp.timeout_s
+        with self._lock:
+            self._recv.expect(seq.request_id, exp.notif, deadline)
+
+    def request_finished(self, seq: Sequence) -> bool:
+        params = seq.kv_transfer_params
+        if isinstance(params, KVDestination):
+            with self._lock:
+                jobs = self._send.finish(seq.request_id, params,
+                                         aborted=seq.finish_reason in _ABORTED)
+            for job in jobs:
+                self._io().submit(job)
+            return True
+        if isinstance(params, KVExpectation):
+            with self._lock:
+                self._recv.forget(seq.request_id)
+                if seq.finish_reason in _ABORTED and not seq.kv_ready \
+                        and self.config.abort_grace_s > 0:
+                    self._quarantine[seq.request_id] = (time.monotonic()
+                                                        + self.config.abort_grace_s)
+                    return True
+        return False
+
+    def take_events(self) -> TransferEvents:
+        with self._lock:
+            expecting = self._recv.has_pending()
+        # Only a receiver polls: on a sender the I/O thread may hold the transport for a copy.
+        notifs = self.transport.get_notifs() if expecting else []
+        with self._lock:
+            for n in notifs:
+                self._recv.on_notif(n.peer, n.msg)
+            self._recv.expire(time.monotonic())
+            recv = self._recv.take()
+            send = self._send.take()
+            now = time.monotonic()
+            released = [r for r, t in self._quarantine.items() if t <= now]
+            for r in released:
+                del self._quarantine[r]
+        # ``sent`` tells the engine it may free the blocks it held for these requests.
+        return TransferEvents(send.sent + released, recv.received, send.failed + recv.failed)
+
+    def has_pending(self) -> bool:
+        with self._lock:
+            return (self._send.has_pending() or self._recv.has_pending()
+                    or bool(self._quarantine))
+
+
+def _reason(err: KVTransferError) -> str:
+    return f"{err} (retriable)" if err.retriable else str(err)

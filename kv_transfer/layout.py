@@ -1,0 +1,177 @@
+"""What a peer must know about our KV tensor before it may write into it, and the check.
+
+A ``KVLayout`` travels in every ``PeerInfo``. Two engines can exchange KV blocks only when every
+property that decides the bytes of one (layer, K|V, block) region is the same: the protocol
+version (which also fixes the tensor's dimension order), the model (``model_id``), layers, KV
+heads, head size, block size, dtype, and the device kind. ``num_blocks`` may differ: each engine
+sizes its cache from its own memory budget, and block ids are always the owner's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvrelay.engine.kv_cache import KVCacheSpec
+from kvrelay.kv_transfer.errors import KVTransferError
+
+# Bump whenever the tensor layout ([layers, 2, blocks, block_size, kv_heads, head_dim]) or the
+# meaning of any field below changes.
+PROTOCOL_VERSION = 1
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+class IncompatibleKVLayout(KVTransferError):
+    """The peer's KV bytes do not mean what ours mean; the message says what to change."""
+
+    def __init__(self, message: str, *, peer: str | None = None) -> None:
+        super().__init__(message, retriable=False, peer=peer)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+    model_id: str
+    device_kind: str = "cpu"
+    version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        self.spec  # noqa: B018 - validates the shape fields and the dtype
+        if not self.model_id:
+            raise ValueError("KVLayout.model_id must identify the model (see model_identity)")
+        if self.device_kind not in DEVICE_KINDS:
+            raise ValueError(f"KVLayout.device_kind must be one of {DEVICE_KINDS}, "
+                             f"got {self.device_kind!r}")
+        if not isinstance(self.version, int) or self.version < 1:
+            raise ValueError(f"KVLayout.version must be a positive integer, got {self.version!r}")
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, model_id: str, device_kind: str = "cpu") -> KVLayout:
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
+                   spec.num_blocks, spec.dtype, model_id, device_kind)
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                           self.num_blocks, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.spec.block_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        version = d.get("version")
+        if version != PROTOCOL_VERSION:
+            # Refuse before reading fields whose meaning may have changed.
+            raise IncompatibleKVLayout(
+                f"peer speaks KV layout protocol v{version}, we speak v{PROTOCOL_VERSION}: "
+                "run the same kvrelay version in the prefill and decode pools")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ValueError(f"malformed KV layout {d!r}: {e}") from None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVLayout:
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed KV layout bytes: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"malformed KV layout: expected a JSON object, got {d!r}")
+        return cls.from_dict(d)
+
+
+# (field, what we say about it, the flag that makes both pools agree)
+_CHECKS: tuple[tuple[str, str, str], ...] = (
+    ("model_id", "serves model", "--model (the same checkpoint)"),
+    ("num_layers", "has num_layers", "--model (the same checkpoint)"),
+    ("num_kv_heads", "has num_kv_heads", "--model (the same checkpoint)"),
+    ("head_dim", "has head_dim", "--model (the same checkpoint)"),
+    ("block_size", "has block_size", "--block-size"),
+    ("dtype", "stores KV as", "--dtype"),
+    ("device_kind", "keeps KV on", "--device kind (cpu or cuda)"),
+)
+
+
+def layout_differences(local: KVLayout, remote: KVLayout) -> list[str]:
+    """One actionable sentence per property that differs (empty when compatible)."""
+    if local.version != remote.version:
+        return [f"peer speaks KV layout protocol v{remote.version}, we speak v{local.version}: "
+                "run the same kvrelay version in both pools"]
+    out = []
+    for name, what, flag in _CHECKS:
+        theirs, ours = getattr(remote, name), getattr(local, name)
+        if theirs != ours:
+            out.append(f"peer {what} {theirs}, we have {ours}: start both pools with the "
+                       f"same {flag}")
+    return out
+
+
+def check_compatible(local: KVLayout, remote: KVLayout, *, peer: str | None = None) -> None:
+    """Raise ``IncompatibleKVLayout`` naming every difference and the flag that fixes it."""
+    diffs = layout_differences(local, remote)
+    if diffs:
+        who = f"peer {peer!r}" if peer else "peer"
+        raise IncompatibleKVLayout(f"KV layout of {who} is incompatible with ours: "
+                                   + "; ".join(diffs), peer=peer)
+
+
+def model_identity(model_dir: str, *, sample_bytes: int = 1 << 16) -> str:
+    """A short fingerprint of a checkpoint: its config plus a sample of every weight file.
+
+    Two engines whose KV should be interchangeable must load the same weights, not merely the
+    same architecture, so the config alone is not enough; hashing whole files would cost seconds
+    per GB at startup, so each ``*.safetensors`` contributes its name, size and its first and
+    last ``sample_bytes`` (which include the header and real weights).
+    """
+    h = hashlib.sha256()
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        config = json.load(f)
+    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(os.listdir(model_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(model_dir, name)
+        size = os.path.getsize(path)
+        h.update(f"{name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(sample_bytes))
+            f.seek(max(0, size - sample_bytes))
+            h.update(f.read(sample_bytes))
+    return h.hexdigest()[:16]
+
+
+def device_kind_of(device: Any) -> str:
+    """'cpu' or 'cuda' for a torch device (or its string)."""
+    kind = str(device).split(":", 1)[0]
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"KV transfer supports {DEVICE_KINDS} tensors, not {device}")
+    return kind
+
+
+__all__ = [
+    "DEVICE_KINDS",
+    "PROTOCOL_VERSION",
+    "IncompatibleKVLayout",
+    "KVLayout",
+    "check_compatible",
+    "device_kind_of",
+    "layout_differences",
+    "model_identity",
+]

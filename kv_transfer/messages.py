@@ -1,0 +1,127 @@
+"""Messages of the KV data plane: what the control plane hands the connector, and back.
+
+- ``KVDestination`` (prefill side, ``Sequence.kv_transfer_params``): where this request's KV goes.
+- ``KVExpectation`` (decode side, ``Sequence.kv_transfer_params``): which notification says the
+  request's KV has fully arrived.
+- ``PeerInfo``: everything a sender needs to write into an engine's KV tensor. It travels over
+  our own control channel (gRPC) as opaque, versioned bytes (``to_bytes``/``from_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.kv_transfer.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Send the request's prompt KV to agent ``peer``.
+
+    ``remote_block_ids[i]`` is the peer's block for the request's i-th block (the peer's whole
+    reservation, cached prefix included); the first ``skip_blocks`` are already there (the peer's
+    prefix cache) and are never written. ``notif`` is sent once after all data has landed.
+    ``incarnation`` is the peer's ``PeerInfo.incarnation`` when it reserved the blocks: writes
+    are refused if the peer restarted since (its blocks now belong to someone else). When None,
+    the request binds to the incarnation known at its first step.
+    """
+
+    peer: str
+    remote_block_ids: Sequence[int]
+    skip_blocks: int = 0
+    notif: bytes = b""
+    incarnation: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "remote_block_ids", tuple(int(b) for b in self.remote_block_ids))
+        if not self.peer:
+            raise ValueError("KVDestination.peer must name the receiving NIXL agent")
+        if any(b < 0 for b in self.remote_block_ids):
+            raise ValueError(f"KVDestination.remote_block_ids must be >= 0, got "
+                             f"{list(self.remote_block_ids)}")
+        if not 0 <= self.skip_blocks <= len(self.remote_block_ids):
+            raise ValueError(f"KVDestination.skip_blocks must be in [0, "
+                             f"{len(self.remote_block_ids)}], got {self.skip_blocks}")
+        if isinstance(self.notif, str):
+            object.__setattr__(self, "notif", self.notif.encode())
+        if not self.notif:
+            raise ValueError("KVDestination.notif must be non-empty: the receiver matches on it")
+
+
+@dataclass(frozen=True)
+class KVExpectation:
+    """The request's KV is complete when notification ``notif`` arrives (within ``timeout_s``)."""
+
+    notif: bytes
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.notif, str):
+            object.__setattr__(self, "notif", self.notif.encode())
+        if not self.notif:
+            raise ValueError("KVExpectation.notif must be non-empty")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"KVExpectation.timeout_s must be positive, got {self.timeout_s}")
+
+
+_MAGIC = b"KVRP"
+_WIRE_VERSION = 1
+_HEAD = struct.Struct("!4sBI")  # magic, wire version, length of the JSON part
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """One engine's KV endpoint. ``incarnation`` changes on every process start, so a restarted
+    peer that kept its agent name is recognised and reconnected."""
+
+    agent_name: str
+    agent_metadata: bytes  # nixl_agent.get_agent_metadata()
+    layout: KVLayout
+    base_address: int  # data_ptr() of the registered KV tensor
+    device_id: int
+    incarnation: str
+
+    def __post_init__(self) -> None:
+        if not self.agent_name:
+            raise ValueError("PeerInfo.agent_name must be non-empty")
+        if not self.agent_metadata:
+            raise ValueError("PeerInfo.agent_metadata must be non-empty")
+        if not isinstance(self.layout, KVLayout):
+            raise ValueError(f"PeerInfo.layout must be a KVLayout, got {type(self.layout)}")
+        if self.base_address <= 0 or self.device_id < 0:
+            raise ValueError(f"PeerInfo has an invalid address {self.base_address:#x} "
+                             f"or device id {self.device_id}")
+        if not self.incarnation:
+            raise ValueError("PeerInfo.incarnation must be non-empty")
+
+    def _header(self) -> dict[str, Any]:
+        return {"agent_name": self.agent_name, "layout": self.layout.to_dict(),
+                "base_address": self.base_address, "device_id": self.device_id,
+                "incarnation": self.incarnation}
+
+    def to_bytes(self) -> bytes:
+        """``KVRP`` + wire version + JSON header length, the JSON header, the NIXL metadata."""
+        head = json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode()
+        return _HEAD.pack(_MAGIC, _WIRE_VERSION, len(head)) + head + self.agent_metadata
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PeerInfo:
+        data = bytes(data)
+        if len(data) < _HEAD.size or data[:4] != _MAGIC:
+            raise ValueError("not a kvrelay PeerInfo (bad magic): is the peer a kvrelay worker?")
+        _, version, n = _HEAD.unpack_from(data)
+        if version != _WIRE_VERSION:
+            raise ValueError(f"PeerInfo wire version {version}, we read {_WIRE_VERSION}: run the "
+                             "same kvrelay version in both pools")
+        if len(data) < _HEAD.size + n:
+            raise ValueError("truncated PeerInfo")
+        head = json.loads(data[_HEAD.size:_HEAD.size + n])
+        return cls(agent_name=head["agent_name"],
+                   agent_metadata=data[_HEAD.size + n:],
+                   layout=KVLayout.from_dict(head["layout"]),
+                   base_address=int(head["base_address"]), device_id=int(head["device_id"]),
+                   incarnation=head["incarnation"])

@@ -1,0 +1,389 @@
+"""The KV I/O: one NIXL agent per worker moving (layer, K|V, block) regions between KV tensors.
+
+The engine's single KV tensor is registered once (DRAM, or VRAM when it lives on CUDA). Its
+descriptor list has one entry per (layer, kv, block) in tensor order, prepared once locally and
+once per peer, so a write is built by index: no per-transfer registration or validation.
+
+Peers are added from a ``PeerInfo`` that travels over our own control channel (NIXL's listener
+thread is off). Re-adding a name with a new incarnation (a restarted peer) replaces the old one.
+
+Progress: NIXL's progress thread is off (with it, UCX's thread polls with a zero timeout and
+burns a core even when idle). Progress happens inside our calls: ``write`` (on CPU the UCX CMA
+copy runs right there, with the GIL released), ``poll``, ``progress`` and ``get_notifs``. A
+*receiver* must call ``get_notifs`` (or ``progress``) every few milliseconds while it expects KV:
+a sender's first write to it cannot complete until the receiver's UCX worker answers the
+connection handshake.
+
+Every call is serialised by one lock (the agent runs with ``NIXL_THREAD_SYNC_NONE``, i.e. UCX in
+serialized mode). Failures raise ``KVTransferError``; a dead peer is ``retriable`` and is dropped
+from the peer table, so the caller re-adds it (its new ``PeerInfo``) before the next write.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvrelay.kv_transfer.descriptors import block_bounds, plane_block_indices, region_descs
+from kvrelay.kv_transfer.errors import KVTransferError
+from kvrelay.kv_transfer.layout import KVLayout, check_compatible, device_kind_of
+from kvrelay.kv_transfer.messages import PeerInfo
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+try:
+    import nixl._bindings as _nb
+    from nixl._api import nixl_agent, nixl_agent_config
+except ImportError as e:  # no silent fallback: a disaggregated worker cannot run without it
+    raise ImportError(
+        f"kvrelay.kv_transfer needs the NIXL Python package to move KV between workers ({e}). "
+        "Install it with `pip install nixl` (the wheel bundles UCX), or run the engine in the "
+        "aggregated role (no KV transfer).") from e
+
+logger = logging.getLogger(__name__)
+
+# NIXL errors after which the same request may succeed elsewhere or after a reconnect.
+_RETRIABLE_NIXL = tuple(
+    getattr(_nb, n) for n in ("nixlRemoteDisconnectError", "nixlNotFoundError",
+                              "nixlCancelledError", "nixlBackendError", "nixlUnknownError",
+                              "nixlNotPostedError") if hasattr(_nb, n))
+_NIXL_ERRORS = tuple(getattr(_nb, n) for n in dir(_nb)
+                     if n.startswith("nixl") and n.endswith("Error"))
+_DISCONNECT = getattr(_nb, "nixlRemoteDisconnectError", ())
+
+
+class Notification(NamedTuple):
+    peer: str
+    msg: bytes
+
+
+class WriteHandle:
+    """One posted write. ``poll`` it until it returns True (or raises)."""
+
+    __slots__ = ("_xfer", "deadline", "done", "nbytes", "peer", "posted_at")
+
+    def __init__(self, peer: str, nbytes: int, xfer: object | None, deadline: float) -> None:
+        self.peer = peer
+        self.nbytes = nbytes
+        self._xfer = xfer
+        self.posted_at = time.monotonic()
+        self.deadline = deadline
+        self.done = xfer is None
+
+    def __repr__(self) -> str:
+        return f"WriteHandle({self.peer!r}, {self.nbytes} B, done={self.done})"
+
+
+class _Peer(NamedTuple):
+    info: PeerInfo
+    dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, kv, block) regions
+
+
+def _mem_type(device_kind: str) -> str:
+    return "VRAM" if device_kind == "cuda" else "DRAM"
+
+
+class NixlTransport:
+    def __init__(self, agent_name: str, kv: torch.Tensor, layout: KVLayout, *,
+                 write_timeout_s: float = 10.0, num_threads: int = 0) -> None:
+        spec = layout.spec
+        if tuple(kv.shape) != spec.shape or kv.dtype != spec.torch_dtype:
+            raise ValueError(f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match the layout "
+                             f"{spec.shape} {spec.torch_dtype}")
+        if not kv.is_contiguous():
+            raise ValueError("the KV tensor must be contiguous to be registered as one region")
+        if device_kind_of(kv.device) != layout.device_kind:
+            raise ValueError(f"KV tensor is on {kv.device}, layout says {layout.device_kind}")
+        if write_timeout_s <= 0:
+            raise ValueError(f"write_timeout_s must be positive, got {write_timeout_s}")
+        self.name = agent_name
+        self.layout = layout
+        self.write_timeout_s = write_timeout_s
+        self._block_bytes = layout.block_bytes
+        self.incarnation = uuid.uuid4().hex
+        self._kv = kv
+        self._lock = threading.RLock()
+        self._peers: dict[str, _Peer] = {}
+        # Written under the lock, read without it: the engine thread asks for incarnations
+        # while the I/O thread may hold the lock for a long copy.
+        self._incarnations: dict[str, str] = {}
+        self._notifs: list[Notification] = []
+        self._closed = False
+        self._device_id = max(kv.get_device(), 0)
+        self._mem = _mem_type(layout.device_kind)
+        self._agent = nixl_agent(agent_name, nixl_agent_config(
+            enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
+            num_threads=num_threads))
+        if "UCX" not in self._agent.backends:
+            raise KVTransferError("NIXL has no UCX backend here (plugin missing): reinstall nixl",
+                                  retriable=False)
+        self._reg = self._agent.register_memory(kv)
+        self._local = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", region_descs(kv.data_ptr(), layout, self._device_id), self._mem)
+        logger.info("NIXL agent %s up: %s KV, %d blocks x %d B x %d planes (incarnation %s)",
+                    agent_name, self._mem, layout.num_blocks, layout.block_bytes,
+                    layout.num_layers * 2, self.incarnation[:8])
+
+    # -- identity ------------------------------------------------------------------------------
+    def peer_info(self) -> PeerInfo:
+        with self._lock:
+            self._check_open()
+            md = self._agent.get_agent_metadata()
+        return PeerInfo(self.name, md, self.layout, self._kv.data_ptr(), self._device_id,
+                        self.incarnation)
+
+    # -- peers ---------------------------------------------------------------------------------
+    def add_peer(self, info: PeerInfo) -> bool:
+        """Connect to ``info``'s agent; True if it was (re)added, False if already current."""
+        if info.agent_name == self.name:
+            raise KVTransferError(f"peer name {info.agent_name!r} is our own agent name: give "
+                                  "every worker a unique agent name", retriable=False)
+        check_compatible(self.layout, info.layout, peer=info.agent_name)
+        with self._lock:
+            self._check_open()
+            cur = self._peers.get(info.agent_name)
+            if cur is not None and cur.info.incarnation == info.incarnation:
+                return False
+            if cur is not None:
+                logger.info("peer %s restarted (incarnation %s -> %s): reconnecting",
+                            info.agent_name, cur.info.incarnation[:8], info.incarnation[:8])
+            self._drop(info.agent_name)
+            try:
+                loaded = self._agent.add_remote_agent(info.agent_metadata)
+            except _NIXL_ERRORS:
+                # NIXL may still hold metadata of an earlier incarnation under this name.
+                self._agent.remove_remote_agent(info.agent_name)
+                loaded = self._load(info)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != info.agent_name:
+                self._agent.remove_remote_agent(loaded)
+                raise KVTransferError(f"PeerInfo names agent {info.agent_name!r} but its NIXL "
+                                      f"metadata is agent {loaded!r}", retriable=False)
+            try:
+                dlist = self._agent.prep_xfer_dlist(
+                    info.agent_name, region_descs(info.base_address, info.layout, info.device_id),
+                    _mem_type(info.layout.device_kind))
+            except _NIXL_ERRORS as e:
+                self._agent.remove_remote_agent(info.agent_name)
+                raise self._error(e, info.agent_name, "preparing descriptors of") from e
+            self._peers[info.agent_name] = _Peer(info, dlist)
+            self._incarnations[info.agent_name] = info.incarnation
+        logger.info("added KV peer %s (%d blocks)", info.agent_name, info.layout.num_blocks)
+        return True
+
+    def _load(self, info: PeerInfo) -> str:
+        try:
+            return self._agent.add_remote_agent(info.agent_metadata)
+        except _NIXL_ERRORS as e:
+            raise self._error(e, info.agent_name, "loading metadata of") from e
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._incarnations
+
+    def peer_incarnation(self, name: str) -> str | None:
+        """Lock-free: never waits for a write in progress."""
+        return self._incarnations.get(name)
+
+    def evict_peer(self, name: str) -> bool:
+        """Forget a peer (its writes in flight fail); True if it was known."""
+        with self._lock:
+            known = name in self._peers
+            self._drop(name)
+        if known:
+            logger.info("evicted KV peer %s", name)
+        return known
+
+    def _drop(self, name: str) -> None:
+        self._incarnations.pop(name, None)
+        p = self._peers.pop(name, None)
+        if p is None:
+            return
+        try:
+            p.dlist.release()
+        except _NIXL_ERRORS as e:
+            logger.debug("releasing descriptors of %s: %s", name, e)
+        self._agent.remove_remote_agent(name)  # returns a status, never raises
+
+    # -- writes --------------------------------------------------------------------------------
+    def write(self, peer: str, layers: int | Sequence[int] | None,
+              local_block_ids: Sequence[int], remote_block_ids: Sequence[int], *,
+              incarnation: str | None = None) -> WriteHandle:
+        """Post a WRITE of K and V of ``layers`` (None: all) for each block pair. With
+        ``incarnation``, refuse if the peer restarted since (its block ids changed owners)."""
+        nl = self.layout.num_layers
+        if isinstance(layers, int):
+            layers = (layers,)
+        elif layers is None:
+            layers = range(nl)
+        if not len(layers) or min(layers) < 0 or max(layers) >= nl:
+            raise KVTransferError(f"layers {list(layers)} out of range [0, {nl})", retriable=False)
+        if len(local_block_ids) != len(remote_block_ids) or not len(local_block_ids):
+            raise KVTransferError(f"need equally many local and remote blocks, got "
+                                  f"{len(local_block_ids)} and {len(remote_block_ids)}",
+                                  retriable=False)
+        planes = [layer * 2 + kv for layer in layers for kv in (0, 1)]
+        with self._lock:
+            p = self._peer(peer, incarnation)
+            nb_local, nb_remote = self.layout.num_blocks, p.info.layout.num_blocks
+            lo, hi = block_bounds(local_block_ids)
+            rlo, rhi = block_bounds(remote_block_ids)
+            if lo < 0 or hi >= nb_local or rlo < 0 or rhi >= nb_remote:
+                raise KVTransferError(
+                    f"block ids out of range: local {lo}..{hi} of {nb_local}, "
+                    f"remote {rlo}..{rhi} of {nb_remote} at {peer}", retriable=False, peer=peer)
+            lidx = plane_block_indices(planes, local_block_ids, nb_local)
+            ridx = plane_block_indices(planes, remote_block_ids, nb_remote)
+            nbytes = len(lidx) * self._block_bytes
+            try:
+                xfer = self._agent.make_prepped_xfer("WRITE", self._local, lidx, p.dlist, ridx)
+            except _NIXL_ERRORS as e:
+                raise self._failed(e, peer, "building a write to") from e
+            try:
+                state = self._agent.transfer(xfer)
+            except _NIXL_ERRORS as e:
+                self._release(xfer)
+                raise self._failed(e, peer, "posting a write to") from e
+            if state == "ERR":
+                self._release(xfer)
+                raise KVTransferError(f"NIXL refused a write to {peer}", retriable=True,
+                                      peer=peer)
+            if state == "DONE":
+                self._release(xfer)
+                xfer = None
+            return WriteHandle(peer, nbytes, xfer, time.monotonic() + self.write_timeout_s)
+
+    def poll(self, handle: WriteHandle) -> bool:
+        """True once the data is at the peer (remote completion: NIXL flushes the endpoint)."""
+        if handle.done:
+            return True
+        with self._lock:
+            try:
+                state = self._agent.check_xfer_state(handle._xfer)
+            except _NIXL_ERRORS as e:
+                self._finish(handle)
+                raise self._failed(e, handle.peer, "completing a write to") from e
+            if state == "DONE":
+                self._finish(handle)
+                return True
+            if state == "ERR":
+                self._finish(handle)
+                raise KVTransferError(f"a write to {handle.peer} failed", retriable=True,
+                                      peer=handle.peer)
+            if time.monotonic() >= handle.deadline:
+                self._finish(handle)
+                raise KVTransferError(
+                    f"a write to {handle.peer} did not complete in {self.write_timeout_s:g} s "
+                    "(peer stuck, or its engine loop is not polling for KV)", retriable=True,
+                    peer=handle.peer)
+            return False
+
+    def wait(self, handle: WriteHandle, timeout: float | None = None) -> None:
+        """Poll until done, sleeping between polls (tests, benchmarks, simple callers)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 1e-5
+        while not self.poll(handle):
+            if deadline is not None and time.monotonic() >= deadline:
+                self.cancel(handle)
+                raise KVTransferError(f"write to {handle.peer} not done in {timeout:g} s",
+                                      retriable=True, peer=handle.peer)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def cancel(self, handle: WriteHandle) -> None:
+        with self._lock:
+            self._finish(handle)
+
+    def _finish(self, handle: WriteHandle) -> None:
+        if handle._xfer is not None:
+            self._release(handle._xfer)
+            handle._xfer = None
+        handle.done = True
+
+    def _release(self, xfer: object) -> None:
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except _NIXL_ERRORS as e:  # an active handle NIXL could not cancel: it keeps it
+            logger.debug("releasing a transfer handle: %s", e)
+
+    # -- notifications -------------------------------------------------------------------------
+    def send_notif(self, peer: str, msg: bytes, *, incarnation: str | None = None) -> None:
+        """Send ``msg`` to ``peer``. Call only after its writes are done (``poll`` True): a
+        standalone notification is not ordered after earlier writes."""
+        with self._lock:
+            self._peer(peer, incarnation)
+            try:
+                self._agent.send_notif(peer, msg)
+            except _NIXL_ERRORS as e:
+                raise self._failed(e, peer, "notifying") from e
+            self._pull_notifs()  # progress: lets UCX push the message out now
+
+    def progress(self) -> None:
+        """Drive UCX (connection handshakes, queued messages); buffers incoming notifications."""
+        with self._lock:
+            if not self._closed:
+                self._pull_notifs()
+
+    def get_notifs(self) -> list[Notification]:
+        with self._lock:
+            if not self._closed:
+                self._pull_notifs()
+            out, self._notifs = self._notifs, []
+        return out
+
+    def _pull_notifs(self) -> None:
+        for peer, msgs in self._agent.get_new_notifs().items():
+            name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            self._notifs.extend(Notification(name, bytes(m)) for m in msgs)
+
+    def _peer(self, name: str, incarnation: str | None) -> _Peer:
+        self._check_open()
+        p = self._peers.get(name)
+        if p is None:
+            raise KVTransferError(f"unknown KV peer {name!r}: add_peer() its PeerInfo first "
+                                  "(peers are dropped after a failure)", retriable=True,
+                                  peer=name)
+        if incarnation is not None and p.info.incarnation != incarnation:
+            raise KVTransferError(f"KV peer {name} restarted since the request's blocks were "
+                                  f"reserved (incarnation {incarnation[:8]} is gone): reserve "
+                                  "again", retriable=True, peer=name)
+        return p
+
+    # -- errors / lifecycle --------------------------------------------------------------------
+    def _error(self, e: BaseException, peer: str, doing: str) -> KVTransferError:
+        retriable = isinstance(e, _RETRIABLE_NIXL)
+        return KVTransferError(f"NIXL failed {doing} {peer}: {type(e).__name__}: {e}",
+                               retriable=retriable, peer=peer)
+
+    def _failed(self, e: BaseException, peer: str, doing: str) -> KVTransferError:
+        if _DISCONNECT and isinstance(e, _DISCONNECT):
+            # NIXL already invalidated it; drop our side so a restarted peer is re-added fresh.
+            self._drop(peer)
+            return KVTransferError(f"KV peer {peer} disconnected while {doing} it (process died "
+                                   "or restarted): re-add its PeerInfo and retry", retriable=True,
+                                   peer=peer)
+        return self._error(e, peer, doing)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVTransferError(f"NIXL transport {self.name} is closed", retriable=False)
+
+    def close(self) -> None:
+        """Drop every peer, deregister the KV tensor. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for name in list(self._peers):
+                self._drop(name)
+            try:
+                self._local.release()
+                self._agent.deregister_memory(self._reg)
+            except _NIXL_ERRORS as e:
+                logger.warning("closing NIXL agent %s: %s", self.name, e)
+        logger.info("NIXL agent %s closed", self.name)
