@@ -22,11 +22,14 @@ _COMPONENT = "kvrelay"
 
 @contextlib.contextmanager
 def request_context(request_id: str) -> Iterator[None]:
-    token = REQUEST_ID.set(request_id)
+    previous = REQUEST_ID.get()
+    REQUEST_ID.set(request_id)
     try:
         yield
     finally:
-        REQUEST_ID.reset(token)
+        # Not ``reset(token)``: an async generator may be closed from another task's context
+        # (a client cancelling a stream), where the token is foreign and reset raises.
+        REQUEST_ID.set(previous)
 
 
 class _ContextFilter(logging.Filter):

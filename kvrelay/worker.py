@@ -114,16 +114,17 @@ class Worker:
         from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
 
         role = self.settings.role
+        model_dir = self.engine_config.model.model
         self.kv = None
         if role != "both":
-            from kvrelay.kv_transfer.worker_side import make_kv_endpoint
+            from kvrelay.kv_endpoint import KVEndpoint
 
-            self.kv = make_kv_endpoint(role, agent_name=self.worker_id,
-                                       incarnation=self.incarnation)
-        model_dir = self.engine_config.model.model
+            self.kv = KVEndpoint(self.worker_id, model_dir)
         tok = load_tokenizer(model_dir)
         eos = frozenset(eos_token_ids(model_dir, tok))
         core = EngineCore(self.engine_config, self.kv.connector if self.kv else None, eos)
+        if self.kv is not None:
+            self.kv.bind(core.runner.kv_spec)
         self.engine = AsyncEngine(core, on_step=self._on_step)
 
     def _on_step(self, seconds: float, tokens: int) -> None:

@@ -37,7 +37,7 @@ class KVSender(Protocol):
     def add_peer(self, peer_info: bytes) -> None: ...
 
     def destination(self, request_id: str, agent_name: str, block_ids: list[int],
-                    skip_blocks: int, lease_id: str) -> object: ...
+                    skip_blocks: int, lease_id: str, incarnation: str) -> object: ...
 
     def block_bytes(self) -> int: ...
 
@@ -112,7 +112,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             except ValueError as e:  # incompatible KV layouts: a deployment error
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip_blocks,
-                                         dest.lease_id)
+                                         dest.lease_id, dest.incarnation)
             t0 = time.monotonic()
             out: RequestOutput | None = None
             try:

@@ -187,16 +187,15 @@ class Lifecycle:
             req = wpb.DecodeRequest(request_id=spec.request_id, lease_id=lease.lease_id,
                                     first_token_id=tok, sampling=sampling_to_proto(sampling),
                                     kv_timeout_ms=int(self.config.kv_timeout_s * 1000))
-            d.inflight += 1
             call = d.decode.Decode(req, metadata=self.md)
             trace.add("decode_start", d.worker_id)
             try:
                 async for c in self._read_stream(spec, call, d, trace):
                     yield c
             finally:
-                d.inflight -= 1
                 call.cancel()
         finally:
+            d.inflight -= 1
             renew.cancel()
             if not decode_started:
                 self._release_soon(d, spec.request_id, lease.lease_id)
@@ -224,11 +223,17 @@ class Lifecycle:
         for d in self.policy.rank_decode(decoders, need, prompt):
             req = wpb.ReserveRequest(request_id=spec.request_id, prompt_token_ids=prompt,
                                      ttl_ms=int(self.config.lease_ttl_s * 1000))
+            # Counted from the reservation on (the caller drops it when the request leaves this
+            # worker), so concurrent arrivals between two heartbeats spread over the pool.
+            d.inflight += 1
             try:
                 resp = await d.decode.Reserve(
                     req, metadata=self.md,
                     timeout=self._remaining(spec, self.config.reserve_timeout_s))
-            except grpc.aio.AioRpcError as e:
+            except BaseException as e:
+                d.inflight -= 1
+                if not isinstance(e, grpc.aio.AioRpcError):
+                    raise
                 code = e.code()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted += 1

@@ -69,6 +69,7 @@ class Cluster:
         self._n += 1
         log = self.workdir / f"{self._n:02d}-{name}.log"
         ready = self.workdir / f"{self._n:02d}-{name}.ready"
+        ready.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "kvrelay.cli", *args, "--ready-file", str(ready)]
         f = open(log, "w")  # noqa: SIM115 (the child owns it for its life)
         popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
