@@ -35,7 +35,7 @@ from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
 from kvrelay.kv_transfer.messages import KVDestination, KVExpectation, PeerInfo
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
-from kvrelay.kv_transfer.tracker import NotifJob, RecvTracker, SendTracker
+from kvrelay.kv_transfer.tracker import ABORT_SUFFIX, NotifJob, RecvTracker, SendTracker
 from kvrelay.kv_transfer.transfer_thread import TransferThread, WriteJob
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class NixlConnector(KVConnector):
         self._step: dict[tuple[str, str | None], _PeerWrites] = {}
         self._saved: set[int] = set()
         self._quarantine: dict[str, float] = {}  # aborted receivers -> when their blocks free
+        self._abort_notice: dict[bytes, str] = {}  # their senders' abort notices -> request
 
     # -- lifecycle -----------------------------------------------------------------------------
     def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
@@ -225,17 +226,22 @@ class NixlConnector(KVConnector):
                         and self.config.abort_grace_s > 0:
                     self._quarantine[seq.request_id] = (time.monotonic()
                                                         + self.config.abort_grace_s)
+                    self._abort_notice[params.notif + ABORT_SUFFIX] = seq.request_id
                     return True
         return False
 
     def take_events(self) -> TransferEvents:
         with self._lock:
-            expecting = self._recv.has_pending()
+            expecting = self._recv.has_pending() or bool(self._quarantine)
         # Only a receiver polls: on a sender the I/O thread may hold the transport for a copy.
         notifs = self.transport.get_notifs() if expecting else []
         with self._lock:
             for n in notifs:
-                self._recv.on_notif(n.peer, n.msg)
+                rid = self._abort_notice.pop(n.msg, None)
+                if rid is not None:  # the sender's last write has ended: reuse the blocks now
+                    self._quarantine[rid] = 0.0
+                elif not n.msg.endswith(ABORT_SUFFIX):
+                    self._recv.on_notif(n.peer, n.msg)
             self._recv.expire(time.monotonic())
             recv = self._recv.take()
             send = self._send.take()
@@ -243,6 +249,10 @@ class NixlConnector(KVConnector):
             released = [r for r, t in self._quarantine.items() if t <= now]
             for r in released:
                 del self._quarantine[r]
+            if released:
+                gone = set(released)
+                self._abort_notice = {k: v for k, v in self._abort_notice.items()
+                                      if v not in gone}
         # ``sent`` tells the engine it may free the blocks it held for these requests.
         return TransferEvents(send.sent + released, recv.received, send.failed + recv.failed)
 

@@ -4,8 +4,11 @@
 Sender (``SendTracker``), per request: which blocks are already covered, how many writes are in
 flight, whether the engine finished it, whether something failed. The notification is released
 (as a ``NotifJob`` for the I/O side to send) exactly once: when the request is finished, nothing is
-in flight and nothing failed. A failed or aborted request is never notified; it is reported in
-``failed`` and then in ``sent`` once no write reads its blocks anymore.
+in flight and nothing failed. A failed or aborted request is never notified as complete; it is
+reported in ``failed`` and then in ``sent`` once no write reads its blocks anymore. An aborted one
+whose peer is still reachable gets an *abort notice* instead (its notification + ``ABORT_SUFFIX``),
+sent after its last write ended, so the receiver may reuse the blocks at once rather than after
+its grace period.
 
 Receiver (``RecvTracker``): open expectations keyed by notification bytes, with deadlines.
 """
@@ -21,6 +24,9 @@ from kvrelay.kv_transfer.messages import KVDestination
 from kvrelay.kv_transfer.send_plan import PlanError, blocks_to_send, map_blocks
 
 logger = logging.getLogger(__name__)
+
+
+ABORT_SUFFIX = b"|abort"
 
 
 class NotifJob(NamedTuple):
@@ -52,6 +58,7 @@ class _Send:
     finished: bool = False
     notifying: bool = False
     failure: str | None = None
+    aborted: bool = False
 
 
 class SendTracker:
@@ -112,12 +119,15 @@ class SendTracker:
         st.finished = True
         if aborted and st.failure is None:
             st.failure = "request aborted before its KV was delivered"
+            st.aborted = True
         return self._maybe_complete(request_id)
 
     def notif_done(self, request_id: str, error: str | None) -> None:
         st = self._reqs.pop(request_id)
         assert st.notifying
-        if error is not None:
+        if st.aborted:
+            self._failed.append((request_id, st.failure or "aborted"))
+        elif error is not None:
             self._failed.append((request_id, error))
         self._sent.append(request_id)
 
@@ -125,6 +135,10 @@ class SendTracker:
         st = self._reqs[request_id]
         if not st.finished or st.inflight or st.notifying:
             return []
+        if st.aborted and st.dest.notif:
+            st.notifying = True
+            return [NotifJob(request_id, st.dest.peer, st.dest.notif + ABORT_SUFFIX,
+                             st.incarnation)]
         if st.failure is not None:
             del self._reqs[request_id]
             self._failed.append((request_id, st.failure))

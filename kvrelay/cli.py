@@ -173,7 +173,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         config=RouterConfig(policy=args.policy, lease_ttl_s=float(args.lease_ttl),
                             kv_timeout_s=float(args.kv_timeout),
                             max_inflight=int(args.max_inflight),
-                            max_migrations=int(args.max_migrations)))
+                            max_migrations=int(args.max_migrations),
+                            kv_wait_s=float(args.kv_wait)))
     asyncio.run(run_router(settings, on_ready=lambda r: _write_ready(
         args.ready_file, {"port": r.port, "control_port": r.control_port,
                           "http_port": r.http_port, "pid": os.getpid()})))
@@ -238,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--kv-timeout", type=float, default=30.0)
     opt(p, "--max-inflight", type=int, default=512)
     opt(p, "--max-migrations", type=int, default=2)
+    opt(p, "--kv-wait", type=float, default=5.0,
+        help="seconds a request may wait for decode KV room before RESOURCE_EXHAUSTED")
     opt(p, "--heartbeat-interval", type=float, default=1.0)
     opt(p, "--api-keys", default=None, help="comma-separated API keys (prefer the env var)")
     opt(p, "--api-key-file", default=None, help="file with one API key per line")

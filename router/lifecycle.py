@@ -48,6 +48,9 @@ class RouterConfig:
     max_migrations: int = 2
     max_inflight: int = 512
     worker_wait_s: float = 5.0  # how long a request waits for a worker to appear
+    # How long a request waits for KV room on the decode pool before RESOURCE_EXHAUSTED: blocks
+    # come back as requests finish, so a burst queues briefly instead of failing at once.
+    kv_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_prefill_attempts < 1 or self.max_migrations < 0 or self.max_inflight < 1:
@@ -214,6 +217,24 @@ class Lifecycle:
 
     async def _reserve(self, spec: GenerateSpec, prompt: list[int],
                        trace: Trace) -> tuple[WorkerState, wpb.ReserveResponse]:
+        give_up = time.monotonic() + self.config.kv_wait_s
+        if spec.deadline is not None:
+            give_up = min(give_up, spec.deadline)
+        pause = 0.02
+        while True:
+            got = await self._reserve_once(spec, prompt, trace)
+            if got is not None:
+                return got
+            if time.monotonic() + pause > give_up:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  "no decode worker has KV room for this request now",
+                                  retry_after_s=1.0)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.25)
+
+    async def _reserve_once(self, spec: GenerateSpec, prompt: list[int],
+                            trace: Trace) -> tuple[WorkerState, wpb.ReserveResponse] | None:
+        """Reserve on the best decode worker that has room; None when all are full."""
         decoders = self.registry.alive("decode")
         if not decoders:
             raise WorkerLost("no decode worker")
@@ -246,9 +267,7 @@ class Lifecycle:
             trace.add("reserved", d.worker_id, detail=f"cached={resp.cached_prefix_tokens}")
             return d, resp
         if exhausted:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              "no decode worker has KV room for this request now",
-                              retry_after_s=1.0)
+            return None
         raise WorkerLost("every decode worker failed Reserve")
 
     async def _renew(self, d: WorkerState, request_id: str, lease: wpb.ReserveResponse) -> None:

@@ -10,7 +10,7 @@ from kvrelay.kv_transfer.descriptors import plane_block_indices, plane_indices, 
 from kvrelay.kv_transfer.layout import KVLayout
 from kvrelay.kv_transfer.messages import KVDestination
 from kvrelay.kv_transfer.send_plan import BlockRange, blocks_to_send, map_blocks
-from kvrelay.kv_transfer.tracker import NotifJob, RecvTracker, SendTracker
+from kvrelay.kv_transfer.tracker import ABORT_SUFFIX, NotifJob, RecvTracker, SendTracker
 
 BS = 16
 
@@ -153,15 +153,22 @@ def test_abort_reports_failed_and_sent_once_writes_drain() -> None:
     t.posted(["r"])
     assert t.finish("r", d, aborted=True) == []
     assert t.take() == ([], [])
-    assert t.write_done(["r"]) == []
+    # Only once the last write ended does the receiver hear of the abort (and may reuse blocks).
+    [notice] = t.write_done(["r"])
+    assert notice.notif == d.notif + ABORT_SUFFIX and notice.peer == d.peer
+    assert t.take() == ([], [])
+    t.notif_done("r", None)
     sent, failed = t.take()
     assert sent == ["r"] and failed[0][0] == "r" and "aborted" in failed[0][1]
 
 
-def test_abort_before_any_step_is_reported_at_once() -> None:
+def test_abort_before_any_step_sends_the_notice_at_once() -> None:
     t, d = SendTracker(), dest()
-    assert t.finish("r", d, aborted=True) == []
-    assert t.take().sent == ["r"]
+    [notice] = t.finish("r", d, aborted=True)
+    assert notice.notif.endswith(ABORT_SUFFIX)
+    t.notif_done("r", "peer unknown")  # a notice that cannot go out changes nothing
+    sent, failed = t.take()
+    assert sent == ["r"] and "aborted" in failed[0][1]
 
 
 def test_a_failed_notification_is_reported() -> None:
