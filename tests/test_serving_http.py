@@ -20,7 +20,8 @@ PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,", "def 
 
 @pytest.fixture(scope="module")
 def cluster(demo_model_dir, tmp_path_factory):
-    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("both"), prefill=0, decode=0, both=1,
+    # The disaggregated path (1P1D over NIXL): what the OpenAI client sees must equal gRPC.
+    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("pd"), prefill=1, decode=1,
                 router_args=("--http-port", "0", "--served-model-name", "demo"))
     with c:
         yield c
@@ -131,9 +132,21 @@ def test_metrics_parse_and_move(cluster, oai) -> None:
         return out
 
     before = scrape()
-    oai.completions.create(model="demo", prompt="Count: 1 2 3", max_tokens=8, temperature=0,
-                           extra_body={"ignore_eos": True})
+    r = oai.completions.create(model="demo", prompt="Count: 1 2 3 4 5 6 7 8 9 10 11 12 13 14",
+                               max_tokens=8, temperature=0,
+                               extra_body={"ignore_eos": True, "return_trace": True})
     after = scrape()
+    # The per-request trace names each phase and the worker that ran it.
+    trace = r.model_extra["kvrelay_trace"]
+    names = [e["name"] for e in trace]
+    assert names[:4] == ["received", "reserved", "prefill_start", "prefill_end"]
+    assert "decode_start" in names and names[-1] == "finished"
+    [prefiller] = {e["worker"] for e in trace if e["name"] == "prefill_end"}
+    assert prefiller.startswith("prefill")
+    assert after["kvrelay:kv_transfer_bytes_total"] > before.get("kvrelay:kv_transfer_bytes_total",
+                                                                 0)
+    assert after["kvrelay:kv_transfer_time_seconds_count"] > \
+        before.get("kvrelay:kv_transfer_time_seconds_count", 0)
     assert after["kvrelay:request_success_total[length]"] == \
         before.get("kvrelay:request_success_total[length]", 0) + 1
     assert after["kvrelay:generation_tokens_total"] >= \
