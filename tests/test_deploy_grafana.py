@@ -1,0 +1,64 @@
+"""The Grafana dashboard is what its script writes and only queries metrics kvrelay exports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+from kvrelay.engine.engine_core import EngineStats
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.worker_metrics import WorkerMetrics
+
+GRAFANA = Path(__file__).resolve().parent.parent / "deploy" / "grafana"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("make_dashboard", GRAFANA / "make_dashboard.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _exported() -> dict[str, set[str]]:
+    """Sample names kvrelay exposes (router and worker /metrics) -> their label names."""
+    router = RouterMetrics(WorkerRegistry(), "demo")
+    stats = EngineStats(**{f: 1 for f in EngineStats.__dataclass_fields__})
+    worker = WorkerMetrics(lambda: stats, "decode", "decode-0")
+    out: dict[str, set[str]] = {}
+    for reg in (router.registry, worker.registry):
+        for fam in reg.collect():
+            types = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",)}
+            for suffix in ("", *types.get(fam.type, ())):
+                out.setdefault(fam.name + suffix, set())
+            for s in fam.samples:
+                out.setdefault(s.name, set()).update(s.labels)
+    # Labeled histograms/counters without observations expose no samples: add their labels.
+    out["kvrelay:request_success_total"].add("finished_reason")
+    out["kvrelay:router_decisions_total"].update({"decision", "reason"})
+    out["kvrelay:engine_step_seconds_bucket"].update({"pool", "le"})
+    return out
+
+
+def test_committed_dashboard_is_fresh() -> None:
+    assert (GRAFANA / "kvrelay.json").read_text() == _script().render(), \
+        "run: python deploy/grafana/make_dashboard.py"
+
+
+def test_every_queried_metric_and_label_exists() -> None:
+    exported = _exported()
+    dash = json.loads((GRAFANA / "kvrelay.json").read_text())
+    queried = 0
+    for panel in dash["panels"]:
+        for t in panel["targets"]:
+            for name in re.findall(r"kvrelay:[a-z0-9_]+", t["expr"]):
+                queried += 1
+                assert name in exported, f"{panel['title']}: {name} is not exported"
+            for grp in re.findall(r"by \(([^)]*)\)", t["expr"]):
+                labels = {x.strip() for x in grp.split(",")} - {"le"}
+                names = re.findall(r"kvrelay:[a-z0-9_]+", t["expr"])
+                assert any(labels <= exported[n] | {"pool", "worker", "model_name"}
+                           for n in names), f"{panel['title']}: labels {labels}"
+    assert queried >= 20
