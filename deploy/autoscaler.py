@@ -4,7 +4,9 @@ Prefill scales on queued prompt tokens per replica (and recent TTFT against an o
 decode scales on KV usage and running sequences per replica (and recent inter-token latency).
 Hysteresis: scale up when a signal stays above its target for ``sustain`` ticks, down when
 every signal stays below ``down_fraction`` of its target for ``idle_ticks`` ticks; after any
-change a ``cooldown_s`` passes before the next. Every decision carries its reason.
+change a ``cooldown_s`` passes before the next (the controller restarts it with ``changed``
+when a change has finished: starting a replica takes a while). Every decision, a hold too,
+carries its reason.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class AutoscaleConfig:
             raise ValueError("down_fraction must be in (0, 1)")
         if self.sustain < 1 or self.idle_ticks < 1 or self.interval_s <= 0:
             raise ValueError("sustain, idle_ticks >= 1 and interval_s > 0")
+        if self.cooldown_s < 0:
+            raise ValueError("cooldown_s must be non-negative")
+        if (self.prefill_queued_tokens_per_replica <= 0 or self.decode_kv_usage <= 0
+                or self.decode_running_per_replica <= 0):
+            raise ValueError("scaling targets must be positive")
 
 
 class PoolSample(NamedTuple):
@@ -101,14 +108,21 @@ class PoolAutoscaler:
         self._over = self._over + 1 if worst[1] > 1.0 else 0
         self._under = self._under + 1 if worst[1] < c.down_fraction else 0
         if now - self._last_change < c.cooldown_s:
-            return Decision(0, "cooldown")
-        if self._over >= c.sustain and s.replicas < b.max_replicas:
-            return self._change(+1, f"{worst[0]} for {self._over} ticks", now)
+            return Decision(0, f"cooldown: {c.cooldown_s - (now - self._last_change):.1f}s "
+                               f"left; {worst[0]}")
+        if self._over >= c.sustain:
+            if s.replicas < b.max_replicas:
+                return self._change(+1, f"{worst[0]} for {self._over} ticks", now)
+            return Decision(0, f"at the maximum of {b.max_replicas} replicas: {worst[0]}")
         if self._under >= c.idle_ticks and s.replicas > b.min_replicas:
             return self._change(-1, f"idle: {worst[0]} for {self._under} ticks", now)
-        return Decision(0, "steady")
+        return Decision(0, f"steady: {worst[0]}")
 
-    def _change(self, delta: int, reason: str, now: float) -> Decision:
+    def changed(self, now: float) -> None:
+        """A change was made (or has just finished): restart the cooldown and the counts."""
         self._last_change = now
         self._over = self._under = 0
+
+    def _change(self, delta: int, reason: str, now: float) -> Decision:
+        self.changed(now)
         return Decision(delta, reason)

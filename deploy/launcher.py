@@ -3,24 +3,32 @@ placement group, pools scaled independently (by hand or by the autoscaler).
 
 kvrelay adds no cluster manager: Ray places the actors (one machine or many, ``ray up`` or
 KubeRay); the actors run the same ``Router``/``Worker`` code as the plain processes, and
-workers find the router by heartbeat exactly as they do under Kubernetes. Scale-in drains a
-replica (no new work; requests in flight finish, or migrate when the drain times out) before
-its actor and placement group go away.
+workers find the router by heartbeat exactly as they do under Kubernetes. The controller and
+the router are pinned to the driver's node (where ``kvrelay serve`` runs, and the address it
+prints); workers go wherever their placement group fits and advertise their node's IP (or
+127.0.0.1 on an embedded loopback-only Ray). Scale-in drains a replica (no new work; requests
+in flight finish, or migrate when the drain times out) before its actor and placement group go
+away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
-from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolAutoscaler, PoolSample
+from kvrelay.deploy.autoscaler import AutoscaleConfig, Decision, PoolAutoscaler, PoolSample
 from kvrelay.engine.config import EngineConfig
 from kvrelay.router.server import RouterSettings
 from kvrelay.worker import WorkerSettings
@@ -28,8 +36,14 @@ from kvrelay.worker import WorkerSettings
 logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "kvrelay-controller"
+ROUTER_NAME = "kvrelay-router"
 NAMESPACE = "kvrelay"
 POOLS = ("prefill", "decode", "both")
+AUTOSCALED_POOLS = ("prefill", "decode")
+
+
+def replica_actor_name(worker_id: str) -> str:
+    return f"kvrelay-{worker_id}"
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,9 @@ class ServeSpec:
     loopback: bool = True  # embedded local Ray: bind everything to 127.0.0.1
     autoscale: AutoscaleConfig | None = None
     log_level: str = "INFO"
+    # How long a new replica may wait for its placement group (on KubeRay: for a node to be
+    # added) before the scale-up fails.
+    placement_timeout_s: float = 600.0
 
 
 @ray.remote(num_cpus=0)
@@ -71,7 +88,8 @@ class RouterActor:
         self.router = Router(settings)
         await self.router.start()
         return {"port": self.router.port, "control_port": self.router.control_port,
-                "http_port": self.router.http_port, "host": ray.util.get_node_ip_address()}
+                "http_port": self.router.http_port, "host": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     async def workers(self) -> list[dict[str, Any]]:
         out = []
@@ -100,9 +118,14 @@ class WorkerActor:
         from kvrelay.worker import Worker
 
         setup_logging(f"{settings.role}-worker", log_level)
+        if settings.advertise_host is None:
+            # Joined to a cluster: the router (on another node, maybe) dials this node's IP.
+            settings = replace(settings, advertise_host=ray.util.get_node_ip_address())
         self.worker = Worker(settings, engine)
         await self.worker.start()
-        return {"worker_id": self.worker.worker_id, "port": self.worker.port}
+        return {"worker_id": self.worker.worker_id, "port": self.worker.port,
+                "address": self.worker.info.address, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     async def drain(self, timeout_s: float) -> None:
         await self.worker.drain(timeout_s)
@@ -116,6 +139,9 @@ class Replica:
     worker_id: str
     actor: Any
     pg: PlacementGroup
+    address: str = ""
+    node_id: str = ""
+    pid: int = 0
     draining: bool = False
 
 
@@ -123,33 +149,46 @@ class Replica:
 class Controller:
     """Owns the router and the pools; ``scale`` and the autoscaler go through here."""
 
-    def __init__(self, spec: ServeSpec):
+    def __init__(self, spec: ServeSpec, node_id: str | None = None):
         self.spec = spec
+        self.node_id = node_id  # the driver's node: the router runs there
         self.pools: dict[str, list[Replica]] = {p: [] for p in POOLS}
         self._serial = {p: 0 for p in POOLS}
         self._lock = asyncio.Lock()
         self._autoscale_task: asyncio.Task[None] | None = None
+        self._autoscale_cfg: AutoscaleConfig | None = None
+        self._autoscale_jobs: dict[str, asyncio.Task[None]] = {}
         self.decisions: list[dict[str, Any]] = []
 
     async def start(self) -> dict[str, Any]:
         from kvrelay.logs import setup_logging
 
         setup_logging("controller", self.spec.log_level)
-        self.router = RouterActor.options(name="kvrelay-router").remote()
+        opts: dict[str, Any] = {"name": ROUTER_NAME}
+        if self.node_id:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.node_id,
+                                                                         soft=False)
+        self.router = RouterActor.options(**opts).remote()
         self.router_info = await self.router.start.remote(self.spec.router, self.spec.log_level)
         host = "127.0.0.1" if self.spec.loopback else self.router_info["host"]
         self.control = f"{host}:{self.router_info['control_port']}"
         await self.scale({p: s.replicas for p, s in self.spec.pools.items()})
         if self.spec.autoscale is not None:
-            self._autoscale_task = asyncio.get_running_loop().create_task(self._autoscale())
+            await self.set_autoscale(self.spec.autoscale)
         return {**self.router_info, "host": host, "counts": self.counts()}
 
     def counts(self) -> dict[str, int]:
         return {p: sum(1 for r in rs if not r.draining) for p, rs in self.pools.items()}
 
     async def status(self) -> dict[str, Any]:
+        cfg = self._autoscale_cfg
         return {"counts": self.counts(), "router": self.router_info,
-                "workers": await self.router.workers.remote(), "decisions": self.decisions[-50:]}
+                "replicas": {p: [{"worker_id": r.worker_id, "actor": replica_actor_name(
+                    r.worker_id), "address": r.address, "node_id": r.node_id, "pid": r.pid,
+                    "draining": r.draining} for r in rs] for p, rs in self.pools.items()},
+                "workers": await self.router.workers.remote(),
+                "autoscale": dataclasses.asdict(cfg) if cfg is not None else None,
+                "decisions": [dict(d) for d in self.decisions[-50:]]}
 
     async def scale(self, targets: dict[str, int]) -> dict[str, int]:
         """Set replica counts per pool (pools not named keep theirs)."""
@@ -164,36 +203,53 @@ class Controller:
                     jobs += [self._add(pool) for _ in range(n - len(live))]
                 elif n < len(live):
                     jobs.append(self._remove(pool, len(live) - n))
-            await asyncio.gather(*jobs)
+            results = await asyncio.gather(*jobs, return_exceptions=True)
             logger.info("pools now %s", self.counts())
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
             return self.counts()
 
     async def _add(self, pool: str) -> None:
         ps = self.spec.pools.get(pool, PoolSpec())
         self._serial[pool] += 1
         wid = f"{pool}-{self._serial[pool]}"
-        pg = placement_group([ps.bundle()], strategy="PACK", name=f"kvrelay-{wid}")
-        await pg.ready()
-        host = "127.0.0.1" if self.spec.loopback else "0.0.0.0"
-        settings = replace(self.spec.worker, role=pool, routers=(self.control,), worker_id=wid,
-                           host=host, port=0,
-                           advertise_host="127.0.0.1" if self.spec.loopback else None)
+        pg = placement_group([ps.bundle()], strategy="PACK", name=replica_actor_name(wid))
+        try:
+            await asyncio.wait_for(pg.ready(), self.spec.placement_timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"no room for replica {wid} ({ps.bundle()}) within "
+                f"{self.spec.placement_timeout_s:.0f}s; available: {ray.available_resources()}"
+            ) from None
+        settings = replace(
+            self.spec.worker, role=pool, routers=(self.control,), worker_id=wid, port=0,
+            host="127.0.0.1" if self.spec.loopback else "0.0.0.0",
+            # None: the actor fills in its node's IP (it may land on any node)
+            advertise_host="127.0.0.1" if self.spec.loopback else None)
         threads = self.spec.engine.model.num_threads or max(1, int(ps.cpus))
         engine = replace(self.spec.engine, role=pool,
                          model=replace(self.spec.engine.model, num_threads=threads))
+        opts: dict[str, Any] = {}
+        if self.spec.loopback and "UCX_NET_DEVICES" not in os.environ:
+            # The KV data plane (UCX under NIXL) listens on every network device unless told
+            # otherwise; an embedded Ray keeps it on loopback with the rest.
+            opts["runtime_env"] = {"env_vars": {"UCX_NET_DEVICES": "lo"}}
         actor = WorkerActor.options(
             num_cpus=ps.cpus, num_gpus=ps.gpus, resources=ps.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-            name=f"kvrelay-{wid}").remote()
+            name=replica_actor_name(wid), **opts).remote()
         try:
-            await actor.start.remote(settings, engine, self.spec.log_level)
+            info = await actor.start.remote(settings, engine, self.spec.log_level)
             await self._wait_registered(wid, present=True)
-        except Exception:
+        except BaseException:
             ray.kill(actor)
             remove_placement_group(pg)
             raise
-        self.pools[pool].append(Replica(wid, actor, pg))
-        logger.info("replica %s up", wid)
+        self.pools[pool].append(Replica(wid, actor, pg, info["address"], info["node_id"],
+                                        info["pid"]))
+        logger.info("replica %s up at %s", wid, info["address"])
 
     async def _remove(self, pool: str, n: int) -> None:
         load = {w["worker_id"]: w for w in await self.router.workers.remote()}
@@ -216,7 +272,10 @@ class Controller:
         ray.kill(r.actor)
         remove_placement_group(r.pg)
         self.pools[pool].remove(r)
-        await self._wait_registered(r.worker_id, present=False)
+        try:
+            await self._wait_registered(r.worker_id, present=False)
+        except TimeoutError as e:
+            logger.warning("%s", e)
         logger.info("replica %s removed", r.worker_id)
 
     async def _wait_registered(self, worker_id: str, *, present: bool,
@@ -229,50 +288,113 @@ class Controller:
             await asyncio.sleep(0.1)
         raise TimeoutError(f"{worker_id} {'never registered' if present else 'still listed'}")
 
-    async def _autoscale(self) -> None:
-        cfg = self.spec.autoscale
-        assert cfg is not None
-        scalers = {p: PoolAutoscaler(p, cfg) for p in ("prefill", "decode")}
-        while True:
-            await asyncio.sleep(cfg.interval_s)
-            try:
-                workers = await self.router.workers.remote()
-                lat = await self.router.recent_latency.remote(max(5.0, 5 * cfg.interval_s))
-                for pool, scaler in scalers.items():
-                    ws = [w for w in workers if w["role"] == pool and not w["draining"]]
-                    n = self.counts()[pool]
-                    sample = PoolSample(
-                        replicas=n,
-                        queued_prompt_tokens=sum(w["queued_prompt_tokens"] for w in ws),
-                        kv_usage=sum(w["kv_usage"] for w in ws) / len(ws) if ws else 0.0,
-                        running=sum(w["running"] for w in ws),
-                        ttft_ms=lat["ttft_ms"], itl_ms=lat["itl_ms"])
-                    d = scaler.decide(sample, time.monotonic())
-                    if d.delta:
-                        logger.info("autoscale %s %s -> %d: %s", pool, n, n + d.delta, d.reason)
-                        self.decisions.append({"t": time.time(), "pool": pool, "from": n,
-                                               "to": n + d.delta, "reason": d.reason})
-                        await self.scale({pool: n + d.delta})
-            except Exception:
-                logger.exception("autoscaler tick failed")
-
-    async def shutdown(self) -> None:
+    # -- autoscaling -------------------------------------------------------------------------------
+    async def set_autoscale(self, config: AutoscaleConfig | None) -> bool:
+        """Turn the autoscaler on (with ``config``, replacing any running one) or off."""
+        running = self._autoscale_task is not None
         if self._autoscale_task is not None:
             self._autoscale_task.cancel()
+            await asyncio.gather(self._autoscale_task, return_exceptions=True)
+            self._autoscale_task = None
+        self._autoscale_cfg = config
+        if config is None:
+            if running:
+                logger.info("autoscaler off")
+            return False
+        logger.info("autoscaler on: %s", config)
+        self._autoscale_task = asyncio.get_running_loop().create_task(self._autoscale(config))
+        return True
+
+    def _sample(self, pool: str, workers: list[dict[str, Any]],
+                lat: dict[str, float | None]) -> PoolSample:
+        ws = [w for w in workers if w["role"] == pool and not w["draining"]]
+        return PoolSample(
+            replicas=self.counts()[pool],
+            queued_prompt_tokens=sum(w["queued_prompt_tokens"] for w in ws),
+            kv_usage=sum(w["kv_usage"] for w in ws) / len(ws) if ws else 0.0,
+            running=sum(w["running"] for w in ws),
+            ttft_ms=lat["ttft_ms"], itl_ms=lat["itl_ms"])
+
+    async def _autoscale(self, cfg: AutoscaleConfig) -> None:
+        scalers = {p: PoolAutoscaler(p, cfg) for p in AUTOSCALED_POOLS}
+        last_hold: dict[str, str] = {}
+        try:
+            while True:
+                await asyncio.sleep(cfg.interval_s)
+                try:
+                    workers = await self.router.workers.remote()
+                    lat = await self.router.recent_latency.remote(max(5.0, 5 * cfg.interval_s))
+                except Exception:
+                    logger.exception("autoscaler: could not read the router's load")
+                    continue
+                for pool, scaler in scalers.items():
+                    job = self._autoscale_jobs.get(pool)
+                    if job is not None and not job.done():
+                        continue  # one change per pool at a time; its cooldown starts after
+                    sample = self._sample(pool, workers, lat)
+                    d = scaler.decide(sample, time.monotonic())
+                    if d.delta:
+                        last_hold.pop(pool, None)
+                        self._autoscale_jobs[pool] = asyncio.get_running_loop().create_task(
+                            self._autoscale_apply(pool, scaler, sample, d))
+                        continue
+                    # Holds: each tick at DEBUG, and at INFO whenever the reason changes.
+                    kind = d.reason.split(":")[0]
+                    log = logger.info if last_hold.get(pool) != kind else logger.debug
+                    last_hold[pool] = kind
+                    log("autoscale %s: hold at %d: %s | %s", pool, sample.replicas, d.reason,
+                        _fmt_sample(sample))
+        finally:
+            for job in self._autoscale_jobs.values():
+                job.cancel()
+
+    async def _autoscale_apply(self, pool: str, scaler: PoolAutoscaler, sample: PoolSample,
+                               d: Decision) -> None:
+        n = sample.replicas
+        rec = {"t": time.time(), "pool": pool, "from": n, "to": n + d.delta,
+               "reason": d.reason, "result": "pending"}
+        self.decisions.append(rec)
+        del self.decisions[:-200]
+        logger.info("autoscale %s: %d -> %d: %s | %s", pool, n, n + d.delta, d.reason,
+                    _fmt_sample(sample))
+        try:
+            got = await self.scale({pool: n + d.delta})
+            rec["result"] = "done"
+            logger.info("autoscale %s: now %d replicas", pool, got[pool])
+        except Exception as e:
+            rec["result"] = f"failed: {e!r}"
+            logger.exception("autoscale %s: %d -> %d failed", pool, n, n + d.delta)
+        finally:
+            scaler.changed(time.monotonic())  # the cooldown counts from the end of a change
+
+    async def shutdown(self) -> None:
+        await self.set_autoscale(None)
         async with self._lock:
-            for pool, rs in self.pools.items():
-                for r in list(rs):
-                    try:
-                        await asyncio.wait_for(r.actor.stop.remote(), 10)
-                    except Exception as e:
-                        logger.warning("stopping %s: %r", r.worker_id, e)
-                    ray.kill(r.actor)
-                    remove_placement_group(r.pg)
+            replicas = [r for rs in self.pools.values() for r in rs]
+
+            async def stop(r: Replica) -> None:
+                try:
+                    await asyncio.wait_for(r.actor.stop.remote(), 10)
+                except Exception as e:
+                    logger.warning("stopping %s: %r", r.worker_id, e)
+                ray.kill(r.actor)
+                remove_placement_group(r.pg)
+            await asyncio.gather(*(stop(r) for r in replicas))
+            for pool in self.pools:
                 self.pools[pool] = []
             try:
                 await asyncio.wait_for(self.router.stop.remote(), 10)
+            except Exception as e:
+                logger.warning("stopping the router: %r", e)
             finally:
                 ray.kill(self.router)
+
+
+def _fmt_sample(s: PoolSample) -> str:
+    lat = "".join(f" {k}={v:.0f}ms" for k, v in (("ttft", s.ttft_ms), ("itl", s.itl_ms))
+                  if v is not None)
+    return (f"replicas={s.replicas} queued_prompt_tokens={s.queued_prompt_tokens} "
+            f"kv_usage={s.kv_usage:.0%} running={s.running}{lat}")
 
 
 class ClusterHandle:
@@ -282,7 +404,7 @@ class ClusterHandle:
         self.controller = controller
 
     def scale(self, *, prefill: int | None = None, decode: int | None = None,
-              both: int | None = None, timeout: float = 300.0) -> dict[str, int]:
+              both: int | None = None, timeout: float = 900.0) -> dict[str, int]:
         targets = {k: v for k, v in (("prefill", prefill), ("decode", decode),
                                      ("both", both)) if v is not None}
         return ray.get(self.controller.scale.remote(targets), timeout=timeout)
@@ -290,18 +412,47 @@ class ClusterHandle:
     def status(self, timeout: float = 30.0) -> dict[str, Any]:
         return ray.get(self.controller.status.remote(), timeout=timeout)
 
+    def autoscale(self, config: AutoscaleConfig | None, timeout: float = 30.0) -> bool:
+        """Turn the autoscaler on with ``config`` (replacing the running one) or off (None)."""
+        return ray.get(self.controller.set_autoscale.remote(config), timeout=timeout)
+
     def shutdown(self, timeout: float = 120.0) -> None:
-        ray.get(self.controller.shutdown.remote(), timeout=timeout)
-        ray.kill(self.controller)
+        try:
+            ray.get(self.controller.shutdown.remote(), timeout=timeout)
+        finally:
+            ray.kill(self.controller)
 
 
-def start(spec: ServeSpec, timeout: float = 300.0) -> tuple[ClusterHandle, dict[str, Any]]:
-    """Start the router and pools on the connected Ray cluster."""
-    controller = Controller.options(name=CONTROLLER_NAME, namespace=NAMESPACE).remote(spec)
-    info = ray.get(controller.start.remote(), timeout=timeout)
-    return ClusterHandle(controller), info
+def start(spec: ServeSpec, timeout: float = 900.0) -> tuple[ClusterHandle, dict[str, Any]]:
+    """Start the router and pools on the connected Ray cluster; the controller and the router
+    run on this driver's node."""
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise RuntimeError("kvrelay is already running on this Ray cluster (`kvrelay status`)")
+    node_id = ray.get_runtime_context().get_node_id()
+    controller = Controller.options(
+        name=CONTROLLER_NAME, namespace=NAMESPACE,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(spec, node_id)
+    handle = ClusterHandle(controller)
+    try:
+        info = ray.get(controller.start.remote(), timeout=timeout)
+    except BaseException:
+        try:
+            handle.shutdown(timeout=60)
+        except Exception as e:
+            logger.warning("cleaning up after a failed start: %r", e)
+        raise
+    return handle, info
 
 
 def connect() -> ClusterHandle:
     """The kvrelay running on the Ray cluster this driver is connected to."""
-    return ClusterHandle(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE))
+    try:
+        return ClusterHandle(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE))
+    except ValueError:
+        raise RuntimeError("no kvrelay is running on this Ray cluster (start one with "
+                           "`kvrelay serve`)") from None

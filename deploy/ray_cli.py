@@ -3,6 +3,10 @@
 With no ``--address``, ``serve`` starts an embedded local Ray bound to loopback only, with a
 small object store (this is ``make serve``). With an address (``auto`` or ``HOST:PORT``) it
 joins an existing Ray cluster (``ray up deploy/ray/cluster.yaml`` or KubeRay).
+
+Ray turns token authentication on for the local clusters it starts (the token lives in
+``~/.ray/auth_token``); ``scale``/``status`` given a loopback ``--address`` use that token, as
+Ray itself does for ``--address auto``.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ import argparse
 import json
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray binds 127.0.0.1 only
 CLUSTER_FILE = "/tmp/ray/ray_current_cluster"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+DEFAULT_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")
+EMBEDDED_MIN_CPUS = 8  # logical CPUs of an embedded Ray: room for 2P2D + headroom on a laptop
 
 
 def _pool_resources(text: str | None) -> dict[str, float]:
@@ -37,7 +45,10 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--both", type=int, default=0, help="aggregated (role=both) replicas")
     opt(p, "--address", default=None,
         help="Ray cluster to join (auto | HOST:PORT); unset: embedded local Ray on loopback")
-    opt(p, "--ray-num-cpus", type=int, default=None, help="logical CPUs of the embedded Ray")
+    opt(p, "--ray-num-cpus", type=int, default=None,
+        help=f"logical CPUs of the embedded Ray (default max(cores, {EMBEDDED_MIN_CPUS}): "
+        "each replica asks for --cpus-per-replica of them)")
+    opt(p, "--object-store-memory", default="96MiB", help="object store of the embedded Ray")
     opt(p, "--host", default=None, help="router interface (default 127.0.0.1 embedded, "
         "0.0.0.0 on a cluster)")
     opt(p, "--grpc-port", type=int, default=50051)
@@ -50,18 +61,40 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--policy", default="least_loaded")
     opt(p, "--api-keys", default=None)
     opt(p, "--cluster-token", default=None)
+    opt(p, "--heartbeat-interval", type=float, default=1.0,
+        help="worker heartbeat period (s); a worker missing 3 is dropped")
     opt(p, "--drain-timeout", type=float, default=30.0)
-    opt(p, "--autoscale", action="store_true", help="scale each pool on its own signals")
-    opt(p, "--min-prefill", type=int, default=1)
-    opt(p, "--max-prefill", type=int, default=4)
-    opt(p, "--min-decode", type=int, default=1)
-    opt(p, "--max-decode", type=int, default=4)
-    opt(p, "--ttft-slo-ms", type=float, default=None)
-    opt(p, "--itl-slo-ms", type=float, default=None)
+    opt(p, "--placement-timeout", type=float, default=None,
+        help="how long a new replica may wait for room (s; default 60 embedded, 600 joined)")
+    g = p.add_argument_group("autoscaling (with --autoscale)")
+    opt(g, "--autoscale", action="store_true", help="scale each pool on its own signals")
+    opt(g, "--min-prefill", type=int, default=1)
+    opt(g, "--max-prefill", type=int, default=4)
+    opt(g, "--min-decode", type=int, default=1)
+    opt(g, "--max-decode", type=int, default=4)
+    opt(g, "--prefill-queued-tokens-target", type=int, default=4096,
+        help="queued prompt tokens per prefill replica above which prefill scales up")
+    opt(g, "--decode-kv-usage-target", type=float, default=0.75,
+        help="mean KV-cache usage of the decode pool above which it scales up")
+    opt(g, "--decode-running-target", type=int, default=48,
+        help="running sequences per decode replica above which decode scales up")
+    opt(g, "--ttft-slo-ms", type=float, default=None)
+    opt(g, "--itl-slo-ms", type=float, default=None)
+    opt(g, "--autoscale-interval", type=float, default=1.0, help="seconds between samples")
+    opt(g, "--autoscale-sustain", type=int, default=2,
+        help="ticks a signal must stay over target before a scale-up")
+    opt(g, "--autoscale-idle-ticks", type=int, default=5,
+        help="ticks every signal must stay under --autoscale-down-fraction of target "
+        "before a scale-down")
+    opt(g, "--autoscale-down-fraction", type=float, default=0.3)
+    opt(g, "--autoscale-cooldown", type=float, default=10.0,
+        help="seconds after a change (once finished) before the next")
     opt(p, "--log-level", default="INFO")
 
 
 def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
+    from dataclasses import replace
+
     from kvrelay.cli import engine_config_from_args
     from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
     from kvrelay.deploy.launcher import PoolSpec, ServeSpec
@@ -95,43 +128,119 @@ def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
         autoscale = AutoscaleConfig(
             prefill=PoolBounds(int(args.min_prefill), int(args.max_prefill)),
             decode=PoolBounds(int(args.min_decode), int(args.max_decode)),
-            ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
+            prefill_queued_tokens_per_replica=int(args.prefill_queued_tokens_target),
+            decode_kv_usage=float(args.decode_kv_usage_target),
+            decode_running_per_replica=int(args.decode_running_target),
+            ttft_slo_ms=_opt_float(args.ttft_slo_ms), itl_slo_ms=_opt_float(args.itl_slo_ms),
+            down_fraction=float(args.autoscale_down_fraction),
+            sustain=int(args.autoscale_sustain), idle_ticks=int(args.autoscale_idle_ticks),
+            cooldown_s=float(args.autoscale_cooldown),
+            interval_s=float(args.autoscale_interval))
+    placement = _opt_float(args.placement_timeout)
+    if placement is None:
+        placement = 60.0 if loopback else 600.0
+    hb = float(args.heartbeat_interval)
     args.model = model
     return ServeSpec(
-        router=router,
+        router=replace(router, heartbeat_interval_s=hb),
         worker=WorkerSettings(role="both", cluster_token=args.cluster_token,
+                              heartbeat_interval_s=hb,
                               drain_timeout_s=float(args.drain_timeout)),
         engine=engine_config_from_args(args), pools=pools, loopback=loopback,
-        autoscale=autoscale, log_level=args.log_level)
+        autoscale=autoscale, log_level=args.log_level, placement_timeout_s=placement)
 
 
-def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
+def _opt_float(v: Any) -> float | None:
+    return None if v in (None, "") else float(v)
+
+
+def init_ray(address: str | None, num_cpus: int | None = None,
+             object_store_memory: int | str | None = None) -> bool:
     """Connect to Ray; returns True when an embedded loopback-only Ray was started."""
-    if address is None:
-        os.environ[LOOPBACK_ENV] = "0"
-    elif _local_cluster_is_loopback(address):
-        os.environ.setdefault(LOOPBACK_ENV, "0")
+    prepare_ray_env(address)
     import ray
 
     from kvrelay.deploy.launcher import NAMESPACE
 
     if address is None:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=96 * 2**20,
-                 include_dashboard=False, namespace=NAMESPACE, log_to_driver=True,
-                 configure_logging=False)
+        from kvrelay.engine.config import parse_bytes
+
+        store = parse_bytes(object_store_memory or "96MiB")
+        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, EMBEDDED_MIN_CPUS),
+                 object_store_memory=store, include_dashboard=False, namespace=NAMESPACE,
+                 log_to_driver=True, configure_logging=False)
         return True
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
              configure_logging=False)
     return False
 
 
+def prepare_ray_env(address: str | None) -> None:
+    """Settings Ray reads when it is first imported: call before anything imports ray."""
+    if "ray" in sys.modules and address is None and os.environ.get(LOOPBACK_ENV) != "0":
+        raise RuntimeError("ray was imported before the embedded Ray could be made "
+                           f"loopback-only: set {LOOPBACK_ENV}=0 first")
+    if address is None:
+        os.environ[LOOPBACK_ENV] = "0"
+    elif _local_cluster_is_loopback(address):
+        os.environ.setdefault(LOOPBACK_ENV, "0")
+        _use_local_auth_token()
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith(("127.", "localhost"))
+
+
 def _local_cluster_is_loopback(address: str) -> bool:
-    if address.startswith("127.0.0.1"):
-        return True
-    if address == "auto" and os.path.exists(CLUSTER_FILE):
+    """Whether ``address`` names a loopback-only Ray on this machine (as ``kvrelay serve``
+    embeds). Ray itself would rewrite a 127.0.0.1 address to this machine's IP unless told
+    otherwise, and such a Ray does not listen there."""
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "") or "auto"
+    if address != "auto":
+        return _is_loopback(address)
+    if os.path.exists(CLUSTER_FILE):  # written by `ray start`
         with open(CLUSTER_FILE) as f:
-            return f.read().strip().startswith("127.0.0.1")
-    return False
+            return _is_loopback(f.read().strip())
+    found = _local_gcs_addresses()  # what Ray's "auto" falls back to: local raylets
+    return bool(found) and all(_is_loopback(a) for a in found)
+
+
+def _local_gcs_addresses() -> set[str]:
+    """``--gcs-address`` of every raylet on this machine (Linux /proc; elsewhere: none)."""
+    out: set[str] = set()
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if cmd and os.path.basename(cmd[0]) == "raylet":
+            out.update(a.split("=", 1)[1] for a in cmd if a.startswith("--gcs-address="))
+    return out
+
+
+def _use_local_auth_token() -> None:
+    """Ray enables token auth on the local clusters it starts and, for ``address="auto"``,
+    finds the token by itself; for an explicit loopback address it does not. Do the same there
+    (an explicit RAY_AUTH_MODE wins)."""
+    if os.environ.get(AUTH_MODE_ENV) is not None:
+        return
+    if "ray" in sys.modules:  # already imported: let Ray check and refresh its own config
+        try:
+            from ray._private.authentication.authentication_token_setup import (
+                maybe_enable_token_auth_if_token_available,
+            )
+        except ImportError:
+            pass
+        else:
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+            return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser(DEFAULT_TOKEN_FILE)
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(path):
+        os.environ[AUTH_MODE_ENV] = "token"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -141,32 +250,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.model:
         raise SystemExit("--model is required (make serve passes the demo model)")
     loopback = args.address is None
-    init_ray(args.address, args.ray_num_cpus)  # first: Ray reads its bind settings at import
+    prepare_ray_env(args.address)  # build_spec imports ray
+    spec = build_spec(args, loopback)  # before Ray starts: a bad flag costs no Ray start
+    init_ray(args.address, args.ray_num_cpus, args.object_store_memory)
     import ray
 
-    spec = build_spec(args, loopback)
+    # After ray.init (it sets its own SIGTERM handler). Ctrl-C in a terminal reaches the whole
+    # process group; Ray's daemons block SIGINT, so they outlive us until we have stopped the
+    # pools and the router and shut Ray down. A second Ctrl-C skips the clean stop.
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
     from kvrelay.deploy.launcher import start
 
-    handle, info = start(spec)
-    host = info["host"] if not loopback else "127.0.0.1"
-    addr = ray.get_runtime_context().gcs_address
-    print(f"kvrelay is serving {os.path.basename(args.model)} on Ray ({addr})\n"
+    try:
+        handle, info = start(spec)
+    except BaseException:
+        ray.shutdown()
+        raise
+    host = info["host"] if args.host in (None, "0.0.0.0", "::") else args.host
+    addr = "auto" if args.address == "auto" else ray.get_runtime_context().gcs_address
+    print(f"kvrelay is serving {os.path.basename(args.model)} on Ray "
+          f"({ray.get_runtime_context().gcs_address})\n"
           f"  pools:   {info['counts']}\n"
           f"  gRPC:    {host}:{info['port']}\n"
           + (f"  HTTP:    http://{host}:{info['http_port']}/v1\n" if info["http_port"] else "")
           + f"  try:     kvrelay generate --target {host}:{info['port']} 'Hello there'\n"
           f"  scale:   kvrelay scale --address {addr} --prefill 2 --decode 2\n"
+          f"  status:  kvrelay status --address {addr}\n"
           "  Ctrl-C stops everything.", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
         pass
     print("shutting down ...", flush=True)
     try:
         handle.shutdown()
+    except BaseException as e:
+        print(f"clean stop failed ({e!r}); stopping Ray", file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
+    print("stopped", flush=True)
     return 0
 
 
@@ -174,7 +305,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
     init_ray(args.address)
     from kvrelay.deploy.launcher import connect
 
-    counts = connect().scale(prefill=args.prefill, decode=args.decode, both=args.both)
+    try:
+        counts = connect().scale(prefill=args.prefill, decode=args.decode, both=args.both)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
     print(json.dumps(counts))
     return 0
 
@@ -183,7 +317,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     init_ray(args.address)
     from kvrelay.deploy.launcher import connect
 
-    print(json.dumps(connect().status(), indent=2, default=str))
+    try:
+        doc = connect().status()
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    print(json.dumps(doc, indent=2, default=str))
     return 0
 
 
