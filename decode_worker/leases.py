@@ -40,6 +40,9 @@ class LeaseTable:
         self._by_request: dict[str, Lease] = {}
         self._task: asyncio.Task[None] | None = None
         self.num_expired = 0
+        # Awaited after the blocks of a lease that never started decoding were freed (release,
+        # expiry): the decode servicer forgets the request's engine stream there.
+        self.after_free: Callable[[str], Awaitable[object]] | None = None
 
     def __len__(self) -> int:
         return len(self._by_request)
@@ -53,6 +56,10 @@ class LeaseTable:
         lease = Lease(secrets.token_hex(8), request_id, time.monotonic() + ttl_s)
         self._by_request[request_id] = lease
         return lease
+
+    def lease_of(self, request_id: str) -> Lease | None:
+        """The request's lease, whatever its id (None when it has none)."""
+        return self._by_request.get(request_id)
 
     def get(self, request_id: str, lease_id: str) -> Lease:
         lease = self._by_request.get(request_id)
@@ -82,6 +89,8 @@ class LeaseTable:
             return False
         del self._by_request[request_id]
         await self._free(request_id)
+        if not lease.decoding and self.after_free is not None:
+            await self.after_free(request_id)
         return True
 
     def start(self) -> None:
@@ -106,5 +115,7 @@ class LeaseTable:
                                lease.request_id, extra={"request_id": lease.request_id})
                 try:
                     await self._free(lease.request_id)
+                    if self.after_free is not None:
+                        await self.after_free(lease.request_id)
                 except Exception:
                     logger.exception("freeing %s failed", lease.request_id)

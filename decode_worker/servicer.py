@@ -8,6 +8,7 @@ NOT_FOUND, KV that never arrives or a draining worker -> UNAVAILABLE (retriable)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -40,6 +41,14 @@ class KVReceiver(Protocol):
     def expectation(self, request_id: str, lease_id: str) -> object: ...
 
 
+ID_REUSE_WAIT_S = 3.0  # longer than the KV connector's abort grace (2 s)
+
+
+def is_id_in_use(e: Exception) -> bool:
+    """The engine refused a request id an earlier request still holds."""
+    return isinstance(e, ValueError) and "already in use" in str(e)
+
+
 def check_request_id(request_id: str) -> None:
     if not request_id or len(request_id) > MAX_REQUEST_ID:
         raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID} characters")
@@ -61,6 +70,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.leases = leases
         self.kv = kv
         self.draining = False
+        self._busy: dict[str, asyncio.Future[None]] = {}  # Decode streams being torn down
+        leases.after_free = self._forget_stream
 
     async def GetTransferInfo(self, request: wpb.TransferInfoRequest,
                               context: grpc.aio.ServicerContext) -> wpb.TransferInfo:
@@ -85,17 +96,39 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.engine.core.validate_prompt(ids)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            # The router holds one attempt of a request id at a time: whatever this worker
+            # still has under the id belongs to an attempt given up (a cancelled stream being
+            # torn down, a lease whose Release was lost with a dropped channel).
+            busy = self._busy.get(rid)
+            if busy is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(busy), ID_REUSE_WAIT_S)
+            stale = self.leases.lease_of(rid)
+            if stale is not None and not stale.decoding:
+                logger.info("replacing stale lease %s", stale.lease_id)
+                await self.leases.release(rid, stale.lease_id)
+            elif stale is None and rid in getattr(self.engine, "_streams", ()):
+                await self._forget_stream(rid)  # its release may be under way
             ttl = self.leases.ttl(request.ttl_ms)
             lease = self.leases.create(rid, ttl)
-            try:
-                res = await self.engine.reserve(
-                    rid, ids, kv_transfer_params=self.kv.expectation(rid, lease.lease_id))
-            except EngineOverloaded as e:
-                self.leases.drop(rid)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except ValueError as e:
-                self.leases.drop(rid)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            in_use_until = time.monotonic() + ID_REUSE_WAIT_S
+            while True:
+                try:
+                    res = await self.engine.reserve(
+                        rid, ids, kv_transfer_params=self.kv.expectation(rid, lease.lease_id))
+                    break
+                except EngineOverloaded as e:
+                    self.leases.drop(rid)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                except ValueError as e:
+                    # An earlier request of this id aborted here may hold it a moment longer
+                    # (its blocks quarantined until the sender's last write): transient.
+                    if is_id_in_use(e) and time.monotonic() < in_use_until:
+                        await asyncio.sleep(0.02)
+                        continue
+                    self.leases.drop(rid)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE if is_id_in_use(e)
+                                        else grpc.StatusCode.INVALID_ARGUMENT, str(e))
             logger.debug("reserved %d blocks (%d tokens cached) lease %s", len(res.block_ids),
                          res.num_cached_tokens, lease.lease_id)
             return wpb.ReserveResponse(
@@ -122,25 +155,27 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         with request_context(rid):
             try:
-                self.leases.start_decoding(rid, request.lease_id)
+                lease = self.leases.start_decoding(rid, request.lease_id)
             except LeaseError as e:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            # Until this stream is wholly torn down, a new Reserve of the same id waits.
+            done = self._busy[rid] = asyncio.get_running_loop().create_future()
+            stream = None
+            finished = False
             try:
-                sampling = sampling_from_proto(request.sampling)
-                stream = self.engine.decode(rid, request.first_token_id, sampling)
-                kv_timeout = (request.kv_timeout_ms / 1000.0 if request.kv_timeout_ms
-                              else DEFAULT_KV_TIMEOUT_S)
-                t0 = time.monotonic()
-                first = await asyncio.wait_for(anext(stream), kv_timeout)
-            except (ValueError, KeyError) as e:
-                await self._drop(rid)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except TimeoutError:
-                await self._drop(rid)
-                logger.warning("KV did not arrive within %.1fs", kv_timeout)
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"KV for {rid} did not arrive within {kv_timeout:.1f}s")
-            try:
+                try:
+                    sampling = sampling_from_proto(request.sampling)
+                    stream = self.engine.decode(rid, request.first_token_id, sampling)
+                    kv_timeout = (request.kv_timeout_ms / 1000.0 if request.kv_timeout_ms
+                                  else DEFAULT_KV_TIMEOUT_S)
+                    t0 = time.monotonic()
+                    first = await asyncio.wait_for(anext(stream), kv_timeout)
+                except (ValueError, KeyError) as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except TimeoutError:
+                    logger.warning("KV did not arrive within %.1fs", kv_timeout)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"KV for {rid} did not arrive within {kv_timeout:.1f}s")
                 out: RequestOutput | None = first
                 kv_wait_ms = (time.monotonic() - t0) * 1000.0
                 while out is not None:
@@ -149,11 +184,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         msg.kv_wait_ms = kv_wait_ms
                         yield msg
                     if out.finished:
+                        finished = True
                         break
                     out = await anext(stream, None)
             finally:
-                await stream.aclose()
-                self.leases.drop(rid)
+                # Every way out (finished, failed, or cancelled by the router at any await,
+                # the KV wait included) frees the request, its lease and its engine stream;
+                # shielded, so that a second cancel cannot cut it short.
+                end = asyncio.ensure_future(self._end_decode(rid, stream, finished, lease, done))
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(end)
 
     async def GenerateLocal(self, request: wpb.LocalGenerateRequest,
                             context: grpc.aio.ServicerContext) \
@@ -181,6 +221,63 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             finally:
                 await stream.aclose()
 
-    async def _drop(self, request_id: str) -> None:
-        self.leases.drop(request_id)
-        await self.engine.abort(request_id)
+    async def _end_decode(self, rid: str, stream: AsyncIterator[RequestOutput] | None,
+                          finished: bool, lease: object, done: asyncio.Future[None]) -> None:
+        try:
+            if not finished:
+                await self.engine.abort(rid)  # its last output (ABORT) ends the stream
+            if stream is not None:
+                # Read the engine's stream to its end rather than only closing it: closing leaves
+                # the engine's inner generator to the garbage collector, whose late cleanup
+                # would drop the queue (and abort the request) of a later request of this id.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(_exhaust(stream), 5.0)
+                await stream.aclose()  # type: ignore[attr-defined]
+            if not finished:
+                await self._forget_stream(rid)
+        finally:
+            if self.leases.lease_of(rid) is lease:
+                self.leases.drop(rid)
+            if self._busy.get(rid) is done:
+                del self._busy[rid]
+            done.set_result(None)
+
+    async def _forget_stream(self, request_id: str) -> None:
+        """Drop the engine's output queue of a request that is not decoding here (any more).
+
+        ``AsyncEngine.reserve`` opens it and only ``decode()`` removes it: a lease released or
+        expired before Decode (a client cancel mid-prefill, a first token that ends the request,
+        a failed prefill) would leave it forever, and the request id could never be reserved
+        here again. The request's last output (the ABORT of its free) is dispatched with the
+        engine's next step, by request id: that is let through first, so that it cannot land
+        in the queue of a later request of the same id.
+        """
+        await self._settle()
+        streams = getattr(self.engine, "_streams", None)  # AsyncEngine's, keyed by request id
+        if isinstance(streams, dict):
+            streams.pop(request_id, None)
+
+    async def _settle(self) -> None:
+        """Return once every output the engine made before now has been dispatched.
+
+        The engine thread runs its queued commands as one batch (a command queued meanwhile
+        joins it), then one step, which returns what those commands emitted and dispatches it:
+        so wait for a step after the batch that held our commands, then make one more round
+        trip, whose answer comes after that step's dispatch."""
+        engine = self.engine
+        before = engine.stats  # replaced after every step
+        await engine.call(_nothing)
+        deadline = time.monotonic() + 2.0
+        while engine.stats is before and engine.core.has_unfinished() \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        await engine.call(_nothing)
+
+
+def _nothing() -> None:
+    return None
+
+
+async def _exhaust(stream: AsyncIterator[RequestOutput]) -> None:
+    async for _ in stream:
+        pass

@@ -48,6 +48,10 @@ class BlockManager:
         self._seq_hashes: dict[str, list[int]] = {}
         self.num_cache_queries = 0  # prompt tokens looked up
         self.num_cache_hits = 0  # prompt tokens found
+        # Bumped whenever a hash enters or leaves the index, so ``cached_hash_set`` copies the
+        # index only when it changed (heartbeats export it once a beat).
+        self.cache_version = 0
+        self._hash_snapshot: tuple[int, frozenset[int]] = (0, frozenset())
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -65,6 +69,28 @@ class BlockManager:
     def cached_block_hashes(self) -> list[int]:
         """Hashes of every block whose KV is held (used or free-but-cached)."""
         return list(self._cached)
+
+    def cached_hash_set(self) -> frozenset[int]:
+        """``cached_block_hashes`` as a set, for prefix-aware routing; the same object while the
+        index is unchanged (O(1)), else one copy of the index.
+
+        May be called from a thread other than the engine's: the copy of the index is one C-level
+        pass under the GIL, and the version is read before it, so a change racing with the copy
+        only makes the next call copy again."""
+        version, snap = self._hash_snapshot
+        if version == self.cache_version:
+            return snap
+        version = self.cache_version
+        for _ in range(3):
+            try:
+                snap = frozenset(self._cached)
+                break
+            except RuntimeError:  # resized mid-copy (only without a GIL): try again
+                continue
+        else:
+            return self._hash_snapshot[1]
+        self._hash_snapshot = (version, snap)
+        return snap
 
     def match_prefix(self, token_ids: Seq[int], max_tokens: int) -> PrefixMatch:
         """Longest run of cached full blocks at the start of ``token_ids[:max_tokens]``."""
@@ -111,6 +137,7 @@ class BlockManager:
             if block.hash is not None:  # evict the cached prefix this block held
                 if self._cached.get(block.hash) == bid:
                     del self._cached[block.hash]
+                    self.cache_version += 1
                 block.hash = None
                 block.token_ids = ()
             block.ref_count = 1
@@ -145,6 +172,7 @@ class BlockManager:
                 block.hash = parent
                 block.token_ids = chunk
                 self._cached[parent] = block.block_id
+                self.cache_version += 1
 
     def _ref(self, bid: int) -> None:
         block = self.blocks[bid]

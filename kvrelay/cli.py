@@ -234,7 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--control-port", type=int, default=50052)
     opt(p, "--http-host", default="127.0.0.1")
     opt(p, "--http-port", default=None, help="OpenAI-compatible HTTP port (unset = off)")
-    opt(p, "--policy", default="least_loaded", help="routing policy")
+    from kvrelay.router.policy import DEFAULT_POLICY, POLICIES
+
+    opt(p, "--routing-policy", dest="policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+        help="round_robin | least_loaded | prefix_aware (prefill and decode workers by cached "
+             "prefix against queued work, in measured seconds) | auto (prefix_aware + the fast "
+             "lane: short or mostly cached prompts run wholly on a decode worker when the "
+             "measured cost model says that is cheaper)")
+    opt(p, "--policy", dest="policy", default=argparse.SUPPRESS, choices=sorted(POLICIES),
+        help="alias of --routing-policy")
     opt(p, "--lease-ttl", type=float, default=10.0)
     opt(p, "--kv-timeout", type=float, default=30.0)
     opt(p, "--max-inflight", type=int, default=512)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -16,6 +17,17 @@ logger = logging.getLogger(__name__)
 CLUSTER_TOKEN_KEY = "x-kvrelay-cluster-token"
 API_KEY_KEY = "x-api-key"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# Trailing metadata of a failed Prefill whose cause is the KV destination (the decode worker is
+# unreachable or its writes failed), not the prefill worker: the router migrates the request to
+# another decode worker instead of rerunning the prefill against the same dead lease.
+FAILED_SIDE_KEY = "x-kvrelay-failed-side"
+KV_DESTINATION_FAILED = ((FAILED_SIDE_KEY, "kv-destination"),)
+# Trailing metadata of a Prefill refused before any KV was written (draining, overloaded, ...):
+# only then may the router rerun the prompt under the same lease. After any other failure the
+# first prefill worker may still be writing into the lease's blocks (it stalled, or only its
+# connection broke), and a rerun there could be overwritten by its late writes.
+KV_WRITTEN_KEY = "x-kvrelay-kv-written"
+KV_NOTHING_WRITTEN = ((KV_WRITTEN_KEY, "none"),)
 MAX_MESSAGE_BYTES = 64 * 2**20
 
 CHANNEL_OPTIONS = [
@@ -101,6 +113,68 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
 
 
+class _Malformed:
+    """What a request that failed to deserialize becomes (see ``MalformedRequestInterceptor``)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers a request that does not parse (corrupt wire format, a string field that is not
+    UTF-8) with INVALID_ARGUMENT and a message, instead of gRPC's UNKNOWN "Unexpected
+    DecodeError" and a logged traceback. Innermost, so authentication still comes first."""
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        # Only our asyncio handlers; synchronous ones (grpc's health servicer) run on gRPC's
+        # executor and keep their own behaviour.
+        if not (inspect.isasyncgenfunction(handler.unary_stream)
+                or inspect.iscoroutinefunction(handler.unary_unary)):
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except Exception as e:  # DecodeError, or whatever a custom deserializer raises
+                return _Malformed(e)
+
+        async def refuse(context: grpc.aio.ServicerContext, bad: _Malformed) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"malformed request: {type(bad.error).__name__}: {bad.error}")
+
+        kw = {"request_deserializer": deserialize,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Malformed):
+                    await refuse(context, request)
+                gen = inner_stream(request, context)
+                try:
+                    async for msg in gen:
+                        yield msg
+                finally:  # now, not when collected: the handler's cleanup frees KV blocks
+                    await gen.aclose()
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        inner = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await refuse(context, request)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+
 def cluster_token_interceptor(tokens: SecretSet) -> AuthInterceptor:
     return AuthInterceptor(lambda md: tokens.check(md.get(CLUSTER_TOKEN_KEY)), "cluster token")
 
@@ -120,7 +194,8 @@ class TLSFiles:
 
 
 def make_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=interceptors or [], options=SERVER_OPTIONS)
+    return grpc.aio.server(interceptors=[*(interceptors or []), MalformedRequestInterceptor()],
+                           options=SERVER_OPTIONS)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSFiles | None = None) -> int:

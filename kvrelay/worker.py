@@ -119,6 +119,10 @@ class Worker:
         if role != "both":
             from kvrelay.kv_endpoint import KVEndpoint
 
+            if self.settings.host in ("127.0.0.1", "localhost", "::1"):
+                # UCX listens on every interface unless told; a loopback worker keeps its KV
+                # data plane on loopback too.
+                os.environ.setdefault("UCX_NET_DEVICES", "lo")
             self.kv = KVEndpoint(self.worker_id, model_dir)
         tok = load_tokenizer(model_dir)
         eos = frozenset(eos_token_ids(model_dir, tok))
@@ -194,7 +198,10 @@ class Worker:
             worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
             incarnation=self.incarnation, model_identity=core.runner.arch.identity,
             block_size=core.config.cache.block_size, max_model_len=core.max_model_len)
+        # The prefix cache's block hashes ride on the beats (deltas) for prefix-aware routing.
+        bm = core.block_manager
         self.heartbeater = Heartbeater(list(st.routers), info, self._load,
+                                       bm.cached_hash_set if bm.enable_prefix_caching else None,
                                        interval_s=st.heartbeat_interval_s,
                                        cluster_token=st.cluster_token)
         self.heartbeater.start()

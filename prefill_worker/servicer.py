@@ -18,15 +18,23 @@ from typing import Protocol
 import grpc
 
 from kvrelay.convert import logprob_to_proto, sampling_from_proto
+from kvrelay.decode_worker.servicer import ID_REUSE_WAIT_S, is_id_in_use
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.rpc import insecure_channel, token_metadata
+from kvrelay.rpc import (
+    KV_DESTINATION_FAILED,
+    KV_NOTHING_WRITTEN,
+    insecure_channel,
+    token_metadata,
+)
 
 logger = logging.getLogger(__name__)
+
+KV_TRANSFER_FAILED = "KV transfer failed"  # EngineCore's error prefix for a failed send
 
 
 class KVSender(Protocol):
@@ -94,7 +102,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         rid = request.request_id
         with request_context(rid):
             if self.draining:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
+                                    KV_NOTHING_WRITTEN)
             try:
                 skip_blocks = self._validate(request)
                 # Only the first token is sampled here; stop strings are the router's business.
@@ -108,27 +117,43 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"cannot reach decode worker {dest.agent_name}: {detail}")
+                                    f"cannot reach decode worker {dest.agent_name}: {detail}",
+                                    KV_DESTINATION_FAILED)
             except ValueError as e:  # incompatible KV layouts: a deployment error
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e),
+                                    KV_NOTHING_WRITTEN)
             params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip_blocks,
                                          dest.lease_id, dest.incarnation)
             t0 = time.monotonic()
             out: RequestOutput | None = None
-            try:
-                async for o in self.engine.generate(rid, list(request.prompt_token_ids),
-                                                    sampling, kv_transfer_params=params,
-                                                    arrival_time=t0):
-                    out = o
-            except EngineOverloaded as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            while True:
+                try:
+                    async for o in self.engine.generate(rid, list(request.prompt_token_ids),
+                                                        sampling, kv_transfer_params=params,
+                                                        arrival_time=t0):
+                        out = o
+                    break
+                except EngineOverloaded as e:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                        KV_NOTHING_WRITTEN)
+                except ValueError as e:
+                    # An earlier request of this id (given up by the router, or a client's retry)
+                    # may still be sending its KV out: wait a moment, it is transient.
+                    if is_id_in_use(e) and out is None \
+                            and time.monotonic() < t0 + ID_REUSE_WAIT_S:
+                        await asyncio.sleep(0.02)
+                        continue
+                    await context.abort(grpc.StatusCode.UNAVAILABLE if is_id_in_use(e)
+                                        else grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                                        KV_NOTHING_WRITTEN)
             if out is None or out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) \
                     or not out.new_token_ids:
                 reason = (out.error if out is not None else None) or "prefill aborted"
                 logger.warning("prefill failed: %s", reason)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+                # A failed KV transfer is the destination's failure (the decode worker died or
+                # dropped the lease), not this worker's.
+                side = KV_DESTINATION_FAILED if reason.startswith(KV_TRANSFER_FAILED) else ()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, reason, side)
             done = time.monotonic()
             scheduled = out.scheduled_at or t0
             computed = out.computed_at or done

@@ -9,6 +9,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.UNAVAILABLE: 503,

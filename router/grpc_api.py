@@ -17,7 +17,7 @@ from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError
 from kvrelay.router.registry import WorkerRegistry
-from kvrelay.router.service import Delta, RouterService
+from kvrelay.router.service import MAX_TIMEOUT_MS, Delta, RouterService
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         kind = request.WhichOneof("prompt")
         try:
             sampling = sampling_from_proto(request.sampling)
+            if request.timeout_ms > MAX_TIMEOUT_MS:
+                raise ValueError(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}] (0: none)")
             timeout_ms = request.timeout_ms or None
             remaining = context.time_remaining()
             if remaining is not None:

@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.logs import request_context
@@ -35,11 +36,15 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
-                   retry_after_s: float | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+                   retry_after_s: float | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if retry_after_s:
+        headers["Retry-After"] = str(max(1, round(retry_after_s)))
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500
+                            else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def _router_error(e: RouterError) -> JSONResponse:
@@ -165,6 +170,12 @@ class HttpServer:
             msg = first.get("msg", "invalid request")
             return error_response(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+            # A body that is not JSON text (bad UTF-8, ...), an unknown path, a wrong method:
+            # an OpenAI error object like every other error.
+            return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
         @app.middleware("http")
         async def _auth(request: Request, call_next: Any) -> Response:
             if request.url.path.startswith("/v1/") and not self._authorized(request):
@@ -213,6 +224,11 @@ class HttpServer:
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
                 text = apply_chat_template(service.tokenizer, messages)
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("the messages are not valid Unicode (lone surrogate)") \
+                        from None
                 n_top = (req.top_logprobs or 0) if req.logprobs else None
                 sp = _sampling(req, req.max_completion_tokens or req.max_tokens, n_top)
                 ids = service.tokenizer.encode(text, add_special_tokens=False)

@@ -2,10 +2,12 @@
 
   reserve on D  ->  prefill on P (KV streams P -> D)  ->  first token  ->  decode stream on D
 
-A prefill worker that fails is replaced under the same lease; a decode worker lost mid-stream
-is replaced by re-prefilling prompt + tokens already produced onto a new pair, continuing the
-same stream (greedy output is unchanged). Every wait is bounded; leaving the iterator (client
-cancel, stop string, deadline) ends the lease on both sides.
+A prefill worker that refuses a prompt before writing any KV is replaced under the same lease;
+after any other prefill failure the request takes a fresh lease (the failed worker may still be
+writing into the old blocks, which the decode worker quarantines). A decode worker lost
+mid-stream is replaced by re-prefilling prompt + tokens already produced onto a new pair,
+continuing the same stream (greedy output is unchanged). Every wait is bounded; leaving the
+iterator (client cancel, stop string, deadline) ends the lease on both sides.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -26,9 +30,10 @@ from kvrelay.engine.sequence import FinishReason
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError
-from kvrelay.router.policy import Policy
+from kvrelay.router.policy import DEFAULT_POLICY, Policy, RouteRequest
 from kvrelay.router.registry import WorkerRegistry, WorkerState
 from kvrelay.router.trace import Trace
+from kvrelay.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +44,7 @@ RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 @dataclass(frozen=True)
 class RouterConfig:
-    policy: str = "least_loaded"
+    policy: str = DEFAULT_POLICY
     lease_ttl_s: float = 10.0
     kv_timeout_s: float = 30.0
     reserve_timeout_s: float = 5.0
@@ -51,6 +56,9 @@ class RouterConfig:
     # How long a request waits for KV room on the decode pool before RESOURCE_EXHAUSTED: blocks
     # come back as requests finish, so a burst queues briefly instead of failing at once.
     kv_wait_s: float = 5.0
+    # Policies that measure workers (`auto`) probe each joining worker before routing to it,
+    # this long at most; a worker not measured by then serves on the cost model's priors.
+    calibration_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_prefill_attempts < 1 or self.max_migrations < 0 or self.max_inflight < 1:
@@ -82,6 +90,19 @@ class WorkerLost(Exception):
     """The worker serving a stream failed; the stream may be resumed elsewhere."""
 
 
+@dataclass
+class _Pass:
+    """Routing context of one pass of a request: the prompt with its block hashes, why this
+    path was taken, and what its measurements feed."""
+
+    req: RouteRequest
+    reason: str = ""  # detail of the trace's prefill_start / local_start (decision metrics)
+    prefill: WorkerState | None = None  # pinned prefill worker (warm-up probe)
+    record: bool = True  # feed the cost model's measurements
+    fit: bool = True  # including the compute fits (the warm-up probe feeds those itself)
+    count: bool = True  # count in the routing metrics
+
+
 class Lifecycle:
     """Produces a request's tokens from the cluster, resuming on worker failure."""
 
@@ -91,6 +112,12 @@ class Lifecycle:
         self.policy = policy
         self.config = config
         self.md = cluster_metadata
+        policy.attach(registry)
+        self._probes: dict[str, bool] = {}  # warm-up probes in flight: id -> recorded
+        self._probe_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        if policy.calibrate:
+            registry.on_join = self._on_join
 
     # -- entry ---------------------------------------------------------------------------------
     async def tokens(self, spec: GenerateSpec, trace: Trace) -> AsyncIterator[TokenChunk]:
@@ -101,8 +128,15 @@ class Lifecycle:
             prompt = spec.prompt_token_ids + produced
             remaining = spec.sampling.max_tokens - len(produced)
             sampling = replace(spec.sampling, max_tokens=remaining)
+            # Every pass runs under an id of its own on the workers (the client's id plus a
+            # nonce, so logs still match by prefix): an earlier request of the same client id,
+            # or the given-up attempt of this one, may still hold its id there (a lease whose
+            # Release is in flight or lost, a prefill still sending, a stream being torn down).
+            # Worker-side state is then never shared between two passes, whatever the timing.
+            attempt = replace(spec, request_id=f"{spec.request_id}.{migrations}"
+                                               f"{secrets.token_hex(3)}")
             try:
-                async for chunk in self._one_pass(spec, prompt, sampling, trace):
+                async for chunk in self._one_pass(attempt, prompt, sampling, trace):
                     produced.extend(chunk.token_ids)
                     yield chunk
                     if chunk.finish_reason is not None:
@@ -120,12 +154,31 @@ class Lifecycle:
 
     async def _one_pass(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
                         trace: Trace) -> AsyncIterator[TokenChunk]:
-        if await self._disaggregate():
-            async for c in self._disaggregated(spec, prompt, sampling, trace):
-                yield c
-        else:
+        if not await self._disaggregate():
             async for c in self._local(spec, prompt, sampling, trace):
                 yield c
+            return
+        ctx = _Pass(RouteRequest(prompt, sampling.max_tokens),
+                    count=spec.request_id not in self._probes)
+        route = self.policy.route(ctx.req, self.registry.alive("decode"),
+                                  self.registry.alive("prefill"))
+        ctx.reason = route.reason
+        logger.debug("route: %s", route.describe())
+        if route.local is not None:  # the fast lane: wholly on a decode worker
+            started = False
+            try:
+                async for c in self._local(spec, prompt, sampling, trace, route.local, ctx):
+                    started = True
+                    yield c
+                return
+            except (WorkerLost, RouterError) as e:
+                if started or (isinstance(e, RouterError)
+                               and e.code != grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise
+                trace.add("local_failed", route.local.worker_id, detail=str(e))
+                ctx.reason = "local_refused"  # no token yet: disaggregate instead
+        async for c in self._disaggregated(spec, prompt, sampling, trace, ctx):
+            yield c
 
     async def _disaggregate(self) -> bool:
         """True when a prefill/decode pair is up, False when only role=both workers are; waits
@@ -151,38 +204,78 @@ class Lifecycle:
 
     # -- aggregated workers (role=both) ----------------------------------------------------------
     async def _local(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
-                     trace: Trace) -> AsyncIterator[TokenChunk]:
-        blocks = 0
-        ranked = self.policy.rank_decode(self.registry.alive("both"), blocks, prompt)
-        if not ranked:
-            raise WorkerLost("no role=both worker")
-        w = ranked[0]
-        trace.add("local_start", w.worker_id)
+                     trace: Trace, worker: WorkerState | None = None,
+                     ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
+        """Run the request wholly on one worker (GenerateLocal, with that worker's prefix
+        cache): a role=both worker, or ``worker``, a decode worker (the fast lane)."""
+        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens))
+        if worker is None:
+            ranked = self.policy.rank_decode(self.registry.alive("both"), 0, ctx.req)
+            if not ranked:
+                raise WorkerLost("no role=both worker")
+            worker = ranked[0]
+        w = worker
+        trace.add("local_start", w.worker_id, detail=ctx.reason)
         req = wpb.LocalGenerateRequest(request_id=spec.request_id, prompt_token_ids=prompt,
                                        sampling=sampling_to_proto(sampling))
+        now = time.monotonic()
+        pending = self.policy.cost.local(w, ctx.req, now).new_tokens
+        w.pending_prompt_tokens += pending
+        w.expect(ctx.req.hashes(w.block_size), now + self.registry.expect_s)
+        clean, batch = w.local_inflight == 0, w.batch_estimate
+        w.dispatches += 1
+        dispatched = w.dispatches
         w.inflight += 1
-        call = w.decode.GenerateLocal(req, metadata=self.md)
+        w.local_inflight += 1
+        if ctx.count:
+            w.arrivals.tick(now)
+        prefilling = True
+        produced: list[int] = []
+        call = None
         try:
+            t0 = time.monotonic()
+            try:
+                call = w.decode.GenerateLocal(req, metadata=self.md)
+            except grpc.aio.UsageError as e:  # the registry dropped w (and closed its channel)
+                raise WorkerLost(f"{w.worker_id} left the registry: {e}") from e
             async for chunk in self._read_stream(spec, call, w, trace):
+                if prefilling:
+                    prefilling = False
+                    w.local_inflight -= 1
+                    w.pending_prompt_tokens = max(0, w.pending_prompt_tokens - pending)
+                    self._observe_local(w, ctx, len(prompt), chunk.cached_prompt_tokens,
+                                        time.monotonic() - t0, batch,
+                                        clean and w.dispatches == dispatched)
+                produced.extend(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    self._expect_sequence(w, ctx, produced)
                 yield chunk
         finally:
+            if prefilling:
+                w.local_inflight -= 1
+                w.pending_prompt_tokens = max(0, w.pending_prompt_tokens - pending)
             w.inflight -= 1
-            call.cancel()
+            if call is not None:
+                call.cancel()
 
     # -- disaggregated ----------------------------------------------------------------------------
     async def _disaggregated(self, spec: GenerateSpec, prompt: list[int],
-                             sampling: SamplingParams, trace: Trace) -> AsyncIterator[TokenChunk]:
-        d, lease = await self._reserve(spec, prompt, trace)
+                             sampling: SamplingParams, trace: Trace,
+                             ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
+        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens))
+        d, lease = await self._reserve(spec, prompt, trace, ctx)
         decode_started = False
         renew = asyncio.get_running_loop().create_task(self._renew(d, spec.request_id, lease))
         try:
-            first, cached_p = await self._prefill(spec, prompt, sampling, d, lease, trace)
+            first, cached_p = await self._prefill(spec, prompt, sampling, d, lease, trace, ctx)
             renew.cancel()
             tok = first.first_token_id
             chunk = TokenChunk([tok], [logprob_from_proto(first.logprob)
                                        if first.HasField("logprob") else None],
                                cached_prompt_tokens=max(cached_p, lease.cached_prefix_tokens))
             chunk.finish_reason = self._first_token_stop(sampling, tok, len(prompt), d)
+            if chunk.finish_reason is not None:
+                self._expect_sequence(d, ctx, [])
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -190,10 +283,17 @@ class Lifecycle:
             req = wpb.DecodeRequest(request_id=spec.request_id, lease_id=lease.lease_id,
                                     first_token_id=tok, sampling=sampling_to_proto(sampling),
                                     kv_timeout_ms=int(self.config.kv_timeout_s * 1000))
-            call = d.decode.Decode(req, metadata=self.md)
+            try:
+                call = d.decode.Decode(req, metadata=self.md)
+            except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
+                raise WorkerLost(f"{d.worker_id} left the registry: {e}") from e
             trace.add("decode_start", d.worker_id)
             try:
+                produced = [tok]
                 async for c in self._read_stream(spec, call, d, trace):
+                    produced.extend(c.token_ids)
+                    if c.finish_reason is not None:
+                        self._expect_sequence(d, ctx, produced)
                     yield c
             finally:
                 call.cancel()
@@ -215,14 +315,14 @@ class Lifecycle:
 
     eos_token_ids: frozenset[int] = frozenset()
 
-    async def _reserve(self, spec: GenerateSpec, prompt: list[int],
-                       trace: Trace) -> tuple[WorkerState, wpb.ReserveResponse]:
+    async def _reserve(self, spec: GenerateSpec, prompt: list[int], trace: Trace,
+                       ctx: _Pass | None = None) -> tuple[WorkerState, wpb.ReserveResponse]:
         give_up = time.monotonic() + self.config.kv_wait_s
         if spec.deadline is not None:
             give_up = min(give_up, spec.deadline)
         pause = 0.02
         while True:
-            got = await self._reserve_once(spec, prompt, trace)
+            got = await self._reserve_once(spec, prompt, trace, ctx)
             if got is not None:
                 return got
             if time.monotonic() + pause > give_up:
@@ -232,8 +332,9 @@ class Lifecycle:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.25)
 
-    async def _reserve_once(self, spec: GenerateSpec, prompt: list[int],
-                            trace: Trace) -> tuple[WorkerState, wpb.ReserveResponse] | None:
+    async def _reserve_once(self, spec: GenerateSpec, prompt: list[int], trace: Trace,
+                            ctx: _Pass | None = None
+                            ) -> tuple[WorkerState, wpb.ReserveResponse] | None:
         """Reserve on the best decode worker that has room; None when all are full."""
         decoders = self.registry.alive("decode")
         if not decoders:
@@ -241,18 +342,24 @@ class Lifecycle:
         bs = decoders[0].block_size
         need = -(-(len(prompt) + 1) // bs)
         exhausted = 0
-        for d in self.policy.rank_decode(decoders, need, prompt):
+        ctx = ctx or _Pass(RouteRequest(prompt))
+        for d in self.policy.rank_decode(decoders, need, ctx.req):
             req = wpb.ReserveRequest(request_id=spec.request_id, prompt_token_ids=prompt,
                                      ttl_ms=int(self.config.lease_ttl_s * 1000))
             # Counted from the reservation on (the caller drops it when the request leaves this
             # worker), so concurrent arrivals between two heartbeats spread over the pool.
             d.inflight += 1
+            t_rpc = time.monotonic()
             try:
                 resp = await d.decode.Reserve(
                     req, metadata=self.md,
                     timeout=self._remaining(spec, self.config.reserve_timeout_s))
             except BaseException as e:
                 d.inflight -= 1
+                if isinstance(e, grpc.aio.UsageError):  # d left the registry meanwhile
+                    continue
+                if isinstance(e, asyncio.CancelledError) and _call_cancelled(self, d):
+                    continue
                 if not isinstance(e, grpc.aio.AioRpcError):
                     raise
                 code = e.code()
@@ -264,6 +371,10 @@ class Lifecycle:
                 self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
                 continue
             d.pending_blocks += len(resp.block_ids)
+            if ctx.record:
+                d.reserve_rpc_s.observe(time.monotonic() - t_rpc)
+            if ctx.count:
+                d.arrivals.tick(time.monotonic())
             trace.add("reserved", d.worker_id, detail=f"cached={resp.cached_prefix_tokens}")
             return d, resp
         if exhausted:
@@ -275,12 +386,14 @@ class Lifecycle:
         req = wpb.LeaseRequest(request_id=request_id, lease_id=lease.lease_id)
         while True:
             await asyncio.sleep(period)
-            with contextlib.suppress(grpc.aio.AioRpcError):
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await d.decode.RenewLease(req, metadata=self.md, timeout=period)
 
     async def _prefill(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
                        d: WorkerState, lease: wpb.ReserveResponse,
-                       trace: Trace) -> tuple[wpb.PrefillResponse, int]:
+                       trace: Trace, ctx: _Pass | None = None
+                       ) -> tuple[wpb.PrefillResponse, int]:
+        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens))
         dest = wpb.KVDestination(
             decode_address=d.address, agent_name=lease.agent_name,
             incarnation=lease.incarnation, block_ids=lease.block_ids,
@@ -291,15 +404,27 @@ class Lifecycle:
         last = "no prefill worker"
         exhausted = False
         for _ in range(self.config.max_prefill_attempts):
-            ranked = [p for p in self.policy.rank_prefill(self.registry.alive("prefill"), prompt)
-                      if p.worker_id not in tried]
+            if ctx.prefill is not None and not tried:
+                ranked = [ctx.prefill]
+            else:
+                ranked = [p for p in self.policy.rank_prefill(self.registry.alive("prefill"),
+                                                              ctx.req)
+                          if p.worker_id not in tried]
             if not ranked:
                 break
             p = ranked[0]
             tried.add(p.worker_id)
-            p.pending_prompt_tokens += len(prompt) - lease.cached_prefix_tokens
+            now = time.monotonic()
+            pending = self.policy.cost.prefill(p, ctx.req, now).new_tokens
+            p.pending_prompt_tokens += pending
+            p.expect(ctx.req.hashes(p.block_size), now + self.registry.expect_s)
+            clean = p.inflight == 0
+            p.dispatches += 1
+            dispatched = p.dispatches
             p.inflight += 1
-            trace.add("prefill_start", p.worker_id)
+            trace.add("prefill_start", p.worker_id, detail=ctx.reason if len(tried) == 1
+                      else "retry")
+            t_rpc = time.monotonic()
             try:
                 resp = await p.prefill.Prefill(
                     req, metadata=self.md,
@@ -312,20 +437,39 @@ class Lifecycle:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and spec.deadline is not None \
                         and time.monotonic() >= spec.deadline:
                     raise RouterError(code, "request deadline exceeded") from e
+                trace.add("prefill_failed", p.worker_id, detail=last)
+                if _dest_failed(e):  # the decode worker holding the lease failed, not p
+                    self.registry.mark_suspect(d.worker_id, f"KV destination: {last}")
+                    raise WorkerLost(f"KV destination {d.worker_id} failed: {last}") from e
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted = True
                 else:
                     self.registry.mark_suspect(p.worker_id, f"Prefill: {last}")
-                trace.add("prefill_failed", p.worker_id, detail=last)
+                if not _nothing_written(e):
+                    # p may still write into the lease's blocks (it stalled, or only its
+                    # connection broke): a rerun there could be overwritten by p's late writes.
+                    # Take fresh blocks instead; d quarantines these until p's writes end.
+                    raise WorkerLost(f"prefill failed ({last}); its KV writes may still "
+                                     f"land: a new lease") from e
                 logger.warning("prefill on %s failed (%s); retrying under the same lease",
                                p.worker_id, last)
                 continue
+            except asyncio.CancelledError:
+                if not _call_cancelled(self, p):
+                    raise
+                last = f"{p.worker_id}: dropped from the registry during the call"
+                trace.add("prefill_failed", p.worker_id, detail=last)
+                raise WorkerLost(f"prefill failed ({last}); its KV writes may still land: "
+                                 f"a new lease") from None
             finally:
                 p.inflight -= 1
+                p.pending_prompt_tokens = max(0, p.pending_prompt_tokens - pending)
             trace.add("prefill_end", p.worker_id,
                       detail=f"queue={resp.queue_ms:.1f}ms prefill={resp.prefill_ms:.1f}ms "
                              f"transfer={resp.transfer_ms:.1f}ms bytes={resp.kv_bytes}")
             trace.prefill = resp
+            self._observe_prefill(p, d, lease, ctx, resp, time.monotonic() - t_rpc,
+                                  clean and p.dispatches == dispatched)
             return resp, resp.cached_prompt_tokens
         if exhausted:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -335,12 +479,19 @@ class Lifecycle:
     async def _read_stream(self, spec: GenerateSpec, call: grpc.aio.UnaryStreamCall,
                            w: WorkerState, trace: Trace) -> AsyncIterator[TokenChunk]:
         """Relay a DecodeResponse stream; a broken stream becomes WorkerLost."""
+        last: float | None = None  # gaps between streamed tokens measure w's decode steps
+        record = self._probes.get(spec.request_id, True)
         while True:
             try:
                 resp = await asyncio.wait_for(call.read(), self._remaining(spec, 3600.0))
             except TimeoutError:
                 raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   "request deadline exceeded") from None
+            except asyncio.CancelledError:
+                if not _call_cancelled(self, w):
+                    raise
+                raise WorkerLost(f"{w.worker_id}: dropped from the registry mid-stream") \
+                    from None
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -352,6 +503,10 @@ class Lifecycle:
                 raise WorkerLost(f"{w.worker_id}: {code.name} {e.details()}") from e
             if resp is grpc.aio.EOF:
                 return
+            now = time.monotonic()
+            if last is not None and record and resp.token_ids:
+                w.step_fit.observe(w.batch_estimate, now - last)
+            last = now
             reason = finish_from_proto(resp.finish_reason)
             if reason == FinishReason.ERROR:
                 raise WorkerLost(f"{w.worker_id}: {resp.error}")
@@ -362,13 +517,176 @@ class Lifecycle:
                              or [None] * len(resp.token_ids),
                              reason, resp.cached_prompt_tokens)
 
+    # -- measurements (the cost model's fits) and cache expectations ------------------------------
+    def _observe_prefill(self, p: WorkerState, d: WorkerState, lease: wpb.ReserveResponse,
+                         ctx: _Pass, resp: wpb.PrefillResponse, wall_s: float,
+                         clean: bool) -> None:
+        """A prefill's measurements: P's compute time for the tokens it computed (when it ran
+        alone there), transfer time against bytes, the RPC's own overhead."""
+        n = len(ctx.req)
+        computed = n - resp.cached_prompt_tokens
+        skip = lease.cached_prefix_tokens // d.block_size
+        sent = len(lease.block_ids) - skip
+        p.expect(ctx.req.hashes(p.block_size), time.monotonic() + self.registry.expect_s)
+        if ctx.count:
+            c = self.registry.counter(p)
+            c.prompt_tokens += n
+            c.computed_tokens += computed
+            c = self.registry.counter(d)
+            c.kv_blocks_sent += sent
+            c.kv_blocks_skipped += skip
+        if not ctx.record:
+            return
+        if clean and computed > 0 and ctx.fit:
+            p.prefill_fit.observe(computed, resp.prefill_ms / 1e3)
+        perf = self.registry.perf
+        perf.observe_transfer(resp.kv_bytes, sent, resp.transfer_ms / 1e3)
+        if clean:  # queue_ms of an idle worker is the hand-off to its engine: overhead
+            perf.prefill_rpc_s.observe(wall_s - (resp.prefill_ms + resp.transfer_ms) / 1e3)
+
+    def _observe_local(self, w: WorkerState, ctx: _Pass, n: int, cached: int, ttft_s: float,
+                       batch: int, clean: bool) -> None:
+        """A local generation's first token: the tokens w computed and how long it took, less
+        the wait for the decode batch it joined (when no other local prefill ran there)."""
+        computed = n - cached
+        if ctx.count:
+            c = self.registry.counter(w)
+            c.prompt_tokens += n
+            c.computed_tokens += computed
+        if ctx.record and clean and ctx.fit:
+            wait = w.step_fit.predict(batch) if batch > 0 else 0.0
+            w.local_fit.observe(computed, ttft_s - wait)
+
+    def _expect_sequence(self, w: WorkerState, ctx: _Pass, produced: list[int]) -> None:
+        """w now holds the KV of the prompt and the tokens produced (the last has none yet):
+        count on it for prefix routing until its beats can report it."""
+        toks = produced[:-1]
+        hashes = (ctx.req.extended_hashes(toks, w.block_size) if toks
+                  else ctx.req.hashes(w.block_size))
+        w.expect(hashes, time.monotonic() + self.registry.expect_s)
+
+    # -- warm-up probe (policies that measure workers before routing to them) ---------------------
+    def _on_join(self, w: WorkerState) -> None:
+        if w.role not in ("prefill", "decode"):
+            w.calibrating = False
+            return
+        task = asyncio.get_running_loop().create_task(self._calibrate(w))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _calibrate(self, w: WorkerState) -> None:
+        """Measure a joining worker before it takes traffic (see ``_probe``). Bounded; a worker
+        not measured in time serves on the priors and is measured by live requests."""
+        t0 = time.monotonic()
+        limit = self.config.calibration_timeout_s
+        try:
+            if w.role == "prefill":  # a prefill needs somewhere to send its KV
+                while not self.registry.alive("decode"):
+                    if time.monotonic() - t0 > limit:
+                        raise TimeoutError("no decode worker to send probe KV to")
+                    await asyncio.sleep(0.05)
+            async with self._probe_lock:  # one worker at a time: probes would share the cores
+                await asyncio.wait_for(self._probe(w), limit)
+            fit = w.prefill_fit if w.role == "prefill" else w.local_fit
+            a, b = fit.coef()
+            logger.info("calibrated %s in %.2fs: first token %.1fms + %.3fms/token", w.worker_id,
+                        time.monotonic() - t0, a * 1e3, b * 1e3)
+        except (TimeoutError, WorkerLost, RouterError, grpc.aio.AioRpcError,
+                grpc.aio.UsageError) as e:
+            logger.warning("calibration of %s incomplete (%s): routing to it on priors",
+                           w.worker_id, e or type(e).__name__)
+        finally:
+            w.calibrating = False
+            self.registry.notify()
+
+    async def _probe(self, w: WorkerState) -> None:
+        """Synthetic prompts of several sizes, run on ``w`` the way live requests run (a prefill
+        worker's with KV sent to a decode worker, a decode worker's wholly there), so the same
+        observations feed the RPC, transfer and decode-step measurements. The first two warm it
+        up and are not recorded. Its compute fit gets the fastest of the repeats of each size:
+        another process starting up at the same moment (workers join together) can only add
+        time, and a pessimistic fit would keep the fast lane from ever measuring it again."""
+        bs = w.block_size
+        large = max(2 * bs, min(32 * bs, w.max_model_len // 4 // bs * bs))
+        warm = (bs, large)
+        sizes = [n for n in (bs, 8 * bs, large) if n <= large for _ in range(2)]
+        best: dict[int, tuple[float, int]] = {}  # size -> (seconds, tokens computed)
+        rng = random.Random()
+        for i, n in enumerate((*warm, *sizes)):
+            rid = f"calibrate-{w.worker_id}-{i}-{secrets.token_hex(4)}"
+            prompt = [rng.randrange(256) for _ in range(n)]  # fresh: no cache hits
+            sampling = SamplingParams(max_tokens=2 if w.role == "decode" else 1,
+                                      temperature=0.0, ignore_eos=True)
+            spec = GenerateSpec(rid, prompt, sampling)
+            ctx = _Pass(RouteRequest(prompt, sampling.max_tokens), reason="calibration",
+                        record=i >= len(warm), fit=False, count=False)
+            self._probes[rid] = ctx.record
+            trace = Trace()
+            try:
+                if w.role == "decode":
+                    gen = self._local(spec, prompt, sampling, trace, w, ctx)
+                else:
+                    ctx.prefill = w
+                    gen = self._disaggregated(spec, prompt, sampling, trace, ctx)
+                t0, first = time.monotonic(), None
+                async for chunk in gen:
+                    if first is None:
+                        first = (time.monotonic() - t0, n - chunk.cached_prompt_tokens)
+            finally:
+                self._probes.pop(rid, None)
+            if ctx.record and first is not None:
+                if w.role == "prefill" and trace.prefill is not None:
+                    first = (trace.prefill.prefill_ms / 1e3,
+                             n - trace.prefill.cached_prompt_tokens)
+                best[n] = min(best.get(n, first), first)
+        fit = w.prefill_fit if w.role == "prefill" else w.local_fit
+        for seconds, computed in best.values():
+            fit.observe(computed, seconds)
+
     def _release_soon(self, d: WorkerState, request_id: str, lease_id: str) -> None:
         """End a lease without making the caller wait (the TTL is the backstop)."""
 
         async def release() -> None:
-            with request_context(request_id), contextlib.suppress(grpc.aio.AioRpcError):
-                await d.decode.Release(wpb.LeaseRequest(request_id=request_id,
+            # d may have left the registry and come back (missed heartbeats): its old channel is
+            # closed, the process and the lease live on; reach it by its current entry.
+            cur = self.registry.workers.get(d.worker_id)
+            w = cur if cur is not None and cur.incarnation == d.incarnation else d
+            with request_context(request_id), \
+                    contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                await w.decode.Release(wpb.LeaseRequest(request_id=request_id,
                                                         lease_id=lease_id),
                                        metadata=self.md, timeout=2.0)
 
         asyncio.get_running_loop().create_task(release())
+
+
+def _nothing_written(e: grpc.aio.AioRpcError) -> bool:
+    """True when a Prefill was refused before it wrote any KV (see ``KV_NOTHING_WRITTEN``)."""
+    try:
+        md = tuple(e.trailing_metadata() or ())
+    except Exception:
+        return False
+    return any((k, v) in KV_NOTHING_WRITTEN for k, v in md)
+
+
+def _dest_failed(e: grpc.aio.AioRpcError) -> bool:
+    """True when a Prefill failed because of its KV destination (see ``KV_DESTINATION_FAILED``)."""
+    try:
+        md = tuple(e.trailing_metadata() or ())
+    except Exception:
+        return False
+    return any((k, v) in KV_DESTINATION_FAILED for k, v in md)
+
+
+def _call_cancelled(lc: Lifecycle, w: WorkerState) -> bool:
+    """Whether a CancelledError out of a call to ``w`` is the call's, not this request's.
+
+    The registry closes the channel of a worker it drops (missed heartbeats), which cancels the
+    calls in flight on it: they raise CancelledError although nobody cancelled the request.
+    Left alone, that ends the request's handler without a status, and the client waits until
+    its deadline (forever without one). Such a call counts as a lost worker instead.
+    """
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "cancelling"):  # Python >= 3.11
+        return task.cancelling() == 0
+    return lc.registry.workers.get(w.worker_id) is not w

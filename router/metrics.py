@@ -2,7 +2,9 @@
 
 Request-level metrics are observed as requests finish. Pool gauges (KV usage, running,
 waiting, prefix-cache counters) are read from the workers' latest heartbeats at scrape time,
-with ``pool`` and ``worker`` labels, so the router's /metrics shows the whole cluster.
+with ``pool`` and ``worker`` labels, so the router's /metrics shows the whole cluster. So are
+the routing counters (prompt tokens each worker computed or found cached, KV blocks sent or
+skipped) and the routing cost model's measured parameters.
 """
 
 from __future__ import annotations
@@ -55,6 +57,56 @@ class _PoolCollector(Collector):
         for pool, n in per_pool.items():
             workers.add_metric([pool], n)
         yield from (usage, running, waiting, queued, queries, hits, workers)
+        yield from self._routing()
+
+    def _routing(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["pool", "worker"]
+        routed = CounterMetricFamily(
+            "kvrelay:router_prompt_tokens_routed",
+            "Prompt tokens of requests the router had a worker prefill (prefill pool) or run "
+            "wholly (decode pool: fast lane)", labels=labels)
+        computed = CounterMetricFamily(
+            "kvrelay:router_prompt_tokens_computed",
+            "Of those, the tokens the worker computed (the rest were in its prefix cache)",
+            labels=labels)
+        sent = CounterMetricFamily("kvrelay:router_kv_blocks_sent",
+                                   "KV blocks written into a decode worker", labels=labels)
+        skipped = CounterMetricFamily(
+            "kvrelay:router_kv_blocks_skipped",
+            "Prompt KV blocks not sent: the decode worker held them already", labels=labels)
+        for (pool, worker), c in sorted(self.registry.counters.items()):
+            lv = [pool, worker]
+            if c.prompt_tokens:
+                routed.add_metric(lv, c.prompt_tokens)
+                computed.add_metric(lv, c.computed_tokens)
+            if c.kv_blocks_sent or c.kv_blocks_skipped:
+                sent.add_metric(lv, c.kv_blocks_sent)
+                skipped.add_metric(lv, c.kv_blocks_skipped)
+        model = GaugeMetricFamily(
+            "kvrelay:router_cost_model",
+            "Measured parameters of the routing cost model (seconds, bytes)",
+            labels=["param", "pool", "worker"])
+        perf = self.registry.perf
+        a, b = perf.transfer.coef()
+        model.add_metric(["transfer_fixed_seconds", "", ""], a)
+        model.add_metric(["transfer_bytes_per_second", "", ""], 2.0**20 / b if b > 0 else 0.0)
+        model.add_metric(["transfer_samples", "", ""], perf.transfer.n)
+        model.add_metric(["prefill_rpc_overhead_seconds", "", ""], perf.prefill_rpc_s.value)
+        if perf.block_bytes:
+            model.add_metric(["kv_block_bytes", "", ""], perf.block_bytes)
+        for w in self.registry.workers.values():
+            lv = [w.role, w.worker_id]
+            fits = {"prefill": w.prefill_fit} if w.role == "prefill" else \
+                {"local": w.local_fit, "decode_step": w.step_fit}
+            for name, fit in fits.items():
+                a, b = fit.coef()
+                per = "seq" if name == "decode_step" else "token"
+                model.add_metric([f"{name}_fixed_seconds", *lv], a)
+                model.add_metric([f"{name}_seconds_per_{per}", *lv], b)
+                model.add_metric([f"{name}_samples", *lv], fit.n)
+            if w.role != "prefill":
+                model.add_metric(["reserve_rpc_seconds", *lv], w.reserve_rpc_s.value)
+        yield from (routed, computed, sent, skipped, model)
 
 
 class RouterMetrics:

@@ -1,28 +1,224 @@
-"""Routing policies: which decode worker reserves, which prefill worker computes.
+"""Routing policies: which decode worker reserves, which prefill worker computes, and (``auto``)
+whether a request is disaggregated at all.
 
 A policy ranks candidates best first; the request lifecycle tries them in order (a worker that
 refuses or fails is followed by the next).
+
+* ``round_robin``: rotate. ``least_loaded``: fewest queued prompt tokens / most KV headroom.
+* ``prefix_aware``: workers report the chained hashes of the KV blocks they hold (heartbeat
+  deltas, the same hashes the engine's prefix cache uses); the router hashes the prompt the same
+  way, so it knows how many leading tokens each worker would not have to compute. A prefill
+  worker is scored by the seconds until this prompt would be done there: its queued tokens plus
+  the prompt tokens it lacks, through its measured prefill fit. A decode worker (among those
+  with KV room) by the seconds of KV transfer for the blocks it lacks plus decoding at its batch
+  size; the blocks it holds are skipped by the prefill worker's transfer.
+* ``auto``: ``prefix_aware`` plus the fast lane: per request, the cost model below compares
+  running it wholly on a decode worker (``GenerateLocal``: its own prefill, with its own prefix
+  cache) with disaggregating it, and takes the cheaper.
+
+The cost model (``CostModel``), every term in seconds, every parameter measured (``registry``):
+
+  disaggregated = Reserve RPC + Prefill RPC overhead
+                  + prefill_P(queued tokens on P + prompt tokens P lacks)
+                  + transfer(KV bytes of the blocks D lacks)
+  local         = local_D(queued local tokens on D + prompt tokens D lacks) + wait_D(batch)
+                  + stall: C x (batch + arrival rate at D x C / 2),
+                    C = per-token local prefill cost x tokens D lacks
+
+``prefill_P``, ``local_D`` and the decode step ``wait_D`` are per-worker linear fits of measured
+times (PrefillResponse.prefill_ms; GenerateLocal's time to first token; gaps between streamed
+tokens), ``transfer`` a fit of PrefillResponse.transfer_ms against kv_bytes, the RPC terms
+measured round trips. The stall term charges the local path for the time it takes from others
+on D: every sequence in D's batch waits for the local prefill, and so does, by half of it on
+average, each request reaching D meanwhile (its measured arrival rate); a disaggregated prefill
+costs D nothing but the KV writes. The decision minimises the latency added over all requests,
+not only this one's. ``auto`` measures each joining worker with a warm-up probe before routing
+to it, and keeps measuring live requests; the priors in ``registry`` stand in only until then.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from kvrelay.router.registry import WorkerState
+from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes
+from kvrelay.router.registry import WorkerRegistry, WorkerState
+
+
+class RouteRequest:
+    """The prompt being routed, with its chained block hashes computed once per block size."""
+
+    __slots__ = ("_hashes", "max_tokens", "token_ids")
+
+    def __init__(self, token_ids: Sequence[int], max_tokens: int = 1):
+        self.token_ids = token_ids
+        self.max_tokens = max(1, max_tokens)
+        self._hashes: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def hashes(self, block_size: int) -> list[int]:
+        h = self._hashes.get(block_size)
+        if h is None:
+            h = self._hashes[block_size] = block_hashes(self.token_ids, block_size)
+        return h
+
+    def extended_hashes(self, tokens: Sequence[int], block_size: int) -> list[int]:
+        """Hashes of ``token_ids + tokens`` (the prompt's own are reused)."""
+        own = self.hashes(block_size)
+        k = len(own) * block_size
+        tail = list(self.token_ids[k:]) + list(tokens)
+        return own + block_hashes(tail, block_size, own[-1] if own else ROOT_HASH)
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    worker: WorkerState
+    cached_tokens: int  # leading prompt tokens it holds (and would not compute)
+    new_tokens: int
+    seconds: float  # until this prompt would be prefilled there (its queue first)
+
+
+@dataclass(frozen=True)
+class DecodeEstimate:
+    worker: WorkerState
+    cached_blocks: int  # leading prompt blocks it holds (not transferred)
+    uncached_blocks: int
+    fits: bool  # has KV room for the blocks it lacks
+    transfer_s: float
+    decode_s: float  # max_tokens decode steps at its batch size (plus this request)
+
+    @property
+    def seconds(self) -> float:
+        return self.transfer_s + self.decode_s
+
+
+@dataclass(frozen=True)
+class LocalEstimate:
+    worker: WorkerState
+    cached_tokens: int
+    new_tokens: int
+    seconds: float  # to the first token, run wholly there
+    stall_s: float  # decode time its prefill takes from the sequences already in its batch
+
+    @property
+    def cost(self) -> float:
+        return self.seconds + self.stall_s
+
+
+@dataclass(frozen=True)
+class Route:
+    """A request's route: ``local`` set means run it wholly there (the fast lane)."""
+
+    local: WorkerState | None
+    reason: str
+    local_s: float | None = None  # the estimates behind the decision (cost incl. stall)
+    disaggregated_s: float | None = None
+    detail: str = ""
+
+    def describe(self) -> str:
+        if self.local_s is None or self.disaggregated_s is None:
+            return self.reason
+        return (f"{self.reason}: local {self.local_s * 1e3:.1f}ms, disaggregated "
+                f"{self.disaggregated_s * 1e3:.1f}ms ({self.detail})")
+
+
+class CostModel:
+    """Seconds a request would take on each path, from the registry's measurements."""
+
+    def __init__(self, registry: WorkerRegistry):
+        self.registry = registry
+
+    def prefill(self, w: WorkerState, req: RouteRequest, now: float) -> PrefillEstimate:
+        bs = w.block_size
+        # the engine always computes at least the last prompt token (its logits give the first
+        # output token), so a fully cached prompt still computes one block's worth at most
+        usable = (len(req) - 1) // bs
+        cached = min(w.cached_blocks(req.hashes(bs), now), usable) * bs
+        new = len(req) - cached
+        seconds = w.prefill_fit.predict(w.queued_tokens_estimate + new)
+        return PrefillEstimate(w, cached, new, seconds)
+
+    def decode(self, w: WorkerState, req: RouteRequest, blocks_needed: int,
+               now: float) -> DecodeEstimate:
+        bs = w.block_size
+        cached = min(w.cached_blocks(req.hashes(bs), now), len(req) // bs)
+        uncached = -(-len(req) // bs) - cached
+        fits = w.free_blocks_estimate >= blocks_needed - cached
+        return DecodeEstimate(w, cached, uncached, fits, self.registry.perf.transfer_s(uncached),
+                              req.max_tokens * w.step_fit.predict(w.batch_estimate + 1))
+
+    def local(self, w: WorkerState, req: RouteRequest, now: float) -> LocalEstimate:
+        bs = w.block_size
+        cached = min(w.cached_blocks(req.hashes(bs), now), (len(req) - 1) // bs) * bs
+        new = len(req) - cached
+        batch = w.batch_estimate
+        wait = w.step_fit.predict(batch) if batch > 0 else 0.0
+        seconds = w.local_fit.predict(w.queued_tokens_estimate + new) + wait
+        # The prefill's own compute delays every sequence in the batch by that much, and each
+        # request reaching this worker meanwhile by half of it on average.
+        compute = w.local_fit.slope * new
+        stall = compute * (batch + w.arrivals.rate(now) * compute / 2.0)
+        return LocalEstimate(w, cached, new, seconds, stall)
+
+    def disaggregated_s(self, p: PrefillEstimate, d: DecodeEstimate) -> float:
+        return (d.worker.reserve_rpc_s.value + self.registry.perf.prefill_rpc_s.value
+                + p.seconds + d.transfer_s)
+
+    def route(self, req: RouteRequest, decoders: Sequence[WorkerState],
+              prefills: Sequence[WorkerState], now: float | None = None) -> Route:
+        """Fast lane or not: the cheaper of running ``req`` wholly on the best decode worker
+        and disaggregating it over the best pair (``Route.reason`` says why)."""
+        now = time.monotonic() if now is None else now
+        if not decoders:
+            return Route(None, "no_decode_worker")
+        if not prefills:
+            return Route(None, "no_prefill_worker")
+        need = -(-(len(req) + 1) // decoders[0].block_size)
+        fit = [e for e in (self.decode(d, req, need, now) for d in decoders) if e.fits]
+        if not fit:
+            return Route(None, "no_kv_room")
+        p = min((self.prefill(w, req, now) for w in prefills), key=lambda e: e.seconds)
+        d = min(fit, key=lambda e: e.seconds)
+        t_dis = self.disaggregated_s(p, d)
+        loc = min((self.local(e.worker, req, now) for e in fit), key=lambda e: e.cost)
+        detail = (f"{loc.worker.worker_id}: {loc.new_tokens} new tokens, batch "
+                  f"{loc.worker.batch_estimate}, stall {loc.stall_s * 1e3:.1f}ms; "
+                  f"{p.worker.worker_id}: {p.new_tokens} new tokens, "
+                  f"{p.worker.queued_tokens_estimate} queued")
+        if loc.cost <= t_dis:
+            reason = "cached_prefix" if loc.cached_tokens >= loc.new_tokens else "short_prompt"
+            return Route(loc.worker, reason, loc.cost, t_dis, detail)
+        # faster locally, but not once the decode steps it would delay are counted
+        reason = "decode_interference" if loc.seconds <= t_dis else "long_prompt"
+        return Route(None, reason, loc.cost, t_dis, detail)
 
 
 class Policy(ABC):
     name: str
+    fast_lane = False  # may run a request wholly on a decode worker (``route``)
+    calibrate = False  # wants each joining worker measured (warm-up probe) before traffic
+
+    def attach(self, registry: WorkerRegistry) -> None:
+        """The registry whose workers this policy routes to (its measurements, caches)."""
+        self.cost = CostModel(registry)
 
     @abstractmethod
     def rank_decode(self, workers: Sequence[WorkerState], blocks_needed: int,
-                    prompt: Sequence[int]) -> list[WorkerState]: ...
+                    req: RouteRequest) -> list[WorkerState]: ...
 
     @abstractmethod
     def rank_prefill(self, workers: Sequence[WorkerState],
-                     prompt: Sequence[int]) -> list[WorkerState]: ...
+                     req: RouteRequest) -> list[WorkerState]: ...
+
+    def route(self, req: RouteRequest, decoders: Sequence[WorkerState],
+              prefills: Sequence[WorkerState]) -> Route:
+        """Whether to run ``req`` wholly on a decode worker; only fast-lane policies do."""
+        return Route(None, "policy")
 
 
 class RoundRobin(Policy):
@@ -41,11 +237,11 @@ class RoundRobin(Policy):
         return ws[k:] + ws[:k]
 
     def rank_decode(self, workers: Sequence[WorkerState], blocks_needed: int,
-                    prompt: Sequence[int]) -> list[WorkerState]:
+                    req: RouteRequest) -> list[WorkerState]:
         return self._rotate(workers, next(self._d))
 
     def rank_prefill(self, workers: Sequence[WorkerState],
-                     prompt: Sequence[int]) -> list[WorkerState]:
+                     req: RouteRequest) -> list[WorkerState]:
         return self._rotate(workers, next(self._p))
 
 
@@ -56,7 +252,7 @@ class LeastLoaded(Policy):
     name = "least_loaded"
 
     def rank_decode(self, workers: Sequence[WorkerState], blocks_needed: int,
-                    prompt: Sequence[int]) -> list[WorkerState]:
+                    req: RouteRequest) -> list[WorkerState]:
         fits = [w for w in workers if w.free_blocks_estimate >= blocks_needed]
         rest = [w for w in workers if w.free_blocks_estimate < blocks_needed]
 
@@ -67,16 +263,62 @@ class LeastLoaded(Policy):
         return sorted(fits, key=key) + sorted(rest, key=lambda w: -w.free_blocks_estimate)
 
     def rank_prefill(self, workers: Sequence[WorkerState],
-                     prompt: Sequence[int]) -> list[WorkerState]:
+                     req: RouteRequest) -> list[WorkerState]:
         return sorted(workers, key=lambda w: (w.queued_tokens_estimate, w.inflight))
 
 
-POLICIES: dict[str, type[Policy]] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
+class PrefixAware(Policy):
+    """Prefill: least estimated seconds to this prompt's first token there (queue + the tokens
+    it does not hold). Decode: among those with KV room, least transfer (blocks it does not
+    hold) + decode time at its batch size; role=both workers by their local estimate."""
+
+    name = "prefix_aware"
+
+    def rank_decode(self, workers: Sequence[WorkerState], blocks_needed: int,
+                    req: RouteRequest) -> list[WorkerState]:
+        now = time.monotonic()
+        scored: list[tuple[bool, float, int, str, WorkerState]] = []
+        for w in workers:
+            e = self.cost.decode(w, req, blocks_needed, now)
+            seconds = e.seconds
+            if w.role == "both":  # computes the prompt itself
+                loc = self.cost.local(w, req, now)
+                seconds = loc.cost + e.decode_s
+            # those without room last, most free first
+            key = seconds if e.fits else -float(w.free_blocks_estimate)
+            scored.append((not e.fits, key, w.inflight, w.worker_id, w))
+        return [s[-1] for s in sorted(scored, key=lambda s: s[:4])]
+
+    def rank_prefill(self, workers: Sequence[WorkerState],
+                     req: RouteRequest) -> list[WorkerState]:
+        now = time.monotonic()
+        scored = [(self.cost.prefill(w, req, now).seconds, w.inflight, w.worker_id, w)
+                  for w in workers]
+        return [s[-1] for s in sorted(scored, key=lambda s: s[:3])]
 
 
-def make_policy(name: str) -> Policy:
+class Auto(PrefixAware):
+    """``prefix_aware`` plus the fast lane (see the module docstring)."""
+
+    name = "auto"
+    fast_lane = True
+    calibrate = True
+
+    def route(self, req: RouteRequest, decoders: Sequence[WorkerState],
+              prefills: Sequence[WorkerState]) -> Route:
+        return self.cost.route(req, decoders, prefills)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware,
+                                                          Auto)}
+DEFAULT_POLICY = "least_loaded"
+
+
+def make_policy(name: str, registry: WorkerRegistry | None = None) -> Policy:
     try:
-        return POLICIES[name]()
+        policy = POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of "
                          f"{', '.join(sorted(POLICIES))}") from None
+    policy.attach(registry if registry is not None else WorkerRegistry())
+    return policy

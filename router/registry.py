@@ -2,7 +2,10 @@
 
 The registry also keeps the router's own view of work it has handed out since the last beat
 (prompt tokens sent to a prefill worker, blocks reserved on a decode worker), so a burst of
-requests between two beats does not all land on the same worker.
+requests between two beats does not all land on the same worker; of the prefix-cache blocks a
+worker holds (reported by its beats, plus the blocks the router just had it compute, until a beat
+can report them); and of how fast each worker is, measured (``LinearFit``): the routing cost
+model (``policy.py``) reads nothing else.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -23,6 +28,156 @@ logger = logging.getLogger(__name__)
 
 ROLE_NAMES = {wpb.ROLE_PREFILL: "prefill", wpb.ROLE_DECODE: "decode", wpb.ROLE_BOTH: "both"}
 
+
+class LinearFit:
+    """``y ~ a + b*x`` by exponentially weighted least squares, from measured samples.
+
+    It starts from a prior given as two weak pseudo-samples (at ``x = 0`` and ``x = x_ref``) that
+    stand in only until measurements arrive: every sample multiplies all earlier weight by
+    ``decay`` (the prior's too) and weighs ``1 / prior_weight`` times as much as the prior. With
+    samples at one ``x`` only, the slope still leans on the prior; the warm-up probe measures two
+    sizes. ``a`` and ``b`` are kept non-negative (times never shrink with size).
+    """
+
+    __slots__ = ("decay", "n", "sw", "sx", "sxx", "sxy", "sy")
+
+    def __init__(self, a: float, b: float, x_ref: float, *, decay: float = 0.97,
+                 prior_weight: float = 1e-3):
+        self.decay = decay
+        self.n = 0  # measured samples
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self._add(0.0, a, prior_weight)
+        self._add(x_ref, a + b * x_ref, prior_weight)
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self.sw += w
+        self.sx += w * x
+        self.sy += w * y
+        self.sxx += w * x * x
+        self.sxy += w * x * y
+
+    def observe(self, x: float, y: float) -> None:
+        if not (math.isfinite(x) and math.isfinite(y)) or x < 0.0 or y < 0.0:
+            return
+        d = self.decay
+        self.sw *= d
+        self.sx *= d
+        self.sy *= d
+        self.sxx *= d
+        self.sxy *= d
+        self._add(x, y, 1.0)
+        self.n += 1
+
+    def coef(self) -> tuple[float, float]:
+        """(a, b): intercept and slope."""
+        mx, my = self.sx / self.sw, self.sy / self.sw
+        vxx = self.sxx / self.sw - mx * mx
+        b = (self.sxy / self.sw - mx * my) / vxx if vxx > 1e-12 * (1.0 + mx * mx) else 0.0
+        b = max(b, 0.0)
+        a = my - b * mx
+        if a < 0.0:  # noise would make small sizes free: through the origin instead
+            a, b = 0.0, (self.sxy / self.sxx if self.sxx > 0 else b)
+        return a, max(b, 0.0)
+
+    def predict(self, x: float) -> float:
+        a, b = self.coef()
+        return a + b * max(x, 0.0)
+
+    @property
+    def slope(self) -> float:
+        return self.coef()[1]
+
+
+class Ewma:
+    """Exponentially weighted mean of measured samples, from a prior until the first one."""
+
+    __slots__ = ("decay", "n", "value")
+
+    def __init__(self, prior: float, decay: float = 0.9):
+        self.value = prior
+        self.decay = decay
+        self.n = 0
+
+    def observe(self, y: float) -> None:
+        if not math.isfinite(y) or y < 0.0:
+            return
+        self.value = y if self.n == 0 else self.decay * self.value + (1 - self.decay) * y
+        self.n += 1
+
+
+class RateMeter:
+    """Events per second: the inverse of an exponentially weighted mean gap between events,
+    where the open gap since the last event counts once it is the longer (rates decay when
+    events stop)."""
+
+    __slots__ = ("decay", "gap", "last")
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.gap: float | None = None
+        self.last: float | None = None
+
+    def tick(self, now: float) -> None:
+        if self.last is not None:
+            g = max(0.0, now - self.last)
+            self.gap = g if self.gap is None else self.decay * self.gap + (1 - self.decay) * g
+        self.last = now
+
+    def rate(self, now: float) -> float:
+        if self.gap is None or self.last is None:
+            return 0.0
+        g = max(self.gap, now - self.last)
+        return 1.0 / g if g > 0 else 0.0
+
+
+# Priors, used only until a worker's first measurement (the warm-up probe of the `auto` policy
+# measures every worker before it takes traffic): roughly a small model on a CPU core.
+PRIOR_STEP_S = 0.005  # fixed cost of an engine step
+PRIOR_TOKEN_S = 0.0005  # per prompt token prefilled, per sequence decoded
+PRIOR_RPC_S = 0.001  # one router -> worker round trip
+PRIOR_BYTES_PER_S = 1e9  # KV transfer bandwidth
+
+
+def _prefill_fit() -> LinearFit:
+    return LinearFit(PRIOR_STEP_S, PRIOR_TOKEN_S, 512.0)
+
+
+def _step_fit() -> LinearFit:
+    # decode steps come one per token: a longer memory than per-request fits
+    return LinearFit(PRIOR_STEP_S, PRIOR_TOKEN_S, 32.0, decay=0.995)
+
+
+@dataclass
+class RouteCounters:
+    """What the router had workers do, for metrics (kept after a worker leaves)."""
+
+    prompt_tokens: int = 0  # prompt tokens of requests routed here (prefill or local)
+    computed_tokens: int = 0  # of which the worker computed (the rest was in its prefix cache)
+    kv_blocks_sent: int = 0  # KV blocks written into this decode worker
+    kv_blocks_skipped: int = 0  # prompt blocks this decode worker already held (not sent)
+
+
+class ClusterPerf:
+    """Measured costs that belong to no single worker."""
+
+    def __init__(self) -> None:
+        # Prefill RPC wall time not spent computing or transferring on an otherwise idle
+        # worker (the hand-off to its engine included).
+        self.prefill_rpc_s = Ewma(PRIOR_RPC_S)
+        # KV delivery after the last prefill compute (PrefillResponse.transfer_ms) vs MiB sent.
+        self.transfer = LinearFit(PRIOR_RPC_S, 2.0**20 / PRIOR_BYTES_PER_S, 1.0)
+        self.block_bytes: float | None = None  # KV bytes of one block (kv_bytes / blocks sent)
+
+    def transfer_s(self, blocks: int) -> float:
+        if blocks <= 0:
+            return 0.0
+        return self.transfer.predict(blocks * (self.block_bytes or 0.0) / 2.0**20)
+
+    def observe_transfer(self, kv_bytes: int, blocks: int, seconds: float) -> None:
+        if kv_bytes <= 0 or blocks <= 0:
+            return
+        self.block_bytes = kv_bytes / blocks
+        self.transfer.observe(kv_bytes / 2.0**20, seconds)
 
 @dataclass
 class WorkerState:
@@ -38,19 +193,60 @@ class WorkerState:
     channel: grpc.aio.Channel
     decode: worker_pb2_grpc.DecodeWorkerStub | None = None
     prefill: worker_pb2_grpc.PrefillWorkerStub | None = None
-    # Router-side accounting since the last heartbeat.
+    # Router-side accounting: prompt tokens this router handed it that it has not computed yet
+    # (and that count when the last beat arrived); blocks reserved since the last beat.
     pending_prompt_tokens: int = 0
+    pending_at_beat: int = 0
     pending_blocks: int = 0
     inflight: int = 0
+    inflight_at_beat: int = 0  # ``inflight`` when the last beat arrived
     suspect_until: float = 0.0
     block_hashes: set[int] = field(default_factory=set)
+    # Blocks the router just had this worker compute: hash -> until when to assume it holds them
+    # (the next beats report the truth).
+    expected: dict[int, float] = field(default_factory=dict)
+    calibrating: bool = False  # being measured by the warm-up probe: no traffic yet
+    dispatches: int = 0  # prefills (P) or local generations (D) handed to it, ever
+    local_inflight: int = 0  # local generations (fast lane) still prefilling here
+    # Measured performance (see LinearFit): seconds to prefill x new tokens on a prefill worker
+    # (its PrefillResponse.prefill_ms); seconds from GenerateLocal to the first token for x new
+    # tokens on a decode worker, less the wait for its running batch; a decode step's seconds
+    # for a batch of x sequences (gaps between streamed tokens); a Reserve round trip.
+    prefill_fit: LinearFit = field(default_factory=_prefill_fit)
+    local_fit: LinearFit = field(default_factory=_prefill_fit)
+    step_fit: LinearFit = field(default_factory=_step_fit)
+    reserve_rpc_s: Ewma = field(default_factory=lambda: Ewma(PRIOR_RPC_S))
+    arrivals: RateMeter = field(default_factory=RateMeter)  # requests routed to it per second
 
     @property
     def draining(self) -> bool:
         return self.load.draining
 
     def usable(self, now: float) -> bool:
-        return not self.load.draining and now >= self.suspect_until
+        return not self.load.draining and now >= self.suspect_until and not self.calibrating
+
+    @property
+    def batch_estimate(self) -> int:
+        """Sequences in (or about to join) its batch: this router's own, counted live, plus
+        those of others as of the last beat (what the beat showed beyond this router's)."""
+        others = self.load.running + self.load.waiting_for_kv - self.inflight_at_beat
+        return self.inflight + max(0, others)
+
+    def cached_blocks(self, hashes: Sequence[int], now: float) -> int:
+        """Leading blocks of a prompt (its chained block hashes) this worker holds."""
+        have, exp = self.block_hashes, self.expected
+        n = 0
+        for h in hashes:
+            if h not in have and exp.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def expect(self, hashes: Sequence[int], until: float) -> None:
+        exp = self.expected
+        for h in hashes:
+            if h not in self.block_hashes:
+                exp[h] = until
 
     @property
     def free_blocks_estimate(self) -> int:
@@ -58,7 +254,10 @@ class WorkerState:
 
     @property
     def queued_tokens_estimate(self) -> int:
-        return self.load.queued_prompt_tokens + self.pending_prompt_tokens
+        """Prompt tokens queued there: this router's, counted live, plus those of others as of
+        the last beat (what the beat showed beyond this router's)."""
+        others = self.load.queued_prompt_tokens - self.pending_at_beat
+        return self.pending_prompt_tokens + max(0, others)
 
 
 class WorkerRegistry:
@@ -71,6 +270,28 @@ class WorkerRegistry:
         self.workers: dict[str, WorkerState] = {}
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        self.perf = ClusterPerf()
+        self.counters: dict[tuple[str, str], RouteCounters] = {}
+        # Called with each worker that joins; set by a policy that measures workers first (the
+        # worker is `calibrating`, hence unused and unlisted, until the callee clears it).
+        self.on_join: Callable[[WorkerState], None] | None = None
+
+    @property
+    def expect_s(self) -> float:
+        """How long the router assumes a worker holds blocks it just computed: until two beats
+        sent after that can have reported them."""
+        return 2.0 * self.heartbeat_interval_s + 0.5
+
+    def counter(self, w: WorkerState) -> RouteCounters:
+        key = (w.role, w.worker_id)
+        c = self.counters.get(key)
+        if c is None:
+            c = self.counters[key] = RouteCounters()
+        return c
+
+    def notify(self) -> None:
+        """Wake ``wait_for`` callers (a worker became usable)."""
+        self._changed.set()
 
     # -- heartbeats ----------------------------------------------------------------------------
     def heartbeat(self, req: wpb.HeartbeatRequest) -> wpb.HeartbeatResponse:
@@ -93,8 +314,9 @@ class WorkerRegistry:
         else:
             w.load = req.load
             w.last_seen = now
-            w.pending_prompt_tokens = 0
+            w.pending_at_beat = w.pending_prompt_tokens
             w.pending_blocks = 0
+            w.inflight_at_beat = w.inflight
         if req.full_block_set:
             w.block_hashes = set(req.added_block_hashes)
         else:
@@ -116,6 +338,9 @@ class WorkerRegistry:
         )
         self.workers[info.worker_id] = w
         logger.info("worker %s (%s) joined at %s", w.worker_id, role, w.address)
+        if self.on_join is not None:
+            w.calibrating = True
+            self.on_join(w)
         self._changed.set()
         return w
 
@@ -138,7 +363,8 @@ class WorkerRegistry:
                                 incarnation=w.incarnation, model_identity=w.model_identity,
                                 block_size=w.block_size, max_model_len=w.max_model_len),
             load=w.load, last_seen_ms_ago=(now - w.last_seen) * 1000.0)
-            for w in sorted(self.workers.values(), key=lambda w: w.worker_id)]
+            for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
+            if not w.calibrating]
 
     def mark_suspect(self, worker_id: str, why: str) -> None:
         """Keep a worker that just failed a call out of routing for a moment."""
@@ -175,6 +401,8 @@ class WorkerRegistry:
             await asyncio.sleep(self.heartbeat_interval_s / 2)
             now = time.monotonic()
             for w in list(self.workers.values()):
+                if w.expected:
+                    w.expected = {h: t for h, t in w.expected.items() if t > now}
                 if now - w.last_seen > self.timeout_s:
                     logger.warning("worker %s missed heartbeats for %.1fs: removed", w.worker_id,
                                    now - w.last_seen)

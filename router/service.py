@@ -3,6 +3,8 @@ the lifecycle, detokenize, apply stop strings, and account usage, timing and tra
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
 import secrets
@@ -29,6 +31,7 @@ MAX_PROMPT_CHARS = 4 * 2**20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_TIMEOUT_MS = 3_600_000
+DUPLICATE_ID_WAIT_S = 1.0  # how long a request waits for an earlier one of its id to leave
 
 
 @dataclass
@@ -76,6 +79,8 @@ class RouterService:
         self.eos_token_ids = eos_token_ids
         self.max_inflight = max_inflight
         self.inflight = 0
+        # request ids in flight -> set when that request has left (a client may reuse an id)
+        self._active: dict[str, asyncio.Event] = {}
         self.metrics = metrics
         lifecycle.eos_token_ids = eos_token_ids
         # (time, ttft_ms) and (time, mean itl ms) of recently finished requests (autoscaling)
@@ -100,7 +105,7 @@ class RouterService:
             return RouterError(grpc.StatusCode.INVALID_ARGUMENT, msg)
 
         rid = request_id or self.new_request_id()
-        if not REQUEST_ID_RE.match(rid):
+        if not isinstance(rid, str) or not REQUEST_ID_RE.fullmatch(rid):  # '$' allows '\n'
             raise bad("request_id must be 1-128 characters of letters, digits, '-', '_', '.', ':'")
         if model and model != self.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
@@ -129,10 +134,18 @@ class RouterService:
         if len(token_ids) >= max_len:
             raise bad(f"the prompt has {len(token_ids)} tokens; this model takes at most "
                       f"{max_len - 1} (context {max_len})")
+        if sampling.max_tokens >= max_len:  # more than any prompt leaves room for
+            raise bad(f"max_tokens is {sampling.max_tokens}; this model's context holds "
+                      f"{max_len} tokens, prompt included")
         if len(sampling.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN
                                                         for s in sampling.stop):
             raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} "
                       f"characters")
+        for s in sampling.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad(f"stop string {s!r} is not valid Unicode (lone surrogate)") from None
         bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
         if bad_stop is not None:
             raise bad(f"stop token id {bad_stop} is outside the vocabulary")
@@ -149,6 +162,15 @@ class RouterService:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"router at capacity ({self.max_inflight} requests in flight)",
                               retry_after_s=1.0)
+        prev = self._active.get(spec.request_id)
+        if prev is not None:  # a retry right after a cancel may overtake the cancel a little
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(prev.wait(), DUPLICATE_ID_WAIT_S)
+            if spec.request_id in self._active:
+                raise RouterError(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"request id {spec.request_id!r} is in use by a request in "
+                                  f"flight")
+        left = self._active[spec.request_id] = asyncio.Event()
         self.inflight += 1
         m = self.metrics
         if m is not None:
@@ -162,6 +184,9 @@ class RouterService:
             raise
         finally:
             self.inflight -= 1
+            if self._active.get(spec.request_id) is left:
+                del self._active[spec.request_id]
+            left.set()
             if m is not None:
                 m.in_flight.labels(m.model).dec()
 

@@ -20,6 +20,7 @@ import grpc
 from kvrelay.client import Client
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+from kvrelay.rpc import CLUSTER_TOKEN_KEY
 
 WORKER_ARGS = ("--num-threads", "1", "--kv-cache-memory", "64MiB")
 
@@ -51,7 +52,8 @@ class Proc:
 class Cluster:
     def __init__(self, model_dir: str | os.PathLike[str], workdir: Path, *, prefill: int = 1,
                  decode: int = 1, both: int = 0, worker_args: tuple[str, ...] = (),
-                 router_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+                 router_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 cluster_token: str | None = None):
         self.model_dir = str(model_dir)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -60,20 +62,26 @@ class Cluster:
         self.router_args = tuple(router_args)
         self.env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1",
                     "OMP_NUM_THREADS": "1", **(env or {})}
+        # The shared secret of the internal ports, given to every process by env (never argv),
+        # and presented by this harness's own calls to the control ports.
+        self.cluster_token = cluster_token
+        if cluster_token:
+            self.env["KVRELAY_CLUSTER_TOKEN"] = cluster_token
+        self.metadata = ((CLUSTER_TOKEN_KEY, cluster_token),) if cluster_token else ()
         self.router: Proc | None = None
         self.workers: list[Proc] = []
         self._n = 0
 
     # -- processes -----------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         self._n += 1
         log = self.workdir / f"{self._n:02d}-{name}.log"
         ready = self.workdir / f"{self._n:02d}-{name}.ready"
         ready.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "kvrelay.cli", *args, "--ready-file", str(ready)]
         f = open(log, "w")  # noqa: SIM115 (the child owns it for its life)
-        popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                 start_new_session=True)
+        popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                 env={**self.env, **(env or {})}, start_new_session=True)
         f.close()
         return Proc(name, popen, log, ready)
 
@@ -102,14 +110,15 @@ class Cluster:
         return self
 
     def add_worker(self, role: str, *, extra: tuple[str, ...] = (), wait: bool = True,
-                   worker_id: str | None = None) -> Proc:
+                   worker_id: str | None = None, env: dict[str, str] | None = None) -> Proc:
         assert self.router is not None
         idx = sum(1 for w in self.workers if w.name.startswith(role)) + 1
         wid = worker_id or f"{role}-{idx}"
         p = self._spawn(wid, ["worker", "--role", role, "--router",
                               f"127.0.0.1:{self.router.ready['control_port']}",
                               "--model", self.model_dir, "--worker-id", wid,
-                              "--heartbeat-interval", "0.3", *self.worker_args, *extra])
+                              "--heartbeat-interval", "0.3", *self.worker_args, *extra],
+                        env)
         self.workers.append(p)
         if wait:
             self._wait_ready(p)
@@ -121,6 +130,17 @@ class Cluster:
             os.killpg(proc.popen.pid, sig)
         if sig == signal.SIGKILL:
             proc.popen.wait(10)
+
+    def proc(self, name: str) -> Proc:
+        """The worker process named ``name`` (its worker id)."""
+        return next(p for p in self.workers if p.name == name)
+
+    def wait_exit(self, proc: Proc, timeout: float = 30.0) -> int | None:
+        """The process's exit status once it exits, None if it still runs after ``timeout``."""
+        try:
+            return proc.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def stop(self) -> None:
         procs = [*self.workers, *([self.router] if self.router else [])]
@@ -158,7 +178,7 @@ class Cluster:
     def registered(self) -> list[wpb.WorkerStatus]:
         with grpc.insecure_channel(self.control_address) as ch:
             return list(worker_pb2_grpc.RegistryStub(ch).ListWorkers(
-                wpb.ListWorkersRequest(), timeout=5).workers)
+                wpb.ListWorkersRequest(), metadata=self.metadata, timeout=5).workers)
 
     def wait_registered(self, timeout: float = 30.0) -> None:
         live = {p.name for p in self.workers if p.popen.poll() is None}
@@ -172,8 +192,8 @@ class Cluster:
 
     def status(self, proc: Proc) -> wpb.WorkerStatus:
         with grpc.insecure_channel(proc.address) as ch:
-            return worker_pb2_grpc.WorkerControlStub(ch).GetStatus(wpb.GetStatusRequest(),
-                                                                   timeout=10)
+            return worker_pb2_grpc.WorkerControlStub(ch).GetStatus(
+                wpb.GetStatusRequest(), metadata=self.metadata, timeout=10)
 
     def free_blocks(self) -> dict[str, int]:
         return {p.name: self.status(p).load.free_blocks for p in self.workers

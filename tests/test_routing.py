@@ -1,0 +1,496 @@
+"""Prefix-aware routing and the fast lane (issue 8).
+
+Unit tests: the router hashes prompts exactly as the engine's prefix cache does; heartbeats carry
+the hash deltas into the registry; the measured fits; prefix-aware ranking (cached prefix
+against queued work, in seconds); the fast-lane decision under a fitted model. Multi-process
+tests (slow): one 2P1D cluster whose workers beat to two routers (``prefix_aware`` and
+``auto``): multi-turn conversations stay on the prefill worker that holds their prefix and the
+computed prefill tokens drop to the new ones (router metrics); a decode worker's cached prefix
+is not transferred again; under the fitted model, short prompts take the fast lane while the
+prefill pool is busy and long ones are disaggregated. Every output is compared with the engine
+alone (greedy). No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from kvrelay.engine.block_manager import BlockManager
+from kvrelay.engine.prefix_hash import block_hashes
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sequence import Sequence
+from kvrelay.heartbeat import Heartbeater
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import worker_pb2_grpc
+from kvrelay.router.policy import (
+    POLICIES,
+    CostModel,
+    LeastLoaded,
+    RoundRobin,
+    RouteRequest,
+    make_policy,
+)
+from kvrelay.router.registry import LinearFit, RateMeter, WorkerRegistry, WorkerState
+
+BS = 16
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(7, 4000) for _ in range(n)]
+
+
+# -- hashes: router == engine ---------------------------------------------------------------------
+def test_router_hashes_equal_the_engines_prefix_cache() -> None:
+    bm = BlockManager(64, BS)
+    tokens = ids(200, 1)
+    seq = Sequence("a", tokens, SamplingParams())
+    assert bm.allocate(seq, len(tokens))
+    seq.num_computed_tokens = len(tokens)
+    bm.publish(seq)
+    req = RouteRequest(tokens)
+    assert set(req.hashes(BS)) == set(bm.cached_block_hashes()) == bm.cached_hash_set()
+    assert len(req.hashes(BS)) == 200 // BS  # full blocks only
+    # a prompt extended by generated tokens: the prompt's chain is reused
+    more = ids(40, 2)
+    assert req.extended_hashes(more, BS) == block_hashes(tokens + more, BS)
+    assert RouteRequest(tokens[:5]).extended_hashes([], BS) == []
+
+
+def test_cached_hash_set_is_the_same_object_until_the_cache_changes() -> None:
+    bm = BlockManager(4, 2)
+    s0 = bm.cached_hash_set()
+    assert bm.cached_hash_set() is s0 and not s0
+    a = Sequence("a", [1, 2, 3, 4], SamplingParams())
+    bm.allocate(a, 4)
+    a.num_computed_tokens = 4
+    bm.publish(a)
+    s1 = bm.cached_hash_set()
+    assert s1 is not s0 and len(s1) == 2 and bm.cached_hash_set() is s1
+    bm.free(a)
+    assert bm.cached_hash_set() is s1  # freed but still cached
+    filler = Sequence("f", list(range(8)), SamplingParams())
+    assert bm.allocate(filler, 8)  # evicts a's blocks
+    assert bm.cached_hash_set() == frozenset()
+
+
+def test_heartbeats_carry_block_hash_deltas_into_the_registry() -> None:
+    from kvrelay.router.grpc_api import RegistryServicer
+    from kvrelay.rpc import bind, make_server
+
+    async def run() -> None:
+        reg = WorkerRegistry(heartbeat_interval_s=0.05)
+        server = make_server()
+        worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(reg), server)
+        port = bind(server, "127.0.0.1", 0)
+        await server.start()
+        held = frozenset({1, 2, 3})
+
+        def current() -> frozenset[int]:
+            return held
+
+        info = wpb.WorkerInfo(worker_id="p1", role=wpb.ROLE_PREFILL, address="127.0.0.1:1",
+                              incarnation="i1", block_size=BS, max_model_len=4096)
+        hb = Heartbeater([f"127.0.0.1:{port}"], info, wpb.WorkerLoad, current, interval_s=0.05)
+        hb.start()
+
+        async def until(cond) -> None:
+            for _ in range(200):
+                if cond():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError("registry did not catch up")
+
+        try:
+            await until(lambda: "p1" in reg.workers and reg.workers["p1"].block_hashes == held)
+            held = frozenset({2, 3, 4, 5})  # 1 evicted, 4 and 5 published
+            await until(lambda: reg.workers["p1"].block_hashes == held)
+            w = reg.workers["p1"]
+            assert w.cached_blocks([2, 3, 4, 9], time.monotonic()) == 3
+            assert w.cached_blocks([1, 2], time.monotonic()) == 0  # chained: stops at 1
+        finally:
+            await hb.stop()
+            await server.stop(None)
+            await reg.stop()
+
+    asyncio.run(run())
+
+
+# -- measurements ---------------------------------------------------------------------------------
+def test_linear_fit_uses_the_prior_only_until_measured() -> None:
+    f = LinearFit(0.005, 0.001, 100.0)
+    assert f.predict(100) == pytest.approx(0.105)
+    for x in (16, 512, 64, 256, 16, 512):
+        f.observe(x, 0.002 + 0.0002 * x)
+    a, b = f.coef()
+    assert a == pytest.approx(0.002, rel=0.05) and b == pytest.approx(0.0002, rel=0.05)
+    f.observe(-1, 5.0)  # ignored
+    f.observe(10, float("nan"))
+    assert f.n == 6
+    g = LinearFit(0.0, 0.001, 10.0)
+    g.observe(10, 0.0)  # times never shrink with size: slope and intercept stay >= 0
+    assert min(g.coef()) >= 0.0
+
+
+def test_rate_meter_decays_when_events_stop() -> None:
+    r = RateMeter()
+    assert r.rate(0.0) == 0.0
+    for t in range(11):
+        r.tick(t * 0.1)
+    assert r.rate(1.0) == pytest.approx(10.0)
+    assert r.rate(11.0) == pytest.approx(0.1)  # 10 s of silence
+
+
+# -- ranking and the fast lane under a fitted model ---------------------------------------------
+def worker(reg: WorkerRegistry, wid: str, role: str, *, free: int = 2000, running: int = 0,
+           queued: int = 0) -> WorkerState:
+    w = WorkerState(worker_id=wid, role=role, address=wid, incarnation="i",
+                    model_identity="m", block_size=BS, max_model_len=4096,
+                    load=wpb.WorkerLoad(num_blocks=free, free_blocks=free, running=running,
+                                        queued_prompt_tokens=queued),
+                    last_seen=time.monotonic(), channel=None)  # type: ignore[arg-type]
+    # measured: prefill 5 ms + 0.25 ms/token; local first token 8 ms + 0.25 ms/token; a decode
+    # step 8 ms + 0.4 ms/sequence; Reserve 1.5 ms
+    for x in (16, 512, 64, 256):
+        w.prefill_fit.observe(x, 0.005 + 0.00025 * x)
+        w.local_fit.observe(x, 0.008 + 0.00025 * x)
+    for x in (1, 8, 32):
+        w.step_fit.observe(x, 0.008 + 0.0004 * x)
+    w.reserve_rpc_s.observe(0.0015)
+    reg.workers[wid] = w
+    return w
+
+
+@pytest.fixture
+def fitted() -> tuple[WorkerRegistry, CostModel]:
+    reg = WorkerRegistry()
+    perf = reg.perf
+    for blocks in (1, 32, 8):  # 2 ms + 1 GiB/s, 96 KiB blocks
+        perf.observe_transfer(blocks * 98304, blocks, 0.002 + blocks * 98304 / 2**30)
+    perf.prefill_rpc_s.observe(0.0015)
+    return reg, CostModel(reg)
+
+
+def held(w: WorkerState, tokens: list[int], n: int) -> None:
+    """``w`` holds the KV of ``tokens[:n]`` (reported by its beats)."""
+    w.block_hashes.update(block_hashes(tokens[:n], BS))
+
+
+def test_prefix_aware_prefill_ranks_cached_prefix_against_queued_work(fitted) -> None:
+    reg, _ = fitted
+    policy = make_policy("prefix_aware", reg)
+    p1, p2 = worker(reg, "p1", "prefill"), worker(reg, "p2", "prefill")
+    prompt = ids(1000, 3)
+    held(p1, prompt, 800)
+    req = RouteRequest(prompt)
+    assert policy.rank_prefill([p2, p1], req)[0] is p1  # 200 new tokens vs 1000
+    p1.load = wpb.WorkerLoad(queued_prompt_tokens=300)  # still cheaper: 500 vs 1000
+    assert policy.rank_prefill([p2, p1], req)[0] is p1
+    p1.load = wpb.WorkerLoad(queued_prompt_tokens=5000)  # its queue costs more than it saves
+    assert policy.rank_prefill([p2, p1], req)[0] is p2
+    # the router's own accounting counts before the next beat does
+    p1.load = wpb.WorkerLoad()
+    p1.pending_prompt_tokens = 5000
+    assert policy.rank_prefill([p1, p2], req)[0] is p2
+
+
+def test_prefix_aware_decode_prefers_the_cached_prefix_among_those_with_room(fitted) -> None:
+    reg, cost = fitted
+    policy = make_policy("prefix_aware", reg)
+    d1, d2 = worker(reg, "d1", "decode"), worker(reg, "d2", "decode")
+    prompt = ids(1000, 4)
+    held(d2, prompt, 992)
+    req = RouteRequest(prompt, max_tokens=16)
+    need = -(-(len(prompt) + 1) // BS)
+    assert policy.rank_decode([d1, d2], need, req) == [d2, d1]
+    e = cost.decode(d2, req, need, time.monotonic())
+    assert (e.cached_blocks, e.uncached_blocks) == (62, 1)
+    d2.load = wpb.WorkerLoad(free_blocks=0)  # no room even for the block it lacks
+    assert policy.rank_decode([d1, d2], need, req) == [d1, d2]
+
+
+def test_expected_blocks_count_until_the_beats_can_report_them() -> None:
+    reg = WorkerRegistry(heartbeat_interval_s=0.1)
+    w = worker(reg, "p", "prefill")
+    hs = block_hashes(ids(64, 5), BS)
+    now = time.monotonic()
+    w.expect(hs, now + reg.expect_s)
+    assert w.cached_blocks(hs, now) == 4
+    assert w.cached_blocks(hs, now + reg.expect_s + 0.01) == 0
+
+
+def test_fast_lane_under_the_fitted_model(fitted) -> None:
+    reg, cost = fitted
+    p1, p2 = worker(reg, "p1", "prefill"), worker(reg, "p2", "prefill")
+    d = worker(reg, "d", "decode")
+    now = time.monotonic()
+
+    def route(prompt: list[int]):
+        return cost.route(RouteRequest(prompt, max_tokens=16), [d], [p1, p2], now)
+
+    # idle pools: a short prompt saves the second hop and the transfer
+    r = route(ids(20, 6))
+    assert r.local is d and r.reason == "short_prompt"
+    # a long one would hold up the requests reaching the decode worker meanwhile
+    for k in range(20):
+        d.arrivals.tick(now - 2.0 + k * 0.1)  # 10 requests/s
+    r = route(ids(2000, 7))
+    assert r.local is None and r.reason == "decode_interference"
+    # ... and with a prefill worker holding its prefix, it is cheaper disaggregated anyway
+    long_prompt = ids(2000, 8)
+    held(p1, long_prompt, 1984)
+    r = route(long_prompt)
+    assert r.local is None and r.reason == "long_prompt"
+    # mostly cached on the decode worker alone: local
+    conv = ids(1500, 9)
+    held(d, conv, 1488)
+    r = route(conv + ids(30, 10))
+    assert r.local is d and r.reason == "cached_prefix"
+    # a busy decode batch: 200 new tokens would stall 32 sequences; the prefill pool is idle
+    d.inflight = 32
+    r = route(ids(200, 11))
+    assert r.local is None
+    # a busy prefill pool: a short prompt goes local even then
+    p1.pending_prompt_tokens = p2.pending_prompt_tokens = 3000
+    d.inflight = 4
+    r = route(ids(24, 12))
+    assert r.local is d
+    assert r.disaggregated_s is not None and r.local_s is not None
+    assert r.local_s < r.disaggregated_s
+    # no room on the decode worker for a local run either
+    d.load = wpb.WorkerLoad(free_blocks=0)
+    assert cost.route(RouteRequest(ids(24, 12)), [d], [p1], now).reason == "no_kv_room"
+
+
+def test_policies_by_name() -> None:
+    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix_aware", "auto"}
+    assert make_policy("auto").fast_lane and make_policy("auto").calibrate
+    assert not make_policy("prefix_aware").fast_lane
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("fastest")
+    reg = WorkerRegistry()
+    a, b = worker(reg, "a", "prefill"), worker(reg, "b", "prefill")
+    req = RouteRequest(ids(10, 1))
+    rr = RoundRobin()
+    assert [rr.rank_prefill([a, b], req)[0].worker_id for _ in range(3)] == ["a", "b", "a"]
+    a.load = wpb.WorkerLoad(queued_prompt_tokens=100)
+    assert LeastLoaded().rank_prefill([a, b], req)[0] is b
+
+
+def test_routing_policy_flag() -> None:
+    from kvrelay.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["router", "--model", "m", "--routing-policy", "auto"]).policy == "auto"
+    assert parse(["router", "--model", "m", "--policy", "round_robin"]).policy == "round_robin"
+    with pytest.raises(SystemExit):
+        parse(["router", "--model", "m", "--routing-policy", "nope"])
+
+
+# -- a real cluster ---------------------------------------------------------------------------
+def metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out = {}
+    for line in body.decode().splitlines():
+        m = re.match(r"^([a-zA-Z_:]+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(2))))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def total(ms: dict, name: str, **match: str) -> float:
+    return sum(v for (n, labels), v in ms.items()
+               if n == name and all((k, v2) in labels for k, v2 in match.items()))
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model_dir):
+    from kvrelay.engine.llm import LLM
+
+    return LLM(demo_model_dir, num_blocks=1024)
+
+
+def greedy(llm, prompt: list[int], n: int) -> list[int]:
+    return llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0,
+                                               ignore_eos=True))[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def routers(demo_model_dir, tmp_path_factory):
+    """2 prefill + 1 decode workers beating to two routers: ``prefix_aware`` (the harness's)
+    and ``auto``."""
+    from cluster import Cluster
+
+    class TwoRouters(Cluster):
+        def start(self) -> TwoRouters:
+            self.auto = self._spawn("router-auto", [
+                "router", "--model", self.model_dir, "--port", "0", "--control-port", "0",
+                "--http-port", "0", "--heartbeat-interval", "0.3", "--routing-policy", "auto"])
+            self._wait_ready(self.auto)
+            self.worker_args = (*self.worker_args, "--router",
+                                f"127.0.0.1:{self.auto.ready['control_port']}")
+            super().start()
+            # `auto` lists a worker once it has measured it (warm-up probe)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with grpc.insecure_channel(f"127.0.0.1:{self.auto.ready['control_port']}") as ch:
+                    got = worker_pb2_grpc.RegistryStub(ch).ListWorkers(
+                        wpb.ListWorkersRequest(), timeout=5).workers
+                if len(got) == len(self.workers):
+                    return self
+                time.sleep(0.1)
+            raise TimeoutError("the auto router did not calibrate every worker")
+
+        def stop(self) -> None:
+            try:
+                super().stop()
+            finally:
+                if self.auto.popen.poll() is None:
+                    self.auto.popen.terminate()
+                    self.auto.popen.wait(15)
+
+    with TwoRouters(demo_model_dir, tmp_path_factory.mktemp("routing"), prefill=2, decode=1,
+                    router_args=("--routing-policy", "prefix_aware", "--http-port", "0")) as c:
+        yield c
+
+
+def _generate(address: str, prompt: list[int], n: int):
+    from kvrelay.client import Client, sampling
+
+    with Client(address) as cl:
+        return cl.generate(prompt, sampling(n, 0.0, ignore_eos=True))
+
+
+def _concurrently(fn, args: list[tuple]) -> list:
+    out: list = [None] * len(args)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fn(*args[i])
+        except BaseException as e:  # collected and raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(args))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    return out
+
+
+def _workers(result, name: str) -> list[str]:
+    return [e.worker for e in result.trace if e.name == name]
+
+
+@pytest.mark.slow
+def test_multi_turn_conversations_stay_on_their_prefill_worker(routers, llm) -> None:
+    http = routers.router.ready["http_port"]
+    convs = [ids(600, 100 + k) for k in range(4)]
+    home: dict[int, str] = {}
+    prev_len = [0] * len(convs)
+    for turn in range(3):
+        before = metrics(http)
+        results = _concurrently(_generate, [(routers.address, c, 8) for c in convs])
+        after = metrics(http)
+        routed = total(after, "kvrelay:router_prompt_tokens_routed_total", pool="prefill") - \
+            total(before, "kvrelay:router_prompt_tokens_routed_total", pool="prefill")
+        computed = total(after, "kvrelay:router_prompt_tokens_computed_total",
+                         pool="prefill") - \
+            total(before, "kvrelay:router_prompt_tokens_computed_total", pool="prefill")
+        assert routed == sum(len(c) for c in convs)
+        # each prefill worker computes only what it does not hold: the previous turn's prompt
+        # (full blocks) is its prefix cache
+        new = sum(len(c) - p // 16 * 16 for c, p in zip(convs, prev_len, strict=True))
+        assert computed == new, (turn, computed, new)
+        if turn:
+            assert computed < routed / 2
+        for k, r in enumerate(results):
+            assert r.token_ids == greedy(llm, convs[k], 8), (turn, k)
+            (p,) = _workers(r, "prefill_end")
+            assert home.setdefault(k, p) == p, f"conversation {k} moved {home[k]} -> {p}"
+            if turn:
+                assert r.usage.cached_prompt_tokens >= prev_len[k] // 16 * 16
+            prev_len[k] = len(convs[k])
+            convs[k] = convs[k] + r.token_ids + ids(40, 1000 * turn + k)
+    assert len(set(home.values())) == 2  # both prefill workers took conversations
+
+
+@pytest.mark.slow
+def test_decode_prefix_is_not_transferred_again(routers, llm) -> None:
+    http = routers.router.ready["http_port"]
+
+    def blocks(fn) -> tuple[float, float, float]:
+        before = metrics(http)
+        r = fn()
+        after = metrics(http)
+        d = [total(after, n) - total(before, n) for n in (
+            "kvrelay:router_kv_blocks_sent_total", "kvrelay:router_kv_blocks_skipped_total",
+            "kvrelay:kv_transfer_bytes_total")]
+        return r, *d
+
+    prompt = ids(640, 200)
+    r1, sent, skipped, nbytes = blocks(lambda: _generate(routers.address, prompt, 8))
+    assert (sent, skipped) == (40, 0) and nbytes > 0
+    assert r1.token_ids == greedy(llm, prompt, 8)
+    # the next turn: the decode worker holds the prompt and what it generated (40 full blocks)
+    turn2 = prompt + r1.token_ids + ids(40, 201)
+    r2, sent2, skipped2, nbytes2 = blocks(lambda: _generate(routers.address, turn2, 8))
+    assert skipped2 == 40 and sent2 == -(-len(turn2) // 16) - 40
+    assert nbytes2 == nbytes * sent2 / sent
+    assert r2.token_ids == greedy(llm, turn2, 8)
+    # every block of a repeated prompt is cached: nothing travels, the output is unchanged
+    whole = ids(320, 202)
+    ra = _generate(routers.address, whole, 6)
+    rb, sent3, skipped3, nbytes3 = blocks(lambda: _generate(routers.address, whole, 6))
+    assert (sent3, skipped3, nbytes3) == (0, 20, 0)
+    assert ra.token_ids == rb.token_ids == greedy(llm, whole, 6)
+
+
+@pytest.mark.slow
+def test_fast_lane_short_prompts_local_long_disaggregated(routers, llm) -> None:
+    auto = routers.auto.ready
+    address = f"127.0.0.1:{auto['port']}"
+    ms = metrics(auto["http_port"])
+    for w in ("prefill-1", "prefill-2"):  # measured by the warm-up probe (3 sizes)
+        assert ms[("kvrelay:router_cost_model", (("param", "prefill_samples"),
+                                                 ("pool", "prefill"), ("worker", w)))] >= 3
+    assert ms[("kvrelay:router_cost_model", (("param", "local_samples"), ("pool", "decode"),
+                                             ("worker", "decode-1")))] >= 3
+    warm = [_generate(address, ids(24, 300 + k), 4) for k in range(4)]  # requests arriving
+    longs: list = [None, None]
+    long_prompts = [ids(3000, 310), ids(3000, 311)]
+
+    def run_long(i: int) -> None:
+        longs[i] = _generate(address, long_prompts[i], 4)
+
+    threads = [threading.Thread(target=run_long, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)  # both long prompts are prefilling: the prefill pool is busy
+    shorts = [_generate(address, ids(20, 320 + k), 4) for k in range(3)]
+    for t in threads:
+        t.join(120)
+    for r in longs:
+        assert _workers(r, "prefill_start") and not _workers(r, "local_start")
+    for r in shorts:
+        assert _workers(r, "local_start") == ["decode-1"] and not _workers(r, "prefill_start")
+    for prompt, r in [*zip(long_prompts, longs, strict=True),
+                      *((ids(20, 320 + k), r) for k, r in enumerate(shorts)),
+                      *((ids(24, 300 + k), r) for k, r in enumerate(warm))]:
+        assert r.token_ids == greedy(llm, prompt, 4)
+    ms = metrics(auto["http_port"])
+    local = total(ms, "kvrelay:router_decisions_total", decision="local")
+    disagg = total(ms, "kvrelay:router_decisions_total", decision="disaggregated")
+    assert local >= 3 and disagg >= 2
+    assert total(ms, "kvrelay:router_prompt_tokens_routed_total", pool="decode") >= 60
