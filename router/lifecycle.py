@@ -368,6 +368,8 @@ class Lifecycle:
                     continue
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise RouterError(code, e.details() or "invalid request") from e
+                if code == grpc.StatusCode.UNAVAILABLE and "draining" in (e.details() or ""):
+                    continue  # leaving as planned; its heartbeat says so too
                 self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
                 continue
             d.pending_blocks += len(resp.block_ids)
@@ -660,22 +662,22 @@ class Lifecycle:
         asyncio.get_running_loop().create_task(release())
 
 
-def _nothing_written(e: grpc.aio.AioRpcError) -> bool:
-    """True when a Prefill was refused before it wrote any KV (see ``KV_NOTHING_WRITTEN``)."""
+def _trailer_says(e: grpc.aio.AioRpcError, pairs: tuple[tuple[str, str], ...]) -> bool:
     try:
         md = tuple(e.trailing_metadata() or ())
     except Exception:
         return False
-    return any((k, v) in KV_NOTHING_WRITTEN for k, v in md)
+    return any((k, v) in pairs for k, v in md)
+
+
+def _nothing_written(e: grpc.aio.AioRpcError) -> bool:
+    """True when a Prefill was refused before it wrote any KV (see ``KV_NOTHING_WRITTEN``)."""
+    return _trailer_says(e, KV_NOTHING_WRITTEN)
 
 
 def _dest_failed(e: grpc.aio.AioRpcError) -> bool:
     """True when a Prefill failed because of its KV destination (see ``KV_DESTINATION_FAILED``)."""
-    try:
-        md = tuple(e.trailing_metadata() or ())
-    except Exception:
-        return False
-    return any((k, v) in KV_DESTINATION_FAILED for k, v in md)
+    return _trailer_says(e, KV_DESTINATION_FAILED)
 
 
 def _call_cancelled(lc: Lifecycle, w: WorkerState) -> bool:

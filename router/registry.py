@@ -404,6 +404,10 @@ class WorkerRegistry:
                 if w.expected:
                     w.expected = {h: t for h, t in w.expected.items() if t > now}
                 if now - w.last_seen > self.timeout_s:
-                    logger.warning("worker %s missed heartbeats for %.1fs: removed", w.worker_id,
-                                   now - w.last_seen)
+                    # A worker that announced draining and then went quiet has exited as
+                    # planned (scale-in, SIGTERM): that is not worth a warning.
+                    log = logger.info if w.draining else logger.warning
+                    log("worker %s %s for %.1fs: removed", w.worker_id,
+                        "drained and silent" if w.draining else "missed heartbeats",
+                        now - w.last_seen)
                     self._remove(w.worker_id)
