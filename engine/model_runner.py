@@ -8,7 +8,14 @@ from typing import NamedTuple
 
 import torch
 
-from kvrelay.engine.attention import AttentionMetadata, PrefillSpan, forward_context, select_backend
+from kvrelay.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    forward_context,
+    group_by_length,
+    select_backend,
+)
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
@@ -72,6 +79,7 @@ class ModelRunner:
         # A sequence can never hold more tokens than the cache has slots.
         self.max_model_len = min(max_len, num_blocks * cc.block_size)
         self.block_size = cc.block_size
+        self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
@@ -92,7 +100,9 @@ class ModelRunner:
     def prepare(self, scheduled: Seq[ScheduledSeq]) -> StepInputs:
         bs = self.block_size
         prefill = [i for i, s in enumerate(scheduled) if s.num_new_tokens > 1]
-        decode = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
+        # Decodes by context length: consecutive ones form the attention's padded groups.
+        decode = sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens == 1),
+                        key=lambda i: scheduled[i].seq.num_computed_tokens)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -117,16 +127,38 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_prefill_tokens=sum(scheduled[i].num_new_tokens for i in prefill),
             prefills=spans,
+            block_size=bs,
         )
         if decode:
             lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
-            meta.decode_ctx_lens = torch.tensor(lens, dtype=torch.long)
-            meta.decode_slots = self._slots([scheduled[i].seq.block_table for i in decode], lens)
+            start = 0
+            for count in group_by_length(lens, bs):
+                run = lens[start:start + count]
+                width = -(-run[-1] // bs)
+                tables = [scheduled[i].seq.block_table[:width] for i in decode[start:start + count]]
+                meta.decode_groups.append(DecodeGroup(
+                    start, count, torch.tensor(run, dtype=torch.long),
+                    torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)))
+                start += count
         if self.backend == "flash":
             self._add_flash_metadata(meta, scheduled, prefill + decode)
+        else:
+            meta.workspace = self._workspace(meta.gather_rows())
         return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                           self._to_device(meta), torch.tensor(logits_rows, dtype=torch.long),
                           sampled_order)
+
+    def _workspace(self, rows: int) -> torch.Tensor | None:
+        """The gather scratch for ``rows`` cache slots of K and of V; grows, never shrinks (its
+        high-water mark is what one step needs at most)."""
+        if rows == 0:
+            return None
+        need = 2 * rows * self.kv_spec.num_kv_heads * self.kv_spec.head_dim
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(int(need * 1.25), dtype=self.dtype, device=self.device)
+            logger.debug("attention workspace: %.1f MiB",
+                         self._scratch.numel() * self._scratch.element_size() / 2**20)
+        return self._scratch
 
     def _add_flash_metadata(self, meta: AttentionMetadata, scheduled: Seq[ScheduledSeq],
                             order: list[int]) -> None:
@@ -148,8 +180,10 @@ class ModelRunner:
         for span in meta.prefills:
             if span.ctx_slots is not None:
                 span.ctx_slots = span.ctx_slots.to(d, non_blocking=True)
-        for name in ("decode_ctx_lens", "decode_slots", "cu_seqlens_q", "cu_seqlens_k",
-                     "gather_slots"):
+        for g in meta.decode_groups:
+            g.ctx_lens = g.ctx_lens.to(d, non_blocking=True)
+            g.block_tables = g.block_tables.to(d, non_blocking=True)
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "gather_slots"):
             t = getattr(meta, name)
             if t is not None:
                 setattr(meta, name, t.to(d, non_blocking=True))

@@ -10,14 +10,16 @@ import torch
 
 from kvrelay.engine.attention.metadata import (
     AttentionMetadata,
+    DecodeGroup,
     PrefillSpan,
     current_metadata,
     forward_context,
+    group_by_length,
 )
 from kvrelay.engine.attention.sdpa import sdpa_attention, write_kv
 
-__all__ = ["AttentionFn", "AttentionMetadata", "PrefillSpan", "current_metadata",
-           "forward_context", "select_backend", "write_kv"]
+__all__ = ["AttentionFn", "AttentionMetadata", "DecodeGroup", "PrefillSpan", "current_metadata",
+           "forward_context", "group_by_length", "select_backend", "write_kv"]
 
 logger = logging.getLogger(__name__)
 

@@ -47,13 +47,65 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes ``[q_start, q_start + count)`` of the flat batch whose contexts have similar
+    lengths, attended in one padded SDPA call.
+
+    Grouping bounds the padding: one padded call over a whole batch where a single sequence
+    holds 2k tokens and the rest 300 would gather (and attend over) ~6x the keys that exist.
+    ``block_tables`` ``[count, width]`` lists each sequence's blocks (padded with block 0, which
+    the mask hides); keys are gathered a whole block at a time.
+    """
+
+    q_start: int
+    count: int
+    ctx_lens: torch.Tensor  # [count]
+    block_tables: torch.Tensor  # [count, width]
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor | None:
+        """Boolean ``[count, 1, 1, width * block_size]`` mask (True = attend), or None when
+        nothing is masked."""
+        if window not in self.masks:
+            width = self.block_tables.shape[1] * block_size
+            kpos = torch.arange(width, device=self.ctx_lens.device)[None, :]
+            lens = self.ctx_lens[:, None]
+            m = kpos < lens
+            if window is not None:
+                m &= kpos >= lens - window
+            self.masks[window] = None if bool(m.all()) else m[:, None, None, :]
+        return self.masks[window]
+
+
+def group_by_length(lengths: list[int], block_size: int, max_waste: float = 0.25) -> list[int]:
+    """Split ``lengths`` (ascending) into runs whose padding to the run's longest stays within
+    ``max_waste`` of the real blocks (a few blocks of slack let short runs grow). Returns the
+    size of each run."""
+    sizes: list[int] = []
+    count = total = 0
+    for n in lengths:
+        blocks = -(-n // block_size)
+        if count and (count + 1) * blocks > (1 + max_waste) * (total + blocks) + 4:
+            sizes.append(count)
+            count = total = 0
+        count += 1
+        total += blocks
+    if count:
+        sizes.append(count)
+    return sizes
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     num_prefill_tokens: int
     prefills: list[PrefillSpan]
-    decode_ctx_lens: torch.Tensor | None = None  # [B] keys visible to each decode
-    decode_slots: torch.Tensor | None = None  # [B, max_ctx] cache slots (padded)
-    decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    block_size: int = 0
+    # Decodes follow the prefill tokens, sorted by context length into groups.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # Scratch the backend gathers cached K/V into (the runner keeps it across steps: a fresh
+    # buffer per gather costs more in page faults than the copy itself). None: allocate.
+    workspace: torch.Tensor | None = None
     # CUDA (flash-attn) view of the same batch
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -65,20 +117,25 @@ class AttentionMetadata:
 
     @property
     def num_decodes(self) -> int:
-        return 0 if self.decode_ctx_lens is None else int(self.decode_ctx_lens.numel())
+        return sum(g.count for g in self.decode_groups)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor | None:
-        """Boolean ``[B, 1, 1, max_ctx]`` mask (True = attend) or None when nothing is masked."""
-        if window not in self.decode_masks:
-            assert self.decode_slots is not None and self.decode_ctx_lens is not None
-            max_ctx = self.decode_slots.shape[1]
-            kpos = torch.arange(max_ctx, device=self.decode_slots.device)[None, :]
-            lens = self.decode_ctx_lens[:, None]
-            m = kpos < lens
-            if window is not None:
-                m &= kpos >= lens - window
-            self.decode_masks[window] = None if bool(m.all()) else m[:, None, None, :]
-        return self.decode_masks[window]
+    def gather_rows(self) -> int:
+        """Cache rows (slots) the largest single gather of this step reads: K and V of one
+        prefill span or one decode group at a time need twice this in ``workspace``."""
+        spans = [s.ctx_len for s in self.prefills if s.ctx_slots is not None]
+        groups = [g.block_tables.numel() * self.block_size for g in self.decode_groups]
+        return max(spans + groups, default=0)
+
+    def gather(self, cache: torch.Tensor, index: torch.Tensor, half: int) -> torch.Tensor:
+        """``cache.index_select(0, index)``, written into half ``half`` (0: K, 1: V) of the
+        workspace when it is large enough."""
+        row = cache[0].numel()
+        n = index.numel() * row
+        ws = self.workspace
+        if ws is None or 2 * n > ws.numel():
+            return cache.index_select(0, index)
+        out = ws[half * n:(half + 1) * n].view(index.numel(), *cache.shape[1:])
+        return torch.index_select(cache, 0, index, out=out)
 
 
 _CURRENT: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(

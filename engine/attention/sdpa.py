@@ -1,9 +1,10 @@
 """Paged attention with torch SDPA: the CPU backend (any device torch supports).
 
 Prefill segments attend causally over their cached prefix plus their new tokens, one SDPA call
-per segment. Decodes share one padded SDPA call: their cached keys are gathered into
-``[B, kv_heads, max_ctx, head_dim]`` and the query heads of each KV group are laid along the
-query axis, so grouped-query attention needs no copy of K/V per query head.
+per segment. Decodes come in groups of similar context length (so padding stays bounded), one
+padded SDPA call per group: their cached blocks are gathered into
+``[B, kv_heads, ctx, head_dim]`` and the query heads of each KV group are laid along the query
+axis, so grouped-query attention needs no copy of K/V per query head.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def sdpa_attention(
             ks = k[span.q_start:span.q_start + span.q_len]
             vs = v[span.q_start:span.q_start + span.q_len]
         else:
-            ks = k_cache.index_select(0, span.ctx_slots)
-            vs = v_cache.index_select(0, span.ctx_slots)
+            ks = meta.gather(k_cache, span.ctx_slots, 0)
+            vs = meta.gather(v_cache, span.ctx_slots, 1)
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = span.mask(window, q.device)
@@ -46,20 +47,24 @@ def sdpa_attention(
                                            scale=scale, enable_gqa=gqa)
         out[span.q_start:span.q_start + span.q_len] = o.squeeze(0).transpose(0, 1)
 
-    nd = meta.num_decodes
-    if nd:
-        assert meta.decode_slots is not None
-        p = meta.num_prefill_tokens
+    if meta.decode_groups:
         group = num_heads // kv_heads
         head_dim = q.shape[2]
-        # [B, H, D] -> [B, KVH, group, D]: each KV head's query heads become its queries.
-        qd = q[p:p + nd].view(nd, kv_heads, group, head_dim)
-        slots = meta.decode_slots
-        shape = (nd, slots.shape[1], kv_heads, head_dim)
-        # index_select on the flat slot axis copies ~2x faster than advanced indexing.
-        kd = k_cache.index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
-        vd = v_cache.index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
-        mask = meta.decode_mask(window)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
-        out[p:p + nd] = o.reshape(nd, num_heads, head_dim)
+        bs = meta.block_size
+        # Whole blocks at a time: [blocks, block_size, KVH, D] rows are block_size x larger
+        # than slot rows, and index_select copies large rows much faster.
+        k_blocks = k_cache.view(-1, bs, kv_heads, head_dim)
+        v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
+        p = meta.num_prefill_tokens
+        for g in meta.decode_groups:
+            start = p + g.q_start
+            # [B, H, D] -> [B, KVH, group, D]: each KV head's query heads become its queries.
+            qd = q[start:start + g.count].view(g.count, kv_heads, group, head_dim)
+            shape = (g.count, g.block_tables.shape[1] * bs, kv_heads, head_dim)
+            flat = g.block_tables.reshape(-1)
+            kd = meta.gather(k_blocks, flat, 0).view(shape).transpose(1, 2)
+            vd = meta.gather(v_blocks, flat, 1).view(shape).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, bs),
+                                               scale=scale)
+            out[start:start + g.count] = o.reshape(g.count, num_heads, head_dim)
     return out
