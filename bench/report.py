@@ -457,8 +457,13 @@ def plot_itl_long(res: Results, out: Path, plt: Any, before_s: float = 1.0,
                 continue
             pts_x.append(t - t0)
             pts_y.append(gap)
-        ax.scatter(pts_x, pts_y, s=6, alpha=0.6)
         ax.axvline(0, color="red", linestyle="--", linewidth=1)
+        if not pts_y:  # e.g. a server that streamed no short token in this window
+            ax.text(0.5, 0.5, "no short request's token in this window", ha="center",
+                    va="center", transform=ax.transAxes, fontsize=9)
+            ax.set_title(LABEL.get(c, c), fontsize=9, loc="left")
+            continue
+        ax.scatter(pts_x, pts_y, s=6, alpha=0.6)
         ttft = reqs[idx].get("ttft_ms")
         if ttft is not None:
             ax.axvline(ttft / 1e3, color="green", linestyle=":", linewidth=1)
