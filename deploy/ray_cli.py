@@ -38,6 +38,7 @@ def _pool_resources(text: str | None) -> dict[str, float]:
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
     from kvrelay.cli import add_engine_options, opt
+    from kvrelay.router.policy import DEFAULT_POLICY, POLICIES
 
     add_engine_options(p, model_required=False)
     opt(p, "--prefill", type=int, default=1, help="prefill replicas")
@@ -58,7 +59,7 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--gpus-per-replica", type=float, default=None, help="default 1 when CUDA is used")
     opt(p, "--prefill-resources", default=None, help='extra Ray resources, JSON {"name": n}')
     opt(p, "--decode-resources", default=None, help='extra Ray resources, JSON {"name": n}')
-    opt(p, "--policy", default="least_loaded")
+    opt(p, "--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     opt(p, "--api-keys", default=None)
     opt(p, "--cluster-token", default=None)
     opt(p, "--heartbeat-interval", type=float, default=1.0,
