@@ -24,7 +24,7 @@ test: $(STAMP)
 
 serve: $(STAMP)
 	test -f $(DEMO_MODEL)/config.json || $(VENV)/bin/kvrelay demo-model $(DEMO_MODEL)
-	$(VENV)/bin/kvrelay serve --model $(DEMO_MODEL)
+	$(VENV)/bin/kvrelay serve --model $(DEMO_MODEL) --served-model-name demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -60,6 +60,8 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--prefill-resources", default=None, help='extra Ray resources, JSON {"name": n}')
     opt(p, "--decode-resources", default=None, help='extra Ray resources, JSON {"name": n}')
     opt(p, "--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
+    opt(p, "--served-model-name", default=None,
+        help="model name of the OpenAI API (default: the model directory's name)")
     opt(p, "--api-keys", default=None)
     opt(p, "--cluster-token", default=None)
     opt(p, "--heartbeat-interval", type=float, default=1.0,
@@ -112,7 +114,7 @@ def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
         control_host="127.0.0.1" if loopback else "0.0.0.0",
         control_port=int(args.control_port), http_host=host, http_port=http,
         api_keys=keys, cluster_token=args.cluster_token,
-        config=RouterConfig(policy=args.policy))
+        served_model_name=args.served_model_name, config=RouterConfig(policy=args.policy))
     gpus = args.gpus_per_replica
     if gpus is None:
         gpus = 1.0 if args.device.startswith("cuda") else 0.0

@@ -158,9 +158,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             scheduled = out.scheduled_at or t0
             computed = out.computed_at or done
             sent_blocks = len(dest.block_ids) - skip_blocks
-            return wpb.PrefillResponse(
+            first_lp = out.logprobs[0] if out.logprobs else None
+            resp = wpb.PrefillResponse(
                 first_token_id=out.new_token_ids[0],
-                logprob=logprob_to_proto(out.logprobs[0] if out.logprobs else None),
                 cached_prompt_tokens=out.num_cached_tokens,
                 queue_ms=(scheduled - t0) * 1000.0,
                 prefill_ms=(computed - scheduled) * 1000.0,
@@ -168,3 +168,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 kv_bytes=sent_blocks * self.kv.block_bytes(),
                 worker_id=self.worker_id,
             )
+            if first_lp is not None:  # set only when asked for: HasField tells the router
+                resp.logprob.CopyFrom(logprob_to_proto(first_lp))
+            return resp

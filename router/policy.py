@@ -322,10 +322,10 @@ class Auto(PrefixAware):
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware,
                                                           Auto)}
-# bench/routing.py decides the default: on the multi-turn workload prefix_aware gives TTFT p99
-# 0.41x round-robin's and computes 0.62x its prompt tokens; auto's fast lane (0.83x) costs the
-# decode worker's running requests more than its cost model charges (TPOT p50 35 vs 14 ms), so
-# it stays opt-in. On fresh prompts the two rank like least_loaded.
+# bench/routing.py decides the default: over two runs on the multi-turn workload prefix_aware's
+# TTFT p99 was 0.41x and 0.66x round-robin's, auto's 0.83x and 0.43x (both compute ~0.65x the
+# prompt tokens); prefix_aware has the better mean and no fast lane to mis-charge. Fresh prompts
+# rank as under least_loaded.
 DEFAULT_POLICY = "prefix_aware"
 
 

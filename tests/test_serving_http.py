@@ -57,6 +57,7 @@ def test_openai_completions_match_grpc(cluster, oai, reference) -> None:
         r = oai.completions.create(model="demo", prompt=p, max_tokens=24, temperature=0,
                                    extra_body={"ignore_eos": True})
         assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+        assert r.choices[0].logprobs is None  # none asked for
         assert r.usage.completion_tokens == 24
         chunks = list(oai.completions.create(model="demo", prompt=p, max_tokens=24,
                                              temperature=0, stream=True,
@@ -71,6 +72,7 @@ def test_openai_chat_streaming_and_not(cluster, oai, demo_model_dir) -> None:
     r = oai.chat.completions.create(model="demo", messages=msgs, max_tokens=16, temperature=0)
     text = r.choices[0].message.content
     assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens > 5
+    assert r.choices[0].logprobs is None
     stream = oai.chat.completions.create(model="demo", messages=msgs, max_tokens=16,
                                          temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == text
