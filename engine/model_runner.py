@@ -87,13 +87,19 @@ class ModelRunner:
                     self.max_model_len)
 
     # -- inputs --------------------------------------------------------------------------------
+    @staticmethod
+    def _tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
+        """``[N, width]`` block tables cut or padded to ``width`` (padding is block 0, which the
+        masks hide)."""
+        return torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables],
+                            dtype=torch.long)
+
     def _slots(self, block_tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """``[N, max(lengths)]`` cache slots of positions ``0..len-1`` of each block table
         (padding points at slot 0, which the masks hide)."""
         bs = self.block_size
         width = -(-max(lengths) // bs)
-        table = torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables],
-                             dtype=torch.long)
+        table = self._tables(block_tables, width)
         slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(block_tables), width * bs)
         return slots[:, :max(lengths)]
 
@@ -135,10 +141,9 @@ class ModelRunner:
             for count in group_by_length(lens, bs):
                 run = lens[start:start + count]
                 width = -(-run[-1] // bs)
-                tables = [scheduled[i].seq.block_table[:width] for i in decode[start:start + count]]
+                tables = [scheduled[i].seq.block_table for i in decode[start:start + count]]
                 meta.decode_groups.append(DecodeGroup(
-                    start, count, torch.tensor(run, dtype=torch.long),
-                    torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)))
+                    start, count, torch.tensor(run, dtype=torch.long), self._tables(tables, width)))
                 start += count
         if self.backend == "flash":
             self._add_flash_metadata(meta, scheduled, prefill + decode)
