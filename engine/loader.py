@@ -100,9 +100,11 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
 
 def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
                attn_fn: AttentionFn, max_positions: int,
-               pack: bool | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
+               pack: bool | None = None,
+               gemv_weights: bool = True) -> tuple[LlamaForCausalLM, ModelArch]:
     """Build the model and load its weights. ``pack`` (default: on CPU in fp32 when oneDNN is
-    available) prepacks the linear weights."""
+    available) prepacks the linear weights; ``gemv_weights`` also keeps them dense for
+    single-row (batch-1 decode) steps, at the cost of a second copy."""
     hf_cfg = load_hf_config(model_dir)
     arch = arch_from_hf_config(hf_cfg)
     inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
@@ -133,8 +135,9 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     if pack is None:
         pack = device.type == "cpu" and dtype == torch.float32 and onednn_packing_available()
     if pack:
-        model.pack_weights()
+        model.pack_weights(gemv=gemv_weights)
     logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s%s", model_dir,
                 arch.architecture, arch.num_layers, n_params / 1e6, device, dtype,
-                ", oneDNN-packed" if pack else "")
+                (", oneDNN-packed" + (" + dense GEMV slabs" if gemv_weights else ""))
+                if pack else "")
     return model.eval(), arch

@@ -67,7 +67,8 @@ class ModelRunner:
         max_len = min(mc.max_model_len or arch.max_position_embeddings,
                       arch.max_position_embeddings)
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
-                                           attn_fn=attn_fn, max_positions=max_len)
+                                           attn_fn=attn_fn, max_positions=max_len,
+                                           gemv_weights=mc.gemv_weights)
         cc = config.cache
         num_blocks = cc.num_blocks or blocks_for_budget(
             cc.kv_cache_memory, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,

@@ -61,6 +61,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--max-waiting", type=int, default=1024, help="queued requests before refusing")
     opt(g, "--num-threads", type=int, default=None, help="torch threads on CPU")
     opt(g, "--attention-backend", default="auto", choices=["auto", "sdpa", "flash"])
+    opt(g, "--no-gemv-weights", action="store_true",
+        help="CPU: drop the dense weight copy that speeds batch-1 decode (halves weight memory)")
     opt(g, "--seed", type=int, default=0)
 
 
@@ -75,7 +77,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),
         num_threads=args.num_threads, attention_backend=args.attention_backend,
-        seed=int(args.seed), role=role)
+        gemv_weights=not args.no_gemv_weights, seed=int(args.seed), role=role)
     for k in ("max_model_len", "num_blocks", "long_prefill_threshold", "num_threads"):
         if kw[k] is not None:
             kw[k] = int(kw[k])

@@ -205,3 +205,40 @@ def test_sharded_checkpoint_loads(hf_model_dir) -> None:
     p = prompts(8, (20,))[0]
     assert run(make_core(model_dir), {"a": (p, GREEDY)})["a"] == hf_tokens(model_dir, tuple(p),
                                                                               GEN)
+
+
+@pytest.mark.parametrize("arch", ["llama_bias", "llama_tied"])
+def test_single_row_gemv_matches_the_packed_path(hf_model_dir, arch: str) -> None:
+    """Batch-1 decode steps go through the dense per-thread slabs (see ``Linear``); their logits
+    agree with oneDNN's packed path and their greedy tokens with transformers."""
+    model_dir = hf_model_dir(arch)
+    prompt = prompts(9, (21,))[0]
+    fast, packed = (make_core(model_dir, num_threads=2, gemv_weights=g) for g in (True, False))
+    assert fast.runner.model.lm_head.slabs is not None
+    assert all(m.slabs is None for m in packed.runner.model.modules() if hasattr(m, "slabs"))
+    logits = []
+    for core in (fast, packed):
+        seq = Sequence("x", prompt, GREEDY)
+        assert core.block_manager.allocate(seq, len(prompt))
+        core.runner.logits_for([ScheduledSeq(seq, 20)])
+        seq.num_computed_tokens = 20
+        logits.append(core.runner.logits_for([ScheduledSeq(seq, 1)])[0])  # one row
+        core.block_manager.free(seq)
+    assert (logits[0] - logits[1]).abs().max() / logits[1].abs().max() < 1e-5
+    assert run(fast, {"a": (prompt, GREEDY)})["a"] == hf_tokens(model_dir, tuple(prompt), GEN)
+
+
+def test_mlp_row_chunks_keep_prefill_logits(hf_model_dir) -> None:
+    """A long prefill chunk runs the MLP in row chunks on CPU (see ``MLP``); forced small
+    here, the logits still match transformers."""
+    model_dir = hf_model_dir("llama_bias")
+    prompt = prompts(10, (70,))[0]
+    core = make_core(model_dir, max_num_batched_tokens=128)
+    for layer in core.runner.model.layers:
+        layer.mlp.chunk_rows = 16  # 70 rows: four chunks of 16 and one of 6
+    seq = Sequence("x", prompt, GREEDY)
+    assert core.block_manager.allocate(seq, len(prompt))
+    got = core.runner.logits_for([ScheduledSeq(seq, 70)])
+    ref = hf_forward_logits(model_dir, prompt)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+    core.block_manager.free(seq)

@@ -1,0 +1,93 @@
+"""The CPU matmul paths: oneDNN-packed rows, the single-row GEMV over dense slabs, and the MLP's
+row chunks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.engine.models.llama import MLP, Linear, gemv_slabs, onednn_packing_available
+
+pytestmark = pytest.mark.skipif(not onednn_packing_available(), reason="needs oneDNN packing")
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def make(n_in: int, n_out: int, bias: bool, gemv: bool) -> tuple[Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(n_in * 1000 + n_out)
+    lin = Linear(n_in, n_out, bias)
+    w = torch.randn(n_out, n_in, generator=g)
+    lin.weight.data.copy_(w)
+    b = None
+    if bias:
+        b = torch.randn(n_out, generator=g)
+        lin.bias.data.copy_(b)
+    lin.pack(gemv=gemv)
+    return lin, (w, b)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_packed_and_gemv_paths_match_f_linear(two_threads, bias: bool, rows: int) -> None:
+    lin, (w, b) = make(96, 200, bias, gemv=True)
+    assert lin.weight is None and lin.slabs is not None and lin.slabs.shape == (2, 48, 200)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        got = lin(x)
+    ref = F.linear(x, w, b)
+    assert got.shape == (rows, 200)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_single_row_takes_the_slabs(two_threads, monkeypatch) -> None:
+    lin, _ = make(64, 128, False, gemv=True)
+    calls = []
+    real = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or real(*a))
+    assert lin.slabs.shape == (2, 32, 128)
+    with torch.inference_mode():
+        lin(torch.randn(1, 64))
+        assert len(calls) == 1
+        lin(torch.randn(3, 64))  # several rows: oneDNN's packed GEMM
+        assert len(calls) == 1
+
+
+def test_slabs_follow_the_thread_count(two_threads) -> None:
+    w = torch.randn(5, 8)
+    slabs = gemv_slabs(w)
+    assert slabs.shape == (2, 4, 5) and slabs.is_contiguous()
+    torch.testing.assert_close(slabs.reshape(8, 5), w.t())
+    assert gemv_slabs(torch.randn(5, 7)).shape == (1, 7, 5)  # threads do not divide: one slab
+    torch.set_num_threads(1)
+    lin, (w, b) = make(16, 33, True, gemv=True)  # one thread: a plain mm over one slab
+    assert lin.slabs.shape == (1, 16, 33)
+    x = torch.randn(1, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [4, 10, 16])
+def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
+    arch = SimpleNamespace(hidden_size=32, intermediate_size=48, mlp_bias=True)
+    mlp = MLP(arch)
+    assert mlp.chunk_rows >= 2**14  # tiny MLPs never chunk on their own
+    g = torch.Generator().manual_seed(rows)
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    for m in (mlp.gate_up, mlp.down):
+        m.pack(gemv=True)
+    x = torch.randn(rows, 32, generator=g)
+    with torch.inference_mode():
+        whole = mlp(x)
+        mlp.chunk_rows = 4  # 10 rows: chunks of 4, 4 and 2
+        chunked = mlp(x)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
