@@ -100,10 +100,10 @@ def _prod(shape: list[int]) -> int:
 
 
 # -- kvrelay -----------------------------------------------------------------------------------
-def make_core(model: str, threads: int, num_blocks: int) -> EngineCore:
+def make_core(model: str, threads: int, num_blocks: int, gemv: bool = True) -> EngineCore:
     cfg = EngineConfig.from_kwargs(model, num_threads=threads, num_blocks=num_blocks,
                                    max_num_batched_tokens=2048, max_num_seqs=64,
-                                   enable_prefix_caching=False)
+                                   enable_prefix_caching=False, gemv_weights=gemv)
     return EngineCore(cfg, eos_token_ids=frozenset())
 
 
@@ -252,6 +252,12 @@ def main() -> int:
             th = hf_decode_step(hf, b, max(1, args.reps - 1), vocab)
             row += f" {b / th:>9.1f} {th / t:>8.2f}x"
         print(row, flush=True)
+    # The same step with the dense GEMV slabs off (oneDNN's packed kernel for one row too).
+    del core
+    packed = make_core(model_dir, args.threads, num_blocks=64, gemv=False)
+    t, ratio = ours_decode_step(packed, 1, args.reps, vocab, ceil, step_bytes)
+    print(f"{'1 oneDNN':>10} {1 / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}   "
+          "(--no-gemv-weights)", flush=True)
     print("\nof ceil: prefill = GFLOP/s / matmul ceiling; decode = (weight bytes / copy_ "
           "bandwidth) / step time; each the median over pairs of a measurement and a ceiling "
           "sample taken beside it. Targets: prefill 2048 >= 75%, decode B=1 >= 70%.")
