@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.heap import HeapTrimmer
 from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.sampler import TokenLogprob, seeded_generator, skip_draw
@@ -87,6 +88,7 @@ class EngineCore:
         self._sending: dict[str, tuple[Sequence, RequestOutput | None]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
         self.num_preemptions = 0
+        self.heap = HeapTrimmer()
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -215,6 +217,7 @@ class EngineCore:
                 s.seq.first_scheduled_time = now
         sampled = self.runner.run(out.scheduled, self.connector)
         done = time.monotonic()
+        self.heap.after_step(sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))
         finished = {s.request_id for s in self.scheduler.postprocess(out, sampled.tokens)}
         for (seq, _), tok, lp in zip(out.scheduled, sampled.tokens, sampled.logprobs,
                                      strict=True):

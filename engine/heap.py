@@ -1,0 +1,67 @@
+"""Hand freed heap memory back to the OS (glibc).
+
+A prefill step allocates activations sized by its prompt lengths (up to hundreds of MiB for a
+long chunk). glibc keeps freed chunks in its arenas for reuse, and prompts of ever-different
+lengths fragment them, so a prefill worker's RSS grows without a leak: 1.6 -> 2.5 GiB over 3000
+prompts of 8-1500 tokens (tiny model; Python objects and tensors flat), where a
+``malloc_trim(0)`` now and then keeps it flat at ~1.35 GiB. One call costs ~3 ms (measured),
+so :class:`HeapTrimmer` makes it at most once per interval and only after prefill work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import platform
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 2.0
+
+
+def libc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class HeapTrimmer:
+    """Calls ``malloc_trim(0)`` after steps that ran prefill tokens, at most once per
+    ``interval_s``."""
+
+    def __init__(self, interval_s: float = DEFAULT_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 trim: Callable[[int], int] | None = None):
+        self.interval_s = interval_s
+        self._clock = clock
+        self._trim = trim if trim is not None else libc_malloc_trim()
+        self._last = clock()
+        self._pending_tokens = 0
+        self.num_trims = 0
+
+    @property
+    def available(self) -> bool:
+        return self._trim is not None
+
+    def after_step(self, prefill_tokens: int) -> bool:
+        """Note a step's prefill tokens; trim when some are pending and the interval has
+        passed. Returns whether it trimmed."""
+        if self._trim is None:
+            return False
+        self._pending_tokens += prefill_tokens
+        now = self._clock()
+        if not self._pending_tokens or now - self._last < self.interval_s:
+            return False
+        self._trim(0)
+        self._last, self._pending_tokens = now, 0
+        self.num_trims += 1
+        return True
