@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -113,11 +112,8 @@ class Lifecycle:
         self.config = config
         self.md = cluster_metadata
         policy.attach(registry)
-        self._probes: dict[str, bool] = {}  # warm-up probes in flight: id -> recorded
-        self._probe_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
-        if policy.calibrate:
-            registry.on_join = self._on_join
+        # Warm-up probes in flight (router/calibration.py): request id -> measurements recorded.
+        self.probes: dict[str, bool] = {}
 
     # -- entry ---------------------------------------------------------------------------------
     async def tokens(self, spec: GenerateSpec, trace: Trace) -> AsyncIterator[TokenChunk]:
@@ -159,7 +155,7 @@ class Lifecycle:
                 yield c
             return
         ctx = _Pass(RouteRequest(prompt, sampling.max_tokens),
-                    count=spec.request_id not in self._probes)
+                    count=spec.request_id not in self.probes)
         route = self.policy.route(ctx.req, self.registry.alive("decode"),
                                   self.registry.alive("prefill"))
         ctx.reason = route.reason
@@ -482,7 +478,7 @@ class Lifecycle:
                            w: WorkerState, trace: Trace) -> AsyncIterator[TokenChunk]:
         """Relay a DecodeResponse stream; a broken stream becomes WorkerLost."""
         last: float | None = None  # gaps between streamed tokens measure w's decode steps
-        record = self._probes.get(spec.request_id, True)
+        record = self.probes.get(spec.request_id, True)
         while True:
             try:
                 resp = await asyncio.wait_for(call.read(), self._remaining(spec, 3600.0))
@@ -566,84 +562,6 @@ class Lifecycle:
         hashes = (ctx.req.extended_hashes(toks, w.block_size) if toks
                   else ctx.req.hashes(w.block_size))
         w.expect(hashes, time.monotonic() + self.registry.expect_s)
-
-    # -- warm-up probe (policies that measure workers before routing to them) ---------------------
-    def _on_join(self, w: WorkerState) -> None:
-        if w.role not in ("prefill", "decode"):
-            w.calibrating = False
-            return
-        task = asyncio.get_running_loop().create_task(self._calibrate(w))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _calibrate(self, w: WorkerState) -> None:
-        """Measure a joining worker before it takes traffic (see ``_probe``). Bounded; a worker
-        not measured in time serves on the priors and is measured by live requests."""
-        t0 = time.monotonic()
-        limit = self.config.calibration_timeout_s
-        try:
-            if w.role == "prefill":  # a prefill needs somewhere to send its KV
-                while not self.registry.alive("decode"):
-                    if time.monotonic() - t0 > limit:
-                        raise TimeoutError("no decode worker to send probe KV to")
-                    await asyncio.sleep(0.05)
-            async with self._probe_lock:  # one worker at a time: probes would share the cores
-                await asyncio.wait_for(self._probe(w), limit)
-            fit = w.prefill_fit if w.role == "prefill" else w.local_fit
-            a, b = fit.coef()
-            logger.info("calibrated %s in %.2fs: first token %.1fms + %.3fms/token", w.worker_id,
-                        time.monotonic() - t0, a * 1e3, b * 1e3)
-        except (TimeoutError, WorkerLost, RouterError, grpc.aio.AioRpcError,
-                grpc.aio.UsageError) as e:
-            logger.warning("calibration of %s incomplete (%s): routing to it on priors",
-                           w.worker_id, e or type(e).__name__)
-        finally:
-            w.calibrating = False
-            self.registry.notify()
-
-    async def _probe(self, w: WorkerState) -> None:
-        """Synthetic prompts of several sizes, run on ``w`` the way live requests run (a prefill
-        worker's with KV sent to a decode worker, a decode worker's wholly there), so the same
-        observations feed the RPC, transfer and decode-step measurements. The first two warm it
-        up and are not recorded. Its compute fit gets the fastest of the repeats of each size:
-        another process starting up at the same moment (workers join together) can only add
-        time, and a pessimistic fit would keep the fast lane from ever measuring it again."""
-        bs = w.block_size
-        large = max(2 * bs, min(32 * bs, w.max_model_len // 4 // bs * bs))
-        warm = (bs, large)
-        sizes = [n for n in (bs, 8 * bs, large) if n <= large for _ in range(2)]
-        best: dict[int, tuple[float, int]] = {}  # size -> (seconds, tokens computed)
-        rng = random.Random()
-        for i, n in enumerate((*warm, *sizes)):
-            rid = f"calibrate-{w.worker_id}-{i}-{secrets.token_hex(4)}"
-            prompt = [rng.randrange(256) for _ in range(n)]  # fresh: no cache hits
-            sampling = SamplingParams(max_tokens=2 if w.role == "decode" else 1,
-                                      temperature=0.0, ignore_eos=True)
-            spec = GenerateSpec(rid, prompt, sampling)
-            ctx = _Pass(RouteRequest(prompt, sampling.max_tokens), reason="calibration",
-                        record=i >= len(warm), fit=False, count=False)
-            self._probes[rid] = ctx.record
-            trace = Trace()
-            try:
-                if w.role == "decode":
-                    gen = self._local(spec, prompt, sampling, trace, w, ctx)
-                else:
-                    ctx.prefill = w
-                    gen = self._disaggregated(spec, prompt, sampling, trace, ctx)
-                t0, first = time.monotonic(), None
-                async for chunk in gen:
-                    if first is None:
-                        first = (time.monotonic() - t0, n - chunk.cached_prompt_tokens)
-            finally:
-                self._probes.pop(rid, None)
-            if ctx.record and first is not None:
-                if w.role == "prefill" and trace.prefill is not None:
-                    first = (trace.prefill.prefill_ms / 1e3,
-                             n - trace.prefill.cached_prompt_tokens)
-                best[n] = min(best.get(n, first), first)
-        fit = w.prefill_fit if w.role == "prefill" else w.local_fit
-        for seconds, computed in best.values():
-            fit.observe(computed, seconds)
 
     def _release_soon(self, d: WorkerState, request_id: str, lease_id: str) -> None:
         """End a lease without making the caller wait (the TTL is the backstop)."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
+from kvrelay.router.calibration import Calibrator
 from kvrelay.router.grpc_api import GenerationServicer, RegistryServicer
 from kvrelay.router.lifecycle import Lifecycle, RouterConfig
 from kvrelay.router.metrics import RouterMetrics
@@ -70,8 +71,10 @@ class Router:
         self.registry = WorkerRegistry(heartbeat_interval_s=st.heartbeat_interval_s,
                                        model_identity=arch.identity)
         self.registry.start()
-        lifecycle = Lifecycle(self.registry, make_policy(st.config.policy), st.config,
-                              token_metadata(st.cluster_token))
+        policy = make_policy(st.config.policy)
+        lifecycle = Lifecycle(self.registry, policy, st.config, token_metadata(st.cluster_token))
+        if policy.calibrate:
+            Calibrator(lifecycle)  # measures joining workers before they take traffic
         name = st.served_model_name or os.path.basename(os.path.normpath(st.model))
         self.metrics = RouterMetrics(self.registry, name)
         self.service = RouterService(
