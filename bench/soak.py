@@ -520,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     cluster = SoakCluster(args.model_dir, workdir, [
         "--num-threads", "1", "--kv-cache-memory", args.kv_cache_memory])
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwind through the finally: stop the cluster
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         cluster.start()
         doc = asyncio.run(soak(args, cluster))
