@@ -92,10 +92,10 @@ class Calibrator:
             trace = Trace()
             try:
                 if w.role == "decode":
-                    gen = self.lc._local(spec, prompt, sampling, trace, w, ctx)
+                    gen = self.lc.local_pass(spec, prompt, sampling, trace, w, ctx)
                 else:
                     ctx.prefill = w
-                    gen = self.lc._disaggregated(spec, prompt, sampling, trace, ctx)
+                    gen = self.lc.disaggregated_pass(spec, prompt, sampling, trace, ctx)
                 t0, first = time.monotonic(), None
                 async for chunk in gen:
                     if first is None:

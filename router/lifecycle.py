@@ -151,7 +151,7 @@ class Lifecycle:
     async def _one_pass(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
                         trace: Trace) -> AsyncIterator[TokenChunk]:
         if not await self._disaggregate():
-            async for c in self._local(spec, prompt, sampling, trace):
+            async for c in self.local_pass(spec, prompt, sampling, trace):
                 yield c
             return
         ctx = _Pass(RouteRequest(prompt, sampling.max_tokens),
@@ -163,7 +163,7 @@ class Lifecycle:
         if route.local is not None:  # the fast lane: wholly on a decode worker
             started = False
             try:
-                async for c in self._local(spec, prompt, sampling, trace, route.local, ctx):
+                async for c in self.local_pass(spec, prompt, sampling, trace, route.local, ctx):
                     started = True
                     yield c
                 return
@@ -173,7 +173,7 @@ class Lifecycle:
                     raise
                 trace.add("local_failed", route.local.worker_id, detail=str(e))
                 ctx.reason = "local_refused"  # no token yet: disaggregate instead
-        async for c in self._disaggregated(spec, prompt, sampling, trace, ctx):
+        async for c in self.disaggregated_pass(spec, prompt, sampling, trace, ctx):
             yield c
 
     async def _disaggregate(self) -> bool:
@@ -199,7 +199,7 @@ class Lifecycle:
         return min(cap, left)
 
     # -- aggregated workers (role=both) ----------------------------------------------------------
-    async def _local(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
+    async def local_pass(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
                      trace: Trace, worker: WorkerState | None = None,
                      ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
         """Run the request wholly on one worker (GenerateLocal, with that worker's prefix
@@ -255,7 +255,7 @@ class Lifecycle:
                 call.cancel()
 
     # -- disaggregated ----------------------------------------------------------------------------
-    async def _disaggregated(self, spec: GenerateSpec, prompt: list[int],
+    async def disaggregated_pass(self, spec: GenerateSpec, prompt: list[int],
                              sampling: SamplingParams, trace: Trace,
                              ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
         ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens))
