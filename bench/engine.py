@@ -8,7 +8,7 @@ to a temporary directory. Everything runs fp32 on CPU with ``--threads`` intra-o
 Ceilings (the machine is shared and its speed drifts minute to minute, so each measurement is
 paired with a ceiling sample taken right beside it, and a ratio is the median over those pairs):
   - matmul: fp32 GFLOP/s of ``torch.mm`` on the model's own projection shapes at M = 2048 rows,
-    sampled before each prefill;
+    sampled before and after each prefill (their mean);
   - memory: bandwidth of ``Tensor.copy_`` over a buffer as large as the weights, counted as bytes
     read + bytes written per second (the traffic a copy makes), sampled after each decode step.
 

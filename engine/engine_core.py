@@ -217,7 +217,7 @@ class EngineCore:
                 s.seq.first_scheduled_time = now
         sampled = self.runner.run(out.scheduled, self.connector)
         done = time.monotonic()
-        self.heap.after_step(sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))
+        self.heap.after_step(out.num_prefill_tokens)
         finished = {s.request_id for s in self.scheduler.postprocess(out, sampled.tokens)}
         for (seq, _), tok, lp in zip(out.scheduled, sampled.tokens, sampled.logprobs,
                                      strict=True):

@@ -34,6 +34,11 @@ class SchedulerOutput(NamedTuple):
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of chunks longer than one (a one-token chunk runs as a decode)."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,

@@ -22,7 +22,8 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def make(n_in: int, n_out: int, bias: bool, gemv: bool) -> tuple[Linear, torch.Tensor]:
+def make(n_in: int, n_out: int, bias: bool,
+         gemv: bool) -> tuple[Linear, tuple[torch.Tensor, torch.Tensor | None]]:
     g = torch.Generator().manual_seed(n_in * 1000 + n_out)
     lin = Linear(n_in, n_out, bias)
     w = torch.randn(n_out, n_in, generator=g)
