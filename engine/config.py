@@ -33,7 +33,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
-    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    attention_backend: Literal["auto", "native", "sdpa", "flash"] = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU
     seed: int = 0
     # CPU fp32: keep the dense linear weights beside the oneDNN-packed ones, for batch-1 decode
@@ -47,8 +47,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "sdpa", "flash"):
-            raise ValueError(f"attention_backend must be auto|sdpa|flash, got "
+        if self.attention_backend not in ("auto", "native", "sdpa", "flash"):
+            raise ValueError(f"attention_backend must be auto|native|sdpa|flash, got "
                              f"{self.attention_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")

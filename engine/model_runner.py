@@ -60,7 +60,7 @@ class ModelRunner:
             self.dtype = dtype_from_name(mc.dtype)
         if self.device.type == "cpu" and mc.num_threads:
             torch.set_num_threads(mc.num_threads)
-        self.backend, attn_fn = select_backend(mc.attention_backend, self.device)
+        self.backend, attn_fn = select_backend(mc.attention_backend, self.device, self.dtype)
         from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
 
         arch = arch_from_hf_config(load_hf_config(mc.model))
@@ -89,11 +89,12 @@ class ModelRunner:
 
     # -- inputs --------------------------------------------------------------------------------
     @staticmethod
-    def _tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
+    def _tables(block_tables: list[list[int]], width: int,
+                dtype: torch.dtype = torch.long) -> torch.Tensor:
         """``[N, width]`` block tables cut or padded to ``width`` (padding is block 0, which the
         masks hide)."""
         return torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables],
-                            dtype=torch.long)
+                            dtype=dtype)
 
     def _slots(self, block_tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """``[N, max(lengths)]`` cache slots of positions ``0..len-1`` of each block table
@@ -136,7 +137,13 @@ class ModelRunner:
             prefills=spans,
             block_size=bs,
         )
-        if decode:
+        if decode and self.backend == "native":  # one kernel call over every decode
+            lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
+            width = -(-lens[-1] // bs)
+            meta.decode_lens = torch.tensor(lens, dtype=torch.int32)
+            meta.decode_tables = self._tables([scheduled[i].seq.block_table for i in decode],
+                                              width, torch.int32)
+        elif decode:
             lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
             start = 0
             for count in group_by_length(lens, bs):

@@ -60,7 +60,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
         help="prompts longer than this are chunked one at a time (default budget/4)")
     opt(g, "--max-waiting", type=int, default=1024, help="queued requests before refusing")
     opt(g, "--num-threads", type=int, default=None, help="torch threads on CPU")
-    opt(g, "--attention-backend", default="auto", choices=["auto", "sdpa", "flash"])
+    opt(g, "--attention-backend", default="auto", choices=["auto", "native", "sdpa", "flash"])
     opt(g, "--no-gemv-weights", action="store_true",
         help="CPU: drop the dense weight copy that speeds batch-1 decode (halves weight memory)")
     opt(g, "--seed", type=int, default=0)

@@ -62,3 +62,94 @@ def test_grouped_decodes_equal_per_sequence_attention(window: int | None) -> Non
         vs = v_cache[slots[lo:]].transpose(0, 1).repeat_interleave(heads // kvh, 0)
         ref = F.scaled_dot_product_attention(q[i][:, None], ks, vs, scale=0.3)[:, 0]
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+
+
+def _paged_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: list[list[int]], lens: list[int], bs: int, scale: float,
+                     window: int | None) -> torch.Tensor:
+    heads, kvh = q.shape[1], k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        lo = 0 if window is None else max(0, n - window)
+        ks = k_cache[slots[lo:]].transpose(0, 1).repeat_interleave(heads // kvh, 0)
+        vs = v_cache[slots[lo:]].transpose(0, 1).repeat_interleave(heads // kvh, 0)
+        out[i] = F.scaled_dot_product_attention(q[i][:, None], ks, vs, scale=scale)[:, 0]
+    return out
+
+
+native = pytest.importorskip("kvrelay.engine.attention.native")
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason="native kernels need a C compiler with OpenMP")
+
+
+@needs_native
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(6, 2, 16), (8, 8, 64), (4, 1, 8), (12, 4, 80)])
+def test_native_paged_decode_equals_per_sequence_attention(window: int | None, heads: int,
+                                                           kvh: int, d: int) -> None:
+    """Every decode in one call, straight from the paged blocks: GQA, MHA and MQA, head sizes
+    on and off the 16-float vector width, a sliding window, and contexts long enough to be cut
+    into partitions whose softmaxes merge (1200 keys, partitions of 256)."""
+    torch.manual_seed(0)
+    rng = random.Random(2)
+    bs, num_blocks = 16, 400
+    k_cache = torch.randn(num_blocks * bs, kvh, d)
+    v_cache = torch.randn(num_blocks * bs, kvh, d)
+    lens = [rng.randint(1, 60) for _ in range(9)] + [700, 1, 1200, 16, 17]
+    rng.shuffle(lens)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lens), heads, d)
+    out = torch.full_like(q, float("nan"))
+    native.paged_decode(q, k_cache, v_cache, padded, torch.tensor(lens, dtype=torch.int32), out,
+                        bs, 0.3, window)
+    ref = _paged_reference(q, k_cache, v_cache, tables, lens, bs, 0.3, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_single_long_sequence_uses_every_thread_and_matches() -> None:
+    """Batch 1 over 3000 keys: the context is split across the threads and merged exactly."""
+    torch.manual_seed(3)
+    bs, kvh, heads, d = 16, 2, 4, 32
+    n = 3000
+    table = list(range(-(-n // bs)))[::-1]
+    k_cache = torch.randn(len(table) * bs, kvh, d) * 3  # peaky softmax: merging must be exact
+    v_cache = torch.randn(len(table) * bs, kvh, d)
+    q = torch.randn(1, heads, d)
+    out = torch.empty_like(q)
+    native.paged_decode(q, k_cache, v_cache, torch.tensor([table], dtype=torch.int32),
+                        torch.tensor([n], dtype=torch.int32), out, bs, 0.5, None)
+    ref = _paged_reference(q, k_cache, v_cache, [table], [n], bs, 0.5, None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_rejects_a_context_longer_than_its_block_table() -> None:
+    q = torch.randn(1, 2, 16)
+    cache = torch.randn(64, 1, 16)
+    with pytest.raises(RuntimeError, match="failed"):
+        native.paged_decode(q, cache, cache, torch.zeros(1, 2, dtype=torch.int32),
+                            torch.tensor([33], dtype=torch.int32), torch.empty_like(q), 16, 1.0,
+                            None)
+
+
+def test_native_build_is_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch) -> None:
+    """A second build of the same source finds the cached library instead of compiling."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
+    first = native.build()
+    mtime = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == mtime
+    assert first.parent == tmp_path / "native"
+
+
+def test_native_missing_compiler_is_a_clear_error(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"failed|no C compiler"):
+        native.build(cc=str(tmp_path / "no-such-cc"))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hf_models import ARCHS, hf_forward_logits, hf_greedy
 
+from kvrelay.engine.attention import native as native_kernels
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import ScheduledSeq
@@ -59,11 +60,17 @@ def run(core: EngineCore, reqs: dict[str, tuple[list[int], SamplingParams]]) \
 GREEDY = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_greedy_tokens_match_transformers_in_a_mixed_batch(hf_model_dir, arch: str) -> None:
+def test_greedy_tokens_match_transformers_in_a_mixed_batch(hf_model_dir, arch: str,
+                                                           backend: str) -> None:
+    """Both CPU backends: the native paged kernels (auto) and pure torch SDPA (the fallback
+    where nothing can be compiled)."""
     model_dir = hf_model_dir(arch)
     ps = prompts(1)
-    core = make_core(model_dir)
+    core = make_core(model_dir, attention_backend=backend)
+    native = backend == "auto" and native_kernels.available()
+    assert core.runner.backend == ("native" if native else "sdpa")
     free0 = core.block_manager.num_free_blocks
     got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
     seen: set[int] = set()

@@ -101,8 +101,12 @@ class AttentionMetadata:
     num_prefill_tokens: int
     prefills: list[PrefillSpan]
     block_size: int = 0
-    # Decodes follow the prefill tokens, sorted by context length into groups.
+    # Decodes follow the prefill tokens, sorted by context length into groups (torch SDPA) ...
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # ... or, for the native kernel, every decode at once: int32 [N, W] block tables and [N]
+    # context lengths (new token included).
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     # Scratch the backend gathers cached K/V into (the runner keeps it across steps: a fresh
     # buffer per gather costs more in page faults than the copy itself). None: allocate.
     workspace: torch.Tensor | None = None
@@ -117,6 +121,8 @@ class AttentionMetadata:
 
     @property
     def num_decodes(self) -> int:
+        if self.decode_lens is not None:
+            return self.decode_lens.numel()
         return sum(g.count for g in self.decode_groups)
 
     def gather_rows(self) -> int:

@@ -29,9 +29,19 @@ def sdpa_attention(
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, KVH, D]``; caches are flat ``[slots, KVH, D]``. Returns
     ``[T, H, D]``. The new K/V must already be in the caches."""
-    num_heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
-    gqa = num_heads != kv_heads
+    prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out)
+    grouped_decode_attention(q, k_cache, v_cache, meta, scale, window, out)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor,
+) -> None:
+    """The prefill spans of the step (rows ``[0, num_prefill_tokens)``), one SDPA call each."""
+    gqa = q.shape[1] != k.shape[1]
     for span in meta.prefills:
         qs = q[span.q_start:span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)
         if span.ctx_slots is None:
@@ -47,24 +57,31 @@ def sdpa_attention(
                                            scale=scale, enable_gqa=gqa)
         out[span.q_start:span.q_start + span.q_len] = o.squeeze(0).transpose(0, 1)
 
-    if meta.decode_groups:
-        group = num_heads // kv_heads
-        head_dim = q.shape[2]
-        bs = meta.block_size
-        # Whole blocks at a time: [blocks, block_size, KVH, D] rows are block_size x larger
-        # than slot rows, and index_select copies large rows much faster.
-        k_blocks = k_cache.view(-1, bs, kv_heads, head_dim)
-        v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
-        p = meta.num_prefill_tokens
-        for g in meta.decode_groups:
-            start = p + g.q_start
-            # [B, H, D] -> [B, KVH, group, D]: each KV head's query heads become its queries.
-            qd = q[start:start + g.count].view(g.count, kv_heads, group, head_dim)
-            shape = (g.count, g.block_tables.shape[1] * bs, kv_heads, head_dim)
-            flat = g.block_tables.reshape(-1)
-            kd = meta.gather(k_blocks, flat, 0).view(shape).transpose(1, 2)
-            vd = meta.gather(v_blocks, flat, 1).view(shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, bs),
-                                               scale=scale)
-            out[start:start + g.count] = o.reshape(g.count, num_heads, head_dim)
-    return out
+
+def grouped_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor,
+) -> None:
+    """The step's decodes (rows from ``num_prefill_tokens`` on), one padded SDPA call per
+    group of similar context lengths."""
+    if not meta.decode_groups:
+        return
+    num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    group = num_heads // kv_heads
+    bs = meta.block_size
+    # Whole blocks at a time: [blocks, block_size, KVH, D] rows are block_size x larger
+    # than slot rows, and index_select copies large rows much faster.
+    k_blocks = k_cache.view(-1, bs, kv_heads, head_dim)
+    v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
+    p = meta.num_prefill_tokens
+    for g in meta.decode_groups:
+        start = p + g.q_start
+        # [B, H, D] -> [B, KVH, group, D]: each KV head's query heads become its queries.
+        qd = q[start:start + g.count].view(g.count, kv_heads, group, head_dim)
+        shape = (g.count, g.block_tables.shape[1] * bs, kv_heads, head_dim)
+        flat = g.block_tables.reshape(-1)
+        kd = meta.gather(k_blocks, flat, 0).view(shape).transpose(1, 2)
+        vd = meta.gather(v_blocks, flat, 1).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, bs),
+                                           scale=scale)
+        out[start:start + g.count] = o.reshape(g.count, num_heads, head_dim)
