@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvrelay.engine.sampler import TokenLogprob
+from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.tokenizer import OutputProcessor
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
