@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -31,7 +31,9 @@ from ray.util.scheduling_strategies import (
 from kvrelay.deploy.autoscaler import AutoscaleConfig, Decision, PoolAutoscaler, PoolSample
 from kvrelay.engine.config import EngineConfig
 from kvrelay.router.server import RouterSettings
-from kvrelay.worker import WorkerSettings
+
+if TYPE_CHECKING:  # kvrelay.worker loads torch: the router actor's process must not
+    from kvrelay.worker import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +85,19 @@ class RouterActor:
     async def start(self, settings: RouterSettings, log_level: str) -> dict[str, Any]:
         from kvrelay.logs import setup_logging
         from kvrelay.router.server import Router
+        from kvrelay.torch_free import forbid_torch, torch_loaded
 
         setup_logging("router", log_level)
+        # This actor has its own process; keep transformers from loading torch into it.
+        if torch_loaded():
+            logger.warning("torch is already loaded in the router actor's process")
+        else:
+            forbid_torch()
         self.router = Router(settings)
         await self.router.start()
         return {"port": self.router.port, "control_port": self.router.control_port,
                 "http_port": self.router.http_port, "host": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "torch": torch_loaded()}
 
     async def workers(self) -> list[dict[str, Any]]:
         out = []

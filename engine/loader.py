@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 
 from kvrelay.engine.attention import AttentionFn
-from kvrelay.engine.models.arch import ModelArch, arch_from_hf_config, load_hf_config, rope_inv_freq
+from kvrelay.engine.models.arch import ModelArch, arch_from_hf_config, load_hf_config
 from kvrelay.engine.models.llama import LlamaForCausalLM, onednn_packing_available
+from kvrelay.engine.models.rope import rope_inv_freq
 
 logger = logging.getLogger(__name__)
 

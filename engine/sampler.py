@@ -8,17 +8,13 @@ the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import NamedTuple
 
 import torch
 
+from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sequence import Sequence
 
-
-class TokenLogprob(NamedTuple):
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the n most likely tokens and their logprobs
+__all__ = ["TokenLogprob", "sample", "seeded_generator", "skip_draw"]
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:

@@ -6,7 +6,10 @@ import enum
 import time
 from typing import Any
 
+from kvrelay.engine.outputs import FinishReason
 from kvrelay.engine.sampling_params import SamplingParams
+
+__all__ = ["FinishReason", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
@@ -14,13 +17,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # holds blocks, is scheduled every step
     WAITING_FOR_KV = "waiting_for_kv"  # holds blocks reserved for KV another engine writes
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # cancelled by the caller (or its lease ended)
-    ERROR = "error"  # the engine or its KV transport failed this request
 
 
 class Sequence:

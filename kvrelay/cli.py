@@ -153,6 +153,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from kvrelay.torch_free import forbid_torch
+
+    forbid_torch()  # the router carries bytes, ids and text; transformers would load torch
     from kvrelay.logs import setup_logging
     from kvrelay.router.lifecycle import RouterConfig
     from kvrelay.router.server import RouterSettings, run_router

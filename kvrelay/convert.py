@@ -3,9 +3,8 @@ message fit for the client (servicers turn it into INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
-from kvrelay.engine.sampler import TokenLogprob
+from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.sequence import FinishReason
 from kvrelay.proto import generate_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16

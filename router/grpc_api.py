@@ -67,7 +67,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if remaining is not None:
                 grpc_ms = max(1, int(remaining * 1000))
                 timeout_ms = min(timeout_ms, grpc_ms) if timeout_ms else grpc_ms
-            spec = self.service.build_spec(
+            spec = await self.service.build_spec(
                 request_id=request.request_id or None,
                 text=request.text if kind == "text" else None,
                 token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,

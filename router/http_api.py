@@ -207,7 +207,7 @@ class HttpServer:
             try:
                 prompt = req.single_prompt()
                 sp = _sampling(req, req.max_tokens, req.logprobs)
-                spec = service.build_spec(
+                spec = await service.build_spec(
                     request_id=req.request_id, text=prompt if isinstance(prompt, str) else None,
                     token_ids=prompt if isinstance(prompt, list) else None, sampling=sp,
                     timeout_ms=req.timeout_ms, model=req.model)
@@ -219,22 +219,14 @@ class HttpServer:
 
         @app.post("/v1/chat/completions")
         async def chat(req: ChatCompletionRequest) -> Response:
-            from kvrelay.engine.tokenizer import apply_chat_template
-
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                text = apply_chat_template(service.tokenizer, messages)
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise ValueError("the messages are not valid Unicode (lone surrogate)") \
-                        from None
+                ids = await service.encode_chat(messages)
                 n_top = (req.top_logprobs or 0) if req.logprobs else None
                 sp = _sampling(req, req.max_completion_tokens or req.max_tokens, n_top)
-                ids = service.tokenizer.encode(text, add_special_tokens=False)
-                spec = service.build_spec(request_id=req.request_id, text=None, token_ids=ids,
-                                          sampling=sp, timeout_ms=req.timeout_ms,
-                                          model=req.model)
+                spec = await service.build_spec(request_id=req.request_id, text=None,
+                                                token_ids=ids, sampling=sp,
+                                                timeout_ms=req.timeout_ms, model=req.model)
             except ValueError as e:
                 return error_response(400, str(e))
             except RouterError as e:

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from kvrelay.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
-from kvrelay.engine.sampler import TokenLogprob
+from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.sequence import FinishReason
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError

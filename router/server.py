@@ -118,6 +118,7 @@ class Router:
         await self.public.stop(grace=2.0)
         await self.control.stop(grace=1.0)
         await self.registry.stop()
+        self.service.close()
         self._stopped.set()
 
     async def wait(self) -> None:

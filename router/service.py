@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 
-from kvrelay.engine.sampler import TokenLogprob
+from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.sequence import FinishReason
-from kvrelay.engine.tokenizer import OutputProcessor
+from kvrelay.engine.tokenizer import OutputProcessor, apply_chat_template
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
@@ -32,6 +34,19 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_TIMEOUT_MS = 3_600_000
 DUPLICATE_ID_WAIT_S = 1.0  # how long a request waits for an earlier one of its id to leave
+# Text longer than this (characters; token ids: a quarter of it) is tokenized, templated and
+# checked off the event loop, which also serves heartbeats and lease renewals. Smaller inputs
+# take well under a millisecond: they pay no thread hop.
+OFFLOAD_CHARS = 16 * 1024
+OFFLOAD_IDS = OFFLOAD_CHARS // 4
+TOKENIZER_THREADS = 2  # fast tokenizers release the GIL while they encode
+
+T = TypeVar("T")
+
+
+def _first_bad_id(token_ids: Sequence[object], vocab_size: int) -> object | None:
+    return next((t for t in token_ids
+                 if not isinstance(t, int) or not (0 <= t < vocab_size)), None)
 
 
 @dataclass
@@ -85,6 +100,36 @@ class RouterService:
         lifecycle.eos_token_ids = eos_token_ids
         # (time, ttft_ms) and (time, mean itl ms) of recently finished requests (autoscaling)
         self._recent: deque[tuple[float, float, float | None]] = deque(maxlen=4096)
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- text <-> ids, off the loop when large -------------------------------------------------
+    async def _run(self, large: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        if not large:
+            return fn(*args, **kw)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; a long text is tokenized on the tokenizer threads."""
+        return await self._run(len(text) > OFFLOAD_CHARS, self.tokenizer.encode, text,
+                               add_special_tokens=add_special_tokens)
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of chat ``messages`` rendered with the model's template (ValueError when
+        the template rejects them); long conversations are rendered off the loop."""
+        size = sum(len(c) for m in messages if isinstance(c := m.get("content"), str))
+        return await self._run(size > OFFLOAD_CHARS, self._encode_chat, messages)
+
+    def _encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        text = apply_chat_template(self.tokenizer, messages)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the messages are not valid Unicode (lone surrogate)") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- validation ----------------------------------------------------------------------------
     def effective_max_model_len(self) -> int:
@@ -95,9 +140,10 @@ class RouterService:
     def new_request_id(self) -> str:
         return "req-" + secrets.token_hex(8)
 
-    def build_spec(self, *, request_id: str | None, text: str | None,
-                   token_ids: list[int] | None, sampling: SamplingParams,
-                   timeout_ms: int | None = None, model: str | None = None) -> GenerateSpec:
+    async def build_spec(self, *, request_id: str | None, text: str | None,
+                         token_ids: list[int] | None, sampling: SamplingParams,
+                         timeout_ms: int | None = None, model: str | None = None
+                         ) -> GenerateSpec:
         """Validate one request; raises RouterError(INVALID_ARGUMENT) with a message."""
         t0 = time.monotonic()
 
@@ -122,12 +168,12 @@ class RouterService:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 raise bad("the prompt is not valid Unicode (lone surrogate)") from None
-            token_ids = self.tokenizer.encode(text)
+            token_ids = await self.encode(text)
         assert token_ids is not None
         if not token_ids:
             raise bad("the prompt is empty: it needs at least one token")
-        bad_id = next((t for t in token_ids
-                       if not isinstance(t, int) or not (0 <= t < self.vocab_size)), None)
+        bad_id = await self._run(len(token_ids) > OFFLOAD_IDS, _first_bad_id, token_ids,
+                                 self.vocab_size)
         if bad_id is not None:
             raise bad(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
         max_len = self.effective_max_model_len()

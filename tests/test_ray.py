@@ -308,6 +308,7 @@ def test_serve_1p1d_greedy_equals_engine_alone(served, jobs, ray_session) -> Non
     assert st["counts"] == {"prefill": 1, "decode": 1, "both": 0}
     # The router is pinned to the driver's node; embedded Ray: everything on loopback.
     assert st["router"]["node_id"] == ray.get_runtime_context().get_node_id()
+    assert st["router"]["torch"] is False  # the router actor's process carries no torch
     assert served.info["host"] == "127.0.0.1"
     assert {w["worker_id"]: w["role"] for w in st["workers"]} == {"prefill-1": "prefill",
                                                                   "decode-1": "decode"}

@@ -1,4 +1,8 @@
-"""What the engine needs to know of a checkpoint's architecture, read from its config.json."""
+"""What the engine needs to know of a checkpoint's architecture, read from its config.json.
+
+No torch here: the router reads the same config (vocabulary, context length, identity) and
+never loads torch. The rope tables the model needs are in ``rope.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 # Hugging Face architecture name -> family variant. All are the Llama decoder with small twists.
 SUPPORTED_ARCHITECTURES = {
@@ -133,17 +135,3 @@ def rope_parameters(cfg: Any) -> dict[str, Any]:
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
     return params
-
-
-def rope_inv_freq(cfg: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale, exactly as transformers computes them."""
-    params = rope_parameters(cfg)
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        base = params["rope_theta"]
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        return inv, 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
-    return inv.float(), float(scale)
