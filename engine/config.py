@@ -80,6 +80,10 @@ class SchedulerConfig:
     # prompts go first within a step's budget, so a long prompt cannot block the queue.
     long_prefill_threshold: int | None = None  # default: max_num_batched_tokens // 4
     max_waiting: int = 1024  # admission control: add_request beyond this raises EngineOverloaded
+    # Time-per-output-token target: a step carrying decodes takes only as many prefill tokens
+    # as an online fit of step time says fit within it (engine/step_cost.py). None: the fixed
+    # token budget above.
+    tpot_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -93,6 +97,9 @@ class SchedulerConfig:
             raise ValueError("long_prefill_threshold must be positive")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be positive")
+        if self.tpot_slo_ms is not None and not (0 < self.tpot_slo_ms < 3_600_000):
+            raise ValueError(f"tpot_slo_ms must be a positive number of milliseconds, got "
+                             f"{self.tpot_slo_ms}")
 
 
 @dataclass(frozen=True)

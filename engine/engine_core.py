@@ -20,8 +20,9 @@ from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.sampler import TokenLogprob, seeded_generator, skip_draw
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvrelay.engine.step_cost import StepCostFit, StepCostModel, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     waiting_prompt_tokens: int
+    # The online step-time fit (None until it has seen enough steps), the prefill budget of the
+    # latest step that carried decodes, and how many steps the TPOT target has capped.
+    step_cost: StepCostFit | None = None
+    prefill_budget: int = 0
+    num_capped_steps: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -77,8 +83,13 @@ class EngineCore:
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   self.runner.max_model_len, eos_token_ids)
+        sc = config.scheduler
+        # Fitted on every step (its coefficients are exported as metrics); it caps a step's
+        # prefill tokens only when a TPOT target is set.
+        self.step_cost = StepCostModel(
+            None if sc.tpot_slo_ms is None else sc.tpot_slo_ms / 1e3, sc.max_num_batched_tokens)
+        self.scheduler = Scheduler(sc, self.block_manager, self.runner.max_model_len,
+                                   eos_token_ids, self.step_cost)
         self.connector = connector
         if connector is not None:
             connector.register_kv_cache(self.runner.kv, self.runner.kv_spec)
@@ -111,6 +122,9 @@ class EngineCore:
             num_preemptions=self.num_preemptions,
             waiting_prompt_tokens=sum(q.num_uncomputed_tokens for q in s.waiting)
             + sum(q.num_uncomputed_tokens for q in s.running if not q.is_decode),
+            step_cost=self.step_cost.fit,
+            prefill_budget=self.step_cost.last_budget,
+            num_capped_steps=self.step_cost.num_capped_steps,
         )
 
     def has_unfinished(self) -> bool:
@@ -215,8 +229,10 @@ class EngineCore:
         for s in out.scheduled:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
+        shape = step_shape(out)
         sampled = self.runner.run(out.scheduled, self.connector)
         done = time.monotonic()
+        self.step_cost.observe(shape, done - now)
         self.heap.after_step(out.num_prefill_tokens)
         finished = {s.request_id for s in self.scheduler.postprocess(out, sampled.tokens)}
         for (seq, _), tok, lp in zip(out.scheduled, sampled.tokens, sampled.logprobs,
@@ -287,3 +303,17 @@ class EngineCore:
         self._pending.append(RequestOutput(seq.request_id, [], kv_arrived=True,
                                            num_prompt_tokens=seq.num_prompt_tokens,
                                            num_cached_tokens=seq.num_cached_tokens))
+
+
+def step_shape(out: SchedulerOutput) -> StepShape:
+    """What a scheduled step will compute, before it runs (counters still at their old values)."""
+    prefill = pairs = decodes = ctx = 0
+    for seq, n in out.scheduled:
+        c = seq.num_computed_tokens
+        if n > 1:
+            prefill += n
+            pairs += n * c + n * (n + 1) // 2
+        else:
+            decodes += 1
+            ctx += c + 1
+    return StepShape(prefill, pairs, decodes, ctx)

@@ -4,7 +4,9 @@ One step, in order:
   1. Every running sequence in its decode phase gets one token (decodes first: a prefill can
      never stall them for longer than one step). Out of blocks, the most recently admitted
      running sequence is preempted: its blocks are freed and it waits to be recomputed.
-  2. Prefills share what is left of the budget. Short prompts (at most
+  2. Prefills share what is left of the budget, which a TPOT target can cap further when the
+     step carries decodes (``StepCostModel.prefill_budget``: the prefill tokens that keep the
+     step's predicted time within the target). Short prompts (at most
      ``long_prefill_threshold`` tokens left) go first, in arrival order, so several can share
      a step; at most one long prompt prefills at a time, chunked, and keeps a reserve of the
      budget so a stream of short prompts cannot starve it.
@@ -22,6 +24,7 @@ from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import SchedulerConfig
 from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvrelay.engine.step_cost import StepCostModel
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +45,10 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 cost_model: StepCostModel | None = None):
         self.config = config
+        self.cost_model = cost_model
         self.eos_token_ids = eos_token_ids
         self.bm = block_manager
         self.max_model_len = max_model_len
@@ -102,6 +107,9 @@ class Scheduler:
             budget -= 1
 
         # 2. prefills: running partial prefills first, then the queue, short before long
+        if scheduled and self.cost_model is not None:
+            ctx = sum(s.seq.num_tokens for s in scheduled)
+            budget = min(budget, self.cost_model.prefill_budget(len(scheduled), ctx))
         chunked = self.config.enable_chunked_prefill
         threshold = self.config.long_prefill_threshold
         partial = [s for s in self.running

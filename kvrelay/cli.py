@@ -59,6 +59,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--long-prefill-threshold", type=int, default=None,
         help="prompts longer than this are chunked one at a time (default budget/4)")
     opt(g, "--max-waiting", type=int, default=1024, help="queued requests before refusing")
+    opt(g, "--tpot-slo-ms", type=float, default=None,
+        help="time-per-output-token target: a step with decodes carries only the prefill tokens "
+             "a fitted step-time model says keep it within this (default: fixed budget)")
     opt(g, "--num-threads", type=int, default=None, help="torch threads on CPU")
     opt(g, "--attention-backend", default="auto", choices=["auto", "native", "sdpa", "flash"])
     opt(g, "--no-gemv-weights", action="store_true",
@@ -76,6 +79,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         max_num_batched_tokens=int(args.max_num_batched_tokens),
         max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),
+        tpot_slo_ms=None if args.tpot_slo_ms is None else float(args.tpot_slo_ms),
         num_threads=args.num_threads, attention_backend=args.attention_backend,
         gemv_weights=not args.no_gemv_weights, seed=int(args.seed), role=role)
     for k in ("max_model_len", "num_blocks", "long_prefill_threshold", "num_threads"):

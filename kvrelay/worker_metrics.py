@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvrelay.engine.engine_core import EngineStats
+from kvrelay.engine.step_cost import FEATURES as STEP_COST_TERMS
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
                 5.12, 10.24)
@@ -50,6 +51,20 @@ class _EngineCollector(Collector):
         yield counter("kvrelay:prefix_cache_hits", "Prompt tokens found", s.prefix_cache_hits)
         yield counter("kvrelay:num_preemptions", "Sequences preempted (recompute)",
                       s.num_preemptions)
+        yield gauge("kvrelay:prefill_token_budget",
+                    "Prefill tokens the latest step with decodes could carry (TPOT target)",
+                    s.prefill_budget)
+        yield counter("kvrelay:tpot_capped_steps",
+                      "Steps whose prefill tokens the TPOT target capped", s.num_capped_steps)
+        if s.step_cost is not None:
+            fam = GaugeMetricFamily(
+                "kvrelay:step_cost_seconds",
+                "Online fit of engine step time: seconds per unit of each term (base per step, "
+                "per prefill token, per attended query-key pair, per decode, per decode "
+                "context token)", labels=[*names, "term"])
+            for term in STEP_COST_TERMS:
+                fam.add_metric([*self.labels, term], getattr(s.step_cost, term))
+            yield fam
 
 
 class WorkerMetrics:

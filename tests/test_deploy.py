@@ -599,9 +599,11 @@ def exported_series() -> set[str]:
     from prometheus_client import generate_latest
 
     from kvrelay.engine.engine_core import EngineStats
+    from kvrelay.engine.step_cost import StepCostFit
     from kvrelay.worker_metrics import WorkerMetrics
 
     stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)})
+    stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32))
     text = generate_latest(WorkerMetrics(lambda: stats, "prefill", "w").registry).decode()
     return {ln.split("{")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
 

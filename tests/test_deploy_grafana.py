@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
 from pathlib import Path
 
 from kvrelay.engine.engine_core import EngineStats
+from kvrelay.engine.step_cost import StepCostFit
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.worker_metrics import WorkerMetrics
@@ -26,6 +28,7 @@ def _exported() -> dict[str, set[str]]:
     """Sample names kvrelay exposes (router and worker /metrics) -> their label names."""
     router = RouterMetrics(WorkerRegistry(), "demo")
     stats = EngineStats(**{f: 1 for f in EngineStats.__dataclass_fields__})
+    stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32))
     worker = WorkerMetrics(lambda: stats, "decode", "decode-0")
     out: dict[str, set[str]] = {}
     for reg in (router.registry, worker.registry):

@@ -1,0 +1,142 @@
+"""An online model of how long a step takes, and the prefill budget that keeps a TPOT target.
+
+Sarathi-Serve's point: a step that carries decodes must not take longer than the decodes' time
+per output token (TPOT) allows, so the prefill tokens riding along with them have to be capped;
+a fixed token budget is either too small (idle compute, slow prefills) or too large (every
+decode in the step misses its TPOT). The right cap depends on the machine, the model, the batch
+and the contexts, so the engine learns it: each step's duration is fitted online against what
+the step did,
+
+    t = base + per_prefill_token * P + per_attended_pair * A + per_decode * D + per_ctx * K
+
+with P prefill tokens, A (query, key) pairs those tokens attend over, D decodes and K keys the
+decodes attend over. The fit is least squares over the last ``window`` steps (refit every few
+steps; it is a few microseconds of numpy), with a small ridge so that a window with no prefill
+(or no decodes) leaves that coefficient near its last value instead of wild.
+
+:meth:`StepCostModel.prefill_budget` then answers: with these decodes in the step, how many
+prefill tokens keep the predicted step time within the target? Until the model has seen enough
+steps, and when no target is set, the configured token budget applies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+FEATURES = ("base", "prefill_token", "attended_pair", "decode", "decode_ctx_token")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step did, in the units the model is fitted on."""
+
+    prefill_tokens: int = 0
+    attended_pairs: int = 0  # sum over prefill chunks of q_len x visible keys (causal)
+    decodes: int = 0
+    decode_ctx_tokens: int = 0  # keys the decodes attend over
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.prefill_tokens, self.attended_pairs, self.decodes,
+                         self.decode_ctx_tokens], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class StepCostFit:
+    """Seconds per unit of each feature (see :data:`FEATURES`)."""
+
+    base: float
+    prefill_token: float
+    attended_pair: float
+    decode: float
+    decode_ctx_token: float
+    samples: int
+
+    def predict(self, shape: StepShape) -> float:
+        return float(np.dot(self.as_array(), shape.features()))
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.base, self.prefill_token, self.attended_pair, self.decode,
+                         self.decode_ctx_token])
+
+
+class StepCostModel:
+    """Fits step time online and turns a TPOT target into a per-step prefill budget."""
+
+    def __init__(self, tpot_slo_s: float | None, max_tokens: int, *, window: int = 256,
+                 min_samples: int = 16, refit_every: int = 8, headroom: float = 0.9,
+                 min_prefill_tokens: int = 16):
+        self.tpot_slo_s = tpot_slo_s
+        self.max_tokens = max_tokens
+        self.window = window
+        self.min_samples = min_samples
+        self.refit_every = refit_every
+        self.headroom = headroom  # aim below the target: the fit is a mean, steps vary
+        self.min_prefill_tokens = min_prefill_tokens  # prefills always make some progress
+        self._x: deque[np.ndarray] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self._since_fit = 0
+        self.fit: StepCostFit | None = None
+        self.last_budget: int = max_tokens
+        self.num_capped_steps = 0
+        # Attended pairs per prefill token, smoothed over steps: what a prefill token of the
+        # next step will likely cost in attention (its chunk's visible context).
+        self.pairs_per_token = 0.0
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if shape.prefill_tokens == 0 and shape.decodes == 0:
+            return
+        if shape.prefill_tokens:
+            ppt = shape.attended_pairs / shape.prefill_tokens
+            self.pairs_per_token += 0.2 * (ppt - self.pairs_per_token)
+        self._x.append(shape.features())
+        self._y.append(seconds)
+        self._since_fit += 1
+        if len(self._y) >= self.min_samples and (self.fit is None
+                                                 or self._since_fit >= self.refit_every):
+            self._refit()
+
+    def _refit(self) -> None:
+        x = np.stack(self._x)
+        y = np.asarray(self._y)
+        # Columns scaled to unit size, so one ridge weight fits features of any magnitude; the
+        # ridge pulls towards the previous fit (or zero), which keeps a coefficient whose
+        # feature did not vary in this window where it was.
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        xs = x / scale
+        prior = (self.fit.as_array() * scale) if self.fit is not None else np.zeros(x.shape[1])
+        lam = 1e-3 * len(y)
+        a = xs.T @ xs + lam * np.eye(x.shape[1])
+        b = xs.T @ y + lam * prior
+        try:
+            coef = np.linalg.solve(a, b) / scale
+        except np.linalg.LinAlgError:
+            return
+        coef = np.maximum(coef, 0.0)  # no feature makes a step faster
+        self.fit = StepCostFit(*map(float, coef), samples=len(y))
+        self._since_fit = 0
+
+    def prefill_budget(self, decodes: int, decode_ctx_tokens: int) -> int:
+        """Prefill tokens a step with these decodes may carry (the configured budget when no
+        target is set, the step has no decodes, or the model is still warming up)."""
+        if self.tpot_slo_s is None or decodes == 0 or self.fit is None:
+            self.last_budget = self.max_tokens
+            return self.max_tokens
+        f = self.fit
+        fixed = f.base + f.decode * decodes + f.decode_ctx_token * decode_ctx_tokens
+        per_token = f.prefill_token + f.attended_pair * self.pairs_per_token
+        room = self.headroom * self.tpot_slo_s - fixed
+        if per_token <= 0:
+            budget = self.max_tokens
+        else:
+            budget = int(room / per_token) if room > 0 else 0
+        budget = max(self.min_prefill_tokens, min(self.max_tokens, budget))
+        if budget < self.max_tokens:
+            self.num_capped_steps += 1
+        self.last_budget = budget
+        return budget

@@ -1,0 +1,158 @@
+"""The online step-time fit and the prefill budget a TPOT target derives from it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_scheduler import add, make, shares, step
+
+from kvrelay.engine.config import SchedulerConfig
+from kvrelay.engine.engine_core import EngineCore, step_shape
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.step_cost import StepCostFit, StepCostModel, StepShape
+
+TRUE = StepCostFit(base=2e-3, prefill_token=5e-5, attended_pair=2e-9, decode=3e-4,
+                   decode_ctx_token=4e-7, samples=0)
+
+
+def synthetic(rng: random.Random, prefill: bool = True, decodes: bool = True) -> StepShape:
+    p = rng.choice([0, 16, 64, 256, 512, 1024]) if prefill else 0
+    c = rng.randint(0, 2000)
+    d = rng.randint(0, 64) if decodes else 0
+    return StepShape(p, p * c + p * (p + 1) // 2, d, d * rng.randint(10, 1500))
+
+
+def fitted(seed: int = 0, n: int = 200, noise: float = 0.03) -> StepCostModel:
+    rng = random.Random(seed)
+    m = StepCostModel(tpot_slo_s=0.05, max_tokens=2048)
+    for _ in range(n):
+        shape = synthetic(rng)
+        m.observe(shape, TRUE.predict(shape) * (1 + rng.uniform(-noise, noise)))
+    return m
+
+
+def test_fit_recovers_the_cost_of_each_term() -> None:
+    m = fitted()
+    assert m.fit is not None and m.fit.samples >= 150
+    for term in ("base", "prefill_token", "attended_pair", "decode", "decode_ctx_token"):
+        assert getattr(m.fit, term) == pytest.approx(getattr(TRUE, term), rel=0.15), term
+
+
+def test_budget_fills_the_target_and_no_more() -> None:
+    m = fitted()
+    d, ctx = 24, 24 * 600
+    budget = m.prefill_budget(d, ctx)
+    assert 16 < budget < 2048
+    ppt = m.pairs_per_token
+
+    def predicted(p: int) -> float:
+        return m.fit.predict(StepShape(p, int(p * ppt), d, ctx))
+
+    assert predicted(budget) <= m.headroom * 0.05 < predicted(budget + 8)
+    # Without decodes the step takes the whole budget; more decodes leave less room.
+    assert m.prefill_budget(0, 0) == 2048
+    assert m.prefill_budget(48, 48 * 600) < budget
+
+
+def test_no_target_or_no_fit_means_the_configured_budget() -> None:
+    assert StepCostModel(None, 512).prefill_budget(8, 800) == 512
+    m = StepCostModel(0.05, 512)
+    m.observe(StepShape(10, 55, 1, 10), 0.01)  # one sample: still warming up
+    assert m.fit is None and m.prefill_budget(8, 800) == 512
+
+
+def test_prefills_keep_moving_when_decodes_alone_fill_the_target() -> None:
+    m = fitted()
+    assert m.prefill_budget(2000, 2000 * 1500) == m.min_prefill_tokens
+
+
+def test_a_window_without_prefills_keeps_the_prefill_cost() -> None:
+    """Decode-only stretches (every prefill finished) must not erase what was learned about
+    prefill tokens, or the first prefill after them would get an unbounded budget."""
+    m = fitted()
+    before = m.fit.prefill_token
+    rng = random.Random(5)
+    for _ in range(400):
+        shape = synthetic(rng, prefill=False)
+        m.observe(shape, TRUE.predict(shape))
+    assert m.fit.prefill_token == pytest.approx(before, rel=0.2)
+    assert m.prefill_budget(24, 24 * 600) < 2048
+
+
+def test_scheduler_caps_prefill_tokens_only_in_steps_with_decodes() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=64, long_prefill_threshold=64)
+    cost = StepCostModel(0.01, 64)
+    # 1 ms per step, 0.1 ms per prefill token, 1 ms per decode: with two decodes a step has
+    # 0.9 * 10 - 1 - 2 = 6 ms left, 60 tokens; with five decodes 30 tokens.
+    cost.fit = StepCostFit(1e-3, 1e-4, 0.0, 1e-3, 0.0, samples=100)
+    cost.min_prefill_tokens = 4
+    s.cost_model = cost
+    add(s, "a", 8, max_tokens=50)
+    add(s, "b", 8, max_tokens=50)
+    out, _ = step(s)
+    assert shares(out) == {"a": 8, "b": 8}  # no decodes yet: the whole budget
+    add(s, "long", 500)
+    out, _ = step(s)
+    assert shares(out) == {"a": 1, "b": 1, "long": 60}
+    for rid in ("c", "d", "e"):
+        add(s, rid, 4, max_tokens=50)
+    step(s)
+    out, _ = step(s)
+    sh = shares(out)
+    assert len(sh) == 6 and sum(n for n in sh.values() if n > 1) == 30
+    assert cost.num_capped_steps >= 2
+
+
+def test_engine_step_shape_counts_what_the_step_computes() -> None:
+    s = make(max_num_batched_tokens=16, long_prefill_threshold=16)
+    add(s, "a", 40)
+    add(s, "b", 3)
+    out, _ = step(s)  # a: 13 tokens of its prompt, b: all 3
+    out = s.schedule()
+    shape = step_shape(out)
+    chunks = {sc.seq.request_id: (sc.seq.num_computed_tokens, sc.num_new_tokens)
+              for sc in out.scheduled}
+    assert chunks["b"] == (3, 1)  # b decodes
+    c, n = chunks["a"]
+    assert shape == StepShape(n, n * c + n * (n + 1) // 2, 1, 4)
+
+
+def test_tpot_target_changes_scheduling_not_results(demo_model_dir) -> None:
+    """An engine with a tight TPOT target learns its step cost, caps the prefill chunks that
+    ride with decodes, and still produces exactly the tokens of an engine without one."""
+    from kvrelay.engine.config import EngineConfig
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 4000) for _ in range(rng.choice([8, 40, 300]))]
+               for _ in range(12)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(**kw: object) -> tuple[dict[str, list[int]], EngineCore]:
+        core = EngineCore(EngineConfig.from_kwargs(demo_model_dir, num_blocks=512,
+                                                   max_num_batched_tokens=512, **kw))
+        got: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            core.add_request(f"r{i}", p, sp)
+            got[f"r{i}"] = []
+            for o in core.step():  # arrivals interleave with steps
+                got[o.request_id] += o.new_token_ids
+        while core.has_unfinished():
+            for o in core.step():
+                got[o.request_id] += o.new_token_ids
+        return got, core
+
+    free, _ = run()
+    # A target below any step's time: every step with decodes gets the minimum chunk.
+    capped, core = run(tpot_slo_ms=0.001)
+    assert capped == free
+    stats = core.stats()
+    assert stats.step_cost is not None and stats.step_cost.prefill_token > 0
+    assert stats.num_capped_steps > 0
+
+
+def test_tpot_slo_ms_is_validated() -> None:
+    with pytest.raises(ValueError, match="tpot_slo_ms"):
+        SchedulerConfig(tpot_slo_ms=0)
+    with pytest.raises(ValueError, match="tpot_slo_ms"):
+        SchedulerConfig(tpot_slo_ms=float("nan"))
