@@ -156,7 +156,7 @@ def _prod(shape: list[int]) -> int:
 
 
 # -- kvrelay -----------------------------------------------------------------------------------
-def make_core(model: str, threads: int, num_blocks: int, gemv: bool = True,
+def make_core(model: str, threads: int, num_blocks: int, gemv: bool | None = None,
               prefix_caching: bool = False, **kw: object) -> EngineCore:
     cfg = EngineConfig.from_kwargs(model, num_threads=threads, num_blocks=num_blocks,
                                    max_num_batched_tokens=2048, max_num_seqs=128,
@@ -360,13 +360,16 @@ def main() -> int:
         t, ratio = ours_decode(core, lengths, 1, vocab, ceil, model, steps=16)
         label = f"{b} ctx {MIXED_CTX[0]}-{MIXED_CTX[1]}"
         print(f"{label:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}", flush=True)
-    # The same batch-1 step with the dense GEMV slabs off (oneDNN's packed kernel for one row).
+    # The same batch-1 step both ways (the engine picked one at load: --gemv-weights auto).
+    picked = "slabs" if core.runner.model.has_gemv_slabs else "oneDNN"
     del core
-    packed = make_core(model_dir, args.threads, num_blocks=64, gemv=False,
-                       attention_backend=args.attention_backend)
-    t, ratio = ours_decode(packed, [DECODE_PROMPT], args.reps, vocab, ceil, model)
-    print(f"{'1 oneDNN':>18} {1 / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}   "
-          "(--no-gemv-weights)", flush=True)
+    for label, gemv in (("1 oneDNN", False), ("1 slabs", True)):
+        one = make_core(model_dir, args.threads, num_blocks=64, gemv=gemv,
+                        attention_backend=args.attention_backend)
+        t, ratio = ours_decode(one, [DECODE_PROMPT], args.reps, vocab, ceil, model)
+        print(f"{label:>18} {1 / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}   "
+              f"(--gemv-weights {'on' if gemv else 'off'}; auto picked {picked})", flush=True)
+        del one
     print("\nof roof: the row's floor (max of FLOPs / matmul ceiling and bytes read / copy_ "
           "bandwidth) over its measured time; each the median over pairs of a measurement and "
           "ceiling samples taken beside it. Targets: prefill 2048 >= 85%, 8 x 256 >= 80%, "

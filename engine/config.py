@@ -37,8 +37,9 @@ class ModelConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU
     seed: int = 0
     # CPU fp32: keep the dense linear weights beside the oneDNN-packed ones, for batch-1 decode
-    # steps (~1.3x faster there; costs a second copy of the weights).
-    gemv_weights: bool = True
+    # steps (1.3x faster on some CPUs, 1.3x slower on others; costs a second copy of the
+    # weights). None: measure both at load and keep the copy only where it wins.
+    gemv_weights: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -102,10 +102,11 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
 def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
                attn_fn: AttentionFn, max_positions: int,
                pack: bool | None = None,
-               gemv_weights: bool = True) -> tuple[LlamaForCausalLM, ModelArch]:
+               gemv_weights: bool | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
     """Build the model and load its weights. ``pack`` (default: on CPU in fp32 when oneDNN is
     available) prepacks the linear weights; ``gemv_weights`` also keeps them dense for
-    single-row (batch-1 decode) steps, at the cost of a second copy."""
+    single-row (batch-1 decode) steps, at the cost of a second copy: True always, False never,
+    None when a batch-1 pass over the weights measures faster that way on this machine."""
     hf_cfg = load_hf_config(model_dir)
     arch = arch_from_hf_config(hf_cfg)
     inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
@@ -135,10 +136,18 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     n_params = sum(p.numel() for p in model.parameters())
     if pack is None:
         pack = device.type == "cpu" and dtype == torch.float32 and onednn_packing_available()
+    slabs = False
     if pack:
-        model.pack_weights(gemv=gemv_weights)
+        model.pack_weights(gemv=gemv_weights is not False)
+        if gemv_weights is None:
+            slabs_s, packed_s = model.time_single_row()
+            if slabs_s > 0.95 * packed_s:  # not clearly faster: not worth a second weight copy
+                model.drop_gemv_slabs()
+            logger.info("batch-1 pass over the weights: dense slabs %.1f ms, oneDNN %.1f ms: "
+                        "%s", slabs_s * 1e3, packed_s * 1e3,
+                        "keeping the slabs" if model.has_gemv_slabs else "oneDNN only")
+        slabs = model.has_gemv_slabs
     logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s%s", model_dir,
                 arch.architecture, arch.num_layers, n_params / 1e6, device, dtype,
-                (", oneDNN-packed" + (" + dense GEMV slabs" if gemv_weights else ""))
-                if pack else "")
+                (", oneDNN-packed" + (" + dense GEMV slabs" if slabs else "")) if pack else "")
     return model.eval(), arch

@@ -92,3 +92,38 @@ def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
         mlp.chunk_rows = 4  # 10 rows: chunks of 4, 4 and 2
         chunked = mlp(x)
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("slabs_s", "packed_s", "kept"), [(0.5, 1.0, True), (1.0, 0.5, False),
+                                                          (0.98, 1.0, False)])
+def test_auto_keeps_the_dense_copy_only_where_it_measures_faster(
+        demo_model_dir, monkeypatch, slabs_s: float, packed_s: float, kept: bool) -> None:
+    """gemv_weights=None times a batch-1 pass both ways at load: the slabs stay only when they
+    are clearly (> 5%) faster, since they cost a second copy of every weight."""
+    if not onednn_packing_available():
+        pytest.skip("no oneDNN packing in this torch build")
+    from kvrelay.engine.attention.sdpa import sdpa_attention
+    from kvrelay.engine.loader import load_model
+    from kvrelay.engine.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "time_single_row", lambda self: (slabs_s, packed_s))
+    model, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
+                          attn_fn=sdpa_attention, max_positions=64, gemv_weights=None)
+    assert model.has_gemv_slabs is kept
+    forced, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
+                           attn_fn=sdpa_attention, max_positions=64, gemv_weights=True)
+    assert forced.has_gemv_slabs
+
+
+def test_single_row_timing_measures_both_paths(demo_model_dir) -> None:
+    if not onednn_packing_available():
+        pytest.skip("no oneDNN packing in this torch build")
+    from kvrelay.engine.attention.sdpa import sdpa_attention
+    from kvrelay.engine.loader import load_model
+
+    model, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
+                          attn_fn=sdpa_attention, max_positions=64, gemv_weights=True)
+    slabs_s, packed_s = model.time_single_row(reps=2)
+    assert 0 < slabs_s < 10 and 0 < packed_s < 10
+    model.drop_gemv_slabs()
+    assert not model.has_gemv_slabs
