@@ -40,7 +40,7 @@ from kvrelay.engine.attention.sdpa import prefill_attention
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
 # Keys per partition of one (sequence, KV head): long contexts of a small batch split into

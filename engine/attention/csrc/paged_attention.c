@@ -22,13 +22,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVR_ABI_VERSION 2
+#define KVR_ABI_VERSION 3
 
 int kvr_abi_version(void) { return KVR_ABI_VERSION; }
 
 /* 16 floats; aligned(4) lets it load from and store to any float address. */
 typedef float vf __attribute__((vector_size(64), aligned(4)));
 #define VL 16
+
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
 
 typedef struct {
     int32_t seq;
@@ -37,6 +39,56 @@ typedef struct {
     int32_t slot;  /* partial-result slot, or -1 when this is its sequence's only item */
 } item_t;
 
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline vf vmax(vf a, vf b) {
+    vi gt = a > b; /* lanes of all ones where a > b */
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+}
+
+/* e^x for x <= 0, lane-wise (Cephes' expf polynomial after x = n ln2 + r; relative error
+ * ~1e-7). Lanes below -87 give ~1e-38, not 0: negligible against the row's max lane (1). */
+static inline vf vexp_neg(vf x) {
+    x = vmax(x, splat(-87.f));
+    const vf t = x * splat(1.44269504088896341f) - splat(0.5f);
+    const vi n = __builtin_convertvector(t, vi); /* truncates: rounds x log2e for x <= 0 */
+    const vf nf = __builtin_convertvector(n, vf);
+    const vf r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500E-4f);
+    p = p * r + splat(1.3981999507E-3f);
+    p = p * r + splat(8.3334519073E-3f);
+    p = p * r + splat(4.1665795894E-2f);
+    p = p * r + splat(1.6666665459E-1f);
+    p = p * r + splat(5.0000001201E-1f);
+    p = p * r * r + r + splat(1.f);
+    return p * (vf)((n + 127) << 23);
+}
+
+/* r[i] = sum of the lanes of a[i]: a transpose-and-add tree, 30 shuffles for 16 sums where
+ * 16 separate horizontal sums would take ~4x as many. */
+static inline vf reduce16(const vf a[16]) {
+    vf b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                       19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                       22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                       22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                   28, 30) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+}
+
 static inline float hsum(vf v) {
     float s = 0.f;
     for (int i = 0; i < VL; i++) s += v[i];
@@ -44,17 +96,12 @@ static inline float hsum(vf v) {
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
-    if (d % VL == 0) {
-        vf acc = {0};
-        for (int64_t i = 0; i < d; i += VL) acc += *(const vf *)(a + i) * *(const vf *)(b + i);
-        return hsum(acc);
-    }
     float s = 0.f;
     for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
     return s;
 }
 
-/* o[D] += sum_t p[t] * rows[t][D]; rows are `stride` floats apart. */
+/* o[D] += sum_t p[t] * rows[t][D]. */
 static inline void axpy_rows(float *restrict o, const float *restrict p,
                              const float *const *restrict rows, int64_t n, int64_t d) {
     if (d % VL == 0) {
@@ -69,47 +116,112 @@ static inline void axpy_rows(float *restrict o, const float *restrict p,
         for (int64_t i = 0; i < d; i++) o[i] += p[t] * rows[t][i];
 }
 
+/* Scores of up to 16 consecutive keys (rows `row` floats apart from k0, this head's slice) for
+ * query head q (D floats, D a multiple of 16), scaled, into s[0..cnt). */
+static inline void scores16(const float *restrict q, const float *restrict k0, int64_t row,
+                            int64_t D, int64_t cnt, float scale, float *restrict s) {
+    vf a[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) a[t] = splat(0.f);
+    if (cnt == 16) { /* the common case, unrolled so the 16 sums live in registers */
+        for (int64_t i = 0; i < D; i += VL) {
+            const vf qv = *(const vf *)(q + i);
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) a[t] += qv * *(const vf *)(k0 + t * row + i);
+        }
+    } else {
+        for (int64_t i = 0; i < D; i += VL) {
+            const vf qv = *(const vf *)(q + i);
+            for (int64_t t = 0; t < cnt; t++) a[t] += qv * *(const vf *)(k0 + t * row + i);
+        }
+    }
+    const vf r = reduce16(a) * splat(scale);
+    if (cnt == 16) {
+        *(vf *)s = r;
+    } else {
+        for (int64_t t = 0; t < cnt; t++) s[t] = r[t];
+    }
+}
+
+/* Asks for the next run of rows (up to 16 keys from `pos`) while this one computes: runs
+ * that cross into another block jump in memory, where the hardware prefetcher has to
+ * start over. */
+static inline void prefetch_run(const float *cache, const int32_t *table, int64_t pos,
+                                int64_t end, int64_t bs, int64_t row) {
+    if (pos >= end) return;
+    int64_t cnt = bs - pos % bs;
+    if (cnt > end - pos) cnt = end - pos;
+    if (cnt > 16) cnt = 16;
+    const char *p = (const char *)(cache + ((int64_t)table[pos / bs] * bs + pos % bs) * row);
+    const int64_t bytes = cnt * row * (int64_t)sizeof(float);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 /* One item: for every head, softmax(q K^T * scale) V over keys [begin, end). Writes the
  * unnormalised output rows to o (H x D) and each head's max and sum to m and l. `scores` holds
- * H x (end - begin) floats. */
+ * H x (end - begin) floats, rounded up to a multiple of 16. */
 static void attend(const float *restrict q, const float *restrict k_cache,
                    const float *restrict v_cache, const int32_t *restrict table, int64_t H,
                    int64_t KVH, int64_t D, int64_t bs, int32_t begin, int32_t end, float scale,
                    float *restrict scores, float *restrict o, float *restrict m,
                    float *restrict l) {
     const int64_t n = end - begin, G = H / KVH, row = KVH * D;
-    for (int64_t h = 0; h < H; h++) m[h] = -FLT_MAX;
-    /* Pass 1, K: one slot row (every KV head) at a time. */
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t pos = begin + t;
-        const float *kr = k_cache + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
-        for (int64_t h = 0; h < H; h++) {
-            const float s = dot(q + h * D, kr + (h / G) * D, D) * scale;
-            scores[h * n + t] = s;
-            if (s > m[h]) m[h] = s;
-        }
-    }
-    for (int64_t h = 0; h < H; h++) {
-        float sum = 0.f;
-        float *sh = scores + h * n;
-        for (int64_t t = 0; t < n; t++) {
-            sh[t] = expf(sh[t] - m[h]);
-            sum += sh[t];
-        }
-        l[h] = sum;
-    }
-    /* Pass 2, V: a block's rows at a time (they stay in L1 while every head uses them). */
-    memset(o, 0, sizeof(float) * H * D);
-    const float *rows[64];
+    const int64_t stride = (n + VL - 1) / VL * VL; /* scores row of one head */
+    const int vec = D % VL == 0;
+    /* Pass 1, K: runs of up to 16 keys that lie in one block (contiguous rows). */
     for (int64_t t0 = 0; t0 < n;) {
         const int64_t pos0 = begin + t0;
         int64_t cnt = bs - pos0 % bs;
         if (cnt > n - t0) cnt = n - t0;
-        if (cnt > 64) cnt = 64;
+        if (cnt > 16) cnt = 16;
+        const float *kb = k_cache + ((int64_t)table[pos0 / bs] * bs + pos0 % bs) * row;
+        prefetch_run(k_cache, table, pos0 + cnt, end, bs, row);
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = q + h * D, *k0 = kb + (h / G) * D;
+            float *s = scores + h * stride + t0;
+            if (vec) {
+                scores16(qh, k0, row, D, cnt, scale, s);
+            } else {
+                for (int64_t t = 0; t < cnt; t++) s[t] = dot(qh, k0 + t * row, D) * scale;
+            }
+        }
+        t0 += cnt;
+    }
+    /* Softmax numerators and sums, 16 lanes at a time (the tail lanes padded with -inf-like
+     * values contribute ~0 and are never read by pass 2). */
+    const int64_t full = n / VL * VL;
+    for (int64_t h = 0; h < H; h++) {
+        float *sh = scores + h * stride;
+        for (int64_t t = n; t < stride; t++) sh[t] = -FLT_MAX;
+        vf mv = splat(-FLT_MAX);
+        for (int64_t t = 0; t < stride; t += VL) mv = vmax(mv, *(const vf *)(sh + t));
+        float mx = -FLT_MAX;
+        for (int i = 0; i < VL; i++) mx = mv[i] > mx ? mv[i] : mx;
+        vf sum = splat(0.f);
+        for (int64_t t = 0; t < stride; t += VL) {
+            vf e = vexp_neg(*(const vf *)(sh + t) - splat(mx));
+            if (t >= full) { /* zero the padded lanes */
+                for (int64_t i = n - t; i < VL; i++) e[i] = 0.f;
+            }
+            *(vf *)(sh + t) = e;
+            sum += e;
+        }
+        m[h] = mx;
+        l[h] = hsum(sum);
+    }
+    /* Pass 2, V: a run's rows at a time (they stay in L1 while every head uses them). */
+    memset(o, 0, sizeof(float) * H * D);
+    const float *rows[16];
+    for (int64_t t0 = 0; t0 < n;) {
+        const int64_t pos0 = begin + t0;
+        int64_t cnt = bs - pos0 % bs;
+        if (cnt > n - t0) cnt = n - t0;
+        if (cnt > 16) cnt = 16;
+        prefetch_run(v_cache, table, pos0 + cnt, end, bs, row);
         const float *vb = v_cache + ((int64_t)table[pos0 / bs] * bs + pos0 % bs) * row;
         for (int64_t h = 0; h < H; h++) {
             for (int64_t t = 0; t < cnt; t++) rows[t] = vb + t * row + (h / G) * D;
-            axpy_rows(o + h * D, scores + h * n + t0, rows, cnt, D);
+            axpy_rows(o + h * D, scores + h * stride + t0, rows, cnt, D);
         }
         t0 += cnt;
     }
@@ -164,7 +276,7 @@ int kvr_paged_decode_f32(const float *q, const float *k_cache, const float *v_ca
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * H * part);
+        float *scores = malloc(sizeof(float) * H * (part + VL));
         float *tmp = malloc(sizeof(float) * H * 2);
         if (!scores || !tmp) {
 #pragma omp atomic write
