@@ -77,6 +77,8 @@ class ModelRunner:
                                    cc.block_size, num_blocks, dtype_name(self.dtype))
         self.kv = allocate_kv_cache(self.kv_spec, self.device)
         self.model.bind_kv_cache(self.kv)
+        # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
+        self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
         # A sequence can never hold more tokens than the cache has slots.
         self.max_model_len = min(max_len, num_blocks * cc.block_size)
         self.block_size = cc.block_size
@@ -126,7 +128,7 @@ class ModelRunner:
             bt = seq.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
             if n > 1:
-                ctx = None if c == 0 else self._slots([bt], [c + n])[0]
+                ctx = None if c == 0 or self.native_prefill else self._slots([bt], [c + n])[0]
                 spans.append(PrefillSpan(start, n, c + n, ctx))
             if c + n == seq.num_tokens:
                 logits_rows.append(len(ids) - 1)
@@ -137,6 +139,13 @@ class ModelRunner:
             prefills=spans,
             block_size=bs,
         )
+        if spans and self.native_prefill:  # one kernel call over every prefill span
+            meta.prefill_spans = torch.tensor(
+                [[sp.q_start for sp in spans], [sp.q_len for sp in spans],
+                 [sp.ctx_len for sp in spans]], dtype=torch.int32)
+            meta.prefill_tables = self._tables(
+                [scheduled[i].seq.block_table for i in prefill],
+                max(-(-sp.ctx_len // bs) for sp in spans), torch.int32)
         if decode and self.backend == "native":  # one kernel call over every decode
             lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
             width = -(-lens[-1] // bs)

@@ -153,3 +153,63 @@ def test_native_missing_compiler_is_a_clear_error(monkeypatch, tmp_path) -> None
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"failed|no C compiler"):
         native.build(cc=str(tmp_path / "no-such-cc"))
+
+
+def _prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       table: list[int], q_start: int, q_len: int, ctx: int, bs: int,
+                       scale: float, window: int | None) -> torch.Tensor:
+    heads, kvh = q.shape[1], k_cache.shape[1]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
+    k = k_cache[slots].transpose(0, 1).repeat_interleave(heads // kvh, 0)
+    v = v_cache[slots].transpose(0, 1).repeat_interleave(heads // kvh, 0)
+    qpos = torch.arange(ctx - q_len, ctx)[:, None]
+    kpos = torch.arange(ctx)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    qs = q[q_start:q_start + q_len].transpose(0, 1)
+    return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+
+
+@needs_native
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(12, 4, 64), (8, 4, 32), (4, 1, 16), (6, 2, 128),
+                                                 (4, 4, 80)])
+def test_native_paged_prefill_equals_causal_attention(window: int | None, heads: int, kvh: int,
+                                                      d: int) -> None:
+    """Several spans in one call, straight from the paged blocks: fresh prompts, chunks over a
+    cached prefix (bottom-right causal), one-row spans, spans across tile edges (32) and a
+    sliding window; every head layout and head sizes of 1 to 8 vectors."""
+    torch.manual_seed(0)
+    rng = random.Random(4)
+    bs, num_blocks = 16, 600
+    k_cache = torch.randn(num_blocks * bs, kvh, d)
+    v_cache = torch.randn(num_blocks * bs, kvh, d)
+    spans = [(100, 100), (5, 5), (33, 200), (64, 64), (7, 300), (1, 40), (200, 200)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-ctx // bs))] for _, ctx in spans]
+    starts = [0]
+    for q_len, _ in spans[:-1]:
+        starts.append(starts[-1] + q_len)
+    q = torch.randn(sum(n for n, _ in spans), heads, d)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    meta = torch.tensor([starts, [n for n, _ in spans], [c for _, c in spans]], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    native.paged_prefill(q, k_cache, v_cache, padded, meta, out, bs, 0.2, window)
+    for j, (q_len, ctx) in enumerate(spans):
+        ref = _prefill_reference(q, k_cache, v_cache, tables[j], starts[j], q_len, ctx, bs, 0.2,
+                                 window)
+        torch.testing.assert_close(out[starts[j]:starts[j] + q_len], ref, rtol=1e-5, atol=2e-5)
+
+
+@needs_native
+def test_native_prefill_refuses_spans_it_cannot_hold() -> None:
+    q = torch.randn(4, 2, 16)
+    cache = torch.randn(64, 1, 16)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    for span in ([0, 4, 3], [0, 4, 33], [0, 0, 4]):  # ctx < rows; ctx > table; no rows
+        with pytest.raises(RuntimeError, match="failed"):
+            native.paged_prefill(q, cache, cache, table, torch.tensor(span, dtype=torch.int32)
+                                 .view(3, 1), torch.empty_like(q), 16, 1.0, None)

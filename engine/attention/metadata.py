@@ -107,6 +107,10 @@ class AttentionMetadata:
     # context lengths (new token included).
     decode_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    # Native prefill kernel: every span at once, int32 [3, S] (first row, rows, visible keys)
+    # and int32 [S, W] block tables; the spans then need no ctx_slots gather.
+    prefill_spans: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
     # Scratch the backend gathers cached K/V into (the runner keeps it across steps: a fresh
     # buffer per gather costs more in page faults than the copy itself). None: allocate.
     workspace: torch.Tensor | None = None

@@ -136,6 +136,9 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, i64,
                        ctypes.c_int]
         fn.restype = ctypes.c_int
+        fn = lib.kvr_paged_prefill_f32
+        fn.argtypes = [ptr] * 8 + [i64] * 6 + [f32, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
         _lib = lib
         return lib
 
@@ -165,15 +168,45 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, spans: torch.Tensor, out: torch.Tensor,
+                  block_size: int, scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of prefill spans over the paged caches. ``spans`` is int32 ``[3, S]``:
+    each span's first row in ``q [T, H, D]``, its row count, and the keys visible to its last
+    row (cached prefix plus its new tokens, whose K/V are already in the caches);
+    ``block_tables`` int32 ``[S, W]``. Writes the spans' rows of ``out [T, H, D]``."""
+    lib = load()
+    assert lib is not None, "native kernels unavailable"
+    h, d = q.shape[1], q.shape[2]
+    assert q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
+    assert q.dtype == torch.float32 and block_tables.dtype == torch.int32
+    assert spans.dtype == torch.int32 and spans.is_contiguous()
+    n = spans.shape[1]
+    rc = lib.kvr_paged_prefill_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        spans[0].data_ptr(), spans[1].data_ptr(), spans[2].data_ptr(), out.data_ptr(), n, h,
+        k_cache.shape[1], d, block_size, block_tables.shape[1], scale, window or 0,
+        torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"native paged prefill attention failed ({rc})")
+    return out
+
+
 def native_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, window: int | None,
 ) -> torch.Tensor:
-    """The CPU backend: prefill spans through torch SDPA, every decode of the step in one call
-    of the paged kernel."""
+    """The CPU backend: every prefill span of the step in one call of the paged prefill kernel
+    (torch SDPA where the head size is not a multiple of 16), every decode in one call of the
+    paged decode kernel."""
     out = torch.empty_like(q)
-    prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out)
+    if meta.prefill_spans is not None:
+        assert meta.prefill_tables is not None
+        paged_prefill(q, k_cache, v_cache, meta.prefill_tables, meta.prefill_spans, out,
+                      meta.block_size, scale, window)
+    else:
+        prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out)
     if meta.decode_lens is not None:
         p = meta.num_prefill_tokens
         assert meta.decode_tables is not None
