@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.limits import MAX_HTTP_BODY_BYTES
 from kvrelay.logs import request_context
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec
@@ -31,8 +32,8 @@ from kvrelay.rpc import SecretSet, TLSFiles
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
-                504: "timeout_error"}
+                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable", 504: "timeout_error"}
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
@@ -45,6 +46,56 @@ def error_response(status: int, message: str, *, param: str | None = None,
                             else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 before it is read
+    into memory (by its Content-Length, or counted as it arrives when chunked)."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
+        resp = error_response(413, f"the request body is larger than {self.limit} bytes")
+        await resp(scope, receive, send)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if headers.get(b"transfer-encoding") is None:
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:  # chunked: buffer up to the limit, then replay to the app
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left
+            body += msg.get("body", b"")
+            if len(body) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not msg.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 def _router_error(e: RouterError) -> JSONResponse:
@@ -160,6 +211,7 @@ class HttpServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(BodyLimit, limit=MAX_HTTP_BODY_BYTES)
         service = self.service
 
         @app.exception_handler(RequestValidationError)

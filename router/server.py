@@ -10,6 +10,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvrelay.limits import MAX_GRPC_REQUEST_BYTES
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.router.calibration import Calibrator
 from kvrelay.router.grpc_api import GenerationServicer, RegistryServicer
@@ -84,7 +85,9 @@ class Router:
             max_inflight=st.config.max_inflight, metrics=self.metrics)
 
         keys = SecretSet(st.api_keys)
-        self.public = make_server([api_key_interceptor(keys)] if keys else [])
+        # A public request is at most a maximal prompt; the internal ports carry KV metadata.
+        self.public = make_server([api_key_interceptor(keys)] if keys else [],
+                                  max_receive_bytes=MAX_GRPC_REQUEST_BYTES)
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.service),
                                                            self.public)
         add_health(self.public, ["kvrelay.v1.Generation"])
