@@ -236,10 +236,7 @@ class HttpServer:
 
         @app.get("/health")
         async def health() -> Response:
-            reg = service.lifecycle.registry
-            ok = bool(reg.alive("both")) or (bool(reg.alive("prefill"))
-                                              and bool(reg.alive("decode")))
-            if not ok:
+            if not service.lifecycle.registry.can_serve():
                 return error_response(503, "no workers available", retry_after_s=1)
             return JSONResponse({"status": "ok"})
 

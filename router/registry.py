@@ -355,6 +355,12 @@ class WorkerRegistry:
         now = time.monotonic()
         return [w for w in self.workers.values() if w.role == role and w.usable(now)]
 
+    def can_serve(self) -> bool:
+        """Whether a request could be routed now: an aggregated worker, or a prefill worker and
+        a decode worker, usable (not draining, suspect or being measured)."""
+        return bool(self.alive("both")) or (bool(self.alive("prefill"))
+                                            and bool(self.alive("decode")))
+
     def status(self) -> list[wpb.WorkerStatus]:
         now = time.monotonic()
         role = {v: k for k, v in ROLE_NAMES.items()}
