@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -96,6 +97,12 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+async def _client_left(request: Request) -> None:
+    """Returns once the client has disconnected (its body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _router_error(e: RouterError) -> JSONResponse:
@@ -252,7 +259,7 @@ class HttpServer:
                 "owned_by": "kvrelay", "max_model_len": service.effective_max_model_len()}]})
 
         @app.post("/v1/completions")
-        async def completions(req: CompletionRequest) -> Response:
+        async def completions(req: CompletionRequest, request: Request) -> Response:
             try:
                 prompt = req.single_prompt()
                 sp = _sampling(req, req.max_tokens, req.logprobs)
@@ -264,10 +271,10 @@ class HttpServer:
                 return error_response(400, str(e))
             except RouterError as e:
                 return _router_error(e)
-            return await self._respond(spec, req, chat=False)
+            return await self._respond(spec, req, request, chat=False)
 
         @app.post("/v1/chat/completions")
-        async def chat(req: ChatCompletionRequest) -> Response:
+        async def chat(req: ChatCompletionRequest, request: Request) -> Response:
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
                 ids = await service.encode_chat(messages)
@@ -280,12 +287,13 @@ class HttpServer:
                 return error_response(400, str(e))
             except RouterError as e:
                 return _router_error(e)
-            return await self._respond(spec, req, chat=True)
+            return await self._respond(spec, req, request, chat=True)
 
         return app
 
     # -- responses -----------------------------------------------------------------------------
-    async def _respond(self, spec: GenerateSpec, req: _Common, *, chat: bool) -> Response:
+    async def _respond(self, spec: GenerateSpec, req: _Common, request: Request, *,
+                       chat: bool) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
         created = int(time.time())
         model = self.service.model_name
@@ -305,15 +313,33 @@ class HttpServer:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": spec.request_id})
         text, lps, last = first.text, [first], first
+
+        async def collect() -> Delta:
+            nonlocal text, last
+            while not last.finished:
+                last = await anext(stream)
+                text += last.text
+                lps.append(last)
+            return last
+
         with request_context(spec.request_id):
+            # A client that leaves stops its request: nothing would read the answer, and the
+            # generation would hold its KV blocks and batch slot to the end.
+            collecting = asyncio.ensure_future(collect())
+            left = asyncio.ensure_future(_client_left(request))
             try:
-                while not last.finished:
-                    last = await anext(stream)
-                    text += last.text
-                    lps.append(last)
+                await asyncio.wait([collecting, left], return_when=asyncio.FIRST_COMPLETED)
+                if not collecting.done():
+                    logger.info("client disconnected: request aborted")
+                    collecting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, RouterError):
+                        await collecting
+                    return Response(status_code=499)
+                collecting.result()
             except RouterError as e:
                 return _router_error(e)
             finally:
+                left.cancel()
                 await stream.aclose()
         merged = Delta(spec.request_id, text, [t for d in lps for t in d.token_ids],
                        [x for d in lps for x in d.logprobs])
