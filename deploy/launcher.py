@@ -42,6 +42,7 @@ ROUTER_NAME = "kvrelay-router"
 NAMESPACE = "kvrelay"
 POOLS = ("prefill", "decode", "both")
 AUTOSCALED_POOLS = ("prefill", "decode")
+READY_TIMEOUT_S = 120.0  # started pools -> the router can serve a request
 
 
 def replica_actor_name(worker_id: str) -> str:
@@ -109,6 +110,9 @@ class RouterActor:
                         "running": ld.running + ld.waiting_for_kv + ld.waiting,
                         "free_blocks": ld.free_blocks, "num_blocks": ld.num_blocks})
         return out
+
+    async def wait_serving(self, timeout_s: float) -> bool:
+        return await self.router.wait_serving(timeout_s)
 
     async def recent_latency(self, window_s: float) -> dict[str, float | None]:
         ttft, itl = self.router.service.recent_latency(window_s)
@@ -183,6 +187,12 @@ class Controller:
         await self.scale({p: s.replicas for p, s in self.spec.pools.items()})
         if self.spec.autoscale is not None:
             await self.set_autoscale(self.spec.autoscale)
+        # Ready means a request can be served (the router's health says SERVING): registered
+        # workers may still be measured, and a pool of prefill alone serves nothing.
+        if not await self.router.wait_serving.remote(READY_TIMEOUT_S):
+            raise RuntimeError(f"the router cannot serve requests {READY_TIMEOUT_S:.0f}s after "
+                               f"its pools started ({self.counts()}): it needs an aggregated "
+                               f"worker or a prefill and a decode worker")
         return {**self.router_info, "host": host, "counts": self.counts()}
 
     def counts(self) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.limits import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.proto import generate_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
@@ -20,10 +21,15 @@ _FINISH_BACK = {v: k for k, v in _FINISH.items()}
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    # Counted before anything is copied: the lists are as long as the message allows.
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
     kw: dict = {
         "max_tokens": msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         "stop": tuple(msg.stop),
-        "stop_token_ids": tuple(msg.stop_token_ids),
+        "stop_token_ids": msg.stop_token_ids,
         "ignore_eos": msg.ignore_eos,
         "include_stop_str_in_output": msg.include_stop_str_in_output,
     }
@@ -38,7 +44,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
-        stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        stop=list(sp.stop), stop_token_ids=sorted(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=sp.skip_special_tokens,
     )

@@ -193,9 +193,14 @@ class TLSFiles:
             return grpc.ssl_server_credentials([(k.read(), c.read())])
 
 
-def make_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
+def make_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None, *,
+                max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    """A server whose calls pass ``interceptors``; messages larger than ``max_receive_bytes``
+    are refused by gRPC itself (RESOURCE_EXHAUSTED) before they are parsed."""
+    options = [(k, v) for k, v in SERVER_OPTIONS if k != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
     return grpc.aio.server(interceptors=[*(interceptors or []), MalformedRequestInterceptor()],
-                           options=SERVER_OPTIONS)
+                           options=options)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSFiles | None = None) -> int:

@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvrelay.convert import finish_to_proto, logprob_to_proto, sampling_from_proto
+from kvrelay.limits import MAX_TIMEOUT_MS
 from kvrelay.logs import request_context
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError
 from kvrelay.router.registry import WorkerRegistry
-from kvrelay.router.service import MAX_TIMEOUT_MS, Delta, RouterService
+from kvrelay.router.service import Delta, RouterService
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             spec = await self.service.build_spec(
                 request_id=request.request_id or None,
                 text=request.text if kind == "text" else None,
-                token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
+                token_ids=request.token_ids.ids if kind == "token_ids" else None,
                 sampling=sampling, timeout_ms=timeout_ms, model=request.model or None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.limits import MAX_HTTP_BODY_BYTES
 from kvrelay.logs import request_context
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec
@@ -31,8 +33,8 @@ from kvrelay.rpc import SecretSet, TLSFiles
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
-                504: "timeout_error"}
+                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable", 504: "timeout_error"}
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
@@ -45,6 +47,62 @@ def error_response(status: int, message: str, *, param: str | None = None,
                             else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 before it is read
+    into memory (by its Content-Length, or counted as it arrives when chunked)."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
+        resp = error_response(413, f"the request body is larger than {self.limit} bytes")
+        await resp(scope, receive, send)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if headers.get(b"transfer-encoding") is None:
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:  # chunked: buffer up to the limit, then replay to the app
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left
+            body += msg.get("body", b"")
+            if len(body) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not msg.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _client_left(request: Request) -> None:
+    """Returns once the client has disconnected (its body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _router_error(e: RouterError) -> JSONResponse:
@@ -160,6 +218,7 @@ class HttpServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(BodyLimit, limit=MAX_HTTP_BODY_BYTES)
         service = self.service
 
         @app.exception_handler(RequestValidationError)
@@ -184,10 +243,7 @@ class HttpServer:
 
         @app.get("/health")
         async def health() -> Response:
-            reg = service.lifecycle.registry
-            ok = bool(reg.alive("both")) or (bool(reg.alive("prefill"))
-                                              and bool(reg.alive("decode")))
-            if not ok:
+            if not service.lifecycle.registry.can_serve():
                 return error_response(503, "no workers available", retry_after_s=1)
             return JSONResponse({"status": "ok"})
 
@@ -203,7 +259,7 @@ class HttpServer:
                 "owned_by": "kvrelay", "max_model_len": service.effective_max_model_len()}]})
 
         @app.post("/v1/completions")
-        async def completions(req: CompletionRequest) -> Response:
+        async def completions(req: CompletionRequest, request: Request) -> Response:
             try:
                 prompt = req.single_prompt()
                 sp = _sampling(req, req.max_tokens, req.logprobs)
@@ -215,10 +271,10 @@ class HttpServer:
                 return error_response(400, str(e))
             except RouterError as e:
                 return _router_error(e)
-            return await self._respond(spec, req, chat=False)
+            return await self._respond(spec, req, request, chat=False)
 
         @app.post("/v1/chat/completions")
-        async def chat(req: ChatCompletionRequest) -> Response:
+        async def chat(req: ChatCompletionRequest, request: Request) -> Response:
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
                 ids = await service.encode_chat(messages)
@@ -231,12 +287,13 @@ class HttpServer:
                 return error_response(400, str(e))
             except RouterError as e:
                 return _router_error(e)
-            return await self._respond(spec, req, chat=True)
+            return await self._respond(spec, req, request, chat=True)
 
         return app
 
     # -- responses -----------------------------------------------------------------------------
-    async def _respond(self, spec: GenerateSpec, req: _Common, *, chat: bool) -> Response:
+    async def _respond(self, spec: GenerateSpec, req: _Common, request: Request, *,
+                       chat: bool) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
         created = int(time.time())
         model = self.service.model_name
@@ -256,15 +313,33 @@ class HttpServer:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": spec.request_id})
         text, lps, last = first.text, [first], first
+
+        async def collect() -> Delta:
+            nonlocal text, last
+            while not last.finished:
+                last = await anext(stream)
+                text += last.text
+                lps.append(last)
+            return last
+
         with request_context(spec.request_id):
+            # A client that leaves stops its request: nothing would read the answer, and the
+            # generation would hold its KV blocks and batch slot to the end.
+            collecting = asyncio.ensure_future(collect())
+            left = asyncio.ensure_future(_client_left(request))
             try:
-                while not last.finished:
-                    last = await anext(stream)
-                    text += last.text
-                    lps.append(last)
+                await asyncio.wait([collecting, left], return_when=asyncio.FIRST_COMPLETED)
+                if not collecting.done():
+                    logger.info("client disconnected: request aborted")
+                    collecting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, RouterError):
+                        await collecting
+                    return Response(status_code=499)
+                collecting.result()
             except RouterError as e:
                 return _router_error(e)
             finally:
+                left.cancel()
                 await stream.aclose()
         merged = Delta(spec.request_id, text, [t for d in lps for t in d.token_ids],
                        [x for d in lps for x in d.logprobs])

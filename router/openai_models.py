@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvrelay.limits import INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
 MAX_HTTP_LOGPROBS = 20
 
 
@@ -25,12 +27,12 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -61,6 +63,8 @@ class _Common(BaseModel):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in items):
             raise ValueError("stop strings must be non-empty")
         return v

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,44 @@ from kvrelay.rpc import insecure_channel
 logger = logging.getLogger(__name__)
 
 ROLE_NAMES = {wpb.ROLE_PREFILL: "prefill", wpb.ROLE_DECODE: "decode", wpb.ROLE_BOTH: "both"}
+
+# Bounds on what a heartbeat may claim. Each field steers routing for every request (the block
+# size divides every prompt, the smallest max_model_len is the cluster's limit, the hash set is
+# kept in memory), so a beat outside them is refused rather than believed.
+WORKER_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+MAX_ADDRESS_LEN = 256
+MAX_IDENTITY_LEN = 256
+MAX_BLOCK_SIZE = 1024
+MIN_WORKER_MODEL_LEN = 256  # or 0: not reported
+MAX_WORKER_BLOCKS = 1 << 20  # also the hashes held for a worker that reports no num_blocks
+
+
+def validate_beat(req: wpb.HeartbeatRequest) -> None:
+    """Raises ValueError, with a message for the worker's log, when a beat is out of bounds."""
+    info, load = req.worker, req.load
+    if not WORKER_ID_RE.fullmatch(info.worker_id):
+        raise ValueError("worker_id must be 1-128 letters, digits, '-', '_', '.', ':'")
+    if not info.address or len(info.address) > MAX_ADDRESS_LEN or ":" not in info.address:
+        raise ValueError(f"address must be host:port (at most {MAX_ADDRESS_LEN} characters)")
+    if info.role not in ROLE_NAMES:
+        raise ValueError("heartbeat needs a role (prefill, decode or both)")
+    if len(info.incarnation) > MAX_IDENTITY_LEN or len(info.model_identity) > MAX_IDENTITY_LEN:
+        raise ValueError(f"incarnation and model_identity take at most {MAX_IDENTITY_LEN} "
+                         f"characters")
+    if not (1 <= info.block_size <= MAX_BLOCK_SIZE):
+        raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {info.block_size}")
+    if info.max_model_len and info.max_model_len < max(MIN_WORKER_MODEL_LEN, info.block_size):
+        raise ValueError(f"max_model_len must be at least {MIN_WORKER_MODEL_LEN} (or 0: not "
+                         f"reported), got {info.max_model_len}")
+    if load.num_blocks > MAX_WORKER_BLOCKS or load.free_blocks > load.num_blocks:
+        raise ValueError(f"num_blocks must be at most {MAX_WORKER_BLOCKS} and free_blocks at "
+                         f"most num_blocks")
+    # A worker holds at most num_blocks full blocks: it cannot add more hashes than that.
+    if len(req.added_block_hashes) > (load.num_blocks or MAX_WORKER_BLOCKS):
+        raise ValueError(f"{len(req.added_block_hashes)} block hashes added; the worker has "
+                         f"{load.num_blocks or MAX_WORKER_BLOCKS} blocks")
+    if len(req.removed_block_hashes) > MAX_WORKER_BLOCKS:
+        raise ValueError(f"at most {MAX_WORKER_BLOCKS} block hashes removed a beat")
 
 
 class LinearFit:
@@ -296,8 +335,7 @@ class WorkerRegistry:
     # -- heartbeats ----------------------------------------------------------------------------
     def heartbeat(self, req: wpb.HeartbeatRequest) -> wpb.HeartbeatResponse:
         info, now = req.worker, time.monotonic()
-        if not info.worker_id or not info.address or info.role not in ROLE_NAMES:
-            raise ValueError("heartbeat needs worker_id, address and a role")
+        validate_beat(req)
         if self.model_identity and info.model_identity != self.model_identity:
             raise ValueError(f"worker {info.worker_id} serves model {info.model_identity}, this "
                              f"router serves {self.model_identity}")
@@ -322,6 +360,10 @@ class WorkerRegistry:
         else:
             w.block_hashes.difference_update(req.removed_block_hashes)
             w.block_hashes.update(req.added_block_hashes)
+            if len(w.block_hashes) > (w.load.num_blocks or MAX_WORKER_BLOCKS):
+                # out of step with the worker: start over from a full set
+                w.block_hashes.clear()
+                want_full = True
         return wpb.HeartbeatResponse(interval_s=self.heartbeat_interval_s,
                                      want_full_block_set=want_full)
 
@@ -354,6 +396,12 @@ class WorkerRegistry:
     def alive(self, role: str) -> list[WorkerState]:
         now = time.monotonic()
         return [w for w in self.workers.values() if w.role == role and w.usable(now)]
+
+    def can_serve(self) -> bool:
+        """Whether a request could be routed now: an aggregated worker, or a prefill worker and
+        a decode worker, usable (not draining, suspect or being measured)."""
+        return bool(self.alive("both")) or (bool(self.alive("prefill"))
+                                            and bool(self.alive("decode")))
 
     def status(self) -> list[wpb.WorkerStatus]:
         now = time.monotonic()

@@ -7,9 +7,11 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvrelay.limits import MAX_GRPC_REQUEST_BYTES
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.router.calibration import Calibrator
 from kvrelay.router.grpc_api import GenerationServicer, RegistryServicer
@@ -26,10 +28,13 @@ from kvrelay.rpc import (
     bind,
     cluster_token_interceptor,
     make_server,
+    set_serving,
     token_metadata,
 )
 
 logger = logging.getLogger(__name__)
+
+PUBLIC_SERVICES = ("kvrelay.v1.Generation",)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class Router:
         self.port = self.control_port = 0
         self.http_port: int | None = None
         self._stopped = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
+        self.serving = False
 
     async def start(self) -> None:
         from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
@@ -84,10 +91,16 @@ class Router:
             max_inflight=st.config.max_inflight, metrics=self.metrics)
 
         keys = SecretSet(st.api_keys)
-        self.public = make_server([api_key_interceptor(keys)] if keys else [])
+        # A public request is at most a maximal prompt; the internal ports carry KV metadata.
+        self.public = make_server([api_key_interceptor(keys)] if keys else [],
+                                  max_receive_bytes=MAX_GRPC_REQUEST_BYTES)
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.service),
                                                            self.public)
-        add_health(self.public, ["kvrelay.v1.Generation"])
+        # NOT_SERVING until a worker path exists: a readiness probe that passes before then
+        # sends traffic that can only fail with UNAVAILABLE.
+        self._health = add_health(self.public, PUBLIC_SERVICES)
+        set_serving(self._health, PUBLIC_SERVICES, False)
+        self.serving = False
         self.port = bind(self.public, st.host, st.port, st.tls)
 
         tokens = SecretSet([st.cluster_token] if st.cluster_token else [])
@@ -98,6 +111,7 @@ class Router:
         self.control_port = bind(self.control, st.control_host, st.control_port)
         await self.public.start()
         await self.control.start()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_serving())
         self.http = None
         if st.http_port is not None:
             from kvrelay.router.http_api import HttpServer
@@ -110,9 +124,35 @@ class Router:
                     st.control_host, self.control_port,
                     f", HTTP {st.http_host}:{self.http_port}" if self.http_port else "")
 
+    async def _watch_serving(self) -> None:
+        """Keeps the public health status equal to whether a request could be routed now
+        (workers join, leave, drain and turn suspect without telling this task: it polls)."""
+        period = min(0.25, self.settings.heartbeat_interval_s / 4)
+        while True:
+            serving = self.registry.can_serve()
+            if serving != self.serving:
+                self.serving = serving
+                set_serving(self._health, PUBLIC_SERVICES, serving)
+                (logger.info if serving else logger.warning)(
+                    "router %s", "ready: can serve requests" if serving
+                    else "not serving: no usable prefill+decode pair or aggregated worker")
+            await asyncio.sleep(period)
+
+    async def wait_serving(self, timeout: float) -> bool:
+        """Whether the router can serve a request within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.serving:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def stop(self) -> None:
         if self._stopped.is_set():
             return
+        if self._watch is not None:
+            self._watch.cancel()
+        set_serving(self._health, PUBLIC_SERVICES, False)
         if self.http is not None:
             await self.http.stop()
         await self.public.stop(grace=2.0)

@@ -21,6 +21,13 @@ import grpc
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.tokenizer import OutputProcessor, apply_chat_template
+from kvrelay.limits import (
+    MAX_PROMPT_CHARS,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TIMEOUT_MS,
+)
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
@@ -29,10 +36,6 @@ from kvrelay.router.trace import Trace
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-MAX_PROMPT_CHARS = 4 * 2**20
-MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 256
-MAX_TIMEOUT_MS = 3_600_000
 DUPLICATE_ID_WAIT_S = 1.0  # how long a request waits for an earlier one of its id to leave
 # Text longer than this (characters; token ids: a quarter of it) is tokenized, templated and
 # checked off the event loop, which also serves heartbeats and lease renewals. Smaller inputs
@@ -119,8 +122,12 @@ class RouterService:
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Token ids of chat ``messages`` rendered with the model's template (ValueError when
-        the template rejects them); long conversations are rendered off the loop."""
+        the template rejects them, or they hold more than ``MAX_PROMPT_CHARS`` characters in
+        all); long conversations are rendered off the loop."""
         size = sum(len(c) for m in messages if isinstance(c := m.get("content"), str))
+        if size > MAX_PROMPT_CHARS:
+            raise ValueError(f"the messages have {size} characters in all; at most "
+                             f"{MAX_PROMPT_CHARS}")
         return await self._run(size > OFFLOAD_CHARS, self._encode_chat, messages)
 
     def _encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -141,10 +148,13 @@ class RouterService:
         return "req-" + secrets.token_hex(8)
 
     async def build_spec(self, *, request_id: str | None, text: str | None,
-                         token_ids: list[int] | None, sampling: SamplingParams,
+                         token_ids: Sequence[int] | None, sampling: SamplingParams,
                          timeout_ms: int | None = None, model: str | None = None
                          ) -> GenerateSpec:
-        """Validate one request; raises RouterError(INVALID_ARGUMENT) with a message."""
+        """Validate one request; raises RouterError(INVALID_ARGUMENT) with a message.
+
+        The cheap checks come first: sizes are checked before anything is scanned or tokenized.
+        """
         t0 = time.monotonic()
 
         def bad(msg: str) -> RouterError:
@@ -159,6 +169,29 @@ class RouterService:
                               f"{self.model_name!r}")
         if (text is None) == (token_ids is None):
             raise bad("give exactly one of a text prompt or prompt token ids")
+        deadline = None
+        if timeout_ms:
+            if not (0 < timeout_ms <= MAX_TIMEOUT_MS):
+                raise bad(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}]")
+            deadline = t0 + timeout_ms / 1000.0
+        if len(sampling.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN
+                                                        for s in sampling.stop):
+            raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} "
+                      f"characters")
+        for s in sampling.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad(f"stop string {s!r} is not valid Unicode (lone surrogate)") from None
+        if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
+        if bad_stop is not None:
+            raise bad(f"stop token id {bad_stop} is outside the vocabulary")
+        max_len = self.effective_max_model_len()
+        if sampling.max_tokens >= max_len:  # more than any prompt leaves room for
+            raise bad(f"max_tokens is {sampling.max_tokens}; this model's context holds "
+                      f"{max_len} tokens, prompt included")
         if text is not None:
             if not isinstance(text, str):
                 raise bad("the prompt must be a string")
@@ -172,34 +205,13 @@ class RouterService:
         assert token_ids is not None
         if not token_ids:
             raise bad("the prompt is empty: it needs at least one token")
+        if len(token_ids) >= max_len:
+            raise bad(f"the prompt has {len(token_ids)} tokens; this model takes at most "
+                      f"{max_len - 1} (context {max_len})")
         bad_id = await self._run(len(token_ids) > OFFLOAD_IDS, _first_bad_id, token_ids,
                                  self.vocab_size)
         if bad_id is not None:
             raise bad(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
-        max_len = self.effective_max_model_len()
-        if len(token_ids) >= max_len:
-            raise bad(f"the prompt has {len(token_ids)} tokens; this model takes at most "
-                      f"{max_len - 1} (context {max_len})")
-        if sampling.max_tokens >= max_len:  # more than any prompt leaves room for
-            raise bad(f"max_tokens is {sampling.max_tokens}; this model's context holds "
-                      f"{max_len} tokens, prompt included")
-        if len(sampling.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN
-                                                        for s in sampling.stop):
-            raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} "
-                      f"characters")
-        for s in sampling.stop:
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad(f"stop string {s!r} is not valid Unicode (lone surrogate)") from None
-        bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
-        if bad_stop is not None:
-            raise bad(f"stop token id {bad_stop} is outside the vocabulary")
-        deadline = None
-        if timeout_ms:
-            if not (0 < timeout_ms <= MAX_TIMEOUT_MS):
-                raise bad(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}]")
-            deadline = t0 + timeout_ms / 1000.0
         return GenerateSpec(rid, list(token_ids), sampling, deadline, arrival=t0)
 
     # -- generation ----------------------------------------------------------------------------

@@ -3,6 +3,8 @@ official ``openai`` client), /metrics, and bad input refused while the servers k
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -171,3 +173,30 @@ def test_grpc_bad_input_then_still_serving(cluster) -> None:
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (prompt, sp)
             assert e.value.details()
         assert c.generate("still alive?", sampling(4)).usage.completion_tokens >= 1
+
+
+def test_non_streaming_request_stops_when_its_client_leaves(cluster) -> None:
+    base = f"http://127.0.0.1:{cluster.router.ready['http_port']}"
+    decode = cluster.proc("decode-1")
+
+    def lengths() -> float:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == "kvrelay:request_success_total"
+                   and s.labels.get("finished_reason") == "length")
+
+    baseline = cluster.free_blocks()
+    finished = lengths()
+    # Far more tokens than the client waits for: it gives up after a second of silence.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", timeout=httpx.Timeout(30, read=1.0),
+                   json={"model": "demo", "prompt": "Tell me everything", "max_tokens": 4000,
+                         "ignore_eos": True})
+    # The decode worker stops generating, its blocks come back, and the request never
+    # finished (it was aborted, not run to its length).
+    deadline = time.monotonic() + 30
+    while cluster.status(decode).load.running:
+        assert time.monotonic() < deadline, "the request kept generating"
+        time.sleep(0.1)
+    assert cluster.wait_free_blocks(baseline) == baseline
+    assert lengths() == finished

@@ -1,0 +1,23 @@
+"""Bounds on what one client request may carry, shared by the HTTP and gRPC edges.
+
+Each bound either matches the wire type that carries the value to the workers (a value past
+it would overflow a protobuf field) or keeps what a request can cost the router in proportion
+to what a valid one needs.
+"""
+
+from __future__ import annotations
+
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+
+MAX_PROMPT_CHARS = 4 * 2**20  # a text prompt, or all chat messages together
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_TIMEOUT_MS = 3_600_000
+# The largest valid HTTP body: a prompt of MAX_PROMPT_CHARS characters, each JSON-escaped to at
+# most 6 bytes (\uXXXX), plus the rest of the request.
+MAX_HTTP_BODY_BYTES = 6 * MAX_PROMPT_CHARS + 2**20
+# The largest valid GenerateRequest: the same prompt in UTF-8 (at most 4 bytes a character),
+# plus the rest. Token-id prompts are bounded by the context, far below this.
+MAX_GRPC_REQUEST_BYTES = 4 * MAX_PROMPT_CHARS + 2**20
