@@ -23,6 +23,7 @@ from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+from kvrelay.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request: wpb.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.DecodeResponse]:
         rid = request.request_id
+        mark("decode_rpc_in", rid)
         with request_context(rid):
             try:
                 lease = self.leases.start_decoding(rid, request.lease_id)
@@ -178,8 +180,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                         f"KV for {rid} did not arrive within {kv_timeout:.1f}s")
                 out: RequestOutput | None = first
                 kv_wait_ms = (time.monotonic() - t0) * 1000.0
+                marked = False
                 while out is not None:
                     if not out.kv_arrived:
+                        if not marked:
+                            mark("decode_first_out", rid)
+                            marked = True
                         msg = decode_response(out)
                         msg.kv_wait_ms = kv_wait_ms
                         yield msg

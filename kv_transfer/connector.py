@@ -37,6 +37,7 @@ from kvrelay.kv_transfer.messages import KVDestination, KVExpectation, PeerInfo
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
 from kvrelay.kv_transfer.tracker import ABORT_SUFFIX, NotifJob, RecvTracker, SendTracker
 from kvrelay.kv_transfer.transfer_thread import TransferThread, WriteJob
+from kvrelay.timeline import mark
 
 if TYPE_CHECKING:
     from kvrelay.engine.kv_cache import KVCacheSpec
@@ -193,10 +194,15 @@ class NixlConnector(KVConnector):
     def _on_write_end(self, job: WriteJob, err: KVTransferError | None) -> list[NotifJob]:
         with self._lock:
             if err is None:
-                return self._send.write_done(job.request_ids)
-            return self._send.write_failed(job.request_ids, _reason(err))
+                jobs = self._send.write_done(job.request_ids)
+            else:
+                jobs = self._send.write_failed(job.request_ids, _reason(err))
+        for nj in jobs:
+            mark("kv_written", nj.request_id)
+        return jobs
 
     def _on_notif_end(self, job: NotifJob, err: KVTransferError | None) -> None:
+        mark("kv_notified", job.request_id)
         with self._lock:
             self._send.notif_done(job.request_id, None if err is None else _reason(err))
 
@@ -213,10 +219,12 @@ class NixlConnector(KVConnector):
     def request_finished(self, seq: Sequence) -> bool:
         params = seq.kv_transfer_params
         if isinstance(params, KVDestination):
+            mark("kv_finished", seq.request_id)
             with self._lock:
                 jobs = self._send.finish(seq.request_id, params,
                                          aborted=seq.finish_reason in _ABORTED)
             for job in jobs:
+                mark("kv_written", job.request_id)
                 self._io().submit(job)
             return True
         if isinstance(params, KVExpectation):
@@ -253,6 +261,10 @@ class NixlConnector(KVConnector):
                 gone = set(released)
                 self._abort_notice = {k: v for k, v in self._abort_notice.items()
                                       if v not in gone}
+        for rid in recv.received:
+            mark("kv_received", rid)
+        for rid in send.sent:
+            mark("kv_sent_seen", rid)
         # ``sent`` tells the engine it may free the blocks it held for these requests.
         return TransferEvents(send.sent + released, recv.received, send.failed + recv.failed)
 
