@@ -85,63 +85,87 @@ def read_marks(workdir: Path) -> dict[str, dict[str, float]]:
     return marks
 
 
-def measure(model: str, workers: list[tuple[str, str, int]], args: argparse.Namespace
-            ) -> dict[int, list[Sample]]:
-    kv = [*KVRELAY, "worker", "--model", model, "--kv-cache-memory", "512MiB", "--port", "0"]
-    env = {**os.environ, "KVRELAY_DEBUG_LOGGERS": "kvrelay.timeline"}
-    out: dict[int, list[Sample]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        wd = Path(tmp)
-        procs = []
+class Cluster:
+    """A router and its workers as real processes; ``close()`` stops them and reads the marks."""
+
+    def __init__(self, model: str, workers: list[tuple[str, str, int]], wd: Path) -> None:
+        kv = [*KVRELAY, "worker", "--model", model, "--kv-cache-memory", "512MiB", "--port", "0"]
+        env = {**os.environ, "KVRELAY_DEBUG_LOGGERS": "kvrelay.timeline"}
+        self.wd = wd
+        self.procs: list[subprocess.Popen] = []
         try:
             r, info = start([*KVRELAY, "router", "--model", model, "--port", "0",
                              "--control-port", "0"], wd, "router", None, env)
-            procs.append(r)
+            self.procs.append(r)
             for role, cores, threads in workers:
                 p, _ = start([*kv, "--role", role, "--num-threads", str(threads), "--router",
                               f"127.0.0.1:{info['control_port']}"], wd, role, cores, env)
-                procs.append(p)
-            ids: dict[int, list[str]] = {}
-            with Client(f"127.0.0.1:{info['port']}") as c:
-                for n in args.prompt_tokens:
-                    samples = out[n] = []
-                    ids[n] = []
-                    for i in range(args.warmup + args.requests):
-                        prompt = [(7 + 31 * i + 17 * k + 101 * n) % 4000 + 10 for k in range(n)]
-                        rid = f"pd{n}-{i}"
-                        t0 = time.monotonic()
-                        stamps: list[float] = []
-                        last = None
-                        for msg in c.stream(prompt, sampling(args.max_tokens, 0.0,
-                                                             ignore_eos=True),
-                                            request_id=rid, timeout=120):
-                            if msg.token_ids:
-                                stamps.append(time.monotonic())
-                            last = msg
-                        if i < args.warmup:
-                            continue
-                        t = last.timing
-                        trace: dict[str, float] = {}
-                        for e in last.trace:
-                            trace.setdefault(e.name, e.t_ms)
-                        samples.append(Sample(
-                            stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)],
-                            {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}, trace))
-                        ids[n].append(rid)
+                self.procs.append(p)
+        except BaseException:
+            self.close()
+            raise
+        self.client = Client(f"127.0.0.1:{info['port']}")
+        self.samples: dict[int, list[Sample]] = {}
+        self.ids: dict[int, list[str]] = {}
+
+    def request(self, n: int, i: int, args: argparse.Namespace, record: bool) -> None:
+        prompt = [(7 + 31 * i + 17 * k + 101 * n) % 4000 + 10 for k in range(n)]
+        rid = f"pd{n}-{i}"
+        t0 = time.monotonic()
+        stamps: list[float] = []
+        last = None
+        for msg in self.client.stream(prompt, sampling(args.max_tokens, 0.0, ignore_eos=True),
+                                      request_id=rid, timeout=120):
+            if msg.token_ids:
+                stamps.append(time.monotonic())
+            last = msg
+        if not record:
+            return
+        t = last.timing
+        trace: dict[str, float] = {}
+        for e in last.trace:
+            trace.setdefault(e.name, e.t_ms)
+        self.samples.setdefault(n, []).append(Sample(
+            stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)],
+            {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}, trace))
+        self.ids.setdefault(n, []).append(rid)
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        marks = read_marks(self.wd)
+        for n, samples in self.samples.items():
+            for rid, s in zip(self.ids[n], samples, strict=True):
+                s.marks = marks.get(rid, {})
+
+
+def measure(model: str, configs: dict[str, list[tuple[str, str, int]]],
+            args: argparse.Namespace) -> dict[str, dict[int, list[Sample]]]:
+    """Every configuration up at once (an idle cluster burns no CPU), requests alternating
+    between them, so that drifting background load hits each alike."""
+    with tempfile.TemporaryDirectory() as tmp:
+        clusters: dict[str, Cluster] = {}
+        try:
+            for name, workers in configs.items():
+                wd = Path(tmp, f"c{len(clusters)}")
+                wd.mkdir()
+                clusters[name] = Cluster(model, workers, wd)
+            for n in args.prompt_tokens:
+                for i in range(args.warmup + args.requests):
+                    for c in clusters.values():
+                        c.request(n, i, args, record=i >= args.warmup)
                         time.sleep(args.gap)
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        marks = read_marks(wd)
-    for n, samples in out.items():
-        for rid, s in zip(ids[n], samples, strict=True):
-            s.marks = marks.get(rid, {})
-    return out
+            for c in clusters.values():
+                c.close()
+        return {name: c.samples for name, c in clusters.items()}
 
 
 def _mark(a: str, b: str) -> Callable[[Sample], float | None]:
@@ -184,6 +208,16 @@ STAGES: list[tuple[str, Callable[[Sample], float | None]]] = [
 ]
 
 
+def _handoff(s: Sample) -> float | None:
+    """The TTFT stages a role=both worker does not have (compute and client/router excluded):
+    reserve, the Prefill call and reply, KV write tail, notification, the engine noticing it."""
+    vals = [f(s) for _, f in STAGES[1:4] + STAGES[5:10]]
+    return None if any(v is None for v in vals) else sum(vals)  # type: ignore[arg-type]
+
+
+STAGES.insert(13, ("hand-off stages in TTFT (sum, no compute)", _handoff))
+
+
 def breakdown(res: dict[int, list[Sample]]) -> list[str]:
     ns = sorted(res)
     head = f"{'stage (ms)':<46}" + "".join(f"{f'{n} tok p50':>12}{'p90':>7}" for n in ns)
@@ -219,8 +253,9 @@ def main() -> int:
     print(f"model {args.model}; prompts of {args.prompt_tokens} tokens, {args.max_tokens} tokens "
           f"out, one request at a time, {args.requests} requests each; load average "
           f"{os.getloadavg()[0]:.2f}")
-    pd = measure(args.model, [("prefill", "0", 1), ("decode", "1", 1)], args)
-    alone = measure(args.model, [("both", "0", 1)], args)
+    res = measure(args.model, {"1P1D": [("prefill", "0", 1), ("decode", "1", 1)],
+                               "prefill alone (both)": [("both", "0", 1)]}, args)
+    pd, alone = res["1P1D"], res["prefill alone (both)"]
     print("1P1D (1 core each), per-stage breakdown:")
     for line in breakdown(pd):
         print(line)
