@@ -1,12 +1,17 @@
-"""TTFT and inter-token latency of one request at a time: 1P1D vs ``role=both``, same model.
+"""P->D hand-off latency of one request at a time on an idle cluster: TTFT stage by stage.
 
-    NIXL_LOG_LEVEL=WARN .venv/bin/python bench/pd_latency.py [--model DIR] [--prompt-tokens 512]
+    NIXL_LOG_LEVEL=WARN .venv/bin/python bench/pd_latency.py [--model DIR] [--prompt-tokens 32 512]
 
 Starts real processes (router + workers, as `kvrelay router` / `kvrelay worker`) for each
 configuration in turn, pinned the way the serving benchmark pins them: 1P1D gets one core per
-worker, ``both`` one worker with one core (the same compute per worker), plus ``both`` with two
-threads on both cores (the same machine). Sends ``--requests`` greedy requests one after another
-over gRPC and reports TTFT and ITL (gaps between streamed messages) medians and p90.
+worker; "prefill alone" is one ``role=both`` worker on the prefill worker's core (the same
+compute, no hand-off). Sends ``--requests`` greedy requests one after another over gRPC per
+prompt length and reports, for 1P1D, where the time to first token goes, then the hand-off
+overhead = TTFT(1P1D) - TTFT(prefill alone), p50 and p90 (ms).
+
+The stages come from the router's timing fields and trace (``Timing``, trace events) and from the
+workers' ``kvrelay.timeline`` marks (``time.monotonic()``, one clock for every process of the
+host), which the workers log when ``KVRELAY_DEBUG_LOGGERS=kvrelay.timeline``.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -27,15 +35,17 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 from kvrelay.client import Client, sampling
 
 KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
+MARK_RE = re.compile(r"mark (\S+) (\S+) ([0-9.]+)$")
 
 
-def start(cmd: list[str], workdir: Path, name: str, cores: str | None) -> tuple[subprocess.Popen,
-                                                                                 dict]:
+def start(cmd: list[str], workdir: Path, name: str, cores: str | None,
+          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
     ready = workdir / f"{name}.ready"
     log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (the child owns it)
     if cores is not None:
         cmd = ["taskset", "-c", cores, *cmd]
-    p = subprocess.Popen([*cmd, "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen([*cmd, "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT,
+                         env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if ready.exists() and ready.stat().st_size:
@@ -49,71 +59,219 @@ def start(cmd: list[str], workdir: Path, name: str, cores: str | None) -> tuple[
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def measure(model: str, workers: list[tuple[str, str, int]], args: argparse.Namespace) -> dict:
-    kv = [*KVRELAY, "worker", "--model", model, "--kv-cache-memory", "512MiB", "--port", "0"]
-    with tempfile.TemporaryDirectory() as tmp:
-        wd = Path(tmp)
-        procs = []
+@dataclass
+class Sample:
+    """One request: the client's view, the router's timing and trace, the workers' marks."""
+
+    ttft: float  # client, seconds
+    itl: list[float]
+    timing: dict[str, float]
+    trace: dict[str, float]  # event -> ms since the router received the request (first one)
+    marks: dict[str, float] = field(default_factory=dict)  # event -> monotonic seconds
+
+
+def read_marks(workdir: Path) -> dict[str, dict[str, float]]:
+    """request id (the client's, before the lifecycle's pass suffix) -> event -> time."""
+    marks: dict[str, dict[str, float]] = {}
+    for log in workdir.glob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = MARK_RE.search(line)
+            if m:
+                rid = m.group(2).split(".")[0]
+                marks.setdefault(rid, {}).setdefault(m.group(1), float(m.group(3)))
+    return marks
+
+
+class Cluster:
+    """A router and its workers as real processes; ``close()`` stops them and reads the marks."""
+
+    def __init__(self, model: str, workers: list[tuple[str, str, int]], wd: Path) -> None:
+        kv = [*KVRELAY, "worker", "--model", model, "--kv-cache-memory", "512MiB", "--port", "0"]
+        env = {**os.environ, "KVRELAY_DEBUG_LOGGERS": "kvrelay.timeline"}
+        self.wd = wd
+        self.procs: list[subprocess.Popen] = []
         try:
             r, info = start([*KVRELAY, "router", "--model", model, "--port", "0",
-                             "--control-port", "0"], wd, "router", None)
-            procs.append(r)
+                             "--control-port", "0"], wd, "router", None, env)
+            self.procs.append(r)
             for role, cores, threads in workers:
                 p, _ = start([*kv, "--role", role, "--num-threads", str(threads), "--router",
-                              f"127.0.0.1:{info['control_port']}"], wd, role, cores)
-                procs.append(p)
-            ttft, itl = [], []
-            with Client(f"127.0.0.1:{info['port']}") as c:
+                              f"127.0.0.1:{info['control_port']}"], wd, role, cores, env)
+                self.procs.append(p)
+        except BaseException:
+            self.close()
+            raise
+        self.client = Client(f"127.0.0.1:{info['port']}")
+        self.samples: dict[int, list[Sample]] = {}
+        self.ids: dict[int, list[str]] = {}
+
+    def request(self, n: int, i: int, args: argparse.Namespace, record: bool) -> None:
+        prompt = [(7 + 31 * i + 17 * k + 101 * n) % 4000 + 10 for k in range(n)]
+        rid = f"pd{n}-{i}"
+        t0 = time.monotonic()
+        stamps: list[float] = []
+        last = None
+        for msg in self.client.stream(prompt, sampling(args.max_tokens, 0.0, ignore_eos=True),
+                                      request_id=rid, timeout=120):
+            if msg.token_ids:
+                stamps.append(time.monotonic())
+            last = msg
+        if not record:
+            return
+        t = last.timing
+        trace: dict[str, float] = {}
+        for e in last.trace:
+            trace.setdefault(e.name, e.t_ms)
+        self.samples.setdefault(n, []).append(Sample(
+            stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)],
+            {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}, trace))
+        self.ids.setdefault(n, []).append(rid)
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        marks = read_marks(self.wd)
+        for n, samples in self.samples.items():
+            for rid, s in zip(self.ids[n], samples, strict=True):
+                s.marks = marks.get(rid, {})
+
+
+def measure(model: str, configs: dict[str, list[tuple[str, str, int]]],
+            args: argparse.Namespace) -> dict[str, dict[int, list[Sample]]]:
+    """Every configuration up at once (an idle cluster burns no CPU), requests alternating
+    between them, so that drifting background load hits each alike."""
+    with tempfile.TemporaryDirectory() as tmp:
+        clusters: dict[str, Cluster] = {}
+        try:
+            for name, workers in configs.items():
+                wd = Path(tmp, f"c{len(clusters)}")
+                wd.mkdir()
+                clusters[name] = Cluster(model, workers, wd)
+            for n in args.prompt_tokens:
                 for i in range(args.warmup + args.requests):
-                    ids = [(7 + 31 * i + 17 * k) % 4000 + 10 for k in range(args.prompt_tokens)]
-                    t0 = time.perf_counter()
-                    stamps = []
-                    for msg in c.stream(ids, sampling(args.max_tokens, 0.0, ignore_eos=True),
-                                        timeout=120):
-                        if msg.token_ids:
-                            stamps.append(time.perf_counter())
-                    if i < args.warmup:
-                        continue
-                    ttft.append(stamps[0] - t0)
-                    itl += [b - a for a, b in itertools.pairwise(stamps)]
-            return {"ttft_p50": statistics.median(ttft), "ttft_p90": pct(ttft, 0.9),
-                    "itl_p50": statistics.median(itl), "itl_p90": pct(itl, 0.9)}
+                    for c in clusters.values():
+                        c.request(n, i, args, record=i >= args.warmup)
+                        time.sleep(args.gap)
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
+            for c in clusters.values():
+                c.close()
+        return {name: c.samples for name, c in clusters.items()}
+
+
+def _mark(a: str, b: str) -> Callable[[Sample], float | None]:
+    def f(s: Sample) -> float | None:
+        if a in s.marks and b in s.marks:
+            return (s.marks[b] - s.marks[a]) * 1e3
+        return None
+    return f
+
+
+# (label, ms of one request or None), in the order the time passes; the TTFT rows come first.
+STAGES: list[tuple[str, Callable[[Sample], float | None]]] = [
+    ("router queue (receipt -> Reserve sent)",
+     lambda s: s.trace["reserved"] - s.timing["reserve_ms"]),
+    ("reserve (Reserve round trip)", lambda s: s.timing["reserve_ms"]),
+    ("router: reserved -> Prefill sent", lambda s: s.trace["prefill_start"] - s.trace["reserved"]),
+    ("P: Prefill call in -> scheduled",
+     lambda s: s.timing["queue_ms"] - s.trace["prefill_start"]),
+    ("prefill compute", lambda s: s.timing["prefill_ms"]),
+    ("KV write tail (compute end -> writes done)", _mark("kv_finished", "kv_written")),
+    ("notification send", _mark("kv_written", "kv_notified")),
+    ("P notices delivery (notified -> engine)", _mark("kv_notified", "kv_sent_seen")),
+    ("P: engine -> Prefill reply", _mark("kv_sent_seen", "prefill_rpc_out")),
+    ("Prefill RPC transport (both ways)",
+     lambda s: (s.trace["prefill_end"] - s.trace["prefill_start"])
+     - (s.marks["prefill_rpc_out"] - s.marks["prefill_rpc_in"]) * 1e3
+     if "prefill_rpc_out" in s.marks else None),
+    ("router: Prefill reply -> first token out",
+     lambda s: s.trace["first_token"] - s.trace["prefill_end"]),
+    ("client <-> router gRPC (ingress + egress)",
+     lambda s: s.ttft * 1e3 - s.timing["ttft_ms"]),
+    ("= TTFT at the client", lambda s: s.ttft * 1e3),
+    # after the first token: the decode worker takes over
+    ("notification delivery (P sent -> D noticed)", _mark("kv_notified", "kv_received")),
+    ("D: KV noticed -> Decode call in", _mark("kv_received", "decode_rpc_in")),
+    ("D: Decode call in -> first decode token out", _mark("decode_rpc_in", "decode_first_out")),
+    ("router: first token -> first decode token",
+     lambda s: s.trace["decode_first"] - s.trace["first_token"]
+     if "decode_first" in s.trace else None),
+]
+
+
+def _handoff(s: Sample) -> float | None:
+    """The TTFT stages a role=both worker does not have (compute and client/router excluded):
+    reserve, the Prefill call and reply, KV write tail, notification, the engine noticing it."""
+    vals = [f(s) for _, f in STAGES[1:4] + STAGES[5:10]]
+    return None if any(v is None for v in vals) else sum(vals)  # type: ignore[arg-type]
+
+
+STAGES.insert(13, ("hand-off stages in TTFT (sum, no compute)", _handoff))
+
+
+def breakdown(res: dict[int, list[Sample]]) -> list[str]:
+    ns = sorted(res)
+    head = f"{'stage (ms)':<46}" + "".join(f"{f'{n} tok p50':>12}{'p90':>7}" for n in ns)
+    lines = [head]
+    for label, f in STAGES:
+        row = f"{label:<46}"
+        for n in ns:
+            vals = []
+            for s in res[n]:
                 try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+                    v = f(s)
+                except KeyError:
+                    v = None
+                if v is not None:
+                    vals.append(v)
+            row += f"{statistics.median(vals):>12.2f}{pct(vals, 0.9):>7.2f}" if vals \
+                else f"{'-':>12}{'-':>7}"
+        lines.append(row)
+    return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=".bench-out/models/tiny")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 512])
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--gap", type=float, default=0.02, help="idle seconds between requests")
     args = ap.parse_args()
     if not Path(args.model, "config.json").exists():
         subprocess.run([*KVRELAY, "demo-model", args.model], check=True)
-    configs = {
-        "1P1D (1 core each)": [("prefill", "0", 1), ("decode", "1", 1)],
-        "both (1 core)": [("both", "0", 1)],
-        "both (2 cores)": [("both", "0,1", 2)],
-    }
-    print(f"model {args.model}; {args.prompt_tokens}-token prompt, {args.max_tokens} tokens out, "
-          f"one request at a time, {args.requests} requests; load average "
+    print(f"model {args.model}; prompts of {args.prompt_tokens} tokens, {args.max_tokens} tokens "
+          f"out, one request at a time, {args.requests} requests each; load average "
           f"{os.getloadavg()[0]:.2f}")
-    print(f"{'config':<22} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'ITL p90':>8}  (ms)")
-    for name, workers in configs.items():
-        m = measure(args.model, workers, args)
-        print(f"{name:<22} {m['ttft_p50'] * 1e3:>9.1f} {m['ttft_p90'] * 1e3:>9.1f} "
-              f"{m['itl_p50'] * 1e3:>8.2f} {m['itl_p90'] * 1e3:>8.2f}", flush=True)
+    res = measure(args.model, {"1P1D": [("prefill", "0", 1), ("decode", "1", 1)],
+                               "prefill alone (both)": [("both", "0", 1)]}, args)
+    pd, alone = res["1P1D"], res["prefill alone (both)"]
+    print("1P1D (1 core each), per-stage breakdown:")
+    for line in breakdown(pd):
+        print(line)
+    print(f"{'':<22} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'ITL p90':>8}  (ms)")
+    for name, res in (("1P1D", pd), ("prefill alone (both)", alone)):
+        for n in sorted(res):
+            ttft = [s.ttft * 1e3 for s in res[n]]
+            itl = [g * 1e3 for s in res[n] for g in s.itl]
+            print(f"{f'{name}, {n} tok':<22} {statistics.median(ttft):>9.2f} "
+                  f"{pct(ttft, 0.9):>9.2f} {statistics.median(itl):>8.2f} {pct(itl, 0.9):>8.2f}")
+    for n in sorted(pd):
+        a = [s.ttft * 1e3 for s in pd[n]]
+        b = [s.ttft * 1e3 for s in alone[n]]
+        print(f"hand-off overhead, {n}-token prompt: p50 "
+              f"{statistics.median(a) - statistics.median(b):.2f} ms, p90 "
+              f"{pct(a, 0.9) - pct(b, 0.9):.2f} ms")
     return 0
 
 

@@ -23,6 +23,7 @@ from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+from kvrelay.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class KVReceiver(Protocol):
 
 
 ID_REUSE_WAIT_S = 3.0  # longer than the KV connector's abort grace (2 s)
+FLUSH_WAIT_S = 5.0  # for the engine to pass on a request's last output (a step or two)
 
 
 def is_id_in_use(e: Exception) -> bool:
@@ -153,6 +155,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request: wpb.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.DecodeResponse]:
         rid = request.request_id
+        mark("decode_rpc_in", rid)
         with request_context(rid):
             try:
                 lease = self.leases.start_decoding(rid, request.lease_id)
@@ -178,8 +181,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                         f"KV for {rid} did not arrive within {kv_timeout:.1f}s")
                 out: RequestOutput | None = first
                 kv_wait_ms = (time.monotonic() - t0) * 1000.0
+                marked = False
                 while out is not None:
                     if not out.kv_arrived:
+                        if not marked:
+                            mark("decode_first_out", rid)
+                            marked = True
                         msg = decode_response(out)
                         msg.kv_wait_ms = kv_wait_ms
                         yield msg
@@ -252,30 +259,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         engine's next step, by request id: that is let through first, so that it cannot land
         in the queue of a later request of the same id.
         """
-        await self._settle()
+        with contextlib.suppress(TimeoutError):  # bounded, like every wait here
+            await asyncio.wait_for(self.engine.flush(), FLUSH_WAIT_S)
         streams = getattr(self.engine, "_streams", None)  # AsyncEngine's, keyed by request id
         if isinstance(streams, dict):
             streams.pop(request_id, None)
-
-    async def _settle(self) -> None:
-        """Return once every output the engine made before now has been dispatched.
-
-        The engine thread runs its queued commands as one batch (a command queued meanwhile
-        joins it), then one step, which returns what those commands emitted and dispatches it:
-        so wait for a step after the batch that held our commands, then make one more round
-        trip, whose answer comes after that step's dispatch."""
-        engine = self.engine
-        before = engine.stats  # replaced after every step
-        await engine.call(_nothing)
-        deadline = time.monotonic() + 2.0
-        while engine.stats is before and engine.core.has_unfinished() \
-                and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-        await engine.call(_nothing)
-
-
-def _nothing() -> None:
-    return None
 
 
 async def _exhaust(stream: AsyncIterator[RequestOutput]) -> None:

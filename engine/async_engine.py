@@ -1,17 +1,23 @@
 """Drive an ``EngineCore`` on its own thread and talk to it from asyncio.
 
 Every engine mutation runs on the engine thread (commands go through a queue), so the core
-stays single-threaded. The thread steps while there is work; while it only waits for KV
-transfers it polls every ``poll_interval`` seconds, and when idle it blocks on the command
-queue: no spinning, ≈ 0 CPU at rest.
+stays single-threaded. The thread steps while there is work and otherwise blocks on the command
+queue, which is also its wake-up: a command, or the KV connector's I/O thread when a transfer
+ends (``KVConnector.set_waker``), wakes it at once. It polls, every ``poll_interval`` seconds,
+only while the connector waits for events that nothing signals (``needs_polling``: incoming KV
+notifications, deadlines). No spinning, ≈ 0 CPU at rest. Outputs reach the asyncio loop with
+``call_soon_threadsafe``, and ``flush()`` lets the loop wait for the outputs of the commands it
+issued, without polling.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -22,6 +28,9 @@ from kvrelay.engine.sequence import FinishReason
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+IDLE_WAIT_S = 0.5  # longest block on the command queue (a backstop; wake-ups come sooner)
 
 
 class AsyncEngine:
@@ -35,13 +44,23 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._flushes: list[asyncio.Future[None]] = []  # engine thread's: resolved after a step
         self.stats: EngineStats = core.stats()
+        # Times the engine thread ended a wait (a command, a wake-up, a poll, the idle backstop):
+        # shows whether it sleeps or polls while it waits.
+        self.wakeups = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        if self.core.connector is not None:
+            self.core.connector.set_waker(self.wake)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    def wake(self) -> None:
+        """Wake the engine thread (thread-safe): a transfer it may be waiting for has ended."""
+        self._cmds.put(_nothing)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -106,6 +125,13 @@ class AsyncEngine:
         """Abort a request; a consumer still reading its stream gets a final ABORT output."""
         return await self.call(self.core.abort, request_id)
 
+    async def flush(self) -> None:
+        """Return once every output the engine made for commands issued before this call has
+        been dispatched to its stream (e.g. the ABORT output of an ``abort``)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._cmds.put(lambda: self._flushes.append(fut))
+        await fut
+
     # -- internals -----------------------------------------------------------------------------
     def _open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
         if request_id in self._streams:
@@ -136,16 +162,15 @@ class AsyncEngine:
                 q.put_nowait(out)
 
     def _run(self) -> None:
-        import time
-
         core = self.core
+        conn = core.connector
         while not self._stop.is_set():
             if core.has_schedulable():
-                timeout = 0.0
-            elif core.has_unfinished():
-                timeout = self.poll_interval  # waiting on transfers: poll, don't spin
+                timeout: float | None = 0.0
+            elif core.has_unfinished() and conn is not None and conn.needs_polling():
+                timeout = self.poll_interval  # incoming KV: nothing signals it, so poll
             else:
-                timeout = 0.5
+                timeout = IDLE_WAIT_S  # idle, or waiting for a command or a wake-up
             try:
                 cmd = self._cmds.get(timeout=timeout) if timeout else self._cmds.get_nowait()
                 cmd()
@@ -153,21 +178,33 @@ class AsyncEngine:
                     self._cmds.get_nowait()()
             except queue.Empty:
                 pass
+            if timeout:
+                self.wakeups += 1
             if self._stop.is_set():
                 break
-            if not core.has_unfinished():
-                continue
-            t0 = time.perf_counter()
-            try:
-                outputs = core.step()
-            except Exception:
-                logger.exception("engine step failed; failing every request in flight")
-                outputs = self._fail_all("engine step failed")
-            self.stats = core.stats()
-            if self.on_step is not None and outputs:
-                self.on_step(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs))
-            if outputs and self._loop is not None:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            if core.has_unfinished():
+                self._step()
+            if self._flushes and self._loop is not None:
+                # After this step's dispatch (callbacks run in order): its outputs came first.
+                flushes, self._flushes = self._flushes, []
+                self._loop.call_soon_threadsafe(_resolve_all, flushes)
+        if self._flushes and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                self._loop.call_soon_threadsafe(_resolve_all, self._flushes)
+
+    def _step(self) -> None:
+        core = self.core
+        t0 = time.perf_counter()
+        try:
+            outputs = core.step()
+        except Exception:
+            logger.exception("engine step failed; failing every request in flight")
+            outputs = self._fail_all("engine step failed")
+        self.stats = core.stats()
+        if self.on_step is not None and outputs:
+            self.on_step(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs))
+        if outputs and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _fail_all(self, reason: str) -> list[RequestOutput]:
         outs = []
@@ -175,6 +212,15 @@ class AsyncEngine:
             self.core.abort(rid)
             outs.append(RequestOutput(rid, [], True, FinishReason.ERROR, error=reason))
         return outs
+
+
+def _nothing() -> None:
+    return None
+
+
+def _resolve_all(futs: list[asyncio.Future[None]]) -> None:
+    for fut in futs:
+        _set_result(fut, None)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

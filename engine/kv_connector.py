@@ -7,7 +7,11 @@ Scheduler side (bookkeeping only, no I/O):
   - ``request_finished(seq) -> bool``: ``seq`` finished or was aborted; return True to keep its
     blocks allocated until a later ``take_events().sent`` names it (they are still being read).
   - ``take_events() -> TransferEvents``: transfers that completed or failed since the last call.
-  - ``has_pending() -> bool``: whether events may still come (the engine loop keeps polling).
+  - ``has_pending() -> bool``: whether events may still come.
+  - ``set_waker(wake)`` / ``needs_polling() -> bool``: an engine loop that can sleep hands over
+    ``wake`` (thread-safe, cheap); the connector calls it when events are ready, and
+    ``needs_polling`` says whether some events can only be found by polling ``take_events``
+    (the default: all of them, while any is pending).
 
 Worker side (moves bytes, called by the model runner around the forward pass):
   - ``register_kv_cache(kv, spec)``: once, with the engine's single KV tensor.
@@ -23,6 +27,7 @@ Lifecycle: ``close()`` releases the transport.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -76,3 +81,10 @@ class KVConnector(ABC):
 
     @abstractmethod
     def has_pending(self) -> bool: ...
+
+    def set_waker(self, wake: Callable[[], None]) -> None:  # noqa: B027
+        """Default: never wakes anyone; ``needs_polling`` covers every pending event."""
+
+    def needs_polling(self) -> bool:
+        """Whether a pending event may come without a call to the waker (so poll for it)."""
+        return self.has_pending()

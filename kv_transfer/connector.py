@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ from kvrelay.kv_transfer.messages import KVDestination, KVExpectation, PeerInfo
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
 from kvrelay.kv_transfer.tracker import ABORT_SUFFIX, NotifJob, RecvTracker, SendTracker
 from kvrelay.kv_transfer.transfer_thread import TransferThread, WriteJob
+from kvrelay.timeline import mark
 
 if TYPE_CHECKING:
     from kvrelay.engine.kv_cache import KVCacheSpec
@@ -96,6 +98,7 @@ class NixlConnector(KVConnector):
         self._saved: set[int] = set()
         self._quarantine: dict[str, float] = {}  # aborted receivers -> when their blocks free
         self._abort_notice: dict[bytes, str] = {}  # their senders' abort notices -> request
+        self._wake: Callable[[], None] = _nothing  # the engine loop's, called by the I/O thread
 
     # -- lifecycle -----------------------------------------------------------------------------
     def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
@@ -193,12 +196,20 @@ class NixlConnector(KVConnector):
     def _on_write_end(self, job: WriteJob, err: KVTransferError | None) -> list[NotifJob]:
         with self._lock:
             if err is None:
-                return self._send.write_done(job.request_ids)
-            return self._send.write_failed(job.request_ids, _reason(err))
+                jobs = self._send.write_done(job.request_ids)
+            else:
+                jobs = self._send.write_failed(job.request_ids, _reason(err))
+        for nj in jobs:
+            mark("kv_written", nj.request_id)
+        if err is not None:
+            self._wake()  # ``failed`` has news for the engine
+        return jobs
 
     def _on_notif_end(self, job: NotifJob, err: KVTransferError | None) -> None:
+        mark("kv_notified", job.request_id)
         with self._lock:
             self._send.notif_done(job.request_id, None if err is None else _reason(err))
+        self._wake()  # ``sent`` (or ``failed``) names the request now
 
     # -- scheduler side ------------------------------------------------------------------------
     def request_waiting_for_kv(self, seq: Sequence) -> None:
@@ -213,11 +224,15 @@ class NixlConnector(KVConnector):
     def request_finished(self, seq: Sequence) -> bool:
         params = seq.kv_transfer_params
         if isinstance(params, KVDestination):
+            mark("kv_finished", seq.request_id)
             with self._lock:
                 jobs = self._send.finish(seq.request_id, params,
                                          aborted=seq.finish_reason in _ABORTED)
             for job in jobs:
+                mark("kv_written", job.request_id)
                 self._io().submit(job)
+            if not jobs:  # done already (a write had failed): ``take_events`` has it now
+                self._wake()
             return True
         if isinstance(params, KVExpectation):
             with self._lock:
@@ -253,6 +268,10 @@ class NixlConnector(KVConnector):
                 gone = set(released)
                 self._abort_notice = {k: v for k, v in self._abort_notice.items()
                                       if v not in gone}
+        for rid in recv.received:
+            mark("kv_received", rid)
+        for rid in send.sent:
+            mark("kv_sent_seen", rid)
         # ``sent`` tells the engine it may free the blocks it held for these requests.
         return TransferEvents(send.sent + released, recv.received, send.failed + recv.failed)
 
@@ -260,6 +279,21 @@ class NixlConnector(KVConnector):
         with self._lock:
             return (self._send.has_pending() or self._recv.has_pending()
                     or bool(self._quarantine))
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """The sending side's events come from the I/O thread, which calls ``wake`` after each
+        notification (and failed write): an engine waiting only on sends can sleep."""
+        self._wake = wake
+
+    def needs_polling(self) -> bool:
+        """Receiving needs polls: NIXL notifications arrive only when we progress UCX, and
+        expectation deadlines and quarantine ends are times, not events."""
+        with self._lock:
+            return self._recv.has_pending() or bool(self._quarantine)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _reason(err: KVTransferError) -> str:

@@ -31,6 +31,7 @@ from kvrelay.rpc import (
     insecure_channel,
     token_metadata,
 )
+from kvrelay.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: wpb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
         rid = request.request_id
+        mark("prefill_rpc_in", rid)
         with request_context(rid):
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
@@ -170,4 +172,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
             if first_lp is not None:  # set only when asked for: HasField tells the router
                 resp.logprob.CopyFrom(logprob_to_proto(first_lp))
+            mark("prefill_rpc_out", rid)
             return resp

@@ -97,20 +97,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "ttft_ms", "e2e_ms", "prefill_ms", "transfer_ms", "mean_itl_ms")
+    __slots__ = ("queue_ms", "ttft_ms", "e2e_ms", "prefill_ms", "transfer_ms", "mean_itl_ms", "reserve_ms", "decode_kv_wait_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     ttft_ms: float
     e2e_ms: float
     prefill_ms: float
     transfer_ms: float
     mean_itl_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., mean_itl_ms: _Optional[float] = ...) -> None: ...
+    reserve_ms: float
+    decode_kv_wait_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., mean_itl_ms: _Optional[float] = ..., reserve_ms: _Optional[float] = ..., decode_kv_wait_ms: _Optional[float] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
     __slots__ = ("name", "t_ms", "worker")

@@ -39,7 +39,9 @@ def delta_to_proto(d: Delta) -> pb.GenerateResponse:
             t = d.timing
             msg.timing.CopyFrom(pb.Timing(queue_ms=t.queue_ms, ttft_ms=t.ttft_ms,
                                           e2e_ms=t.e2e_ms, prefill_ms=t.prefill_ms,
-                                          transfer_ms=t.transfer_ms, mean_itl_ms=t.mean_itl_ms))
+                                          transfer_ms=t.transfer_ms, mean_itl_ms=t.mean_itl_ms,
+                                          reserve_ms=t.reserve_ms,
+                                          decode_kv_wait_ms=t.decode_kv_wait_ms))
         if d.trace is not None:
             msg.trace.extend(pb.TraceEvent(name=e.name, t_ms=e.t_ms, worker=e.worker)
                              for e in d.trace.events)

@@ -286,6 +286,8 @@ class Lifecycle:
             try:
                 produced = [tok]
                 async for c in self._read_stream(spec, call, d, trace):
+                    if len(produced) == 1:
+                        trace.add("decode_first", d.worker_id)
                     produced.extend(c.token_ids)
                     if c.finish_reason is not None:
                         self._expect_sequence(d, ctx, produced)
@@ -368,6 +370,7 @@ class Lifecycle:
                 self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
                 continue
             d.pending_blocks += len(resp.block_ids)
+            trace.reserve_ms = (time.monotonic() - t_rpc) * 1000.0
             if ctx.record:
                 d.reserve_rpc_s.observe(time.monotonic() - t_rpc)
             if ctx.count:
@@ -501,6 +504,8 @@ class Lifecycle:
             if resp is grpc.aio.EOF:
                 return
             now = time.monotonic()
+            if resp.kv_wait_ms:
+                trace.decode_kv_wait_ms = resp.kv_wait_ms
             if last is not None and record and resp.token_ids:
                 w.step_fit.observe(w.batch_estimate, now - last)
             last = now

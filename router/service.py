@@ -67,6 +67,8 @@ class Timing:
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
     mean_itl_ms: float = 0.0
+    reserve_ms: float = 0.0
+    decode_kv_wait_ms: float = 0.0
 
 
 @dataclass
@@ -344,6 +346,7 @@ class RouterService:
             t.ttft_ms = (first_at - spec.arrival) * 1000.0
         if gaps:
             t.mean_itl_ms = sum(gaps) / len(gaps) * 1000.0
+        t.reserve_ms, t.decode_kv_wait_ms = trace.reserve_ms, trace.decode_kv_wait_ms
         p = trace.prefill
         if p is not None:
             t.prefill_ms, t.transfer_ms = p.prefill_ms, p.transfer_ms

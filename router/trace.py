@@ -23,6 +23,8 @@ class Trace:
     t0: float = field(default_factory=time.monotonic)
     events: list[TraceEvent] = field(default_factory=list)
     prefill: Any = None  # the PrefillResponse, for its timings
+    reserve_ms: float = 0.0  # the last Reserve round trip
+    decode_kv_wait_ms: float = 0.0  # the decode worker's wait for the KV, as it reported it
 
     def add(self, name: str, worker: str = "", detail: str = "") -> TraceEvent:
         ev = TraceEvent(name, (time.monotonic() - self.t0) * 1000.0, worker, detail)

@@ -1,0 +1,166 @@
+"""AsyncEngine's engine thread sleeps while it waits and is woken by events, not found by polls:
+idle, it blocks on its command queue; waiting for a KV send, it blocks until the connector's
+I/O side wakes it; ``flush()`` returns after the outputs of earlier commands were dispatched."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import pytest
+
+from kvrelay.engine import async_engine
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.engine_core import EngineCore
+from kvrelay.engine.kv_connector import KVConnector, TransferEvents
+from kvrelay.engine.sampling_params import SamplingParams
+
+
+class HeldSends(KVConnector):
+    """A sender whose deliveries end only when the test says so, from another thread (as
+    NIXL's I/O thread would), waking the engine then."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held: set[str] = set()
+        self.sent: list[str] = []
+        self.wake = lambda: None
+
+    def register_kv_cache(self, kv: object, spec: object) -> None:
+        pass
+
+    def request_finished(self, seq: object) -> bool:
+        with self.lock:
+            self.held.add(seq.request_id)  # type: ignore[attr-defined]
+        return True
+
+    def take_events(self) -> TransferEvents:
+        with self.lock:
+            sent, self.sent = self.sent, []
+        return TransferEvents(sent, [], [])
+
+    def has_pending(self) -> bool:
+        with self.lock:
+            return bool(self.held or self.sent)
+
+    def set_waker(self, wake) -> None:  # type: ignore[no-untyped-def]
+        self.wake = wake
+
+    def needs_polling(self) -> bool:
+        return False
+
+    def deliver(self, request_id: str) -> None:
+        with self.lock:
+            self.held.discard(request_id)
+            self.sent.append(request_id)
+        self.wake()
+
+
+def blocked_on_queue(engine: AsyncEngine) -> bool:
+    """The engine thread sits in ``queue.Queue.get`` (a blocking wait), not in a step."""
+    assert engine._thread is not None
+    frame = sys._current_frames().get(engine._thread.ident)  # type: ignore[arg-type]
+    while frame is not None:
+        if frame.f_code.co_name == "get" and frame.f_code.co_filename.endswith("queue.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.fixture
+def no_backstop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a wake-up can end the engine thread's wait during the test."""
+    monkeypatch.setattr(async_engine, "IDLE_WAIT_S", 60.0)
+
+
+def make(model_dir: str, connector: KVConnector | None = None) -> AsyncEngine:
+    return AsyncEngine(EngineCore(EngineConfig.from_kwargs(model_dir, num_blocks=64),
+                                  connector))
+
+
+def test_idle_engine_thread_blocks_and_wakes_on_submit(demo_model_dir: str,
+                                                       no_backstop: None) -> None:
+    async def main() -> None:
+        engine = make(demo_model_dir)
+        engine.start()
+        try:
+            await asyncio.sleep(0.2)
+            assert blocked_on_queue(engine)
+            assert engine.wakeups == 0  # no poll ended a wait while idle
+            outs = [o async for o in engine.generate("r", [5, 6, 7], SamplingParams(
+                max_tokens=3, ignore_eos=True))]
+            assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 3
+            await asyncio.sleep(0.1)
+            assert blocked_on_queue(engine)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_kv_send_completion_wakes_the_engine(demo_model_dir: str, no_backstop: None) -> None:
+    async def main() -> None:
+        conn = HeldSends()
+        engine = make(demo_model_dir, conn)
+        engine.start()
+        try:
+            # One token, like a prefill worker's request: its output waits for the delivery.
+            gen = engine.generate("p", [5, 6, 7, 8], SamplingParams(max_tokens=1),
+                                  kv_transfer_params=object())
+            first = asyncio.ensure_future(anext(gen))
+            for _ in range(200):
+                if conn.held:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn.held == {"p"}
+            await asyncio.sleep(0.1)
+            assert not first.done()
+            waits = engine.wakeups
+            await asyncio.sleep(0.1)
+            assert blocked_on_queue(engine)
+            assert engine.wakeups == waits  # waiting for the send, it does not poll
+            conn.deliver("p")  # from the "I/O thread": only this wake-up can end the wait
+            out = await asyncio.wait_for(first, 10.0)
+            assert out.finished and len(out.new_token_ids) == 1
+            await gen.aclose()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_flush_returns_after_earlier_outputs_are_dispatched(demo_model_dir: str) -> None:
+    async def main() -> None:
+        engine = make(demo_model_dir)
+        engine.start()
+        try:
+            gen = engine.generate("a", [5, 6, 7], SamplingParams(max_tokens=500,
+                                                                 ignore_eos=True))
+            await anext(gen)
+            stream = engine._streams["a"]
+            await engine.abort("a")
+            await engine.flush()
+            last = None
+            while not stream.empty():
+                last = stream.get_nowait()
+            assert last is not None and last.finished  # the ABORT came before flush returned
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_is_prompt_when_idle(demo_model_dir: str, no_backstop: None) -> None:
+    async def main() -> None:
+        engine = make(demo_model_dir)
+        engine.start()
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        engine.shutdown()
+        assert engine._thread is not None and not engine._thread.is_alive()
+        assert time.monotonic() - t0 < 30  # woken by the stop command, not the backstop
+
+    asyncio.run(main())
