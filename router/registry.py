@@ -193,7 +193,7 @@ def _step_fit() -> LinearFit:
 
 @dataclass
 class RouteCounters:
-    """What the router had workers do, for metrics (kept after a worker leaves)."""
+    """What the router had workers do, for metrics (pruned when the worker leaves)."""
 
     prompt_tokens: int = 0  # prompt tokens of requests routed here (prefill or local)
     computed_tokens: int = 0  # of which the worker computed (the rest was in its prefix cache)
@@ -331,6 +331,10 @@ class WorkerRegistry:
         return 2.0 * self.heartbeat_interval_s + 0.5
 
     def counter(self, w: WorkerState) -> RouteCounters:
+        """The worker's routing counters; a worker that has left (a request still finishing on
+        it) gets a throwaway set, so its metric series stay pruned."""
+        if self.workers.get(w.worker_id) is not w:
+            return RouteCounters()
         key = (w.role, w.worker_id)
         c = self.counters.get(key)
         if c is None:
@@ -359,7 +363,7 @@ class WorkerRegistry:
         if w is not None and (w.incarnation != info.incarnation or w.address != info.address):
             logger.info("worker %s restarted (incarnation %s -> %s)", info.worker_id,
                         w.incarnation, info.incarnation)
-            self._remove(info.worker_id)
+            self._remove(info.worker_id, prune=False)  # the same worker: its series go on
             w = None
         want_full = False
         if w is None:
@@ -402,8 +406,13 @@ class WorkerRegistry:
         self._changed.set()
         return w
 
-    def _remove(self, worker_id: str) -> None:
+    def _remove(self, worker_id: str, *, prune: bool = True) -> None:
+        """Forget a worker; ``prune``: its routing counters (metric series) too, so that pods
+        coming and going do not grow the router's memory and /metrics forever."""
         w = self.workers.pop(worker_id, None)
+        if prune:
+            for key in [k for k in self.counters if k[1] == worker_id]:
+                del self.counters[key]
         if w is not None:
             asyncio.get_running_loop().create_task(w.channel.close())
             self._changed.set()
