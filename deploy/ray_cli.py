@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -23,6 +25,8 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray binds 127.0.0.1 o
 CLUSTER_FILE = "/tmp/ray/ray_current_cluster"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 DEFAULT_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")
+logger = logging.getLogger(__name__)
+
 EMBEDDED_MIN_CPUS = 8  # logical CPUs of an embedded Ray: room for 2P2D + headroom on a laptop
 
 
@@ -63,7 +67,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--served-model-name", default=None,
         help="model name of the OpenAI API (default: the model directory's name)")
     opt(p, "--api-keys", default=None)
-    opt(p, "--cluster-token", default=None)
+    opt(p, "--cluster-token", default=None,
+        help="secret of the internal ports (router control, workers); default: a fresh random "
+        "one handed to the actors, so nothing outside this launch can join")
     opt(p, "--heartbeat-interval", type=float, default=1.0,
         help="worker heartbeat period (s); a worker missing 3 is dropped")
     opt(p, "--drain-timeout", type=float, default=30.0)
@@ -109,11 +115,12 @@ def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
     host = args.host or ("127.0.0.1" if loopback else "0.0.0.0")
     http = None if int(args.http_port) < 0 else int(args.http_port)
     keys = tuple(k for k in (args.api_keys or "").split(",") if k)
+    token = serve_cluster_token(args.cluster_token)
     router = RouterSettings(
         model=model, host=host, port=int(args.grpc_port),
         control_host="127.0.0.1" if loopback else "0.0.0.0",
         control_port=int(args.control_port), http_host=host, http_port=http,
-        api_keys=keys, cluster_token=args.cluster_token,
+        api_keys=keys, cluster_token=token,
         served_model_name=args.served_model_name, config=RouterConfig(policy=args.policy))
     gpus = args.gpus_per_replica
     if gpus is None:
@@ -146,11 +153,22 @@ def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
     args.model = model
     return ServeSpec(
         router=replace(router, heartbeat_interval_s=hb),
-        worker=WorkerSettings(role="both", cluster_token=args.cluster_token,
+        worker=WorkerSettings(role="both", cluster_token=token,
                               heartbeat_interval_s=hb,
                               drain_timeout_s=float(args.drain_timeout)),
         engine=engine_config_from_args(args), pools=pools, loopback=loopback,
         autoscale=autoscale, log_level=args.log_level, placement_timeout_s=placement)
+
+
+def serve_cluster_token(given: str | None) -> str:
+    """The token of the internal ports: the one given, or a fresh random one. Every actor this
+    launch starts (router, workers, scaled-out replicas) receives it in its settings, so the
+    control and worker ports refuse any process this launch did not start, even on a Ray
+    cluster whose nodes listen on 0.0.0.0."""
+    if given:
+        return given
+    logger.info("no --cluster-token: generated one for this launch's router and workers")
+    return secrets.token_urlsafe(32)
 
 
 def _opt_float(v: Any) -> float | None:

@@ -92,24 +92,17 @@ class AsyncEngine:
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Prefill here and stream outputs until the request finishes."""
         stream = self._open(request_id)
-        try:
-            await self.call(self.core.add_request, request_id, prompt_token_ids, sampling,
-                            kv_transfer_params=kv_transfer_params, arrival_time=arrival_time)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        await self._admit(request_id, self.core.add_request, request_id, prompt_token_ids,
+                          sampling, kv_transfer_params=kv_transfer_params,
+                          arrival_time=arrival_time)
         async for out in self._drain(request_id, stream):
             yield out
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], *,
                       kv_transfer_params: object | None = None) -> Reservation:
         self._open(request_id)
-        try:
-            return await self.call(self.core.reserve, request_id, prompt_token_ids,
-                                   kv_transfer_params=kv_transfer_params)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        return await self._admit(request_id, self.core.reserve, request_id, prompt_token_ids,
+                                 kv_transfer_params=kv_transfer_params)
 
     async def decode(self, request_id: str, first_token_id: int,
                      sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -133,6 +126,34 @@ class AsyncEngine:
         await fut
 
     # -- internals -----------------------------------------------------------------------------
+    async def _admit(self, request_id: str, fn: Callable[..., T], *args: Any,
+                     **kwargs: Any) -> T:
+        """Run ``fn`` (which adds the request to the core) on the engine thread. A caller
+        cancelled while the command waits in the queue (or runs) must not leave the request in
+        the engine: nobody would read or abort it, and a prefill would later write its KV into
+        blocks its receiver has given up. Not yet run: it never adds it; already added: an
+        abort queued behind it takes it out. An id the core refused is left alone (it is
+        another request's)."""
+        cancelled = threading.Event()
+        added = threading.Event()
+
+        def admit() -> T:
+            if cancelled.is_set():
+                raise asyncio.CancelledError
+            result = fn(*args, **kwargs)
+            added.set()
+            return result
+
+        try:
+            return await self.call(admit)
+        except BaseException as e:
+            self._streams.pop(request_id, None)
+            if isinstance(e, asyncio.CancelledError):
+                cancelled.set()
+                # Commands run in order: this one runs after ``admit`` has or has not added it.
+                self._cmds.put(lambda: added.is_set() and self.core.abort(request_id, emit=False))
+            raise
+
     def _open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -210,11 +210,13 @@ class EngineCore:
         if reason is not None:
             self._finish(seq, reason)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, emit: bool = True) -> bool:
+        """Finish a request as aborted; ``emit=False``: without a final output (nobody reads
+        it, and a later request of the same id must not receive it)."""
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, FinishReason.ABORT)
+        self._finish(seq, FinishReason.ABORT, emit=emit)
         return True
 
     # -- the step ------------------------------------------------------------------------------

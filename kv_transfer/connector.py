@@ -36,7 +36,7 @@ from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
 from kvrelay.kv_transfer.messages import KVDestination, KVExpectation, PeerInfo
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
-from kvrelay.kv_transfer.tracker import ABORT_SUFFIX, NotifJob, RecvTracker, SendTracker
+from kvrelay.kv_transfer.tracker import NotifJob, Quarantine, RecvTracker, SendTracker
 from kvrelay.kv_transfer.transfer_thread import TransferThread, WriteJob
 from kvrelay.timeline import mark
 
@@ -96,8 +96,7 @@ class NixlConnector(KVConnector):
         self._cuda = False
         self._step: dict[tuple[str, str | None], _PeerWrites] = {}
         self._saved: set[int] = set()
-        self._quarantine: dict[str, float] = {}  # aborted receivers -> when their blocks free
-        self._abort_notice: dict[bytes, str] = {}  # their senders' abort notices -> request
+        self._quarantine = Quarantine()  # aborted receivers' blocks, until their sender is done
         self._wake: Callable[[], None] = _nothing  # the engine loop's, called by the I/O thread
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -239,9 +238,8 @@ class NixlConnector(KVConnector):
                 self._recv.forget(seq.request_id)
                 if seq.finish_reason in _ABORTED and not seq.kv_ready \
                         and self.config.abort_grace_s > 0:
-                    self._quarantine[seq.request_id] = (time.monotonic()
-                                                        + self.config.abort_grace_s)
-                    self._abort_notice[params.notif + ABORT_SUFFIX] = seq.request_id
+                    self._quarantine.hold(seq.request_id, params.notif,
+                                          time.monotonic() + self.config.abort_grace_s)
                     return True
         return False
 
@@ -252,22 +250,13 @@ class NixlConnector(KVConnector):
         notifs = self.transport.get_notifs() if expecting else []
         with self._lock:
             for n in notifs:
-                rid = self._abort_notice.pop(n.msg, None)
-                if rid is not None:  # the sender's last write has ended: reuse the blocks now
-                    self._quarantine[rid] = 0.0
-                elif not n.msg.endswith(ABORT_SUFFIX):
+                # A held request's sender has ended its last write: reuse the blocks now.
+                if not self._quarantine.on_notif(n.msg):
                     self._recv.on_notif(n.peer, n.msg)
             self._recv.expire(time.monotonic())
             recv = self._recv.take()
             send = self._send.take()
-            now = time.monotonic()
-            released = [r for r, t in self._quarantine.items() if t <= now]
-            for r in released:
-                del self._quarantine[r]
-            if released:
-                gone = set(released)
-                self._abort_notice = {k: v for k, v in self._abort_notice.items()
-                                      if v not in gone}
+            released = self._quarantine.release_due(time.monotonic())
         for rid in recv.received:
             mark("kv_received", rid)
         for rid in send.sent:

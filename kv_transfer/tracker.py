@@ -11,6 +11,8 @@ sent after its last write ended, so the receiver may reuse the blocks at once ra
 its grace period.
 
 Receiver (``RecvTracker``): open expectations keyed by notification bytes, with deadlines.
+``Quarantine``: blocks of receivers aborted before their KV arrived, held until their sender's
+last notification (abort notice or completion) says no write of it can still land there.
 """
 
 from __future__ import annotations
@@ -215,3 +217,39 @@ class RecvTracker:
 
     def has_pending(self) -> bool:
         return bool(self._notif_of)
+
+
+class Quarantine:
+    """Aborted receivers whose blocks a sender may still write: request -> release time, and
+    their notification -> request. The sender's final notification ends the hold whichever it
+    is: an abort notice, or the completion of a send that finished before its abort reached
+    it (its writes have all ended either way). The release time is only a backstop."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+        self._by_notif: dict[bytes, str] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
+    def hold(self, request_id: str, notif: bytes, until: float) -> None:
+        self._until[request_id] = until
+        self._by_notif[notif] = request_id
+
+    def on_notif(self, msg: bytes) -> bool:
+        """Whether ``msg`` was the last word of a held request's sender (it is consumed)."""
+        base = msg[:-len(ABORT_SUFFIX)] if msg.endswith(ABORT_SUFFIX) else msg
+        rid = self._by_notif.pop(base, None)
+        if rid is None:
+            return msg.endswith(ABORT_SUFFIX)  # a late notice: nothing to release
+        self._until[rid] = 0.0
+        return True
+
+    def release_due(self, now: float) -> list[str]:
+        due = [r for r, t in self._until.items() if t <= now]
+        if due:
+            for r in due:
+                del self._until[r]
+            gone = set(due)
+            self._by_notif = {k: v for k, v in self._by_notif.items() if v not in gone}
+        return due

@@ -47,6 +47,10 @@ class KVEndpoint:
     def add_peer(self, peer_info: bytes) -> None:
         self.connector.add_peer(PeerInfo.from_bytes(peer_info))
 
+    def evict_peer(self, agent_name: str) -> bool:
+        """Forget a decode worker: its remote agent, descriptors and connection."""
+        return self.connector.evict_peer(agent_name)
+
     def destination(self, request_id: str, agent_name: str, block_ids: list[int],
                     skip_blocks: int, lease_id: str, incarnation: str) -> KVDestination:
         # The incarnation binds the writes to the process that granted the lease: if the decode

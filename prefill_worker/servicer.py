@@ -21,6 +21,7 @@ from kvrelay.convert import logprob_to_proto, sampling_from_proto
 from kvrelay.decode_worker.servicer import ID_REUSE_WAIT_S, is_id_in_use
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
+from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
@@ -50,6 +51,14 @@ class KVSender(Protocol):
 
     def block_bytes(self) -> int: ...
 
+    def evict_peer(self, agent_name: str) -> bool: ...
+
+
+# A decode worker no request has gone to for this long is forgotten (its NIXL remote agent,
+# prepared descriptors and connection lock): decode pods come and go, and each one held here
+# forever would grow this worker's memory. One that comes back is reconnected on first use.
+PEER_IDLE_S = 300.0
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: AsyncEngine, kv: KVSender, worker_id: str, *,
@@ -60,6 +69,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.draining = False
         self._md = token_metadata(cluster_token)
         self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._peer_used: dict[str, float] = {}  # agent name -> last request's start
+        self._peer_inflight: dict[str, int] = {}  # agent name -> Prefill calls under way
 
     async def _ensure_peer(self, dest: wpb.KVDestination) -> None:
         """Fetch a decode worker's transfer info once per incarnation."""
@@ -78,6 +89,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await self.engine.call(self.kv.add_peer, info.peer_info)
             logger.info("connected to decode worker %s at %s", dest.agent_name,
                         dest.decode_address)
+
+    async def evict_idle_peers(self, now: float | None = None) -> list[str]:
+        """Forget decode workers unused for ``PEER_IDLE_S`` with nothing under way to them."""
+        now = time.monotonic() if now is None else now
+        idle = [name for name, t in self._peer_used.items()
+                if now - t > PEER_IDLE_S and not self._peer_inflight.get(name)
+                and not (name in self._peer_locks and self._peer_locks[name].locked())]
+        for name in idle:
+            del self._peer_used[name]
+            self._peer_locks.pop(name, None)
+            self._peer_inflight.pop(name, None)
+            await self.engine.call(self.kv.evict_peer, name)
+        if idle:
+            logger.info("forgot %d idle decode worker(s): %s", len(idle), ", ".join(idle))
+        return idle
 
     def _validate(self, request: wpb.PrefillRequest) -> int:
         """Returns the number of leading blocks the receiver already has."""
@@ -114,63 +140,79 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             dest = request.dest
+            await self.evict_idle_peers()
+            self._peer_used[dest.agent_name] = time.monotonic()
+            self._peer_inflight[dest.agent_name] = self._peer_inflight.get(dest.agent_name, 0) + 1
             try:
-                await self._ensure_peer(dest)
-            except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
-                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"cannot reach decode worker {dest.agent_name}: {detail}",
-                                    KV_DESTINATION_FAILED)
-            except ValueError as e:  # incompatible KV layouts: a deployment error
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e),
+                return await self._prefill(request, context, skip_blocks, sampling)
+            finally:
+                n = self._peer_inflight.get(dest.agent_name, 0) - 1
+                if n > 0:
+                    self._peer_inflight[dest.agent_name] = n
+                else:
+                    self._peer_inflight.pop(dest.agent_name, None)
+
+    async def _prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext,
+                       skip_blocks: int, sampling: SamplingParams) -> wpb.PrefillResponse:
+        rid = request.request_id
+        dest = request.dest
+        try:
+            await self._ensure_peer(dest)
+        except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"cannot reach decode worker {dest.agent_name}: {detail}",
+                                KV_DESTINATION_FAILED)
+        except ValueError as e:  # incompatible KV layouts: a deployment error
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e),
+                                KV_NOTHING_WRITTEN)
+        params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip_blocks,
+                                     dest.lease_id, dest.incarnation)
+        t0 = time.monotonic()
+        out: RequestOutput | None = None
+        while True:
+            try:
+                async for o in self.engine.generate(rid, list(request.prompt_token_ids),
+                                                    sampling, kv_transfer_params=params,
+                                                    arrival_time=t0):
+                    out = o
+                break
+            except EngineOverloaded as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
                                     KV_NOTHING_WRITTEN)
-            params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip_blocks,
-                                         dest.lease_id, dest.incarnation)
-            t0 = time.monotonic()
-            out: RequestOutput | None = None
-            while True:
-                try:
-                    async for o in self.engine.generate(rid, list(request.prompt_token_ids),
-                                                        sampling, kv_transfer_params=params,
-                                                        arrival_time=t0):
-                        out = o
-                    break
-                except EngineOverloaded as e:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
-                                        KV_NOTHING_WRITTEN)
-                except ValueError as e:
-                    # An earlier request of this id (given up by the router, or a client's retry)
-                    # may still be sending its KV out: wait a moment, it is transient.
-                    if is_id_in_use(e) and out is None \
-                            and time.monotonic() < t0 + ID_REUSE_WAIT_S:
-                        await asyncio.sleep(0.02)
-                        continue
-                    await context.abort(grpc.StatusCode.UNAVAILABLE if is_id_in_use(e)
-                                        else grpc.StatusCode.INVALID_ARGUMENT, str(e),
-                                        KV_NOTHING_WRITTEN)
-            if out is None or out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) \
-                    or not out.new_token_ids:
-                reason = (out.error if out is not None else None) or "prefill aborted"
-                logger.warning("prefill failed: %s", reason)
-                # A failed KV transfer is the destination's failure (the decode worker died or
-                # dropped the lease), not this worker's.
-                side = KV_DESTINATION_FAILED if reason.startswith(KV_TRANSFER_FAILED) else ()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, reason, side)
-            done = time.monotonic()
-            scheduled = out.scheduled_at or t0
-            computed = out.computed_at or done
-            sent_blocks = len(dest.block_ids) - skip_blocks
-            first_lp = out.logprobs[0] if out.logprobs else None
-            resp = wpb.PrefillResponse(
-                first_token_id=out.new_token_ids[0],
-                cached_prompt_tokens=out.num_cached_tokens,
-                queue_ms=(scheduled - t0) * 1000.0,
-                prefill_ms=(computed - scheduled) * 1000.0,
-                transfer_ms=(done - computed) * 1000.0,
-                kv_bytes=sent_blocks * self.kv.block_bytes(),
-                worker_id=self.worker_id,
-            )
-            if first_lp is not None:  # set only when asked for: HasField tells the router
-                resp.logprob.CopyFrom(logprob_to_proto(first_lp))
-            mark("prefill_rpc_out", rid)
-            return resp
+            except ValueError as e:
+                # An earlier request of this id (given up by the router, or a client's retry)
+                # may still be sending its KV out: wait a moment, it is transient.
+                if is_id_in_use(e) and out is None \
+                        and time.monotonic() < t0 + ID_REUSE_WAIT_S:
+                    await asyncio.sleep(0.02)
+                    continue
+                await context.abort(grpc.StatusCode.UNAVAILABLE if is_id_in_use(e)
+                                    else grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                                    KV_NOTHING_WRITTEN)
+        if out is None or out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) \
+                or not out.new_token_ids:
+            reason = (out.error if out is not None else None) or "prefill aborted"
+            logger.warning("prefill failed: %s", reason)
+            # A failed KV transfer is the destination's failure (the decode worker died or
+            # dropped the lease), not this worker's.
+            side = KV_DESTINATION_FAILED if reason.startswith(KV_TRANSFER_FAILED) else ()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason, side)
+        done = time.monotonic()
+        scheduled = out.scheduled_at or t0
+        computed = out.computed_at or done
+        sent_blocks = len(dest.block_ids) - skip_blocks
+        first_lp = out.logprobs[0] if out.logprobs else None
+        resp = wpb.PrefillResponse(
+            first_token_id=out.new_token_ids[0],
+            cached_prompt_tokens=out.num_cached_tokens,
+            queue_ms=(scheduled - t0) * 1000.0,
+            prefill_ms=(computed - scheduled) * 1000.0,
+            transfer_ms=(done - computed) * 1000.0,
+            kv_bytes=sent_blocks * self.kv.block_bytes(),
+            worker_id=self.worker_id,
+        )
+        if first_lp is not None:  # set only when asked for: HasField tells the router
+            resp.logprob.CopyFrom(logprob_to_proto(first_lp))
+        mark("prefill_rpc_out", rid)
+        return resp

@@ -17,7 +17,7 @@ from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError
-from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.registry import WorkerIdTaken, WorkerRegistry
 from kvrelay.router.service import Delta, RouterService
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                         context: grpc.aio.ServicerContext) -> wpb.HeartbeatResponse:
         try:
             return self.registry.heartbeat(request)
+        except WorkerIdTaken as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 

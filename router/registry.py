@@ -40,6 +40,11 @@ MIN_WORKER_MODEL_LEN = 256  # or 0: not reported
 MAX_WORKER_BLOCKS = 1 << 20  # also the hashes held for a worker that reports no num_blocks
 
 
+class WorkerIdTaken(ValueError):
+    """A beat claims a live worker's id from another address, on a control port anyone can
+    reach (no cluster token): believing it would hand that worker's traffic to the sender."""
+
+
 def validate_beat(req: wpb.HeartbeatRequest) -> None:
     """Raises ValueError, with a message for the worker's log, when a beat is out of bounds."""
     info, load = req.worker, req.load
@@ -188,7 +193,7 @@ def _step_fit() -> LinearFit:
 
 @dataclass
 class RouteCounters:
-    """What the router had workers do, for metrics (kept after a worker leaves)."""
+    """What the router had workers do, for metrics (pruned when the worker leaves)."""
 
     prompt_tokens: int = 0  # prompt tokens of requests routed here (prefill or local)
     computed_tokens: int = 0  # of which the worker computed (the rest was in its prefix cache)
@@ -301,11 +306,15 @@ class WorkerState:
 
 class WorkerRegistry:
     def __init__(self, *, heartbeat_interval_s: float = 1.0, missed_beats: int = 3,
-                 suspect_s: float = 2.0, model_identity: str | None = None):
+                 suspect_s: float = 2.0, model_identity: str | None = None,
+                 authenticated: bool = False):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.timeout_s = heartbeat_interval_s * missed_beats
         self.suspect_s = suspect_s
         self.model_identity = model_identity
+        # Whether every beat was sent by a holder of the cluster token: only then may a beat
+        # move a live worker id to another address (a pod restarted elsewhere).
+        self.authenticated = authenticated
         self.workers: dict[str, WorkerState] = {}
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
@@ -322,6 +331,10 @@ class WorkerRegistry:
         return 2.0 * self.heartbeat_interval_s + 0.5
 
     def counter(self, w: WorkerState) -> RouteCounters:
+        """The worker's routing counters; a worker that has left (a request still finishing on
+        it) gets a throwaway set, so its metric series stay pruned."""
+        if self.workers.get(w.worker_id) is not w:
+            return RouteCounters()
         key = (w.role, w.worker_id)
         c = self.counters.get(key)
         if c is None:
@@ -340,10 +353,17 @@ class WorkerRegistry:
             raise ValueError(f"worker {info.worker_id} serves model {info.model_identity}, this "
                              f"router serves {self.model_identity}")
         w = self.workers.get(info.worker_id)
+        if w is not None and w.address != info.address and not self.authenticated:
+            logger.warning("refused a beat for worker %s from %s: it is registered at %s and "
+                           "this control port has no cluster token", info.worker_id,
+                           info.address, w.address)
+            raise WorkerIdTaken(f"worker id {info.worker_id} is registered at another address; "
+                                f"reuse it once that worker has missed its heartbeats, or give "
+                                f"the cluster a token (--cluster-token)")
         if w is not None and (w.incarnation != info.incarnation or w.address != info.address):
             logger.info("worker %s restarted (incarnation %s -> %s)", info.worker_id,
                         w.incarnation, info.incarnation)
-            self._remove(info.worker_id)
+            self._remove(info.worker_id, prune=False)  # the same worker: its series go on
             w = None
         want_full = False
         if w is None:
@@ -386,8 +406,13 @@ class WorkerRegistry:
         self._changed.set()
         return w
 
-    def _remove(self, worker_id: str) -> None:
+    def _remove(self, worker_id: str, *, prune: bool = True) -> None:
+        """Forget a worker; ``prune``: its routing counters (metric series) too, so that pods
+        coming and going do not grow the router's memory and /metrics forever."""
         w = self.workers.pop(worker_id, None)
+        if prune:
+            for key in [k for k in self.counters if k[1] == worker_id]:
+                del self.counters[key]
         if w is not None:
             asyncio.get_running_loop().create_task(w.channel.close())
             self._changed.set()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -59,6 +60,29 @@ class RouterSettings:
                 raise ValueError(f"{name} must be in [0, 65536)")
 
 
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def warn_if_control_exposed(st: RouterSettings) -> bool:
+    """Logs a warning, and returns True, when the control port listens beyond loopback with no
+    cluster token: whoever reaches it can register a worker that receives prompts and returns
+    output of its choosing."""
+    if st.cluster_token or is_loopback_host(st.control_host):
+        return False
+    logger.warning("!!! control port %s:%d listens beyond loopback WITHOUT a cluster token: "
+                   "anyone who can reach it can register a worker that receives prompts and "
+                   "injects answers. Set --cluster-token (KVRELAY_CLUSTER_TOKEN) on the router "
+                   "and every worker, or bind --control-host 127.0.0.1 !!!",
+                   st.control_host, st.control_port)
+    return True
+
+
 class Router:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
@@ -76,7 +100,8 @@ class Router:
         arch = arch_from_hf_config(load_hf_config(st.model))
         tokenizer = load_tokenizer(st.model)
         self.registry = WorkerRegistry(heartbeat_interval_s=st.heartbeat_interval_s,
-                                       model_identity=arch.identity)
+                                       model_identity=arch.identity,
+                                       authenticated=bool(st.cluster_token))
         self.registry.start()
         policy = make_policy(st.config.policy)
         lifecycle = Lifecycle(self.registry, policy, st.config, token_metadata(st.cluster_token))
@@ -103,6 +128,7 @@ class Router:
         self.serving = False
         self.port = bind(self.public, st.host, st.port, st.tls)
 
+        warn_if_control_exposed(st)
         tokens = SecretSet([st.cluster_token] if st.cluster_token else [])
         self.control = make_server([cluster_token_interceptor(tokens)] if tokens else [])
         worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.registry),

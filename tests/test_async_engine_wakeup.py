@@ -164,3 +164,45 @@ def test_shutdown_is_prompt_when_idle(demo_model_dir: str, no_backstop: None) ->
         assert time.monotonic() - t0 < 30  # woken by the stop command, not the backstop
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["generate", "reserve"])
+def test_a_request_cancelled_while_its_add_is_queued_never_runs(demo_model_dir: str,
+                                                                kind: str) -> None:
+    """A prefill cancelled before the engine thread took its add_request was added anyway and
+    never aborted: it prefilled later and wrote KV into blocks its receiver had released."""
+    async def main() -> None:
+        engine = make(demo_model_dir)
+        engine.start()
+        try:
+            total = engine.core.block_manager.num_free_blocks
+            gate = threading.Event()
+            busy = asyncio.ensure_future(engine.call(gate.wait, 10.0))  # holds the thread
+            await asyncio.sleep(0.05)
+            if kind == "generate":
+                gen = engine.generate("x", [5, 6, 7, 8], SamplingParams(max_tokens=400,
+                                                                        ignore_eos=True))
+                task = asyncio.ensure_future(anext(gen))
+            else:
+                task = asyncio.ensure_future(engine.reserve("x", [5, 6, 7, 8]))
+            await asyncio.sleep(0.05)  # its command is queued behind the held one
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            await busy
+            await engine.flush()
+            await asyncio.sleep(0.1)
+            await engine.flush()
+            assert "x" not in engine.core.seqs
+            assert not engine.core.has_unfinished()
+            assert engine.core.block_manager.num_free_blocks == total
+            assert "x" not in engine._streams
+            # the id is free for a later request, which gets no stale output
+            outs = [o async for o in engine.generate("x", [5, 6, 7], SamplingParams(
+                max_tokens=3, ignore_eos=True))]
+            assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 3
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())

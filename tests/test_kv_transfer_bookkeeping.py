@@ -10,7 +10,13 @@ from kvrelay.kv_transfer.descriptors import plane_block_indices, plane_indices, 
 from kvrelay.kv_transfer.layout import KVLayout
 from kvrelay.kv_transfer.messages import KVDestination
 from kvrelay.kv_transfer.send_plan import BlockRange, blocks_to_send, map_blocks
-from kvrelay.kv_transfer.tracker import ABORT_SUFFIX, NotifJob, RecvTracker, SendTracker
+from kvrelay.kv_transfer.tracker import (
+    ABORT_SUFFIX,
+    NotifJob,
+    Quarantine,
+    RecvTracker,
+    SendTracker,
+)
 
 BS = 16
 
@@ -228,3 +234,22 @@ def test_receiver_refuses_one_notification_for_two_requests() -> None:
     t.expect("a", b"n", None)
     with pytest.raises(ValueError, match="unique"):
         t.expect("b", b"n", None)
+
+
+def test_quarantine_ends_with_the_senders_last_notification_whichever_it_is() -> None:
+    """An aborted receiver's blocks are held until its sender is done: an abort notice, or the
+    completion of a send that finished before the abort reached it (it used to be held to the
+    backstop then); the backstop applies only when neither comes."""
+    q = Quarantine()
+    q.hold("a", b"n-a", until=100.0)
+    q.hold("b", b"n-b", until=100.0)
+    q.hold("c", b"n-c", until=5.0)
+    assert q.release_due(1.0) == []
+    assert q.on_notif(b"n-a" + ABORT_SUFFIX)  # aborted sender, last write ended
+    assert q.on_notif(b"n-b")  # completed sender: no write of it is left either
+    assert not q.on_notif(b"n-other")  # an expectation's notification: not ours
+    assert q.on_notif(b"n-gone" + ABORT_SUFFIX)  # a late notice is consumed, not expected
+    assert sorted(q.release_due(1.0)) == ["a", "b"]
+    assert q  # c still held
+    assert q.release_due(5.0) == ["c"]
+    assert not q and not q.on_notif(b"n-c")

@@ -65,3 +65,13 @@ def test_out_of_bounds_heartbeats_are_refused(cluster, bad) -> None:
 def test_a_valid_heartbeat_is_taken(cluster) -> None:
     assert _beat(cluster, worker_id="ok-1", hashes=64) is None
     assert [w.info.worker_id for w in cluster.registered()] == ["ok-1"]
+
+
+def test_a_live_worker_id_cannot_be_taken_from_another_address(cluster) -> None:
+    """No cluster token here: a beat reusing a live worker's id from elsewhere would otherwise
+    replace the real worker (its prompts would go to the sender)."""
+    assert _beat(cluster, worker_id="held", address="127.0.0.1:9") is None
+    assert _beat(cluster, worker_id="held", address="127.0.0.1:6666",
+                 incarnation="thief") == grpc.StatusCode.ALREADY_EXISTS
+    held = [w.info for w in cluster.registered() if w.info.worker_id == "held"]
+    assert [(i.address, i.incarnation) for i in held] == [("127.0.0.1:9", "i1")]
