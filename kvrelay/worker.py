@@ -110,7 +110,7 @@ class Worker:
         self._tokens_per_s = 0.0
 
     # -- assembly ------------------------------------------------------------------------------
-    def _build_engine(self) -> None:
+    async def _build_engine(self) -> None:
         from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
 
         role = self.settings.role
@@ -126,10 +126,12 @@ class Worker:
             self.kv = KVEndpoint(self.worker_id, model_dir)
         tok = load_tokenizer(model_dir)
         eos = frozenset(eos_token_ids(model_dir, tok))
-        core = EngineCore(self.engine_config, self.kv.connector if self.kv else None, eos)
+        connector = self.kv.connector if self.kv else None
+        # Loaded on the engine thread itself (see AsyncEngine.spawn: one OpenMP pool).
+        self.engine = await AsyncEngine.spawn(
+            lambda: EngineCore(self.engine_config, connector, eos), on_step=self._on_step)
         if self.kv is not None:
-            self.kv.bind(core.runner.kv_spec)
-        self.engine = AsyncEngine(core, on_step=self._on_step)
+            self.kv.bind(self.engine.core.runner.kv_spec)
 
     def _on_step(self, seconds: float, tokens: int) -> None:
         self._step_tokens += tokens
@@ -156,13 +158,12 @@ class Worker:
         st = self.settings
         self.metrics = None
         self.metrics_port: int | None = None
-        self._build_engine()
+        await self._build_engine()
         if st.metrics_port is not None:
             from kvrelay.worker_metrics import WorkerMetrics
 
             self.metrics = WorkerMetrics(lambda: self.engine.stats, st.role, self.worker_id)
             self.metrics_port = self.metrics.serve(st.host, st.metrics_port)
-        self.engine.start()
         interceptors = []
         if st.cluster_token:
             interceptors.append(cluster_token_interceptor(SecretSet([st.cluster_token])))

@@ -206,3 +206,45 @@ def test_a_request_cancelled_while_its_add_is_queued_never_runs(demo_model_dir: 
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_spawn_loads_the_core_on_the_thread_that_steps_it(demo_model_dir: str) -> None:
+    """One thread does all the core's torch work, loading included: a second thread opening
+    OpenMP regions would make libgomp throttle its workers' spin-waits (see spawn)."""
+    built_on: list[int] = []
+    stepped_on: list[int] = []
+
+    def build() -> EngineCore:
+        built_on.append(threading.get_ident())
+        return EngineCore(EngineConfig.from_kwargs(demo_model_dir, num_blocks=64))
+
+    async def main() -> None:
+        engine = await AsyncEngine.spawn(build)
+        try:
+            step = engine.core.step
+
+            def spy() -> list:
+                stepped_on.append(threading.get_ident())
+                return step()
+
+            engine.core.step = spy  # type: ignore[method-assign]
+            outs = [o async for o in engine.generate("r", [5, 6, 7], SamplingParams(
+                max_tokens=3, ignore_eos=True))]
+            assert outs[-1].finished
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+    assert built_on and set(stepped_on) == set(built_on)
+    assert built_on[0] != threading.get_ident()
+
+
+def test_spawn_reports_a_failed_build() -> None:
+    def build() -> EngineCore:
+        raise ValueError("no such checkpoint")
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="no such checkpoint"):
+            await AsyncEngine.spawn(build)
+
+    asyncio.run(main())
