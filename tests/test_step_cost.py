@@ -41,6 +41,7 @@ def test_fit_recovers_the_cost_of_each_term() -> None:
 
 def test_budget_fills_the_target_and_no_more() -> None:
     m = fitted()
+    m.slack_s = 0.0  # no banked slack: the step itself must fit the target
     d, ctx = 24, 24 * 600
     budget = m.prefill_budget(d, ctx)
     assert 16 < budget < 2048
@@ -53,6 +54,24 @@ def test_budget_fills_the_target_and_no_more() -> None:
     # Without decodes the step takes the whole budget; more decodes leave less room.
     assert m.prefill_budget(0, 0) == 2048
     assert m.prefill_budget(48, 48 * 600) < budget
+
+
+def test_slack_left_by_fast_steps_lets_a_larger_chunk_through_and_is_spent() -> None:
+    """TPOT is a mean: decode steps far under the target bank the difference (up to a few
+    steps' worth), which a prefill chunk may spend; a slow step spends it."""
+    m = fitted()
+    m.slack_s = 0.0
+    d, ctx = 4, 4 * 300
+    plain = m.prefill_budget(d, ctx)
+    fast = StepShape(0, 0, d, ctx)
+    for _ in range(50):  # ~4 ms steps against a 50 ms target
+        m.observe(fast, TRUE.predict(fast))
+    assert m.slack_s == pytest.approx(m.slack_steps * 0.05)  # banked, but bounded
+    banked = m.prefill_budget(d, ctx)
+    assert banked > plain
+    m.observe(StepShape(banked, banked * 200, d, ctx), 0.05 + m.slack_s)  # the chunk ran
+    assert m.slack_s == pytest.approx(0.0, abs=1e-9)
+    assert m.prefill_budget(d, ctx) == pytest.approx(plain, rel=0.02)  # (the fit moved a hair)
 
 
 def test_no_target_or_no_fit_means_the_configured_budget() -> None:
@@ -77,6 +96,7 @@ def test_a_window_without_prefills_keeps_the_prefill_cost() -> None:
         shape = synthetic(rng, prefill=False)
         m.observe(shape, TRUE.predict(shape))
     assert m.fit.prefill_token == pytest.approx(before, rel=0.2)
+    m.slack_s = 0.0  # (those fast steps banked slack; the fit is what this test is about)
     assert m.prefill_budget(24, 24 * 600) < 2048
 
 
@@ -87,6 +107,7 @@ def test_scheduler_caps_prefill_tokens_only_in_steps_with_decodes() -> None:
     # 0.9 * 10 - 1 - 2 = 6 ms left, 60 tokens; with five decodes 30 tokens.
     cost.fit = StepCostFit(1e-3, 1e-4, 0.0, 1e-3, 0.0, samples=100)
     cost.min_prefill_tokens = 4
+    cost.slack_steps = 0.0  # no banked slack here: each step is held to the target
     s.cost_model = cost
     add(s, "a", 8, max_tokens=50)
     add(s, "b", 8, max_tokens=50)
