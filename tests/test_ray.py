@@ -35,6 +35,7 @@ from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+from kvrelay.rpc import token_metadata
 
 pytestmark = pytest.mark.slow
 
@@ -122,6 +123,7 @@ class Served:
     handle: Any
     info: dict[str, Any]
     gcs: str
+    token: str  # the cluster token this launch generated for its internal ports
 
     @property
     def target(self) -> str:
@@ -144,24 +146,27 @@ def served(ray_session, demo_model_dir, jobs):
     from kvrelay.deploy.ray_cli import build_spec
 
     ray = ray_session
-    handle, info = start(build_spec(serve_args(demo_model_dir), loopback=True))
+    spec = build_spec(serve_args(demo_model_dir), loopback=True)
+    assert spec.worker.cluster_token  # generated: no --cluster-token was given
+    handle, info = start(spec)
     try:
-        yield Served(handle, info, ray.get_runtime_context().gcs_address)
+        yield Served(handle, info, ray.get_runtime_context().gcs_address,
+                     spec.worker.cluster_token)
     finally:
         handle.shutdown()
 
 
-def worker_status(address: str) -> wpb.WorkerStatus:
+def worker_status(address: str, token: str) -> wpb.WorkerStatus:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.WorkerControlStub(ch).GetStatus(wpb.GetStatusRequest(),
-                                                               timeout=10)
+        return worker_pb2_grpc.WorkerControlStub(ch).GetStatus(
+            wpb.GetStatusRequest(), timeout=10, metadata=token_metadata(token))
 
 
 def blocks(served: Served) -> dict[str, tuple[int, int]]:
     """worker_id -> (free KV blocks, all KV blocks), asked of each live worker itself."""
     out = {}
     for wid, r in served.replicas().items():
-        load = worker_status(r["address"]).load
+        load = worker_status(r["address"], served.token).load
         out[wid] = (load.free_blocks, load.num_blocks)
     return out
 
@@ -382,7 +387,7 @@ def test_scale_back_to_1p1d_under_load_drains(served, jobs, ray_session) -> None
             ray.get_actor(r["actor"], namespace=NAMESPACE)
         wait_for(lambda pid=r["pid"]: not pid_alive(pid), 30, f"{wid}'s process to exit")
         with pytest.raises(grpc.RpcError) as e:
-            worker_status(r["address"])
+            worker_status(r["address"], served.token)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     pgs = {p["name"]: p["state"] for p in placement_group_table().values()}
     assert all(pgs[before[wid]["actor"]] == "REMOVED" for wid in gone), pgs
