@@ -25,7 +25,8 @@ Prefill rows: one prompt of 128 / 512 / 2048 tokens (time to its first token); 8
 prompts prefilled in one step; a 2048-token prompt whose first 1536 tokens are a cached prefix
 (only the last 512 are computed, attending over all 2048). Decode rows: B requests stepping
 together, short (32-token prompts) at B = 1 / 8 / 32, and with mixed context lengths (uniform in
-64..1024 tokens) at B = 8 / 32 / 64; tokens/s = B / step time. transformers: the same
+64..1024 tokens) at B = 8 / 32 / 64; tokens/s = B / step time, every timed step holding all B
+requests (none can finish during it; they are aborted after). transformers: the same
 checkpoint, ``model(ids)`` for prefill and ``generate`` (greedy, KV cache) for decode.
 """
 
@@ -202,32 +203,39 @@ def ours_prefill(core: EngineCore, make: Callable[[], list[list[int]]], reps: in
 
 def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, ceil: Ceilings,
                 model: Model, steps: int = DECODE_STEPS) -> tuple[float, float]:
-    """Requests with prompts of ``lengths`` decode together. Returns (median step time of the
-    best rep, median over steps of roofline / step time); each step's roofline from the copy
-    bandwidth sampled right after it and the matmul rate sampled at the start."""
-    sp = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    """Requests with prompts of ``lengths`` decode together: ``steps`` timed steps with every
+    one of them in the batch (none can finish: no EOS, no length limit within reach), then they
+    are aborted. Returns (median step time of the best rep, median over steps of roofline /
+    step time); each step's roofline from the copy bandwidth sampled right after it and the
+    matmul rate sampled at the start."""
+    sp = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
     ratios: list[float] = []
     b = len(lengths)
 
     def run() -> float:
-        for i, n in enumerate(lengths):
-            core.add_request(f"d{next(_seeds)}-{i}", prompt(n, next(_seeds), vocab), sp)
+        ids = [f"d{next(_seeds)}-{i}" for i in range(b)]
+        for rid, n in zip(ids, lengths, strict=True):
+            core.add_request(rid, prompt(n, next(_seeds), vocab), sp)
         while any(s.num_uncomputed_tokens > 1 for s in core.scheduler.running) \
                 or core.scheduler.waiting:
             core.step()  # the prefills, not counted
         core.step()
         gf = ceil.gflops() * 1e9
         times = []
-        while core.has_unfinished():
+        for _ in range(steps):
+            assert len(core.scheduler.running) == b
             ctx = sum(s.num_tokens for s in core.scheduler.running)
             t = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - t)
-            if core.has_unfinished():  # the last step also finishes and frees: not counted
-                floor = max((model.step_bytes + model.kv_bytes(ctx)) / (ceil.copy_gbs() * 1e9),
-                            model.flops(b, b, ctx) / gf)
-                ratios.append(floor / times[-1])
-        return statistics.median(times[:-1] or times)
+            floor = max((model.step_bytes + model.kv_bytes(ctx)) / (ceil.copy_gbs() * 1e9),
+                        model.flops(b, b, ctx) / gf)
+            ratios.append(floor / times[-1])
+        for rid in ids:
+            core.abort(rid)
+        while core.has_unfinished():
+            core.step()
+        return statistics.median(times)
 
     t = best(run, reps)
     return t, statistics.median(ratios)
