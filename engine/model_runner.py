@@ -146,14 +146,12 @@ class ModelRunner:
             meta.prefill_tables = self._tables(
                 [scheduled[i].seq.block_table for i in prefill],
                 max(-(-sp.ctx_len // bs) for sp in spans), torch.int32)
+        lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
         if decode and self.backend == "native":  # one kernel call over every decode
-            lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
-            width = -(-lens[-1] // bs)
             meta.decode_lens = torch.tensor(lens, dtype=torch.int32)
             meta.decode_tables = self._tables([scheduled[i].seq.block_table for i in decode],
-                                              width, torch.int32)
+                                              -(-lens[-1] // bs), torch.int32)
         elif decode:
-            lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
             start = 0
             for count in group_by_length(lens, bs):
                 run = lens[start:start + count]

@@ -43,9 +43,10 @@ logger = logging.getLogger(__name__)
 ABI_VERSION = 3
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
-# Keys per partition of one (sequence, KV head): long contexts of a small batch split into
-# several work items so every thread has one; the partial softmaxes merge exactly.
-PART_TOKENS = 256
+# Fewest keys in one decode work item: the kernel cuts a sequence's context into partitions of
+# at least this many keys, so a small batch with long contexts still gives every thread work
+# (the partial softmaxes merge exactly).
+MIN_PART_TOKENS = 256
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -162,7 +163,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rc = lib.kvr_paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         ctx_lens.data_ptr(), out.data_ptr(), n, h, kvh, d, block_size, block_tables.shape[1],
-        scale, window or 0, PART_TOKENS, torch.get_num_threads())
+        scale, window or 0, MIN_PART_TOKENS, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"native paged decode attention failed ({rc})")
     return out

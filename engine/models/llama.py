@@ -74,6 +74,10 @@ class Linear(nn.Module):
             else:  # slab i times the row's i-th stretch of inputs, one thread each; then sum
                 y = torch.bmm(x.reshape(s, 1, k), self.slabs).sum(0)
             return y if self.bias is None else y.add_(self.bias)
+        return self.packed_forward(x)
+
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Through oneDNN's prepacked weight, whatever the row count."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -231,18 +235,16 @@ class LlamaForCausalLM(nn.Module):
         as in a decode step) through the dense slabs and through oneDNN: the best of ``reps``
         each, interleaved so both see the same machine. Which is faster depends on the CPU
         (measured 1.3x either way on two x86 machines)."""
-        linears = [m for m in self._linears() if m.packed is not None and m.slabs is not None]
-        xs = {n: torch.randn(1, n) for n in {m.slabs.shape[0] * m.slabs.shape[1]
-                                             for m in linears}}
+        rows = [(m, torch.randn(1, m.slabs.shape[0] * m.slabs.shape[1])) for m in self._linears()
+                if m.packed is not None and m.slabs is not None]
 
         def run(slabs: bool) -> float:
             t = time.perf_counter()
-            for m in linears:
-                x = xs[m.slabs.shape[0] * m.slabs.shape[1]]
+            for m, x in rows:
                 if slabs:
                     m(x)
                 else:
-                    torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
+                    m.packed_forward(x)
             return time.perf_counter() - t
 
         best = [float("inf"), float("inf")]

@@ -526,7 +526,7 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
     if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % VL || bs <= 0 || num_threads < 1)
         return -1;
     const int64_t G = H / KVH, row = KVH * D;
-    int64_t n_items = 0, kt_floats = 0, max_ctx = 0;
+    int64_t n_items = 0, kt_floats = 0;
     int64_t *kt_off = malloc(sizeof(int64_t) * S * KVH);
     if (!kt_off) return -3;
     for (int64_t j = 0; j < S; j++) {
@@ -537,7 +537,6 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
         n_items += (q_len[j] + QT - 1) / QT * KVH;
         const int64_t padded = (ctx_len[j] + KT - 1) / KT * KT;
         for (int64_t h = 0; h < KVH; h++) kt_off[j * KVH + h] = kt_floats, kt_floats += padded * D;
-        if (ctx_len[j] > max_ctx) max_ctx = ctx_len[j];
     }
     pitem_t *items = malloc(sizeof(pitem_t) * n_items);
     float *kt = malloc(sizeof(float) * kt_floats);
@@ -599,6 +598,5 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
         free(sbuf), free(obuf), free(qbuf), free(ml);
     }
     free(kt_off), free(items), free(kt);
-    (void)max_ctx;
     return failed ? -3 : 0;
 }
