@@ -73,9 +73,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_exception, ready, e)
                 return
             engine = cls(core, **kwargs)
-            engine._loop = loop
-            if core.connector is not None:
-                core.connector.set_waker(engine.wake)
+            engine._bind(loop)
             engine._thread = threading.current_thread()
             holder.append(engine)
             loop.call_soon_threadsafe(_set_result, ready, core)
@@ -86,11 +84,15 @@ class AsyncEngine:
         return holder[0]
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop or asyncio.get_running_loop()
-        if self.core.connector is not None:
-            self.core.connector.set_waker(self.wake)
+        self._bind(loop or asyncio.get_running_loop())
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Outputs go to ``loop``; the connector's I/O thread wakes the engine thread."""
+        self._loop = loop
+        if self.core.connector is not None:
+            self.core.connector.set_waker(self.wake)
 
     def wake(self) -> None:
         """Wake the engine thread (thread-safe): a transfer it may be waiting for has ended."""
