@@ -20,9 +20,9 @@ from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.sampler import TokenLogprob, seeded_generator, skip_draw
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvrelay.engine.step_cost import StepCostFit, StepCostModel, StepShape
+from kvrelay.engine.step_cost import StepCostFit, StepCostModel
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class EngineCore:
         for s in out.scheduled:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
-        shape = step_shape(out)
+        shape = out.shape
         sampled = self.runner.run(out.scheduled, self.connector)
         done = time.monotonic()
         self.step_cost.observe(shape, done - now)
@@ -306,16 +306,3 @@ class EngineCore:
                                            num_prompt_tokens=seq.num_prompt_tokens,
                                            num_cached_tokens=seq.num_cached_tokens))
 
-
-def step_shape(out: SchedulerOutput) -> StepShape:
-    """What a scheduled step will compute, before it runs (counters still at their old values)."""
-    prefill = pairs = decodes = ctx = 0
-    for seq, n in out.scheduled:
-        c = seq.num_computed_tokens
-        if n > 1:
-            prefill += n
-            pairs += n * c + n * (n + 1) // 2
-        else:
-            decodes += 1
-            ctx += c + 1
-    return StepShape(prefill, pairs, decodes, ctx)

@@ -24,7 +24,7 @@ from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import SchedulerConfig
 from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvrelay.engine.step_cost import StepCostModel
+from kvrelay.engine.step_cost import StepCostModel, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,21 @@ class SchedulerOutput(NamedTuple):
     def num_prefill_tokens(self) -> int:
         """Tokens of chunks longer than one (a one-token chunk runs as a decode)."""
         return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
+
+    @property
+    def shape(self) -> StepShape:
+        """What the step computes, in the step-cost model's units; read before it runs (the
+        counters still at their old values)."""
+        prefill = pairs = decodes = ctx = 0
+        for seq, n in self.scheduled:
+            c = seq.num_computed_tokens
+            if n > 1:
+                prefill += n
+                pairs += n * c + n * (n + 1) // 2
+            else:
+                decodes += 1
+                ctx += c + 1
+        return StepShape(prefill, pairs, decodes, ctx)
 
 
 class Scheduler:

@@ -8,7 +8,7 @@ import pytest
 from test_scheduler import add, make, shares, step
 
 from kvrelay.engine.config import SchedulerConfig
-from kvrelay.engine.engine_core import EngineCore, step_shape
+from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.step_cost import StepCostFit, StepCostModel, StepShape
 
@@ -125,13 +125,13 @@ def test_scheduler_caps_prefill_tokens_only_in_steps_with_decodes() -> None:
     assert cost.num_capped_steps >= 2
 
 
-def test_engine_step_shape_counts_what_the_step_computes() -> None:
+def test_step_shape_counts_what_the_step_computes() -> None:
     s = make(max_num_batched_tokens=16, long_prefill_threshold=16)
     add(s, "a", 40)
     add(s, "b", 3)
     out, _ = step(s)  # a: 13 tokens of its prompt, b: all 3
     out = s.schedule()
-    shape = step_shape(out)
+    shape = out.shape
     chunks = {sc.seq.request_id: (sc.seq.num_computed_tokens, sc.num_new_tokens)
               for sc in out.scheduled}
     assert chunks["b"] == (3, 1)  # b decodes
