@@ -25,6 +25,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make `bench.` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.vllm_cpu import vllm_cpu_env  # noqa: E402
+
 VLLM_PY = ROOT / ".bench-venv-vllm" / "bin" / "python"
 DEFAULT_WORKLOADS = "1x2048x1,4x512x1,16x256x128,48x512x128"
 
@@ -87,14 +92,6 @@ def child_vllm(args: argparse.Namespace, workloads: list[tuple[int, int, int]],
     return {f"{n}x{p}x{o}": run(n, p, o, 1 + i) for i, (n, p, o) in enumerate(workloads)}
 
 
-def vllm_env(threads: int, kv_gib: float) -> dict[str, str]:
-    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in range(threads)),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
-            "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -141,8 +138,8 @@ def main() -> int:
           flush=True)
     ours = child("kvrelay", sys.executable,
                  {**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-    theirs = None if args.skip_vllm else child("vllm", args.vllm_python,
-                                               vllm_env(args.threads, args.kv_gib))
+    vllm_env = {**os.environ, **vllm_cpu_env(args.kv_gib, range(args.threads))}
+    theirs = None if args.skip_vllm else child("vllm", args.vllm_python, vllm_env)
     print(f"\n{'workload NxPxO':>16} {'kvrelay s':>10} {'tok/s':>8} {'vLLM s':>8} {'tok/s':>8} "
           f"{'kvrelay/vLLM':>13}")
     for n, p, o in workloads:

@@ -51,6 +51,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.` importable
     sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
+from bench.vllm_cpu import vllm_cpu_env  # noqa: E402
 from bench.workloads import read_vocab  # noqa: E402
 
 logger = logging.getLogger("bench.run_serving")
@@ -288,12 +289,7 @@ def start_kvrelay(name: str, st: Settings, workdir: Path) -> Deployment:
 
 
 def vllm_env(st: Settings, cores: Sequence[int]) -> dict[str, str]:
-    bind = ",".join(str(c) for c in cores)
-    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": bind,
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_KVCACHE_SPACE": f"{st.kv_cache_gib:g}",
-            "OMP_NUM_THREADS": str(len(cores)), "PYTHONUNBUFFERED": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    return vllm_cpu_env(st.kv_cache_gib, cores)
 
 
 def vllm_serve_cmd(st: Settings, port: int, extra: Sequence[str] = ()) -> list[str]:

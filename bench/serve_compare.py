@@ -33,6 +33,11 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make `bench.` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.vllm_cpu import vllm_cpu_env  # noqa: E402
+
 VENV = ROOT / ".venv" / "bin"
 VLLM_VENV = ROOT / ".bench-venv-vllm" / "bin"
 CONFIGS = ("kvrelay-agg", "kvrelay-agg-tpot", "vllm-agg")
@@ -87,18 +92,13 @@ def serve(config: str, a: argparse.Namespace, port: int, work: Path) -> Iterator
             url = f"http://127.0.0.1:{port}"
             wait_ready(url + "/health", router, a.startup_timeout, logs[0])
         else:
-            cores = ",".join(str(c) for c in range(a.threads))
             start([str(VLLM_VENV / "vllm"), "serve", a.model, "--dtype", "float32", "--host",
                    "127.0.0.1", "--port", str(port), "--served-model-name", "demo",
                    "--max-model-len", str(a.max_model_len), "--max-num-seqs",
                    str(a.max_num_seqs), "--max-num-batched-tokens",
                    str(a.max_num_batched_tokens), "--seed", "0",
                    "--disable-uvicorn-access-log"],
-                  "server", {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cores,
-                             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                             "VLLM_CPU_KVCACHE_SPACE": f"{a.kv_gib:g}",
-                             "OMP_NUM_THREADS": str(a.threads), "VLLM_NO_USAGE_STATS": "1",
-                             "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"})
+                  "server", vllm_cpu_env(a.kv_gib, range(a.threads)))
             url = f"http://127.0.0.1:{port}"
             wait_ready(url + "/health", procs[0], a.startup_timeout, logs[0])
         yield url
