@@ -204,7 +204,7 @@ class EngineCore:
         seq.sampling = sampling
         if not sampling.greedy and sampling.seed is not None:
             seq.generator = seeded_generator(sampling.seed, self.runner.device)
-            skip_draw(seq.generator, self.vocab_size, self.runner.device)
+            skip_draw(seq.generator, self.runner.device)
         seq.append_token(first_token_id)
         reason = self.scheduler.check_stop(seq)
         if reason is not None:

@@ -1,8 +1,12 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
-Random rows are sampled with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which
-draws from ``p`` exactly and lets each request keep its own generator: a seeded request gets
-the same tokens whatever else shares its batch.
+Random rows are sampled by inverting each row's CDF: one uniform draw ``u`` per row, then the
+first token whose cumulative probability exceeds ``u`` times the row's total. That draws from
+``p`` exactly (each token owns an interval of its probability's width, up to one float32 ulp) and
+costs a cumsum and a binary search per row. The exponential race (``argmax(p / q)``,
+``q ~ Exp(1)``) it replaces needed one exponential per vocabulary entry: ~8 ms a step for 16
+rows of a 32k vocabulary on two CPU cores, a third of a decode step. Each request keeps its own
+generator: a seeded request gets the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
     return g
 
 
-def skip_draw(generator: torch.Generator, vocab_size: int, device: torch.device) -> None:
+def skip_draw(generator: torch.Generator, device: torch.device) -> None:
     """Advance ``generator`` past one token's draw. A decode engine continuing a seeded request
     whose first token was sampled elsewhere does this, so the stream equals an aggregated run."""
-    torch.empty(vocab_size, device=device).exponential_(generator=generator)
+    torch.rand(1, device=device, generator=generator)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -58,14 +62,17 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence],
             top_k = torch.tensor([p.top_k for p in params], device=logits.device)
             top_p = torch.tensor([p.top_p for p in params], device=logits.device)
             rows = _filter(rows, top_k, top_p)
-        probs = rows.softmax(dim=-1)
-        race = torch.empty_like(probs)
+        cum = rows.softmax(dim=-1).cumsum_(dim=-1)
+        u = torch.rand(len(random_rows), device=logits.device, generator=default_generator)
         for j, i in enumerate(random_rows):
             seq = seqs[i]
             if seq.generator is None and seq.sampling.seed is not None:
                 seq.generator = seeded_generator(seq.sampling.seed, logits.device)
-            race[j].exponential_(generator=seq.generator or default_generator)
-        tokens[idx] = (probs / race).argmax(dim=-1)
+            if seq.generator is not None:
+                u[j] = torch.rand(1, device=logits.device, generator=seq.generator)[0]
+        target = (u * cum[:, -1])[:, None]
+        picked = torch.searchsorted(cum, target, right=True).squeeze_(1)
+        tokens[idx] = picked.clamp_(max=cum.shape[-1] - 1)
     token_list = tokens.tolist()
 
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
