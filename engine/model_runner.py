@@ -17,6 +17,7 @@ from kvrelay.engine.attention import (
     select_backend,
 )
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.heap import bound_onednn_caches
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -60,6 +61,8 @@ class ModelRunner:
             self.dtype = dtype_from_name(mc.dtype)
         if self.device.type == "cpu" and mc.num_threads:
             torch.set_num_threads(mc.num_threads)
+        if self.device.type == "cpu":
+            bound_onednn_caches()  # before the first oneDNN op (the weight prepacking)
         self.backend, attn_fn = select_backend(mc.attention_backend, self.device, self.dtype)
         from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
 
