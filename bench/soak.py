@@ -432,7 +432,8 @@ async def soak(args: argparse.Namespace, cluster: SoakCluster) -> dict[str, Any]
         await asyncio.sleep(0.5)
     record(await sample(cluster, t0, load, "end"))
 
-    summary: dict[str, Any] = {"rss_mib": {}, "free_blocks": {}}
+    window_s = min(args.flat_minutes * 60.0, load_s * 2 / 3)
+    summary: dict[str, Any] = {"rss_mib": {}, "free_blocks": {}, "flat_window_s": window_s}
     for n in names:
         vals = [s["rss_bytes"].get(n) for s in samples]
         seen = [v for v in vals if v is not None]
@@ -443,7 +444,8 @@ async def soak(args: argparse.Namespace, cluster: SoakCluster) -> dict[str, Any]
                                                                else None),
             "end": _mib(vals[-1]), "max": _mib(max(seen) if seen else None),
             "growth_end_vs_first_under_load": _mib(vals[-1] - under_load[0])
-            if under_load and vals[-1] is not None else None}
+            if under_load and vals[-1] is not None else None,
+            "last_window": flatness(samples, n, window_s)}
     for w in wnames:
         vals = [(s["workers"].get(w) or {}).get("free_blocks") for s in samples]
         seen = [v for v in vals if v is not None]
@@ -466,6 +468,19 @@ async def soak(args: argparse.Namespace, cluster: SoakCluster) -> dict[str, Any]
     }
 
 
+def flatness(samples: list[dict[str, Any]], name: str, window_s: float) -> dict[str, Any] | None:
+    """RSS of ``name`` over the load samples of the last ``window_s`` seconds of load: min, max
+    and the half-spread around their midpoint, in percent (flat within +-5% means <= 5)."""
+    load = [s for s in samples if s["phase"] == "load" and s["rss_bytes"].get(name)]
+    if not load:
+        return None
+    t_end = load[-1]["t_s"]
+    vals = [s["rss_bytes"][name] for s in load if s["t_s"] >= t_end - window_s]
+    lo, hi = min(vals), max(vals)
+    return {"samples": len(vals), "min": _mib(lo), "max": _mib(hi),
+            "pct": round(100 * (hi - lo) / (hi + lo), 2)}
+
+
 def _mib(v: int | None) -> float | None:
     return round(v / MiB, 1) if v is not None else None
 
@@ -476,10 +491,12 @@ def print_summary(doc: dict[str, Any]) -> None:
           f"({doc['requests_per_s']}/s), {doc['output_tokens']} tokens out")
     print("outcomes: " + ", ".join(f"{k}={v}" for k, v in doc["requests"].items()))
     print(f"\n{'process':<14} {'start':>9} {'1st load':>9} {'end':>9} {'max':>9} {'growth':>9}"
-          "   (RSS MiB; growth = end - first sample under load)")
+          f" {'flat +-%':>9}   (RSS MiB; growth = end - first sample under load; flat: "
+          f"half-spread over the last {s['flat_window_s'] / 60:.0f} min of load)")
     for n, v in s["rss_mib"].items():
+        flat = (v.get("last_window") or {}).get("pct")
         cells = [v["start"], v["first_under_load"], v["end"], v["max"],
-                 v["growth_end_vs_first_under_load"]]
+                 v["growth_end_vs_first_under_load"], flat]
         print(f"{n:<14} " + " ".join(f"{c:9.1f}" if c is not None else f"{'-':>9}"
                                      for c in cells))
     print(f"\n{'worker':<14} {'total':>7} {'start':>7} {'end':>7} {'min':>7}  KV blocks free")
@@ -505,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--settle", type=float, default=60.0,
                     help="seconds to wait, after the load, for KV blocks to come back")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flat-minutes", type=float, default=20.0,
+                    help="window at the end of the load whose RSS spread is reported "
+                         "(at most 2/3 of the load)")
     return ap
 
 

@@ -451,3 +451,19 @@ def test_report_handles_missing_peers(tmp_path: Path) -> None:
     (d / "rate.json").write_text(json.dumps(_synthetic_doc("kvrelay-agg", "rate", 1.0, 4.0)))
     md = report.generate(tmp_path).read_text()
     assert "n/a" in md and "kvrelay agg (no chunking)" in md
+
+
+def test_soak_flatness_reads_only_the_last_window_of_load() -> None:
+    from bench import soak
+
+    mib = 2**20
+    samples = [{"t_s": 0.0, "phase": "idle", "rss_bytes": {"w": 100 * mib}}]
+    # warm-up growth, then flat between 200 and 210 MiB for the last 20 minutes
+    samples += [{"t_s": float(t), "phase": "load", "rss_bytes": {"w": (100 + t) * mib}}
+                for t in range(0, 200, 50)]
+    samples += [{"t_s": 600.0 + 60 * i, "phase": "load",
+                 "rss_bytes": {"w": (200 + (i % 2) * 10) * mib}} for i in range(21)]
+    samples.append({"t_s": 1900.0, "phase": "end", "rss_bytes": {"w": 50 * mib}})
+    flat = soak.flatness(samples, "w", 20 * 60)
+    assert flat == {"samples": 21, "min": 200.0, "max": 210.0, "pct": pytest.approx(2.44)}
+    assert soak.flatness(samples, "nobody", 60) is None
