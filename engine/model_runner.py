@@ -32,6 +32,22 @@ from kvrelay.engine.sampler import TokenLogprob, sample
 logger = logging.getLogger(__name__)
 
 
+def padded_rows(n: int) -> int:
+    """The row count a CPU step of ``n`` tokens (or ``n`` sampled rows) is padded to: ``n`` up to
+    32, then the next multiple of an eighth of ``n``'s octave (36, 40, ... 64, 72, ... 128,
+    144, ...), so padding adds less than 1/8 and the distinct sizes stay few (80 up to 2048).
+
+    oneDNN compiles a primitive per GEMM shape, rows included: 0.4-2.4 ms for each of a model's
+    ~5 linear shapes (measured, 768-wide layers), every time a step has a row count it has not
+    seen. Prompts of varied lengths, chunks and batch sizes make almost every step new, and on a
+    small model that costs more than the step's matmuls. Bucketed, the shapes repeat, stay in
+    the (capped, see :mod:`kvrelay.engine.heap`) primitive caches and compile once."""
+    if n <= 32:
+        return n
+    step = 1 << ((n - 1).bit_length() - 4)
+    return -(-n // step) * step
+
+
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -82,6 +98,8 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv)
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
+        # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.
+        self.pad_rows = self.model.lm_head.packed is not None
         # A sequence can never hold more tokens than the cache has slots.
         self.max_model_len = min(max_len, num_blocks * cc.block_size)
         self.block_size = cc.block_size
@@ -167,6 +185,13 @@ class ModelRunner:
             self._add_flash_metadata(meta, scheduled, prefill + decode)
         else:
             meta.workspace = self._workspace(meta.gather_rows())
+        if self.pad_rows:  # pad rows: token 0 at position 0, no KV written, no attention
+            extra = padded_rows(len(ids)) - len(ids)
+            ids.extend([0] * extra)
+            pos.extend([0] * extra)
+            if logits_rows:
+                logits_rows.extend([logits_rows[-1]] * (padded_rows(len(logits_rows))
+                                                        - len(logits_rows)))
         return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                           self._to_device(meta), torch.tensor(logits_rows, dtype=torch.long),
                           sampled_order)
@@ -229,7 +254,7 @@ class ModelRunner:
         logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
         if inputs.sampled_order:
             rows = hidden.index_select(0, inputs.logits_indices.to(self.device))
-            logits = self.model.compute_logits(rows)
+            logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
             seqs = [scheduled[i].seq for i in inputs.sampled_order]
             sampled, lps = sample(logits, seqs, self.generator)
             for i, tok, lp in zip(inputs.sampled_order, sampled, lps, strict=True):
@@ -242,4 +267,4 @@ class ModelRunner:
         inputs = self.prepare(scheduled)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[:inputs.meta.slot_mapping.shape[0]])

@@ -250,3 +250,42 @@ def test_mlp_row_chunks_keep_prefill_logits(hf_model_dir) -> None:
     ref = hf_forward_logits(model_dir, prompt)
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4
     core.block_manager.free(seq)
+
+
+def test_padded_rows_bound_the_waste_and_the_sizes() -> None:
+    from kvrelay.engine.model_runner import padded_rows
+
+    sizes = {padded_rows(n) for n in range(1, 2049)}
+    assert len(sizes) == 80 and max(sizes) == 2048
+    for n in range(1, 5000):
+        p = padded_rows(n)
+        assert p == n if n <= 32 else n <= p < n + n / 8, n
+        assert padded_rows(p) == p
+
+
+@pytest.mark.parametrize("arch", ["llama_bias", "qwen3", "mistral_swa", "llama_tied"])
+def test_padded_steps_match_transformers_and_the_unpadded_path(hf_model_dir, arch: str) -> None:
+    """CPU steps are padded to a bucketed row count (``padded_rows``); the padding writes no KV,
+    joins no attention and samples nothing: tokens match transformers, logits the unpadded
+    step's, and every block comes back."""
+    model_dir = hf_model_dir(arch)
+    core = make_core(model_dir, max_num_batched_tokens=256)
+    assert core.runner.pad_rows
+    ps = prompts(11, (33, 70, 45, 5))  # one step of 153 prefill tokens: padded to 160
+    free0 = core.block_manager.num_free_blocks
+    got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN), i
+    assert core.block_manager.num_free_blocks == free0
+
+    seqs = [Sequence(f"s{i}", p, GREEDY) for i, p in enumerate(ps[:3])]
+    logits = []
+    for pad in (True, False):
+        core.runner.pad_rows = pad
+        for s in seqs:
+            assert core.block_manager.allocate(s, len(s.token_ids))
+        logits.append(core.runner.logits_for([ScheduledSeq(s, len(s.token_ids)) for s in seqs]))
+        for s in seqs:
+            core.block_manager.free(s)
+    assert logits[0].shape == logits[1].shape == (148, logits[0].shape[1])
+    assert (logits[0] - logits[1]).abs().max() / logits[1].abs().max() < 1e-5

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from kvrelay.engine.attention.metadata import AttentionMetadata
-from kvrelay.engine.attention.sdpa import prefill_attention
+from kvrelay.engine.attention.sdpa import prefill_attention, zero_padding
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +209,9 @@ def native_attention(
     else:
         prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out)
     if meta.decode_lens is not None:
-        p = meta.num_prefill_tokens
+        p, e = meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes
         assert meta.decode_tables is not None
-        paged_decode(q[p:], k_cache, v_cache, meta.decode_tables, meta.decode_lens, out[p:],
+        paged_decode(q[p:e], k_cache, v_cache, meta.decode_tables, meta.decode_lens, out[p:e],
                      meta.block_size, scale, window)
+    zero_padding(out, meta)
     return out

@@ -17,9 +17,19 @@ from kvrelay.engine.attention.metadata import AttentionMetadata
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ``[T, kv_heads, head_dim]`` into the flat caches."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    """Scatter this step's K/V ``[T, kv_heads, head_dim]`` into the flat caches (rows past
+    ``len(slot_mapping)`` pad the step to a bucketed size and are not written)."""
+    n = slot_mapping.shape[0]
+    k_cache.index_copy_(0, slot_mapping, k[:n])
+    v_cache.index_copy_(0, slot_mapping, v[:n])
+
+
+def zero_padding(out: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Zero the rows of ``out`` past the step's real tokens (padding no attention covers), so
+    the linears after it see zeros rather than whatever the allocator left there."""
+    n = meta.num_prefill_tokens + meta.num_decodes
+    if out.shape[0] > n:
+        out[n:].zero_()
 
 
 def sdpa_attention(
@@ -32,6 +42,7 @@ def sdpa_attention(
     out = torch.empty_like(q)
     prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out)
     grouped_decode_attention(q, k_cache, v_cache, meta, scale, window, out)
+    zero_padding(out, meta)
     return out
 
 
