@@ -560,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate-requests", type=int, default=200)
     ap.add_argument("--long-requests", type=int, default=50)
     ap.add_argument("--mixed-requests", type=int, default=200)
-    ap.add_argument("--goodput-range", default="0.25:32")
+    ap.add_argument("--goodput-range", default="0.25:128")
     ap.add_argument("--goodput-iters", type=int, default=6)
     ap.add_argument("--goodput-duration", type=float, default=30.0,
                     help="seconds of arrivals per probed rate")
