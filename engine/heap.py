@@ -15,10 +15,11 @@ new step size (prompt length, chunk, batch) is a new primitive of ~0.6 MiB (meas
 counts of one 768 -> 3072 linear, +37-42 MiB). Two caches keep them: ideep's
 (``LRU_CACHE_CAPACITY``) and oneDNN's own (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), each 1024
 entries by default, so under prompts of varied lengths a worker grows by hundreds of MiB before
-they fill (tiny model, engine alone, 480 prompts of 8-1500 tokens: +484 MiB). Capping both at
-:data:`ONEDNN_CACHE_CAPACITY` keeps it flat (+16 MiB over 1600 such prompts) at no measurable
-cost there: a new row count is a miss (0.4-2.4 ms to compile) whatever the capacity, and a
-decode loop's few shapes are used every step, so LRU keeps them.
+they fill (tiny model, engine alone, 480 prompts of 8-1500 tokens: +484 MiB; both capped at 64,
++16 MiB over 1600 such prompts, in the same time). :data:`ONEDNN_CACHE_CAPACITY` bounds them at
+~150 MiB, which holds a step's working set: the runner pads steps to a few row counts (see
+``padded_rows`` in :mod:`kvrelay.engine.model_runner`) and a decode loop's shapes are used every
+step, so LRU keeps them.
 """
 
 from __future__ import annotations
