@@ -39,10 +39,15 @@ class KVReceiver(Protocol):
 
     def peer_info_bytes(self) -> bytes: ...
 
-    def expectation(self, request_id: str, lease_id: str) -> object: ...
+    def expectation(self, request_id: str, lease_id: str, sender: str = "",
+                    sender_address: str = "") -> object: ...
+
+    def bind_sender(self, request_id: str, sender: str, sender_address: str = "") -> bool: ...
+
+    def settle(self, request_id: str) -> bool: ...
 
 
-ID_REUSE_WAIT_S = 3.0  # longer than the KV connector's abort grace (2 s)
+ID_REUSE_WAIT_S = 3.0  # for a torn-down attempt of this id to let go of it
 FLUSH_WAIT_S = 5.0  # for the engine to pass on a request's last output (a step or two)
 
 
@@ -117,7 +122,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             while True:
                 try:
                     res = await self.engine.reserve(
-                        rid, ids, kv_transfer_params=self.kv.expectation(rid, lease.lease_id))
+                        rid, ids, kv_transfer_params=self.kv.expectation(
+                            rid, lease.lease_id, request.sender_agent, request.sender_address))
                     break
                 except EngineOverloaded as e:
                     self.leases.drop(rid)
@@ -144,12 +150,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.leases.renew(request.request_id, request.lease_id)
         except LeaseError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        if request.sender_agent and self.kv is not None \
+                and not self.kv.bind_sender(request.request_id, request.sender_agent,
+                                            request.sender_address):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{request.request_id} waits for no KV here: nothing to bind")
         return wpb.LeaseResponse(ok=True)
 
     async def Release(self, request: wpb.LeaseRequest,
                       context: grpc.aio.ServicerContext) -> wpb.LeaseResponse:
         with request_context(request.request_id):
             ok = await self.leases.release(request.request_id, request.lease_id)
+            # The release has reached the engine (``after_free`` waited for its step), so an
+            # aborted transfer's hold exists by now; the router says no write can still land.
+            if ok and request.writes_settled and self.kv is not None:
+                self.kv.settle(request.request_id)
             return wpb.LeaseResponse(ok=ok)
 
     async def Decode(self, request: wpb.DecodeRequest,

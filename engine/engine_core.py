@@ -70,6 +70,7 @@ class EngineStats:
     step_cost: StepCostFit | None = None
     prefill_budget: int = 0
     num_capped_steps: int = 0
+    kv_transfer: dict[str, int] = field(default_factory=dict)  # the connector's counters
 
     @property
     def kv_usage(self) -> float:
@@ -125,6 +126,7 @@ class EngineCore:
             step_cost=self.step_cost.fit,
             prefill_budget=self.step_cost.last_budget,
             num_capped_steps=self.step_cost.num_capped_steps,
+            kv_transfer=self.connector.counters() if self.connector is not None else {},
         )
 
     def has_unfinished(self) -> bool:

@@ -79,6 +79,10 @@ class KVConnector(ABC):
     @abstractmethod
     def take_events(self) -> TransferEvents: ...
 
+    def counters(self) -> dict[str, int]:
+        """Event counts to export as metrics (``kvrelay:kv_transfer_events{event}``)."""
+        return {}
+
     @abstractmethod
     def has_pending(self) -> bool: ...
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ABORTED = (FinishReason.ABORT, FinishReason.ERROR)
+MAX_FENCED = 65536  # fenced notifications remembered (a late Prefill comes within seconds)
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,14 @@ class NixlConnectorConfig:
     model_id: str  # layout.model_identity(model_dir): refuses peers serving other weights
     write_timeout_s: float = 10.0  # a write not done by then fails (retriable)
     max_poll_interval_s: float = 2e-3  # longest wait between completion polls while in flight
-    # A receiving request aborted before its KV arrived keeps its blocks this long: the sender may
-    # have writes in flight (a cancel reaches it asynchronously), and they must not land in
-    # blocks already handed to another request.
-    abort_grace_s: float = 2.0
+    # A receiving request aborted before its KV arrived keeps its blocks until its sender is
+    # known to be done (``tracker.Quarantine``): the sender may have writes in flight (a cancel
+    # reaches it asynchronously), and they must not land in blocks handed to another request.
+    # A sender that no router lists any more counts as done after this grace (its writes time
+    # out by then) ...
+    sender_gone_grace_s: float = 10.0
+    # ... and a hold that nothing ends is released after this backstop, with a warning.
+    quarantine_backstop_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.agent_name:
@@ -67,8 +73,9 @@ class NixlConnectorConfig:
             raise ValueError("NixlConnectorConfig.model_id must be non-empty")
         if not self.write_timeout_s > 0:
             raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
-        if self.abort_grace_s < 0:
-            raise ValueError(f"abort_grace_s must be >= 0, got {self.abort_grace_s}")
+        if self.sender_gone_grace_s < 0 or not self.quarantine_backstop_s > 0:
+            raise ValueError(f"sender_gone_grace_s must be >= 0 and quarantine_backstop_s > 0, "
+                             f"got {self.sender_gone_grace_s}, {self.quarantine_backstop_s}")
         if not 0 < self.max_poll_interval_s <= 0.1:
             raise ValueError(f"max_poll_interval_s must be in (0, 0.1], got "
                              f"{self.max_poll_interval_s}")
@@ -98,6 +105,10 @@ class NixlConnector(KVConnector):
         self._saved: set[int] = set()
         self._quarantine = Quarantine()  # aborted receivers' blocks, until their sender is done
         self._wake: Callable[[], None] = _nothing  # the engine loop's, called by the I/O thread
+        self._fenced: OrderedDict[bytes, None] = OrderedDict()  # receivers gave these up
+        # Called (engine thread) with each new hold: (request id, notification, sender, its
+        # control address); the worker asks the sender to fence it (``fence``).
+        self.on_hold: Callable[[str, bytes, str | None, str | None], None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
@@ -150,6 +161,8 @@ class NixlConnector(KVConnector):
                 dest = seq.kv_transfer_params
                 if not isinstance(dest, KVDestination):
                     continue
+                if dest.notif in self._fenced:
+                    self._send.refuse(seq.request_id, dest, "its receiver gave the blocks up")
                 pw = self._send.plan(seq.request_id, dest, seq.block_table,
                                      seq.num_computed_tokens, n, seq.num_prompt_tokens, bs,
                                      self.transport.peer_incarnation(dest.peer))
@@ -218,7 +231,54 @@ class NixlConnector(KVConnector):
                             f"is {type(exp).__name__}, not KVExpectation")
         deadline = None if exp.timeout_s is None else time.monotonic() + exp.timeout_s
         with self._lock:
-            self._recv.expect(seq.request_id, exp.notif, deadline)
+            self._recv.expect(seq.request_id, exp.notif, deadline, exp.sender,
+                              exp.sender_address)
+
+    def bind_sender(self, request_id: str, sender: str, sender_address: str | None = None
+                    ) -> bool:
+        """Promise a waiting request's KV to another sender (a prefill retried elsewhere,
+        before anything was written). False: the request waits for nothing here."""
+        with self._lock:
+            return self._recv.bind(request_id, sender, sender_address)
+
+    def settle(self, request_id: str) -> bool:
+        """The control plane knows no write for this aborted receiver can still land: reuse its
+        blocks now. False: nothing was held (no effect)."""
+        with self._lock:
+            return self._quarantine.settle(request_id)
+
+    def observe_alive(self, senders: set[str]) -> None:
+        """The agents some router lists as alive now (heartbeat answers)."""
+        with self._lock:
+            self._quarantine.observe_alive(senders, time.monotonic(),
+                                           self.config.sender_gone_grace_s)
+
+    # -- fencing (sending side) ----------------------------------------------------------------
+    def fence(self, notif: bytes) -> None:
+        """The receiver gave up this transfer: nothing is written under ``notif`` from now on
+        (a request carrying it writes nothing). Call on the engine thread."""
+        with self._lock:
+            self._fenced[notif] = None
+            self._fenced.move_to_end(notif)
+            while len(self._fenced) > MAX_FENCED:
+                self._fenced.popitem(last=False)
+
+    def is_fenced(self, notif: bytes) -> bool:
+        with self._lock:
+            return notif in self._fenced
+
+    def still_sending(self, request_id: str) -> bool:
+        """Whether a write or the final notification of the request may still go out."""
+        with self._lock:
+            return self._send.tracks(request_id)
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            q = self._quarantine
+            out = {f"hold_ended_{why}": n for why, n in q.ended.items()}
+            out["foreign_notif"] = self._recv.num_foreign + q.num_foreign
+            out["held"] = q.num_held
+            return out
 
     def request_finished(self, seq: Sequence) -> bool:
         params = seq.kv_transfer_params
@@ -235,12 +295,18 @@ class NixlConnector(KVConnector):
             return True
         if isinstance(params, KVExpectation):
             with self._lock:
-                self._recv.forget(seq.request_id)
-                if seq.finish_reason in _ABORTED and not seq.kv_ready \
-                        and self.config.abort_grace_s > 0:
-                    self._quarantine.hold(seq.request_id, params.notif,
-                                          time.monotonic() + self.config.abort_grace_s)
-                    return True
+                exp = self._recv.forget(seq.request_id)
+                held = seq.finish_reason in _ABORTED and not seq.kv_ready
+                sender, address = ((exp.sender, exp.sender_address) if exp is not None
+                                   else (params.sender, params.sender_address))
+                if held:
+                    self._quarantine.hold(seq.request_id, params.notif, sender,
+                                          time.monotonic() + self.config.quarantine_backstop_s,
+                                          address)
+            if held:
+                if self.on_hold is not None:
+                    self.on_hold(seq.request_id, params.notif, sender, address)
+                return True
         return False
 
     def take_events(self) -> TransferEvents:
@@ -251,7 +317,7 @@ class NixlConnector(KVConnector):
         with self._lock:
             for n in notifs:
                 # A held request's sender has ended its last write: reuse the blocks now.
-                if not self._quarantine.on_notif(n.msg):
+                if not self._quarantine.on_notif(n.peer, n.msg):
                     self._recv.on_notif(n.peer, n.msg)
             self._recv.expire(time.monotonic())
             recv = self._recv.take()

@@ -54,10 +54,15 @@ class KVDestination:
 
 @dataclass(frozen=True)
 class KVExpectation:
-    """The request's KV is complete when notification ``notif`` arrives (within ``timeout_s``)."""
+    """The request's KV is complete when notification ``notif`` arrives (within ``timeout_s``)
+    from agent ``sender``, the prefill worker the blocks were promised to (None: any sender;
+    ``NixlConnector.bind_sender`` names it later, e.g. when a prefill is retried elsewhere)."""
 
     notif: bytes
     timeout_s: float | None = None
+    sender: str | None = None
+    # The sender's control address: where to ask whether it is done, should we give up first.
+    sender_address: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.notif, str):

@@ -10,14 +10,16 @@ whose peer is still reachable gets an *abort notice* instead (its notification +
 sent after its last write ended, so the receiver may reuse the blocks at once rather than after
 its grace period.
 
-Receiver (``RecvTracker``): open expectations keyed by notification bytes, with deadlines.
-``Quarantine``: blocks of receivers aborted before their KV arrived, held until their sender's
-last notification (abort notice or completion) says no write of it can still land there.
+Receiver (``RecvTracker``): open expectations keyed by notification bytes, with deadlines, each
+bound to the agent its KV was promised to: a notification from any other agent is dropped.
+``Quarantine``: blocks of receivers aborted before their KV arrived, held until their sender is
+known to be done (its last notification, the control plane's word, or its departure).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -93,6 +95,16 @@ class SendTracker:
             return None
         st.covered = rng.covered
         return PlannedWrite(bm.local, bm.remote, st.incarnation) if bm.local else None
+
+    def refuse(self, request_id: str, dest: KVDestination, reason: str) -> None:
+        """Never write for this request (its receiver fenced the transfer)."""
+        st = self._state(request_id, dest, None)
+        if st.failure is None:
+            st.failure = reason
+
+    def tracks(self, request_id: str) -> bool:
+        """Whether the request may still write or notify."""
+        return request_id in self._reqs
 
     def posted(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -171,6 +183,8 @@ class RecvOutcome(NamedTuple):
 class _Expect(NamedTuple):
     request_id: str
     deadline: float | None
+    sender: str | None  # the only agent whose notification completes it (None: any)
+    sender_address: str | None = None  # its control address (to fence the transfer)
 
 
 class RecvTracker:
@@ -179,28 +193,44 @@ class RecvTracker:
         self._notif_of: dict[str, bytes] = {}
         self._received: list[str] = []
         self._failed: list[tuple[str, str]] = []
+        self.num_foreign = 0  # notifications of an expected transfer from another agent
 
-    def expect(self, request_id: str, notif: bytes, deadline: float | None) -> None:
+    def expect(self, request_id: str, notif: bytes, deadline: float | None,
+               sender: str | None = None, sender_address: str | None = None) -> None:
         other = self._by_notif.get(notif)
         if other is not None and other.request_id != request_id:
             raise ValueError(f"notification {notif!r} of {request_id!r} is already expected by "
                              f"{other.request_id!r}: notifications must be unique per request")
         self.forget(request_id)
-        self._by_notif[notif] = _Expect(request_id, deadline)
+        self._by_notif[notif] = _Expect(request_id, deadline, sender, sender_address)
         self._notif_of[request_id] = notif
 
-    def forget(self, request_id: str) -> bool:
-        notif = self._notif_of.pop(request_id, None)
+    def bind(self, request_id: str, sender: str, sender_address: str | None = None) -> bool:
+        """Promise the request's transfer to ``sender`` instead (False: nothing expected)."""
+        notif = self._notif_of.get(request_id)
         if notif is None:
             return False
-        del self._by_notif[notif]
+        self._by_notif[notif] = self._by_notif[notif]._replace(sender=sender,
+                                                               sender_address=sender_address)
         return True
 
+    def forget(self, request_id: str) -> _Expect | None:
+        notif = self._notif_of.pop(request_id, None)
+        if notif is None:
+            return None
+        return self._by_notif.pop(notif)
+
     def on_notif(self, peer: str, msg: bytes) -> None:
-        exp = self._by_notif.pop(msg, None)
+        exp = self._by_notif.get(msg)
         if exp is None:
             logger.debug("dropping notification %r from %s: no request expects it", msg, peer)
             return
+        if exp.sender is not None and peer != exp.sender:
+            self.num_foreign += 1
+            logger.warning("dropping notification of %s from %s: its KV was promised to %s",
+                           exp.request_id, peer, exp.sender)
+            return
+        del self._by_notif[msg]
         del self._notif_of[exp.request_id]
         self._received.append(exp.request_id)
 
@@ -219,37 +249,92 @@ class RecvTracker:
         return bool(self._notif_of)
 
 
+class _Held(NamedTuple):
+    notif: bytes
+    sender: str | None
+    sender_address: str | None
+    backstop: float  # released then whatever happened, with a warning
+
+
 class Quarantine:
-    """Aborted receivers whose blocks a sender may still write: request -> release time, and
-    their notification -> request. The sender's final notification ends the hold whichever it
-    is: an abort notice, or the completion of a send that finished before its abort reached
-    it (its writes have all ended either way). The release time is only a backstop."""
+    """Blocks of receivers aborted before their KV arrived, which their sender may still write.
+
+    A hold ends when the sender is known to be done, never after a fixed delay:
+    - its final notification from the sender it was promised to (an abort notice, or the
+      completion of a send that finished before the abort reached it: either way, no write of
+      it is left);
+    - ``settle``: the control plane knows no write was started or is still running (the router
+      never dispatched the prefill, or every dispatch ended without writing; or the sender,
+      asked, fenced the transfer and had nothing of it in flight);
+    - ``observe_alive``: the sender has been gone for a grace period (no router lists it);
+    - the backstop, far beyond any write timeout, only if none of these ever comes.
+    """
 
     def __init__(self) -> None:
-        self._until: dict[str, float] = {}
+        self._held: dict[str, _Held] = {}
         self._by_notif: dict[bytes, str] = {}
+        self._due: list[str] = []
+        self._absent_since: dict[str, float] = {}
+        self.num_foreign = 0
+        self.ended: Counter[str] = Counter()  # holds ended, by what ended them
 
     def __bool__(self) -> bool:
-        return bool(self._until)
+        return bool(self._held) or bool(self._due)
 
-    def hold(self, request_id: str, notif: bytes, until: float) -> None:
-        self._until[request_id] = until
+    def hold(self, request_id: str, notif: bytes, sender: str | None, backstop: float,
+             sender_address: str | None = None) -> None:
+        self._held[request_id] = _Held(notif, sender, sender_address, backstop)
         self._by_notif[notif] = request_id
 
-    def on_notif(self, msg: bytes) -> bool:
-        """Whether ``msg`` was the last word of a held request's sender (it is consumed)."""
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_backstopped(self) -> int:
+        return self.ended["backstop"]
+
+    def _release(self, request_id: str, why: str) -> None:
+        self.ended[why] += 1
+        held = self._held.pop(request_id)
+        del self._by_notif[held.notif]
+        self._due.append(request_id)
+
+    def on_notif(self, peer: str, msg: bytes) -> bool:
+        """Whether ``msg`` was meant for a held request (it is consumed)."""
         base = msg[:-len(ABORT_SUFFIX)] if msg.endswith(ABORT_SUFFIX) else msg
-        rid = self._by_notif.pop(base, None)
+        rid = self._by_notif.get(base)
         if rid is None:
             return msg.endswith(ABORT_SUFFIX)  # a late notice: nothing to release
-        self._until[rid] = 0.0
+        sender = self._held[rid].sender
+        if sender is not None and peer != sender:
+            self.num_foreign += 1
+            logger.warning("ignoring %r from %s: the blocks of %s were promised to %s", msg,
+                           peer, rid, sender)
+            return True
+        self._release(rid, "notice")
         return True
 
+    def settle(self, request_id: str) -> bool:
+        if request_id not in self._held:
+            return False
+        self._release(request_id, "settled")
+        return True
+
+    def observe_alive(self, alive: set[str], now: float, grace_s: float) -> None:
+        """Release the holds of senders absent from ``alive`` for ``grace_s`` or longer."""
+        senders = {h.sender for h in self._held.values() if h.sender is not None}
+        self._absent_since = {s: self._absent_since.get(s, now) for s in senders - alive}
+        gone = {s for s, t in self._absent_since.items() if now - t >= grace_s}
+        for rid in [r for r, h in self._held.items() if h.sender in gone]:
+            logger.info("releasing %s's blocks: its sender %s is gone", rid,
+                        self._held[rid].sender)
+            self._release(rid, "sender_gone")
+
     def release_due(self, now: float) -> list[str]:
-        due = [r for r, t in self._until.items() if t <= now]
-        if due:
-            for r in due:
-                del self._until[r]
-            gone = set(due)
-            self._by_notif = {k: v for k, v in self._by_notif.items() if v not in gone}
+        for rid in [r for r, h in self._held.items() if h.backstop <= now]:
+            logger.warning("releasing %s's blocks after the backstop: its sender %s never said "
+                           "its writes ended", rid, self._held[rid].sender or "(unbound)")
+            self._release(rid, "backstop")
+        due, self._due = self._due, []
         return due

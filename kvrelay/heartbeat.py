@@ -27,8 +27,10 @@ class Heartbeater:
     def __init__(self, routers: list[str], info: wpb.WorkerInfo,
                  load: Callable[[], wpb.WorkerLoad],
                  block_hashes: Callable[[], AbstractSet[int]] | None = None, *,
-                 interval_s: float = 1.0, cluster_token: str | None = None):
+                 interval_s: float = 1.0, cluster_token: str | None = None,
+                 on_answer: Callable[[str, wpb.HeartbeatResponse], None] | None = None):
         self.routers = routers
+        self.on_answer = on_answer  # called with each router's answer to a beat
         self.info = info
         self.load = load
         self.block_hashes = block_hashes
@@ -87,6 +89,8 @@ class Heartbeater:
                 failures = 0
                 self.beats_sent += 1
                 sent = None if resp.want_full_block_set else current
+                if self.on_answer is not None:
+                    self.on_answer(router, resp)
                 await asyncio.sleep(resp.interval_s or self.interval_s)
         finally:
             await ch.close()

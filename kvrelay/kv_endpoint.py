@@ -37,10 +37,33 @@ class KVEndpoint:
     def peer_info_bytes(self) -> bytes:
         return self.connector.peer_info().to_bytes()
 
-    def expectation(self, request_id: str, lease_id: str) -> KVExpectation:
-        return KVExpectation(notif_for(request_id, lease_id), self.kv_timeout_s)
+    def expectation(self, request_id: str, lease_id: str, sender: str = "",
+                    sender_address: str = "") -> KVExpectation:
+        return KVExpectation(notif_for(request_id, lease_id), self.kv_timeout_s, sender or None,
+                             sender_address or None)
+
+    def bind_sender(self, request_id: str, sender: str, sender_address: str = "") -> bool:
+        return self.connector.bind_sender(request_id, sender, sender_address or None)
+
+    def settle(self, request_id: str) -> bool:
+        return self.connector.settle(request_id)
+
+    def observe_alive(self, senders: set[str]) -> None:
+        self.connector.observe_alive(senders)
 
     # -- sending side (prefill) ----------------------------------------------------------------
+    def fence(self, request_id: str, lease_id: str) -> bytes:
+        """Nothing is written under this lease from now on (engine thread); its notification."""
+        notif = notif_for(request_id, lease_id)
+        self.connector.fence(notif)
+        return notif
+
+    def is_fenced(self, request_id: str, lease_id: str) -> bool:
+        return self.connector.is_fenced(notif_for(request_id, lease_id))
+
+    def still_sending(self, request_id: str) -> bool:
+        return self.connector.still_sending(request_id)
+
     def has_peer(self, agent_name: str, incarnation: str) -> bool:
         return self.connector.peer_incarnation(agent_name) == incarnation
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvrelay.decode_worker.fencing import Fencer
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore, EngineStats
@@ -108,6 +109,8 @@ class Worker:
         self._last_tokens = (time.monotonic(), 0)
         self._step_tokens = 0
         self._tokens_per_s = 0.0
+        self._live_senders: dict[str, frozenset[str]] = {}  # router -> prefill agents it lists
+        self.fencer: Fencer | None = None
 
     # -- assembly ------------------------------------------------------------------------------
     async def _build_engine(self) -> None:
@@ -178,6 +181,10 @@ class Worker:
             self.leases = LeaseTable(self.engine.abort, default_ttl_s=st.lease_ttl_s)
             self.leases.start()
             self.decode_servicer = DecodeServicer(self.engine, self.leases, self.kv)
+            if self.kv is not None:  # blocks given up early wait for their sender: ask it
+                self.fencer = Fencer(self.kv.settle, cluster_token=st.cluster_token)
+                self.fencer.start()
+                self.kv.connector.on_hold = self.fencer.on_hold
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.decode_servicer, self.server)
             services.append("kvrelay.v1.DecodeWorker")
         if st.role == "prefill":
@@ -204,10 +211,19 @@ class Worker:
         self.heartbeater = Heartbeater(list(st.routers), info, self._load,
                                        bm.cached_hash_set if bm.enable_prefix_caching else None,
                                        interval_s=st.heartbeat_interval_s,
-                                       cluster_token=st.cluster_token)
+                                       cluster_token=st.cluster_token,
+                                       on_answer=self._on_beat_answer)
         self.heartbeater.start()
         logger.info("worker %s (%s) serving on %s:%d, routers %s", self.worker_id, st.role,
                     st.host, self.port, ", ".join(st.routers) or "none")
+
+    def _on_beat_answer(self, router: str, resp: wpb.HeartbeatResponse) -> None:
+        """A decode worker's held blocks wait on their senders: one gone from every router's
+        list for a grace period can no longer write (``Quarantine.observe_alive``)."""
+        if self.settings.role != "decode" or self.kv is None:
+            return
+        self._live_senders[router] = frozenset(resp.live_prefill_agents)
+        self.kv.observe_alive(set().union(*self._live_senders.values()))
 
     # -- shutdown ------------------------------------------------------------------------------
     async def drain(self, timeout_s: float | None = None) -> None:
@@ -235,6 +251,8 @@ class Worker:
         await self.server.stop(grace=1.0)
         if self.decode_servicer is not None:
             await self.leases.stop()
+        if self.fencer is not None:
+            await self.fencer.stop()
         self.engine.shutdown()
         if self.metrics is not None:
             self.metrics.close()

@@ -56,6 +56,20 @@ class _EngineCollector(Collector):
                     s.prefill_budget)
         yield counter("kvrelay:tpot_capped_steps",
                       "Steps whose prefill tokens the TPOT target capped", s.num_capped_steps)
+        if s.kv_transfer:
+            held = GaugeMetricFamily("kvrelay:kv_blocks_held_requests",
+                                     "Aborted receivers whose blocks wait for their sender",
+                                     labels=names)
+            held.add_metric(self.labels, s.kv_transfer.get("held", 0))
+            yield held
+            ev = CounterMetricFamily("kvrelay:kv_transfer_events",
+                                     "KV transfer events: holds ended (fenced/notice/sender "
+                                     "gone/backstop), notifications from a foreign agent",
+                                     labels=[*names, "event"])
+            for k, v in sorted(s.kv_transfer.items()):
+                if k != "held":
+                    ev.add_metric([*self.labels, k], v)
+            yield ev
         if s.step_cost is not None:
             fam = GaugeMetricFamily(
                 "kvrelay:step_cost_seconds",

@@ -53,6 +53,12 @@ class KVSender(Protocol):
 
     def evict_peer(self, agent_name: str) -> bool: ...
 
+    def fence(self, request_id: str, lease_id: str) -> bytes: ...
+
+    def is_fenced(self, request_id: str, lease_id: str) -> bool: ...
+
+    def still_sending(self, request_id: str) -> bool: ...
+
 
 # A decode worker no request has gone to for this long is forgotten (its NIXL remote agent,
 # prepared descriptors and connection lock): decode pods come and go, and each one held here
@@ -140,6 +146,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             dest = request.dest
+            if self.kv.is_fenced(rid, dest.lease_id):  # its receiver gave the blocks up
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"the lease of {rid} was given up by its decode worker",
+                                    KV_NOTHING_WRITTEN)
             await self.evict_idle_peers()
             self._peer_used[dest.agent_name] = time.monotonic()
             self._peer_inflight[dest.agent_name] = self._peer_inflight.get(dest.agent_name, 0) + 1
@@ -151,6 +161,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     self._peer_inflight[dest.agent_name] = n
                 else:
                     self._peer_inflight.pop(dest.agent_name, None)
+
+    async def Fence(self, request: wpb.FenceRequest,
+                    context: grpc.aio.ServicerContext) -> wpb.FenceResponse:
+        rid = request.request_id
+        if not rid or len(rid) > 256 or not request.lease_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request_id (1..256 characters) and lease_id are required")
+        with request_context(rid):
+            # On the engine thread, in order with admissions: a prefill admitted before is
+            # aborted here (its sender sends the abort notice after its last write), one
+            # admitted after finds the fence and writes nothing.
+            done = await self.engine.call(self._fence, rid, request.lease_id)
+            logger.debug("fenced lease %s: %s", request.lease_id,
+                         "nothing in flight" if done else "aborting, notice to follow")
+            return wpb.FenceResponse(done=done)
+
+    def _fence(self, request_id: str, lease_id: str) -> bool:
+        notif = self.kv.fence(request_id, lease_id)
+        core = self.engine.core
+        seq = core.seqs.get(request_id)
+        if seq is not None and getattr(seq.kv_transfer_params, "notif", None) == notif:
+            core.abort(request_id)
+        return not self.kv.still_sending(request_id) and request_id not in core.seqs
 
     async def _prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext,
                        skip_blocks: int, sampling: SamplingParams) -> wpb.PrefillResponse:
@@ -195,8 +228,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             reason = (out.error if out is not None else None) or "prefill aborted"
             logger.warning("prefill failed: %s", reason)
             # A failed KV transfer is the destination's failure (the decode worker died or
-            # dropped the lease), not this worker's.
-            side = KV_DESTINATION_FAILED if reason.startswith(KV_TRANSFER_FAILED) else ()
+            # dropped the lease, or fenced it), not this worker's.
+            side = (KV_DESTINATION_FAILED if reason.startswith(KV_TRANSFER_FAILED)
+                    or self.kv.is_fenced(rid, dest.lease_id) else ())
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason, side)
         done = time.monotonic()
         scheduled = out.scheduled_at or t0

@@ -96,12 +96,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., added_block_hashes: _Optional[_Iterable[int]] = ..., removed_block_hashes: _Optional[_Iterable[int]] = ..., full_block_set: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("interval_s", "want_full_block_set")
+    __slots__ = ("interval_s", "want_full_block_set", "live_prefill_agents")
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     WANT_FULL_BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    LIVE_PREFILL_AGENTS_FIELD_NUMBER: _ClassVar[int]
     interval_s: float
     want_full_block_set: bool
-    def __init__(self, interval_s: _Optional[float] = ..., want_full_block_set: _Optional[bool] = ...) -> None: ...
+    live_prefill_agents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, interval_s: _Optional[float] = ..., want_full_block_set: _Optional[bool] = ..., live_prefill_agents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -132,14 +134,18 @@ class TransferInfo(_message.Message):
     def __init__(self, peer_info: _Optional[bytes] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "ttl_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "ttl_ms", "sender_agent", "sender_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ttl_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    sender_agent: str
+    sender_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ..., sender_agent: _Optional[str] = ..., sender_address: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "block_ids", "cached_prefix_tokens", "agent_name", "incarnation", "ttl_ms")
@@ -158,12 +164,18 @@ class ReserveResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_prefix_tokens: _Optional[int] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id")
+    __slots__ = ("request_id", "lease_id", "sender_agent", "sender_address", "writes_settled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_SETTLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    sender_agent: str
+    sender_address: str
+    writes_settled: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., sender_agent: _Optional[str] = ..., sender_address: _Optional[str] = ..., writes_settled: _Optional[bool] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("ok",)
@@ -210,6 +222,20 @@ class DecodeResponse(_message.Message):
     cached_prompt_tokens: int
     kv_wait_ms: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_wait_ms: _Optional[float] = ...) -> None: ...
+
+class FenceRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class FenceResponse(_message.Message):
+    __slots__ = ("done",)
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    def __init__(self, done: _Optional[bool] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("decode_address", "agent_name", "incarnation", "block_ids", "skip_prefix_tokens", "lease_id")

@@ -580,6 +580,11 @@ class PrefillWorkerStub:
                 request_serializer=kvrelay_dot_proto_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_proto_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/kvrelay.v1.PrefillWorker/Fence',
+                request_serializer=kvrelay_dot_proto_dot_worker__pb2.FenceRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_proto_dot_worker__pb2.FenceResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -593,6 +598,15 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """A decode worker gave up a lease before its KV arrived: from now on nothing is written under
+        it (a Prefill for it that arrives later writes nothing), and a prefill of it under way is
+        aborted. `done`: no write of it can still land; else its abort notice follows the last.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -600,6 +614,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=kvrelay_dot_proto_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=kvrelay_dot_proto_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=kvrelay_dot_proto_dot_worker__pb2.FenceRequest.FromString,
+                    response_serializer=kvrelay_dot_proto_dot_worker__pb2.FenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -631,6 +650,33 @@ class PrefillWorker:
             '/kvrelay.v1.PrefillWorker/Prefill',
             kvrelay_dot_proto_dot_worker__pb2.PrefillRequest.SerializeToString,
             kvrelay_dot_proto_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.PrefillWorker/Fence',
+            kvrelay_dot_proto_dot_worker__pb2.FenceRequest.SerializeToString,
+            kvrelay_dot_proto_dot_worker__pb2.FenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -98,6 +98,9 @@ class _Pass:
     prefill: WorkerState | None = None  # pinned prefill worker (warm-up probe)
     record: bool = True  # feed the cost model's measurements
     fit: bool = True  # including the compute fits (the warm-up probe feeds those itself)
+    # A Prefill call under the lease ended in a way that may leave its writes landing (or is
+    # still running): the lease's blocks must wait for its sender, not be reused at Release.
+    writes_unsettled: bool = False
     count: bool = True  # count in the routing metrics
 
 
@@ -258,6 +261,9 @@ class Lifecycle:
                              sampling: SamplingParams, trace: Trace,
                              ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
         ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens))
+        if ctx.prefill is None:  # the decode worker binds the lease's KV to its sender
+            ranked = self.policy.rank_prefill(self.registry.alive("prefill"), ctx.req)
+            ctx.prefill = ranked[0] if ranked else None
         d, lease = await self._reserve(spec, prompt, trace, ctx)
         decode_started = False
         renew = asyncio.get_running_loop().create_task(self._renew(d, spec.request_id, lease))
@@ -298,7 +304,8 @@ class Lifecycle:
             d.inflight -= 1
             renew.cancel()
             if not decode_started:
-                self._release_soon(d, spec.request_id, lease.lease_id)
+                self._release_soon(d, spec.request_id, lease.lease_id,
+                                   settled=not ctx.writes_unsettled)
 
     def _first_token_stop(self, sampling: SamplingParams, token: int, prompt_len: int,
                           d: WorkerState) -> FinishReason | None:
@@ -342,7 +349,9 @@ class Lifecycle:
         ctx = ctx or _Pass(RouteRequest(prompt))
         for d in self.policy.rank_decode(decoders, need, ctx.req):
             req = wpb.ReserveRequest(request_id=spec.request_id, prompt_token_ids=prompt,
-                                     ttl_ms=int(self.config.lease_ttl_s * 1000))
+                                     ttl_ms=int(self.config.lease_ttl_s * 1000),
+                                     sender_agent=ctx.prefill.worker_id if ctx.prefill else "",
+                                     sender_address=ctx.prefill.address if ctx.prefill else "")
             # Counted from the reservation on (the caller drops it when the request leaves this
             # worker), so concurrent arrivals between two heartbeats spread over the pool.
             d.inflight += 1
@@ -403,6 +412,7 @@ class Lifecycle:
         tried: set[str] = set()
         last = "no prefill worker"
         exhausted = False
+        bound = ctx.prefill.worker_id if ctx.prefill is not None else ""  # the lease's sender
         for _ in range(self.config.max_prefill_attempts):
             if ctx.prefill is not None and not tried:
                 ranked = [ctx.prefill]
@@ -414,6 +424,9 @@ class Lifecycle:
                 break
             p = ranked[0]
             tried.add(p.worker_id)
+            if p.worker_id != bound:  # nothing was written under the lease: promise it to p
+                await self._rebind(spec, d, lease, p)
+                bound = p.worker_id
             now = time.monotonic()
             pending = self.policy.cost.prefill(p, ctx.req, now).new_tokens
             p.pending_prompt_tokens += pending
@@ -425,6 +438,7 @@ class Lifecycle:
             trace.add("prefill_start", p.worker_id, detail=ctx.reason if len(tried) == 1
                       else "retry")
             t_rpc = time.monotonic()
+            ctx.writes_unsettled = True
             try:
                 resp = await p.prefill.Prefill(
                     req, metadata=self.md,
@@ -451,6 +465,7 @@ class Lifecycle:
                     # Take fresh blocks instead; d quarantines these until p's writes end.
                     raise WorkerLost(f"prefill failed ({last}); its KV writes may still "
                                      f"land: a new lease") from e
+                ctx.writes_unsettled = False
                 logger.warning("prefill on %s failed (%s); retrying under the same lease",
                                p.worker_id, last)
                 continue
@@ -464,6 +479,7 @@ class Lifecycle:
             finally:
                 p.inflight -= 1
                 p.pending_prompt_tokens = max(0, p.pending_prompt_tokens - pending)
+            ctx.writes_unsettled = False  # answered: every write landed and was notified
             trace.add("prefill_end", p.worker_id,
                       detail=f"queue={resp.queue_ms:.1f}ms prefill={resp.prefill_ms:.1f}ms "
                              f"transfer={resp.transfer_ms:.1f}ms bytes={resp.kv_bytes}")
@@ -567,8 +583,21 @@ class Lifecycle:
                   else ctx.req.hashes(w.block_size))
         w.expect(hashes, time.monotonic() + self.registry.expect_s)
 
-    def _release_soon(self, d: WorkerState, request_id: str, lease_id: str) -> None:
-        """End a lease without making the caller wait (the TTL is the backstop)."""
+    async def _rebind(self, spec: GenerateSpec, d: WorkerState, lease: wpb.ReserveResponse,
+                      p: WorkerState) -> None:
+        req = wpb.LeaseRequest(request_id=spec.request_id, lease_id=lease.lease_id,
+                               sender_agent=p.worker_id, sender_address=p.address)
+        try:
+            await d.decode.RenewLease(req, metadata=self.md,
+                                      timeout=self._remaining(spec, self.config.reserve_timeout_s))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            raise WorkerLost(f"could not promise {d.worker_id}'s lease to {p.worker_id}: "
+                             f"{e}") from e
+
+    def _release_soon(self, d: WorkerState, request_id: str, lease_id: str, *,
+                      settled: bool = False) -> None:
+        """End a lease without making the caller wait (the TTL is the backstop). ``settled``:
+        no prefill can still write into its blocks, so d may reuse them at once."""
 
         async def release() -> None:
             # d may have left the registry and come back (missed heartbeats): its old channel is
@@ -578,7 +607,8 @@ class Lifecycle:
             with request_context(request_id), \
                     contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await w.decode.Release(wpb.LeaseRequest(request_id=request_id,
-                                                        lease_id=lease_id),
+                                                        lease_id=lease_id,
+                                                        writes_settled=settled),
                                        metadata=self.md, timeout=2.0)
 
         asyncio.get_running_loop().create_task(release())

@@ -384,8 +384,12 @@ class WorkerRegistry:
                 # out of step with the worker: start over from a full set
                 w.block_hashes.clear()
                 want_full = True
-        return wpb.HeartbeatResponse(interval_s=self.heartbeat_interval_s,
+        resp = wpb.HeartbeatResponse(interval_s=self.heartbeat_interval_s,
                                      want_full_block_set=want_full)
+        if w.role == "decode":  # its quarantined blocks wait on these senders (any state)
+            resp.live_prefill_agents.extend(
+                x.worker_id for x in self.workers.values() if x.role == "prefill")
+        return resp
 
     def _add(self, info: wpb.WorkerInfo, load: wpb.WorkerLoad, now: float) -> WorkerState:
         ch = insecure_channel(info.address)

@@ -226,3 +226,62 @@ def test_client_reuses_a_request_id_after_every_way_a_request_ends(cluster, llm)
         call.cancel()
         again("reuse-busy")
     assert cluster.wait_free_blocks(baseline, timeout=30) == baseline
+
+
+def test_cancels_at_random_points_under_load_never_mix_up_kv(cluster, llm) -> None:
+    """Clients cancel half their requests at random moments (queued for prefill, mid-prefill,
+    mid-transfer, mid-decode) while others run, on two prefill workers. A cancelled prefill's
+    late writes must never land in blocks another request reads: every request that ran to
+    the end is exactly the engine's greedy output, every cancelled one streamed a correct
+    prefix of it, and every block comes back."""
+    if sum(1 for p in cluster.workers if p.name.startswith("prefill")
+           and p.popen.poll() is None) < 2:
+        cluster.add_worker("prefill")
+    live = {p.name for p in cluster.workers if p.popen.poll() is None}
+    baseline = {k: v for k, v in cluster.free_blocks().items() if k in live}
+    outcomes: list[tuple[Outcome, bool]] = []
+    crashed: list[BaseException] = []
+
+    def client(k: int) -> None:
+        rng = random.Random(5000 + k)
+        try:
+            with cluster.client() as c:
+                for _ in range(8):
+                    n = rng.choice((32, 128, 400, 1200))
+                    o = Outcome([rng.randrange(7, 4000) for _ in range(n)], rng.randint(8, 24))
+                    cancel = rng.random() < 0.5
+                    call = c.stream(o.prompt, sampling(o.max_tokens, 0.0, ignore_eos=True),
+                                    timeout=CALL_TIMEOUT_S)
+                    if cancel:
+                        threading.Timer(rng.uniform(0.0, 0.4), call.cancel).start()
+                    try:
+                        for msg in call:
+                            o.tokens.extend(msg.token_ids)
+                            o.finish = msg.finish_reason or o.finish
+                    except grpc.RpcError as e:
+                        o.code, o.details = e.code(), e.details() or ""
+                    outcomes.append((o, cancel))
+        except BaseException as e:  # asserted below
+            crashed.append(e)
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not crashed, crashed[:3]
+    refs = llm.generate([o.prompt for o, _ in outcomes],
+                        [SamplingParams(max_tokens=o.max_tokens, temperature=0, ignore_eos=True)
+                         for o, _ in outcomes])
+    wrong, cancelled = [], 0
+    for (o, cancel), ref in zip(outcomes, refs, strict=True):
+        if o.code == grpc.StatusCode.CANCELLED and cancel:
+            cancelled += 1
+            if o.tokens != ref.token_ids[:len(o.tokens)]:
+                wrong.append(("cancelled", len(o.prompt), len(o.tokens)))
+        elif o.code is not None or o.tokens != ref.token_ids:
+            wrong.append((len(o.prompt), o.code, o.details, len(o.tokens)))
+    assert not wrong, wrong[:5]
+    assert cancelled >= 10 and len(outcomes) - cancelled >= 10
+    assert cluster.wait_free_blocks(baseline, timeout=30) == baseline

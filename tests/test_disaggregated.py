@@ -17,6 +17,9 @@ from hf_models import hf_greedy
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import worker_pb2_grpc
+from kvrelay.rpc import KV_NOTHING_WRITTEN
 
 pytestmark = pytest.mark.slow
 
@@ -175,3 +178,58 @@ def test_two_by_two_spreads_load_and_stays_correct(demo_model_dir, tmp_path, llm
             used_d |= {e.worker for e in r.trace if e.name == "reserved"}
         assert len(used_p) == n_p and len(used_d) == n_d
         assert c.wait_free_blocks(baseline) == baseline
+
+
+def _reserve(d: worker_pb2_grpc.DecodeWorkerStub, rid: str, ids: list[int], sender: str,
+             address: str) -> wpb.ReserveResponse:
+    return d.Reserve(wpb.ReserveRequest(request_id=rid, prompt_token_ids=ids, ttl_ms=60_000,
+                                        sender_agent=sender, sender_address=address),
+                     timeout=10)
+
+
+def test_blocks_given_up_before_their_kv_wait_until_the_sender_fenced_them(cluster) -> None:
+    """Released before any KV came (and without the router vouching that nothing was sent),
+    a lease's blocks are reused only once its sender has fenced it: after that, a Prefill for
+    the lease that arrives late is refused without writing a byte."""
+    baseline = cluster.free_blocks()
+    decode, prefill = cluster.proc("decode-1"), cluster.proc("prefill-1")
+    ids = prompt_ids(100, 3)
+    with grpc.insecure_channel(decode.address) as dch, \
+            grpc.insecure_channel(prefill.address) as pch:
+        d = worker_pb2_grpc.DecodeWorkerStub(dch)
+        lease = _reserve(d, "fence-1", ids, "prefill-1", prefill.address)
+        assert cluster.free_blocks()["decode-1"] < baseline["decode-1"]
+        assert d.Release(wpb.LeaseRequest(request_id="fence-1", lease_id=lease.lease_id),
+                         timeout=10).ok
+        assert cluster.wait_free_blocks(baseline) == baseline  # the sender said: nothing sent
+        late = wpb.PrefillRequest(
+            request_id="fence-1", prompt_token_ids=ids, sampling=sampling(1),
+            dest=wpb.KVDestination(decode_address=decode.address, agent_name=lease.agent_name,
+                                   incarnation=lease.incarnation, block_ids=lease.block_ids,
+                                   skip_prefix_tokens=lease.cached_prefix_tokens,
+                                   lease_id=lease.lease_id))
+        with pytest.raises(grpc.RpcError) as e:
+            worker_pb2_grpc.PrefillWorkerStub(pch).Prefill(late, timeout=30)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert set(KV_NOTHING_WRITTEN) <= set(e.value.trailing_metadata() or ())
+
+
+def test_blocks_promised_to_a_silent_sender_are_held_until_it_is_gone(cluster) -> None:
+    """A sender that cannot be asked (unreachable) may still be writing: its blocks are not
+    reused after a fixed couple of seconds, only once no router lists it (plus a grace)."""
+    baseline = cluster.free_blocks()
+    decode = cluster.proc("decode-1")
+    with grpc.insecure_channel(decode.address) as dch:
+        d = worker_pb2_grpc.DecodeWorkerStub(dch)
+        lease = _reserve(d, "fence-2", prompt_ids(100, 4), "ghost", "127.0.0.1:9")
+        d.Release(wpb.LeaseRequest(request_id="fence-2", lease_id=lease.lease_id), timeout=10)
+        time.sleep(3.0)  # longer than the old fixed grace (2 s)
+        assert cluster.free_blocks()["decode-1"] < baseline["decode-1"]
+        # "ghost" is on no router's list: released after the connector's grace (10 s)
+        assert cluster.wait_free_blocks(baseline, timeout=30) == baseline
+
+        # The router vouches that nothing was dispatched: reused at once, whoever the sender.
+        lease = _reserve(d, "fence-3", prompt_ids(100, 5), "ghost", "127.0.0.1:9")
+        d.Release(wpb.LeaseRequest(request_id="fence-3", lease_id=lease.lease_id,
+                                   writes_settled=True), timeout=10)
+        assert cluster.wait_free_blocks(baseline, timeout=8) == baseline  # < the 10 s grace

@@ -238,18 +238,62 @@ def test_receiver_refuses_one_notification_for_two_requests() -> None:
 
 def test_quarantine_ends_with_the_senders_last_notification_whichever_it_is() -> None:
     """An aborted receiver's blocks are held until its sender is done: an abort notice, or the
-    completion of a send that finished before the abort reached it (it used to be held to the
-    backstop then); the backstop applies only when neither comes."""
+    completion of a send that finished before the abort reached it. Time alone releases
+    nothing before the backstop, however long the sender takes."""
     q = Quarantine()
-    q.hold("a", b"n-a", until=100.0)
-    q.hold("b", b"n-b", until=100.0)
-    q.hold("c", b"n-c", until=5.0)
-    assert q.release_due(1.0) == []
-    assert q.on_notif(b"n-a" + ABORT_SUFFIX)  # aborted sender, last write ended
-    assert q.on_notif(b"n-b")  # completed sender: no write of it is left either
-    assert not q.on_notif(b"n-other")  # an expectation's notification: not ours
-    assert q.on_notif(b"n-gone" + ABORT_SUFFIX)  # a late notice is consumed, not expected
-    assert sorted(q.release_due(1.0)) == ["a", "b"]
+    q.hold("a", b"n-a", "p1", backstop=1000.0)
+    q.hold("b", b"n-b", "p1", backstop=1000.0)
+    q.hold("c", b"n-c", "p1", backstop=1000.0)
+    assert q.release_due(2.5) == [] and q.release_due(900.0) == []
+    assert q.on_notif("p1", b"n-a" + ABORT_SUFFIX)  # aborted sender, last write ended
+    assert q.on_notif("p1", b"n-b")  # completed sender: no write of it is left either
+    assert not q.on_notif("p1", b"n-other")  # an expectation's notification: not ours
+    assert q.on_notif("p1", b"n-gone" + ABORT_SUFFIX)  # a late notice is consumed, not expected
+    assert sorted(q.release_due(900.0)) == ["a", "b"]
     assert q  # c still held
-    assert q.release_due(5.0) == ["c"]
-    assert not q and not q.on_notif(b"n-c")
+    assert q.release_due(1000.0) == ["c"] and q.num_backstopped == 1
+    assert not q and not q.on_notif("p1", b"n-c")
+    assert q.ended == {"notice": 2, "backstop": 1}
+
+
+def test_quarantine_hears_only_the_sender_its_blocks_were_promised_to() -> None:
+    q = Quarantine()
+    q.hold("a", b"n-a", "p1", backstop=1000.0)
+    assert q.on_notif("intruder", b"n-a" + ABORT_SUFFIX)  # consumed, and counted, not obeyed
+    assert q.on_notif("intruder", b"n-a")
+    assert q.num_foreign == 2 and q.release_due(1.0) == [] and q
+    assert q.on_notif("p1", b"n-a" + ABORT_SUFFIX)
+    assert q.release_due(1.0) == ["a"]
+
+
+def test_quarantine_ends_when_the_control_plane_settles_it_or_the_sender_is_gone() -> None:
+    q = Quarantine()
+    q.hold("a", b"n-a", "p1", backstop=1000.0)
+    q.hold("b", b"n-b", "p2", backstop=1000.0)
+    q.hold("c", b"n-c", None, backstop=1000.0)  # unbound: never "gone", settled or notified
+    assert q.settle("c") and not q.settle("c") and not q.settle("unknown")
+    assert q.release_due(0.0) == ["c"]
+    q.observe_alive({"p1", "p2"}, now=10.0, grace_s=5.0)
+    q.observe_alive({"p1"}, now=11.0, grace_s=5.0)  # p2 missing from every router's list ...
+    q.observe_alive({"p1", "p2"}, now=13.0, grace_s=5.0)  # ... back: the grace starts over
+    q.observe_alive({"p1"}, now=14.0, grace_s=5.0)
+    q.observe_alive({"p1"}, now=18.9, grace_s=5.0)
+    assert q.release_due(18.9) == []
+    q.observe_alive({"p1"}, now=19.0, grace_s=5.0)
+    assert q.release_due(19.0) == ["b"]
+    assert q.release_due(500.0) == [] and q  # p1 is alive and silent: a is still held
+    assert q.ended == {"settled": 1, "sender_gone": 1} and q.num_held == 1
+
+
+def test_receiver_completes_only_on_the_promised_senders_notification() -> None:
+    t = RecvTracker()
+    t.expect("a", b"n-a", None, sender="p1")
+    t.expect("b", b"n-b", None)  # unbound: any sender
+    t.on_notif("intruder", b"n-a")
+    t.on_notif("p9", b"n-b")
+    assert t.take() == (["b"], []) and t.num_foreign == 1 and t.has_pending()
+    assert t.bind("a", "p2") and not t.bind("nothing", "p2")  # the prefill moved to p2
+    t.on_notif("p1", b"n-a")
+    assert t.take() == ([], []) and t.num_foreign == 2
+    t.on_notif("p2", b"n-a")
+    assert t.take() == (["a"], []) and not t.has_pending()
