@@ -20,6 +20,7 @@ from kvrelay.convert import finish_to_proto, logprob_to_proto, sampling_from_pro
 from kvrelay.decode_worker.leases import LeaseError, LeaseTable
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
+from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -59,6 +60,12 @@ def is_id_in_use(e: Exception) -> bool:
 def check_request_id(request_id: str) -> None:
     if not request_id or len(request_id) > MAX_REQUEST_ID:
         raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID} characters")
+
+
+def cache_salt_of(salt: str) -> str | None:
+    if len(salt) > MAX_CACHE_SALT:
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT} characters")
+    return salt or None
 
 
 def decode_response(out: RequestOutput) -> wpb.DecodeResponse:
@@ -101,6 +108,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             try:
                 check_request_id(rid)
                 self.engine.core.validate_prompt(ids)
+                salt = cache_salt_of(request.cache_salt)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             # The router holds one attempt of a request id at a time: whatever this worker
@@ -123,7 +131,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 try:
                     res = await self.engine.reserve(
                         rid, ids, kv_transfer_params=self.kv.expectation(
-                            rid, lease.lease_id, request.sender_agent, request.sender_address))
+                            rid, lease.lease_id, request.sender_agent, request.sender_address),
+                        cache_salt=salt)
                     break
                 except EngineOverloaded as e:
                     self.leases.drop(rid)
@@ -227,7 +236,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             try:
                 check_request_id(rid)
                 sampling = sampling_from_proto(request.sampling)
-                stream = self.engine.generate(rid, list(request.prompt_token_ids), sampling)
+                stream = self.engine.generate(rid, list(request.prompt_token_ids), sampling,
+                                              cache_salt=cache_salt_of(request.cache_salt))
                 first = await anext(stream)
             except EngineOverloaded as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

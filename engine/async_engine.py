@@ -125,20 +125,22 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams, *, kv_transfer_params: object | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Prefill here and stream outputs until the request finishes."""
         stream = self._open(request_id)
         await self._admit(request_id, self.core.add_request, request_id, prompt_token_ids,
                           sampling, kv_transfer_params=kv_transfer_params,
-                          arrival_time=arrival_time)
+                          arrival_time=arrival_time, cache_salt=cache_salt)
         async for out in self._drain(request_id, stream):
             yield out
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], *,
-                      kv_transfer_params: object | None = None) -> Reservation:
+                      kv_transfer_params: object | None = None,
+                      cache_salt: str | None = None) -> Reservation:
         self._open(request_id)
         return await self._admit(request_id, self.core.reserve, request_id, prompt_token_ids,
-                                 kv_transfer_params=kv_transfer_params)
+                                 kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
 
     async def decode(self, request_id: str, first_token_id: int,
                      sampling: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -92,13 +92,15 @@ class BlockManager:
         self._hash_snapshot = (version, snap)
         return snap
 
-    def match_prefix(self, token_ids: Seq[int], max_tokens: int) -> PrefixMatch:
-        """Longest run of cached full blocks at the start of ``token_ids[:max_tokens]``."""
+    def match_prefix(self, token_ids: Seq[int], max_tokens: int,
+                     root: int = ROOT_HASH) -> PrefixMatch:
+        """Longest run of cached full blocks at the start of ``token_ids[:max_tokens]``, in the
+        namespace ``root`` (``Sequence.hash_root``: the request's cache salt)."""
         ids: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
             return PrefixMatch(ids, hashes)
-        parent = ROOT_HASH
+        parent = root
         bs = self.block_size
         for start in range(0, max_tokens - bs + 1, bs):
             chunk = tuple(token_ids[start:start + bs])
@@ -162,7 +164,7 @@ class BlockManager:
         bs = self.block_size
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         n_full = min(seq.num_computed_tokens, len(seq.block_table) * bs) // bs
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else seq.hash_root
         for i in range(len(hashes), n_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             parent = hash_block(parent, chunk)

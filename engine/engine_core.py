@@ -152,32 +152,36 @@ class EngineCore:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _new_seq(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 kv_transfer_params: object | None, arrival_time: float | None) -> Sequence:
+                 kv_transfer_params: object | None, arrival_time: float | None,
+                 cache_salt: str | None = None) -> Sequence:
         if request_id in self.seqs or request_id in self._sending:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
         return Sequence(request_id, prompt_token_ids, sampling,
-                        kv_transfer_params=kv_transfer_params, arrival_time=arrival_time)
+                        kv_transfer_params=kv_transfer_params, arrival_time=arrival_time,
+                        cache_salt=cache_salt)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     *, kv_transfer_params: object | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request to prefill here (and decode, unless it stops after its first token)."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Queue a request to prefill here (and decode, unless it stops after its first token).
+        Only requests of equal ``cache_salt`` share cached prefix blocks."""
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests already waiting")
         seq = self._new_seq(request_id, prompt_token_ids, sampling, kv_transfer_params,
-                            arrival_time)
+                            arrival_time, cache_salt)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], *,
-                kv_transfer_params: object | None = None) -> Reservation:
+                kv_transfer_params: object | None = None,
+                cache_salt: str | None = None) -> Reservation:
         """Hold blocks for a prompt whose KV another engine will write (decode role)."""
         seq = self._new_seq(request_id, prompt_token_ids, SamplingParams(), kv_transfer_params,
-                            None)
+                            None, cache_salt)
         bm = self.block_manager
         n = seq.num_prompt_tokens
-        match = bm.match_prefix(seq.token_ids, n)
+        match = bm.match_prefix(seq.token_ids, n, seq.hash_root)
         need = -(-n // bm.block_size) - match.num_blocks
         if not bm.can_allocate(need):
             raise EngineOverloaded(f"no KV room for {n} tokens: {need} blocks needed, "

@@ -13,6 +13,17 @@ from array import array
 from collections.abc import Sequence
 
 ROOT_HASH = 0
+MAX_CACHE_SALT = 256  # characters
+
+
+def salt_root(cache_salt: str | None) -> int:
+    """The chain's root for a request's ``cache_salt`` (vLLM's name): requests share cached
+    blocks only when their salts are equal, so one tenant cannot probe another's prompts
+    through ``cached_tokens`` or time to first token. No salt: ``ROOT_HASH``."""
+    if not cache_salt:
+        return ROOT_HASH
+    h = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"kvrelay-salt")
+    return int.from_bytes(h.digest(), "little") or 1
 
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:

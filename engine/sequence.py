@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from kvrelay.engine.outputs import FinishReason
+from kvrelay.engine.prefix_hash import salt_root
 from kvrelay.engine.sampling_params import SamplingParams
 
 __all__ = ["FinishReason", "Sequence", "SequenceStatus"]
@@ -33,6 +34,7 @@ class Sequence:
         "finish_reason",
         "first_scheduled_time",
         "generator",
+        "hash_root",
         "kv_ready",
         "kv_transfer_params",
         "logprobs",
@@ -54,6 +56,7 @@ class Sequence:
         *,
         kv_transfer_params: Any | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         assert prompt_token_ids, "a sequence needs at least one prompt token"
         self.request_id = request_id
@@ -72,6 +75,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: Any | None = None  # per-request torch.Generator when seeded
         self.logprobs: list[Any] = []
+        self.hash_root = salt_root(cache_salt)  # its prefix-cache namespace
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -181,6 +181,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         http_port=None if args.http_port in (None, "", "-1") else int(args.http_port),
         served_model_name=args.served_model_name,
         api_keys=_read_secret_list(args.api_keys, args.api_key_file),
+        cache_salt_by_api_key=bool(args.cache_salt_by_api_key),
         cluster_token=args.cluster_token, tls=tls,
         heartbeat_interval_s=float(args.heartbeat_interval),
         config=RouterConfig(policy=args.policy, lease_ttl_s=float(args.lease_ttl),
@@ -265,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--heartbeat-interval", type=float, default=1.0)
     opt(p, "--api-keys", default=None, help="comma-separated API keys (prefer the env var)")
     opt(p, "--api-key-file", default=None, help="file with one API key per line")
+    opt(p, "--cache-salt-by-api-key", action="store_true", default=False,
+        help="isolate prefix-cache sharing per API key (as if each key's requests carried "
+             "their own cache_salt): one tenant cannot tell from cached_tokens or TTFT what "
+             "another sent")
     opt(p, "--tls-cert", default=None)
     opt(p, "--tls-key", default=None)
     add_common_process_options(p)

@@ -18,7 +18,7 @@ from typing import Protocol
 import grpc
 
 from kvrelay.convert import logprob_to_proto, sampling_from_proto
-from kvrelay.decode_worker.servicer import ID_REUSE_WAIT_S, is_id_in_use
+from kvrelay.decode_worker.servicer import ID_REUSE_WAIT_S, cache_salt_of, is_id_in_use
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
 from kvrelay.engine.sampling_params import SamplingParams
@@ -117,6 +117,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise ValueError("request_id must be 1..256 characters")
         ids = list(request.prompt_token_ids)
         self.engine.core.validate_prompt(ids)
+        cache_salt_of(request.cache_salt)
         dest = request.dest
         if not dest.agent_name or not dest.decode_address:
             raise ValueError("dest.agent_name and dest.decode_address are required")
@@ -201,13 +202,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                 KV_NOTHING_WRITTEN)
         params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip_blocks,
                                      dest.lease_id, dest.incarnation)
+        salt = request.cache_salt or None  # checked in _validate
         t0 = time.monotonic()
         out: RequestOutput | None = None
         while True:
             try:
                 async for o in self.engine.generate(rid, list(request.prompt_token_ids),
                                                     sampling, kv_transfer_params=params,
-                                                    arrival_time=t0):
+                                                    arrival_time=t0, cache_salt=salt):
                     out = o
                 break
             except EngineOverloaded as e:

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvrelay.proto import generate_pb2 as kvrelay_dot_proto_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvrelay/proto/worker.proto\x12\nkvrelay.v1\x1a\x1ckvrelay/proto/generate.proto\"\x14\n\x12ListWorkersRequest\"t\n\x0cWorkerStatus\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.WorkerLoad\x12\x18\n\x10last_seen_ms_ago\x18\x03 \x01(\x01\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvrelay.v1.WorkerStatus\"\xf3\x01\n\nWorkerLoad\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ewaiting_for_kv\x18\x05 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x19\n\x11step_tokens_per_s\x18\t \x01(\x01\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"\xa8\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvrelay.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\"\xb2\x01\n\x10HeartbeatRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.WorkerLoad\x12\x1a\n\x12\x61\x64\x64\x65\x64_block_hashes\x18\x03 \x03(\x06\x12\x1c\n\x14removed_block_hashes\x18\x04 \x03(\x06\x12\x16\n\x0e\x66ull_block_set\x18\x05 \x01(\x08\"a\n\x11HeartbeatResponse\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\x12\x1b\n\x13want_full_block_set\x18\x02 \x01(\x08\x12\x1b\n\x13live_prefill_agents\x18\x03 \x03(\t\"\x12\n\x10GetStatusRequest\"\"\n\x0c\x44rainRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r\"\x15\n\x13TransferInfoRequest\"6\n\x0cTransferInfo\x12\x11\n\tpeer_info\x18\x01 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"|\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\x12\x14\n\x0csender_agent\x18\x04 \x01(\t\x12\x16\n\x0esender_address\x18\x05 \x01(\t\"\x8d\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\r\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\r\"z\n\x0cLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0csender_agent\x18\x03 \x01(\t\x12\x16\n\x0esender_address\x18\x05 \x01(\t\x12\x16\n\x0ewrites_settled\x18\x04 \x01(\x08\"\x1b\n\rLeaseResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x92\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x15\n\rkv_timeout_ms\x18\x05 \x01(\r\"r\n\x14LocalGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\"\xc1\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\x12\n\nkv_wait_ms\x18\x06 \x01(\x01\"4\n\x0c\x46\x65nceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1d\n\rFenceResponse\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\"\x91\x01\n\rKVDestination\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1a\n\x12skip_prefix_tokens\x18\x05 \x01(\r\x12\x10\n\x08lease_id\x18\x06 \x01(\t\"\x95\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\'\n\x04\x64\x65st\x18\x04 \x01(\x0b\x32\x19.kvrelay.v1.KVDestination\"\xd2\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x11\n\tworker_id\x18\x08 \x01(\t*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x32\xa4\x01\n\x08Registry\x12H\n\tHeartbeat\x12\x1c.kvrelay.v1.HeartbeatRequest\x1a\x1d.kvrelay.v1.HeartbeatResponse\x12N\n\x0bListWorkers\x12\x1e.kvrelay.v1.ListWorkersRequest\x1a\x1f.kvrelay.v1.ListWorkersResponse2\x92\x01\n\rWorkerControl\x12\x43\n\tGetStatus\x12\x1c.kvrelay.v1.GetStatusRequest\x1a\x18.kvrelay.v1.WorkerStatus\x12<\n\x05\x44rain\x12\x18.kvrelay.v1.DrainRequest\x1a\x19.kvrelay.v1.DrainResponse2\xb7\x03\n\x0c\x44\x65\x63odeWorker\x12L\n\x0fGetTransferInfo\x12\x1f.kvrelay.v1.TransferInfoRequest\x1a\x18.kvrelay.v1.TransferInfo\x12\x42\n\x07Reserve\x12\x1a.kvrelay.v1.ReserveRequest\x1a\x1b.kvrelay.v1.ReserveResponse\x12\x41\n\nRenewLease\x12\x18.kvrelay.v1.LeaseRequest\x1a\x19.kvrelay.v1.LeaseResponse\x12>\n\x07Release\x12\x18.kvrelay.v1.LeaseRequest\x1a\x19.kvrelay.v1.LeaseResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.kvrelay.v1.DecodeRequest\x1a\x1a.kvrelay.v1.DecodeResponse0\x01\x12O\n\rGenerateLocal\x12 .kvrelay.v1.LocalGenerateRequest\x1a\x1a.kvrelay.v1.DecodeResponse0\x01\x32\x91\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponse\x12<\n\x05\x46\x65nce\x12\x18.kvrelay.v1.FenceRequest\x1a\x19.kvrelay.v1.FenceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvrelay/proto/worker.proto\x12\nkvrelay.v1\x1a\x1ckvrelay/proto/generate.proto\"\x14\n\x12ListWorkersRequest\"t\n\x0cWorkerStatus\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.WorkerLoad\x12\x18\n\x10last_seen_ms_ago\x18\x03 \x01(\x01\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvrelay.v1.WorkerStatus\"\xf3\x01\n\nWorkerLoad\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ewaiting_for_kv\x18\x05 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x19\n\x11step_tokens_per_s\x18\t \x01(\x01\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"\xa8\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvrelay.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\"\xb2\x01\n\x10HeartbeatRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.WorkerLoad\x12\x1a\n\x12\x61\x64\x64\x65\x64_block_hashes\x18\x03 \x03(\x06\x12\x1c\n\x14removed_block_hashes\x18\x04 \x03(\x06\x12\x16\n\x0e\x66ull_block_set\x18\x05 \x01(\x08\"a\n\x11HeartbeatResponse\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\x12\x1b\n\x13want_full_block_set\x18\x02 \x01(\x08\x12\x1b\n\x13live_prefill_agents\x18\x03 \x03(\t\"\x12\n\x10GetStatusRequest\"\"\n\x0c\x44rainRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r\"\x15\n\x13TransferInfoRequest\"6\n\x0cTransferInfo\x12\x11\n\tpeer_info\x18\x01 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\x90\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\x12\x14\n\x0csender_agent\x18\x04 \x01(\t\x12\x16\n\x0esender_address\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x8d\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\r\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\r\"z\n\x0cLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0csender_agent\x18\x03 \x01(\t\x12\x16\n\x0esender_address\x18\x05 \x01(\t\x12\x16\n\x0ewrites_settled\x18\x04 \x01(\x08\"\x1b\n\rLeaseResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x92\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x15\n\rkv_timeout_ms\x18\x05 \x01(\r\"\x86\x01\n\x14LocalGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xc1\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\x12\n\nkv_wait_ms\x18\x06 \x01(\x01\"4\n\x0c\x46\x65nceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1d\n\rFenceResponse\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\"\x91\x01\n\rKVDestination\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1a\n\x12skip_prefix_tokens\x18\x05 \x01(\r\x12\x10\n\x08lease_id\x18\x06 \x01(\t\"\xa9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\'\n\x04\x64\x65st\x18\x04 \x01(\x0b\x32\x19.kvrelay.v1.KVDestination\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xd2\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x11\n\tworker_id\x18\x08 \x01(\t*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x32\xa4\x01\n\x08Registry\x12H\n\tHeartbeat\x12\x1c.kvrelay.v1.HeartbeatRequest\x1a\x1d.kvrelay.v1.HeartbeatResponse\x12N\n\x0bListWorkers\x12\x1e.kvrelay.v1.ListWorkersRequest\x1a\x1f.kvrelay.v1.ListWorkersResponse2\x92\x01\n\rWorkerControl\x12\x43\n\tGetStatus\x12\x1c.kvrelay.v1.GetStatusRequest\x1a\x18.kvrelay.v1.WorkerStatus\x12<\n\x05\x44rain\x12\x18.kvrelay.v1.DrainRequest\x1a\x19.kvrelay.v1.DrainResponse2\xb7\x03\n\x0c\x44\x65\x63odeWorker\x12L\n\x0fGetTransferInfo\x12\x1f.kvrelay.v1.TransferInfoRequest\x1a\x18.kvrelay.v1.TransferInfo\x12\x42\n\x07Reserve\x12\x1a.kvrelay.v1.ReserveRequest\x1a\x1b.kvrelay.v1.ReserveResponse\x12\x41\n\nRenewLease\x12\x18.kvrelay.v1.LeaseRequest\x1a\x19.kvrelay.v1.LeaseResponse\x12>\n\x07Release\x12\x18.kvrelay.v1.LeaseRequest\x1a\x19.kvrelay.v1.LeaseResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.kvrelay.v1.DecodeRequest\x1a\x1a.kvrelay.v1.DecodeResponse0\x01\x12O\n\rGenerateLocal\x12 .kvrelay.v1.LocalGenerateRequest\x1a\x1a.kvrelay.v1.DecodeResponse0\x01\x32\x91\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponse\x12<\n\x05\x46\x65nce\x12\x18.kvrelay.v1.FenceRequest\x1a\x19.kvrelay.v1.FenceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2628
-  _globals['_ROLE']._serialized_end=2706
+  _globals['_ROLE']._serialized_start=2690
+  _globals['_ROLE']._serialized_end=2768
   _globals['_LISTWORKERSREQUEST']._serialized_start=72
   _globals['_LISTWORKERSREQUEST']._serialized_end=92
   _globals['_WORKERSTATUS']._serialized_start=94
@@ -58,36 +58,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERINFOREQUEST']._serialized_end=1088
   _globals['_TRANSFERINFO']._serialized_start=1090
   _globals['_TRANSFERINFO']._serialized_end=1144
-  _globals['_RESERVEREQUEST']._serialized_start=1146
-  _globals['_RESERVEREQUEST']._serialized_end=1270
-  _globals['_RESERVERESPONSE']._serialized_start=1273
-  _globals['_RESERVERESPONSE']._serialized_end=1414
-  _globals['_LEASEREQUEST']._serialized_start=1416
-  _globals['_LEASEREQUEST']._serialized_end=1538
-  _globals['_LEASERESPONSE']._serialized_start=1540
-  _globals['_LEASERESPONSE']._serialized_end=1567
-  _globals['_DECODEREQUEST']._serialized_start=1570
-  _globals['_DECODEREQUEST']._serialized_end=1716
-  _globals['_LOCALGENERATEREQUEST']._serialized_start=1718
-  _globals['_LOCALGENERATEREQUEST']._serialized_end=1832
-  _globals['_DECODERESPONSE']._serialized_start=1835
-  _globals['_DECODERESPONSE']._serialized_end=2028
-  _globals['_FENCEREQUEST']._serialized_start=2030
-  _globals['_FENCEREQUEST']._serialized_end=2082
-  _globals['_FENCERESPONSE']._serialized_start=2084
-  _globals['_FENCERESPONSE']._serialized_end=2113
-  _globals['_KVDESTINATION']._serialized_start=2116
-  _globals['_KVDESTINATION']._serialized_end=2261
-  _globals['_PREFILLREQUEST']._serialized_start=2264
-  _globals['_PREFILLREQUEST']._serialized_end=2413
-  _globals['_PREFILLRESPONSE']._serialized_start=2416
-  _globals['_PREFILLRESPONSE']._serialized_end=2626
-  _globals['_REGISTRY']._serialized_start=2709
-  _globals['_REGISTRY']._serialized_end=2873
-  _globals['_WORKERCONTROL']._serialized_start=2876
-  _globals['_WORKERCONTROL']._serialized_end=3022
-  _globals['_DECODEWORKER']._serialized_start=3025
-  _globals['_DECODEWORKER']._serialized_end=3464
-  _globals['_PREFILLWORKER']._serialized_start=3467
-  _globals['_PREFILLWORKER']._serialized_end=3612
+  _globals['_RESERVEREQUEST']._serialized_start=1147
+  _globals['_RESERVEREQUEST']._serialized_end=1291
+  _globals['_RESERVERESPONSE']._serialized_start=1294
+  _globals['_RESERVERESPONSE']._serialized_end=1435
+  _globals['_LEASEREQUEST']._serialized_start=1437
+  _globals['_LEASEREQUEST']._serialized_end=1559
+  _globals['_LEASERESPONSE']._serialized_start=1561
+  _globals['_LEASERESPONSE']._serialized_end=1588
+  _globals['_DECODEREQUEST']._serialized_start=1591
+  _globals['_DECODEREQUEST']._serialized_end=1737
+  _globals['_LOCALGENERATEREQUEST']._serialized_start=1740
+  _globals['_LOCALGENERATEREQUEST']._serialized_end=1874
+  _globals['_DECODERESPONSE']._serialized_start=1877
+  _globals['_DECODERESPONSE']._serialized_end=2070
+  _globals['_FENCEREQUEST']._serialized_start=2072
+  _globals['_FENCEREQUEST']._serialized_end=2124
+  _globals['_FENCERESPONSE']._serialized_start=2126
+  _globals['_FENCERESPONSE']._serialized_end=2155
+  _globals['_KVDESTINATION']._serialized_start=2158
+  _globals['_KVDESTINATION']._serialized_end=2303
+  _globals['_PREFILLREQUEST']._serialized_start=2306
+  _globals['_PREFILLREQUEST']._serialized_end=2475
+  _globals['_PREFILLRESPONSE']._serialized_start=2478
+  _globals['_PREFILLRESPONSE']._serialized_end=2688
+  _globals['_REGISTRY']._serialized_start=2771
+  _globals['_REGISTRY']._serialized_end=2935
+  _globals['_WORKERCONTROL']._serialized_start=2938
+  _globals['_WORKERCONTROL']._serialized_end=3084
+  _globals['_DECODEWORKER']._serialized_start=3087
+  _globals['_DECODEWORKER']._serialized_end=3526
+  _globals['_PREFILLWORKER']._serialized_start=3529
+  _globals['_PREFILLWORKER']._serialized_end=3674
 # @@protoc_insertion_point(module_scope)

@@ -19,6 +19,7 @@ from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError
 from kvrelay.router.registry import WorkerIdTaken, WorkerRegistry
 from kvrelay.router.service import Delta, RouterService
+from kvrelay.rpc import bearer_or_key
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 request_id=request.request_id or None,
                 text=request.text if kind == "text" else None,
                 token_ids=request.token_ids.ids if kind == "token_ids" else None,
-                sampling=sampling, timeout_ms=timeout_ms, model=request.model or None)
+                sampling=sampling, timeout_ms=timeout_ms, model=request.model or None,
+                cache_salt=request.cache_salt or None,
+                api_key=bearer_or_key(dict(context.invocation_metadata() or ())))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RouterError as e:

@@ -28,7 +28,7 @@ from kvrelay.router.lifecycle import GenerateSpec
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
 from kvrelay.router.service import Delta, RouterService
-from kvrelay.rpc import SecretSet, TLSFiles
+from kvrelay.rpc import SecretSet, TLSFiles, bearer_or_key
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,11 @@ async def _client_left(request: Request) -> None:
     """Returns once the client has disconnected (its body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _api_key(request: Request) -> str | None:
+    """The key a client presented: ``Authorization: Bearer K`` or ``x-api-key: K``."""
+    return bearer_or_key({k: request.headers.get(k) for k in ("authorization", "x-api-key")})
 
 
 def _router_error(e: RouterError) -> JSONResponse:
@@ -209,12 +214,7 @@ class HttpServer:
 
     # -- app -----------------------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
-        if not self.api_keys:
-            return True
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else \
-            request.headers.get("x-api-key")
-        return self.api_keys.check(key)
+        return not self.api_keys or self.api_keys.check(_api_key(request))
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
@@ -266,7 +266,8 @@ class HttpServer:
                 spec = await service.build_spec(
                     request_id=req.request_id, text=prompt if isinstance(prompt, str) else None,
                     token_ids=prompt if isinstance(prompt, list) else None, sampling=sp,
-                    timeout_ms=req.timeout_ms, model=req.model)
+                    timeout_ms=req.timeout_ms, model=req.model, cache_salt=req.cache_salt,
+                    api_key=_api_key(request))
             except ValueError as e:
                 return error_response(400, str(e))
             except RouterError as e:
@@ -282,7 +283,9 @@ class HttpServer:
                 sp = _sampling(req, req.max_completion_tokens or req.max_tokens, n_top)
                 spec = await service.build_spec(request_id=req.request_id, text=None,
                                                 token_ids=ids, sampling=sp,
-                                                timeout_ms=req.timeout_ms, model=req.model)
+                                                timeout_ms=req.timeout_ms, model=req.model,
+                                                cache_salt=req.cache_salt,
+                                                api_key=_api_key(request))
             except ValueError as e:
                 return error_response(400, str(e))
             except RouterError as e:

@@ -24,6 +24,7 @@ import grpc
 
 from kvrelay.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
+from kvrelay.engine.prefix_hash import salt_root
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
@@ -72,6 +73,7 @@ class GenerateSpec:
     sampling: SamplingParams
     deadline: float | None = None  # time.monotonic() by which the request must end
     arrival: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # prefix-cache namespace (engine.prefix_hash.salt_root)
 
 
 @dataclass
@@ -156,7 +158,7 @@ class Lifecycle:
             async for c in self.local_pass(spec, prompt, sampling, trace):
                 yield c
             return
-        ctx = _Pass(RouteRequest(prompt, sampling.max_tokens),
+        ctx = _Pass(RouteRequest(prompt, sampling.max_tokens, salt_root(spec.cache_salt)),
                     count=spec.request_id not in self.probes)
         route = self.policy.route(ctx.req, self.registry.alive("decode"),
                                   self.registry.alive("prefill"))
@@ -206,7 +208,7 @@ class Lifecycle:
                      ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
         """Run the request wholly on one worker (GenerateLocal, with that worker's prefix
         cache): a role=both worker, or ``worker``, a decode worker (the fast lane)."""
-        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens))
+        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens, salt_root(spec.cache_salt)))
         if worker is None:
             ranked = self.policy.rank_decode(self.registry.alive("both"), 0, ctx.req)
             if not ranked:
@@ -215,6 +217,7 @@ class Lifecycle:
         w = worker
         trace.add("local_start", w.worker_id, detail=ctx.reason)
         req = wpb.LocalGenerateRequest(request_id=spec.request_id, prompt_token_ids=prompt,
+                                       cache_salt=spec.cache_salt or "",
                                        sampling=sampling_to_proto(sampling))
         now = time.monotonic()
         pending = self.policy.cost.local(w, ctx.req, now).new_tokens
@@ -260,7 +263,7 @@ class Lifecycle:
     async def disaggregated_pass(self, spec: GenerateSpec, prompt: list[int],
                              sampling: SamplingParams, trace: Trace,
                              ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
-        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens))
+        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens, salt_root(spec.cache_salt)))
         if ctx.prefill is None:  # the decode worker binds the lease's KV to its sender
             ranked = self.policy.rank_prefill(self.registry.alive("prefill"), ctx.req)
             ctx.prefill = ranked[0] if ranked else None
@@ -346,9 +349,10 @@ class Lifecycle:
         bs = decoders[0].block_size
         need = -(-(len(prompt) + 1) // bs)
         exhausted = 0
-        ctx = ctx or _Pass(RouteRequest(prompt))
+        ctx = ctx or _Pass(RouteRequest(prompt, root=salt_root(spec.cache_salt)))
         for d in self.policy.rank_decode(decoders, need, ctx.req):
             req = wpb.ReserveRequest(request_id=spec.request_id, prompt_token_ids=prompt,
+                                     cache_salt=spec.cache_salt or "",
                                      ttl_ms=int(self.config.lease_ttl_s * 1000),
                                      sender_agent=ctx.prefill.worker_id if ctx.prefill else "",
                                      sender_address=ctx.prefill.address if ctx.prefill else "")
@@ -402,12 +406,13 @@ class Lifecycle:
                        d: WorkerState, lease: wpb.ReserveResponse,
                        trace: Trace, ctx: _Pass | None = None
                        ) -> tuple[wpb.PrefillResponse, int]:
-        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens))
+        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens, salt_root(spec.cache_salt)))
         dest = wpb.KVDestination(
             decode_address=d.address, agent_name=lease.agent_name,
             incarnation=lease.incarnation, block_ids=lease.block_ids,
             skip_prefix_tokens=lease.cached_prefix_tokens, lease_id=lease.lease_id)
         req = wpb.PrefillRequest(request_id=spec.request_id, prompt_token_ids=prompt,
+                                 cache_salt=spec.cache_salt or "",
                                  sampling=sampling_to_proto(sampling), dest=dest)
         tried: set[str] = set()
         last = "no prefill worker"

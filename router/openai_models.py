@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.limits import INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_HTTP_LOGPROBS = 20
@@ -42,6 +43,8 @@ class _Common(BaseModel):
     user: str | None = None
     request_id: str | None = None
     timeout_ms: int | None = Field(default=None, gt=0)
+    # vLLM's extension: share cached prefix blocks only with requests of the same salt.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     # kvrelay extension: include the per-request trace in the final response/chunk.
     return_trace: bool = False
 

@@ -51,11 +51,12 @@ from kvrelay.router.registry import LinearFit, WorkerRegistry, WorkerState
 class RouteRequest:
     """The prompt being routed, with its chained block hashes computed once per block size."""
 
-    __slots__ = ("_hashes", "max_tokens", "token_ids")
+    __slots__ = ("_hashes", "max_tokens", "root", "token_ids")
 
-    def __init__(self, token_ids: Sequence[int], max_tokens: int = 1):
+    def __init__(self, token_ids: Sequence[int], max_tokens: int = 1, root: int = ROOT_HASH):
         self.token_ids = token_ids
         self.max_tokens = max(1, max_tokens)
+        self.root = root  # the request's prefix-cache namespace (its cache salt)
         self._hashes: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -64,7 +65,7 @@ class RouteRequest:
     def hashes(self, block_size: int) -> list[int]:
         h = self._hashes.get(block_size)
         if h is None:
-            h = self._hashes[block_size] = block_hashes(self.token_ids, block_size)
+            h = self._hashes[block_size] = block_hashes(self.token_ids, block_size, self.root)
         return h
 
     def extended_hashes(self, tokens: Sequence[int], block_size: int) -> list[int]:
@@ -72,7 +73,7 @@ class RouteRequest:
         own = self.hashes(block_size)
         k = len(own) * block_size
         tail = list(self.token_ids[k:]) + list(tokens)
-        return own + block_hashes(tail, block_size, own[-1] if own else ROOT_HASH)
+        return own + block_hashes(tail, block_size, own[-1] if own else self.root)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ class RouterSettings:
     http_port: int | None = None  # OpenAI-compatible HTTP API when set
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
+    # Each API key gets its own prefix-cache namespace (cache_salt derived from the key).
+    cache_salt_by_api_key: bool = False
     cluster_token: str | None = None
     tls: TLSFiles | None = None
     heartbeat_interval_s: float = 1.0
@@ -113,7 +115,8 @@ class Router:
             lifecycle, tokenizer, model_name=name, vocab_size=arch.vocab_size,
             max_model_len=arch.max_position_embeddings,
             eos_token_ids=frozenset(eos_token_ids(st.model, tokenizer)),
-            max_inflight=st.config.max_inflight, metrics=self.metrics)
+            max_inflight=st.config.max_inflight, metrics=self.metrics,
+            cache_salt_by_api_key=st.cache_salt_by_api_key)
 
         keys = SecretSet(st.api_keys)
         # A public request is at most a maximal prompt; the internal ports carry KV metadata.

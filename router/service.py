@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import re
 import secrets
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
+from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.tokenizer import OutputProcessor, apply_chat_template
 from kvrelay.limits import (
@@ -90,7 +92,8 @@ class Delta:
 class RouterService:
     def __init__(self, lifecycle: Lifecycle, tokenizer: object, *, model_name: str,
                  vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 max_inflight: int = 512, metrics: RouterMetrics | None = None):
+                 max_inflight: int = 512, metrics: RouterMetrics | None = None,
+                 cache_salt_by_api_key: bool = False):
         self.lifecycle = lifecycle
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -98,6 +101,7 @@ class RouterService:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_inflight = max_inflight
+        self.cache_salt_by_api_key = cache_salt_by_api_key
         self.inflight = 0
         # request ids in flight -> set when that request has left (a client may reuse an id)
         self._active: dict[str, asyncio.Event] = {}
@@ -151,7 +155,8 @@ class RouterService:
 
     async def build_spec(self, *, request_id: str | None, text: str | None,
                          token_ids: Sequence[int] | None, sampling: SamplingParams,
-                         timeout_ms: int | None = None, model: str | None = None
+                         timeout_ms: int | None = None, model: str | None = None,
+                         cache_salt: str | None = None, api_key: str | None = None
                          ) -> GenerateSpec:
         """Validate one request; raises RouterError(INVALID_ARGUMENT) with a message.
 
@@ -185,6 +190,7 @@ class RouterService:
                 s.encode("utf-8")
             except UnicodeEncodeError:
                 raise bad(f"stop string {s!r} is not valid Unicode (lone surrogate)") from None
+        salt = self.cache_salt(cache_salt, api_key)
         if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
         bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
@@ -214,7 +220,23 @@ class RouterService:
                                  self.vocab_size)
         if bad_id is not None:
             raise bad(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
-        return GenerateSpec(rid, list(token_ids), sampling, deadline, arrival=t0)
+        return GenerateSpec(rid, list(token_ids), sampling, deadline, arrival=t0,
+                            cache_salt=salt)
+
+    def cache_salt(self, given: str | None, api_key: str | None) -> str | None:
+        """The request's prefix-cache namespace: its own ``cache_salt``, within its API key's
+        when the router isolates keys (a one-way digest: the key never leaves the router)."""
+        if given is not None and not isinstance(given, str):
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "cache_salt must be a string")
+        if given and len(given) > MAX_CACHE_SALT:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"cache_salt has {len(given)} characters; at most {MAX_CACHE_SALT}")
+        if not (self.cache_salt_by_api_key and api_key):
+            return given or None
+        def digest(s: str) -> str:
+            return hashlib.sha256(s.encode()).hexdigest()[:32]
+
+        return f"key:{digest(api_key)}|{digest(given) if given else ''}"
 
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:

@@ -120,3 +120,20 @@ def test_random_alloc_free_never_leaks() -> None:
     for s in live:
         bm.free(s)
     assert bm.num_free_blocks == 64
+
+
+def test_cache_salt_partitions_the_prefix_cache() -> None:
+    """Requests share cached blocks only with requests of the same cache_salt (vLLM's name):
+    one tenant cannot learn from cached tokens whether another sent a prompt."""
+    bm = BlockManager(16, 4)
+    prompt = list(range(100, 111))
+    a = Sequence("a", prompt, SamplingParams(), cache_salt="tenant-a")
+    bm.allocate(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    bm.publish(a)
+    for salt, want in (("tenant-a", 2), ("tenant-b", 0), (None, 0)):
+        s = Sequence("s", prompt, SamplingParams(), cache_salt=salt)
+        assert bm.match_prefix(s.token_ids, s.num_tokens, s.hash_root).num_blocks == want, salt
+    # The chain a router computes from the prompt and salt is what the worker reports.
+    assert Sequence("u", prompt, SamplingParams()).hash_root == 0
+    assert set(block_hashes(prompt, 4, a.hash_root)) == set(bm.cached_block_hashes())

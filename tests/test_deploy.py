@@ -603,7 +603,8 @@ def exported_series() -> set[str]:
     from kvrelay.worker_metrics import WorkerMetrics
 
     stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)})
-    stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32))
+    stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),
+                                kv_transfer={"held": 1, "hold_ended_notice": 1})
     text = generate_latest(WorkerMetrics(lambda: stats, "prefill", "w").registry).decode()
     return {ln.split("{")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
 

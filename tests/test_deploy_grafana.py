@@ -28,7 +28,8 @@ def _exported() -> dict[str, set[str]]:
     """Sample names kvrelay exposes (router and worker /metrics) -> their label names."""
     router = RouterMetrics(WorkerRegistry(), "demo")
     stats = EngineStats(**{f: 1 for f in EngineStats.__dataclass_fields__})
-    stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32))
+    stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),
+                                kv_transfer={"held": 1, "hold_ended_notice": 1})
     worker = WorkerMetrics(lambda: stats, "decode", "decode-0")
     out: dict[str, set[str]] = {}
     for reg in (router.registry, worker.registry):

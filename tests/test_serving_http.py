@@ -200,3 +200,37 @@ def test_non_streaming_request_stops_when_its_client_leaves(cluster) -> None:
         time.sleep(0.1)
     assert cluster.wait_free_blocks(baseline) == baseline
     assert lengths() == finished
+
+
+def test_cache_salt_isolates_prefix_cache_sharing(cluster, oai) -> None:
+    """A prompt cached under one salt is not a hit under another (nor without one), and is
+    under the same salt; a salt over 256 characters is a 400."""
+    prompt = "Tenant isolation: " + " ".join(f"word{i}" for i in range(60))
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        r = oai.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0,
+                                   extra_body=extra)
+        details = r.usage.prompt_tokens_details
+        return (details.cached_tokens or 0) if details is not None else 0
+
+    cached("alice")
+    assert cached("alice") > 0
+    assert cached("bob") == 0
+    assert cached("bob") > 0
+    with pytest.raises(openai.BadRequestError):
+        cached("x" * 257)
+
+
+def test_cache_salt_by_api_key_keys_the_namespace() -> None:
+    from kvrelay.router.service import RouterService
+
+    svc = RouterService.__new__(RouterService)
+    svc.cache_salt_by_api_key = False
+    assert svc.cache_salt("s", "key-1") == "s" and svc.cache_salt(None, "key-1") is None
+    svc.cache_salt_by_api_key = True
+    one, two = svc.cache_salt(None, "key-1"), svc.cache_salt(None, "key-2")
+    assert one and two and one != two and "key-1" not in one  # the key itself never travels
+    assert svc.cache_salt(None, "key-1") == one  # stable: a tenant still shares with itself
+    assert svc.cache_salt("s", "key-1") not in (one, svc.cache_salt("s", "key-2"))
+    assert svc.cache_salt("s", None) == "s"  # no key presented: the request's own salt
