@@ -17,7 +17,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -97,13 +97,27 @@ class _Pass:
 
     req: RouteRequest
     reason: str = ""  # detail of the trace's prefill_start / local_start (decision metrics)
-    prefill: WorkerState | None = None  # pinned prefill worker (warm-up probe)
+    # The prefill worker the lease's KV is promised to (ranked before Reserve, or pinned by a
+    # warm-up probe); a retry elsewhere rebinds the lease first.
+    prefill: WorkerState | None = None
     record: bool = True  # feed the cost model's measurements
     fit: bool = True  # including the compute fits (the warm-up probe feeds those itself)
     # A Prefill call under the lease ended in a way that may leave its writes landing (or is
     # still running): the lease's blocks must wait for its sender, not be reused at Release.
     writes_unsettled: bool = False
+    # Undoes the load ``prefill`` was charged when it was chosen before the Reserve (so that
+    # arrivals meanwhile spread over the pool); the dispatch takes the charge over.
+    unclaim: Callable[[], None] | None = None
+
+    def drop_claim(self) -> None:
+        if self.unclaim is not None:
+            self.unclaim()
+            self.unclaim = None
     count: bool = True  # count in the routing metrics
+
+
+def _new_pass(spec: GenerateSpec, prompt: list[int], max_tokens: int = 1) -> _Pass:
+    return _Pass(RouteRequest(prompt, max_tokens, salt_root(spec.cache_salt)))
 
 
 class Lifecycle:
@@ -158,8 +172,8 @@ class Lifecycle:
             async for c in self.local_pass(spec, prompt, sampling, trace):
                 yield c
             return
-        ctx = _Pass(RouteRequest(prompt, sampling.max_tokens, salt_root(spec.cache_salt)),
-                    count=spec.request_id not in self.probes)
+        ctx = _new_pass(spec, prompt, sampling.max_tokens)
+        ctx.count = spec.request_id not in self.probes
         route = self.policy.route(ctx.req, self.registry.alive("decode"),
                                   self.registry.alive("prefill"))
         ctx.reason = route.reason
@@ -208,7 +222,7 @@ class Lifecycle:
                      ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
         """Run the request wholly on one worker (GenerateLocal, with that worker's prefix
         cache): a role=both worker, or ``worker``, a decode worker (the fast lane)."""
-        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens, salt_root(spec.cache_salt)))
+        ctx = ctx or _new_pass(spec, prompt, sampling.max_tokens)
         if worker is None:
             ranked = self.policy.rank_decode(self.registry.alive("both"), 0, ctx.req)
             if not ranked:
@@ -263,11 +277,17 @@ class Lifecycle:
     async def disaggregated_pass(self, spec: GenerateSpec, prompt: list[int],
                              sampling: SamplingParams, trace: Trace,
                              ctx: _Pass | None = None) -> AsyncIterator[TokenChunk]:
-        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens, salt_root(spec.cache_salt)))
+        ctx = ctx or _new_pass(spec, prompt, sampling.max_tokens)
         if ctx.prefill is None:  # the decode worker binds the lease's KV to its sender
             ranked = self.policy.rank_prefill(self.registry.alive("prefill"), ctx.req)
-            ctx.prefill = ranked[0] if ranked else None
-        d, lease = await self._reserve(spec, prompt, trace, ctx)
+            if ranked:
+                ctx.prefill = ranked[0]
+                ctx.unclaim = self._claim(ranked[0], ctx)
+        try:
+            d, lease = await self._reserve(spec, prompt, trace, ctx)
+        except BaseException:
+            ctx.drop_claim()
+            raise
         decode_started = False
         renew = asyncio.get_running_loop().create_task(self._renew(d, spec.request_id, lease))
         try:
@@ -306,6 +326,7 @@ class Lifecycle:
         finally:
             d.inflight -= 1
             renew.cancel()
+            ctx.drop_claim()
             if not decode_started:
                 self._release_soon(d, spec.request_id, lease.lease_id,
                                    settled=not ctx.writes_unsettled)
@@ -349,7 +370,7 @@ class Lifecycle:
         bs = decoders[0].block_size
         need = -(-(len(prompt) + 1) // bs)
         exhausted = 0
-        ctx = ctx or _Pass(RouteRequest(prompt, root=salt_root(spec.cache_salt)))
+        ctx = ctx or _new_pass(spec, prompt)
         for d in self.policy.rank_decode(decoders, need, ctx.req):
             req = wpb.ReserveRequest(request_id=spec.request_id, prompt_token_ids=prompt,
                                      cache_salt=spec.cache_salt or "",
@@ -406,7 +427,7 @@ class Lifecycle:
                        d: WorkerState, lease: wpb.ReserveResponse,
                        trace: Trace, ctx: _Pass | None = None
                        ) -> tuple[wpb.PrefillResponse, int]:
-        ctx = ctx or _Pass(RouteRequest(prompt, sampling.max_tokens, salt_root(spec.cache_salt)))
+        ctx = ctx or _new_pass(spec, prompt, sampling.max_tokens)
         dest = wpb.KVDestination(
             decode_address=d.address, agent_name=lease.agent_name,
             incarnation=lease.incarnation, block_ids=lease.block_ids,
@@ -432,6 +453,7 @@ class Lifecycle:
             if p.worker_id != bound:  # nothing was written under the lease: promise it to p
                 await self._rebind(spec, d, lease, p)
                 bound = p.worker_id
+            ctx.drop_claim()  # the dispatch charges p itself now
             now = time.monotonic()
             pending = self.policy.cost.prefill(p, ctx.req, now).new_tokens
             p.pending_prompt_tokens += pending
@@ -587,6 +609,17 @@ class Lifecycle:
         hashes = (ctx.req.extended_hashes(toks, w.block_size) if toks
                   else ctx.req.hashes(w.block_size))
         w.expect(hashes, time.monotonic() + self.registry.expect_s)
+
+    def _claim(self, p: WorkerState, ctx: _Pass) -> Callable[[], None]:
+        pending = self.policy.cost.prefill(p, ctx.req, time.monotonic()).new_tokens
+        p.pending_prompt_tokens += pending
+        p.inflight += 1
+
+        def unclaim() -> None:
+            p.inflight -= 1
+            p.pending_prompt_tokens = max(0, p.pending_prompt_tokens - pending)
+
+        return unclaim
 
     async def _rebind(self, spec: GenerateSpec, d: WorkerState, lease: wpb.ReserveResponse,
                       p: WorkerState) -> None:

@@ -144,6 +144,7 @@ GRPC_BREAKERS = {
     "seed": lambda d, m: setattr(m.sampling, "seed", d.draw(st.integers(2**63, 2**64 - 1))),
     "timeout": lambda d, m: setattr(m, "timeout_ms", d.draw(st.integers(3_600_001, 2**32 - 1))),
     "request_id": lambda d, m: setattr(m, "request_id", d.draw(BAD_REQUEST_ID)),
+    "cache_salt": lambda d, m: setattr(m, "cache_salt", "s" * d.draw(st.integers(257, 5000))),
     "model": lambda d, m: setattr(m, "model", d.draw(
         st.text(min_size=1, max_size=30).filter(lambda s: s != MODEL))),
 }
@@ -216,6 +217,7 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
 def _h_wrong_type(d, body, chat):
     numeric = ["max_tokens", "temperature", "top_p", "top_k", "seed", "timeout_ms", "n"]
     other = ["model", "stop", "stop_token_ids", "request_id", "ignore_eos", "stream", "user",
+             "cache_salt",
              "messages" if chat else "prompt", "logprobs"]
     field = d.draw(st.sampled_from(numeric + other + ["stream_options"]))
     if field == "stream_options":
@@ -291,6 +293,10 @@ def _h_request_id(d, body, chat):
     body["request_id"] = d.draw(BAD_REQUEST_ID)
 
 
+def _h_cache_salt(d, body, chat):
+    body["cache_salt"] = d.draw(st.one_of(st.just(""), st.text(min_size=257, max_size=3000)))
+
+
 def _h_model(d, body, chat):
     body["model"] = d.draw(st.text(min_size=1, max_size=30).filter(lambda s: s != MODEL))
 
@@ -312,7 +318,7 @@ HTTP_BREAKERS = {
     "wrong_type": _h_wrong_type, "sampling": _h_sampling, "max_tokens": _h_max_tokens,
     "bad_token": _h_bad_token, "empty_prompt": _h_empty_prompt, "stop": _h_stop,
     "stop_ids": _h_stop_ids, "timeout": _h_timeout, "request_id": _h_request_id,
-    "model": _h_model, "unsupported": _h_unsupported,
+    "model": _h_model, "unsupported": _h_unsupported, "cache_salt": _h_cache_salt,
 }
 
 
