@@ -12,6 +12,7 @@ import json
 import math
 import random
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -467,3 +468,14 @@ def test_soak_flatness_reads_only_the_last_window_of_load() -> None:
     flat = soak.flatness(samples, "w", 20 * 60)
     assert flat == {"samples": 21, "min": 200.0, "max": 210.0, "pct": pytest.approx(2.44)}
     assert soak.flatness(samples, "nobody", 60) is None
+
+
+def test_router_http_bench_runs_and_counts_every_streamed_token() -> None:
+    script = Path(__file__).resolve().parents[1] / "bench" / "router_http.py"
+    for extra in ([], ["--stream"]):
+        out = subprocess.run([sys.executable, str(script), "--requests", "40", "--tokens", "5",
+                              "--concurrency", "4", *extra], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        rate = float(out.split(" req/s, ")[1].split(" tok/s")[0])
+        reqs = float(out.split("): ")[1].split(" req/s")[0])
+        assert reqs > 0 and abs(rate / reqs - 5) < 0.01, out  # 5 tokens a request, all counted
