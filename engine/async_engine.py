@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from kvrelay.engine.engine_core import EngineCore, EngineStats, RequestOutput, Reservation
@@ -203,8 +204,19 @@ class AsyncEngine:
                      stream: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
+            held: RequestOutput | None = None
             while True:
-                out = await stream.get()
+                out, held = (held, None) if held is not None else (await stream.get(), None)
+                # Outputs that queued up while the consumer was busy (a slow client, a loaded
+                # router) go out as one: every message downstream costs per message, not per
+                # token, so a backlog shrinks instead of growing. A ``kv_arrived`` output (no
+                # tokens, a signal of its own) is never merged.
+                while not out.finished and not out.kv_arrived and not stream.empty():
+                    nxt = stream.get_nowait()
+                    if nxt.kv_arrived:
+                        held = nxt
+                        break
+                    out = _merge(out, nxt)
                 finished = out.finished
                 yield out
                 if finished:
@@ -271,6 +283,13 @@ class AsyncEngine:
             self.core.abort(rid)
             outs.append(RequestOutput(rid, [], True, FinishReason.ERROR, error=reason))
         return outs
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """``a`` then ``b`` as one output (``b`` is later: its state wins)."""
+    return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids,
+                   logprobs=a.logprobs + b.logprobs,
+                   scheduled_at=a.scheduled_at if a.scheduled_at is not None else b.scheduled_at)
 
 
 def _nothing() -> None:

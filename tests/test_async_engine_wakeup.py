@@ -248,3 +248,27 @@ def test_spawn_reports_a_failed_build() -> None:
             await AsyncEngine.spawn(build)
 
     asyncio.run(main())
+
+
+def test_outputs_a_slow_reader_let_pile_up_go_out_as_one(demo_model_dir: str) -> None:
+    """A consumer that falls behind gets the queued tokens merged into one output (fewer
+    messages downstream), the same tokens in the same order, with their logprobs."""
+    async def main() -> None:
+        engine = make(demo_model_dir)
+        engine.start()
+        try:
+            sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
+            fast = [o async for o in engine.generate("fast", [5, 6, 7], sp)]
+            slow = []
+            async for o in engine.generate("slow", [5, 6, 7], sp):
+                slow.append(o)
+                await asyncio.sleep(0.05)  # the engine steps on meanwhile
+            tokens = [t for o in fast for t in o.new_token_ids]
+            assert [t for o in slow for t in o.new_token_ids] == tokens and len(tokens) == 40
+            assert len(slow) < len(fast)  # merged: fewer outputs than tokens
+            assert all(len(o.logprobs) == len(o.new_token_ids) for o in slow)
+            assert slow[-1].finished and not any(o.finished for o in slow[:-1])
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
