@@ -88,14 +88,15 @@ def read_marks(workdir: Path) -> dict[str, dict[str, float]]:
 class Cluster:
     """A router and its workers as real processes; ``close()`` stops them and reads the marks."""
 
-    def __init__(self, model: str, workers: list[tuple[str, str, int]], wd: Path) -> None:
+    def __init__(self, model: str, workers: list[tuple[str, str, int]], wd: Path,
+                 router_args: tuple[str, ...] = ()) -> None:
         kv = [*KVRELAY, "worker", "--model", model, "--kv-cache-memory", "512MiB", "--port", "0"]
         env = {**os.environ, "KVRELAY_DEBUG_LOGGERS": "kvrelay.timeline"}
         self.wd = wd
         self.procs: list[subprocess.Popen] = []
         try:
             r, info = start([*KVRELAY, "router", "--model", model, "--port", "0",
-                             "--control-port", "0"], wd, "router", None, env)
+                             "--control-port", "0", *router_args], wd, "router", None, env)
             self.procs.append(r)
             for role, cores, threads in workers:
                 p, _ = start([*kv, "--role", role, "--num-threads", str(threads), "--router",
@@ -146,17 +147,20 @@ class Cluster:
                 s.marks = marks.get(rid, {})
 
 
-def measure(model: str, configs: dict[str, list[tuple[str, str, int]]],
+Config = tuple[list[tuple[str, str, int]], tuple[str, ...]]  # workers, router arguments
+
+
+def measure(model: str, configs: dict[str, Config],
             args: argparse.Namespace) -> dict[str, dict[int, list[Sample]]]:
     """Every configuration up at once (an idle cluster burns no CPU), requests alternating
     between them, so that drifting background load hits each alike."""
     with tempfile.TemporaryDirectory() as tmp:
         clusters: dict[str, Cluster] = {}
         try:
-            for name, workers in configs.items():
+            for name, (workers, router_args) in configs.items():
                 wd = Path(tmp, f"c{len(clusters)}")
                 wd.mkdir()
-                clusters[name] = Cluster(model, workers, wd)
+                clusters[name] = Cluster(model, workers, wd, router_args)
             for n in args.prompt_tokens:
                 for i in range(args.warmup + args.requests):
                     for c in clusters.values():
@@ -176,15 +180,32 @@ def _mark(a: str, b: str) -> Callable[[Sample], float | None]:
     return f
 
 
+def _ahead(s: Sample) -> bool:
+    """The Prefill left beside the Reserve (``--prefill-ahead``, the default)."""
+    return s.trace.get("destination") is not None
+
+
+def _late_destination(s: Sample) -> float | None:
+    """How long a prefill sent ahead waited, after its compute, for its destination."""
+    if not _ahead(s) or "prefill_destination" not in s.marks or "kv_finished" not in s.marks:
+        return None
+    return max(0.0, (s.marks["prefill_destination"] - s.marks["kv_finished"]) * 1e3)
+
+
 # (label, ms of one request or None), in the order the time passes; the TTFT rows come first.
 STAGES: list[tuple[str, Callable[[Sample], float | None]]] = [
-    ("router queue (receipt -> Reserve sent)",
-     lambda s: s.trace["reserved"] - s.timing["reserve_ms"]),
-    ("reserve (Reserve round trip)", lambda s: s.timing["reserve_ms"]),
-    ("router: reserved -> Prefill sent", lambda s: s.trace["prefill_start"] - s.trace["reserved"]),
+    ("router queue (receipt -> first RPC sent)",
+     lambda s: min(s.trace["prefill_start"], s.trace["reserved"] - s.timing["reserve_ms"])),
+    ("reserve round trip, before the Prefill",
+     lambda s: None if _ahead(s) else s.timing["reserve_ms"]),
+    ("reserve round trip, beside the prefill",
+     lambda s: s.timing["reserve_ms"] if _ahead(s) else None),
+    ("router: reserved -> Prefill sent",
+     lambda s: None if _ahead(s) else s.trace["prefill_start"] - s.trace["reserved"]),
     ("P: Prefill call in -> scheduled",
      lambda s: s.timing["queue_ms"] - s.trace["prefill_start"]),
     ("prefill compute", lambda s: s.timing["prefill_ms"]),
+    ("destination named after the compute ended", _late_destination),
     ("KV write tail (compute end -> writes done)", _mark("kv_finished", "kv_written")),
     ("notification send", _mark("kv_written", "kv_notified")),
     ("P notices delivery (notified -> engine)", _mark("kv_notified", "kv_sent_seen")),
@@ -206,16 +227,30 @@ STAGES: list[tuple[str, Callable[[Sample], float | None]]] = [
      lambda s: s.trace["decode_first"] - s.trace["first_token"]
      if "decode_first" in s.trace else None),
 ]
+# The TTFT stages a role=both worker does not have (compute and client/router excluded): a
+# Reserve before the Prefill, the wait for a late destination, the KV write tail, the
+# notification, the engine noticing it, the Prefill call's transport.
+_HANDOFF = ("reserve round trip, before the Prefill", "router: reserved -> Prefill sent",
+            "destination named after the compute ended",
+            "KV write tail (compute end -> writes done)", "notification send",
+            "P notices delivery (notified -> engine)", "P: engine -> Prefill reply",
+            "Prefill RPC transport (both ways)")
 
 
 def _handoff(s: Sample) -> float | None:
-    """The TTFT stages a role=both worker does not have (compute and client/router excluded):
-    reserve, the Prefill call and reply, KV write tail, notification, the engine noticing it."""
-    vals = [f(s) for _, f in STAGES[1:4] + STAGES[5:10]]
-    return None if any(v is None for v in vals) else sum(vals)  # type: ignore[arg-type]
+    total = 0.0
+    for label, f in STAGES:
+        if label in _HANDOFF:
+            try:
+                v = f(s)
+            except KeyError:
+                return None
+            total += v or 0.0
+    return total
 
 
-STAGES.insert(13, ("hand-off stages in TTFT (sum, no compute)", _handoff))
+STAGES.insert(next(i for i, (lb, _) in enumerate(STAGES) if lb.startswith("= TTFT")) + 1,
+              ("hand-off stages in TTFT (sum, no compute)", _handoff))
 
 
 def breakdown(res: dict[int, list[Sample]]) -> list[str]:
@@ -253,25 +288,32 @@ def main() -> int:
     print(f"model {args.model}; prompts of {args.prompt_tokens} tokens, {args.max_tokens} tokens "
           f"out, one request at a time, {args.requests} requests each; load average "
           f"{os.getloadavg()[0]:.2f}")
-    res = measure(args.model, {"1P1D": [("prefill", "0", 1), ("decode", "1", 1)],
-                               "prefill alone (both)": [("both", "0", 1)]}, args)
-    pd, alone = res["1P1D"], res["prefill alone (both)"]
-    print("1P1D (1 core each), per-stage breakdown:")
-    for line in breakdown(pd):
-        print(line)
-    print(f"{'':<22} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'ITL p90':>8}  (ms)")
-    for name, res in (("1P1D", pd), ("prefill alone (both)", alone)):
-        for n in sorted(res):
-            ttft = [s.ttft * 1e3 for s in res[n]]
-            itl = [g * 1e3 for s in res[n] for g in s.itl]
-            print(f"{f'{name}, {n} tok':<22} {statistics.median(ttft):>9.2f} "
+    pd_workers = [("prefill", "0", 1), ("decode", "1", 1)]
+    configs: dict[str, Config] = {
+        "1P1D": (pd_workers, ()),
+        "1P1D, Reserve first": (pd_workers, ("--no-prefill-ahead",)),
+        "prefill alone (both)": ([("both", "0", 1)], ()),
+    }
+    res = measure(args.model, configs, args)
+    alone = res["prefill alone (both)"]
+    for name in ("1P1D", "1P1D, Reserve first"):
+        print(f"{name} (1 core each), per-stage breakdown:")
+        for line in breakdown(res[name]):
+            print(line)
+    print(f"{'':<30} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'ITL p90':>8}  (ms)")
+    for name, r in res.items():
+        for n in sorted(r):
+            ttft = [s.ttft * 1e3 for s in r[n]]
+            itl = [g * 1e3 for s in r[n] for g in s.itl]
+            print(f"{f'{name}, {n} tok':<30} {statistics.median(ttft):>9.2f} "
                   f"{pct(ttft, 0.9):>9.2f} {statistics.median(itl):>8.2f} {pct(itl, 0.9):>8.2f}")
-    for n in sorted(pd):
-        a = [s.ttft * 1e3 for s in pd[n]]
-        b = [s.ttft * 1e3 for s in alone[n]]
-        print(f"hand-off overhead, {n}-token prompt: p50 "
-              f"{statistics.median(a) - statistics.median(b):.2f} ms, p90 "
-              f"{pct(a, 0.9) - pct(b, 0.9):.2f} ms")
+    for name in ("1P1D", "1P1D, Reserve first"):
+        for n in sorted(res[name]):
+            a = [s.ttft * 1e3 for s in res[name][n]]
+            b = [s.ttft * 1e3 for s in alone[n]]
+            print(f"hand-off overhead ({name}), {n}-token prompt: p50 "
+                  f"{statistics.median(a) - statistics.median(b):.2f} ms, p90 "
+                  f"{pct(a, 0.9) - pct(b, 0.9):.2f} ms")
     return 0
 
 

@@ -35,9 +35,21 @@ from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvent
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
-from kvrelay.kv_transfer.messages import KVDestination, KVExpectation, PeerInfo
+from kvrelay.kv_transfer.messages import (
+    KVDestination,
+    KVExpectation,
+    PeerInfo,
+    PendingDestination,
+    destination_of,
+)
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
-from kvrelay.kv_transfer.tracker import NotifJob, Quarantine, RecvTracker, SendTracker
+from kvrelay.kv_transfer.tracker import (
+    NotifJob,
+    PlannedWrite,
+    Quarantine,
+    RecvTracker,
+    SendTracker,
+)
 from kvrelay.kv_transfer.transfer_thread import TransferThread, WriteJob
 from kvrelay.timeline import mark
 
@@ -82,6 +94,15 @@ class NixlConnectorConfig:
 
 
 @dataclass
+class _Awaiting:
+    """A prefill that finished before its destination was named: its blocks, kept."""
+
+    params: PendingDestination
+    block_table: list[int]
+    num_prompt_tokens: int
+
+
+@dataclass
 class _PeerWrites:
     """This step's blocks for one peer incarnation, all requests together: one write per
     layer."""
@@ -103,9 +124,12 @@ class NixlConnector(KVConnector):
         self._cuda = False
         self._step: dict[tuple[str, str | None], _PeerWrites] = {}
         self._saved: set[int] = set()
+        self._unnamed: list[ScheduledSeq] = []  # in this step, destination not named yet
         self._quarantine = Quarantine()  # aborted receivers' blocks, until their sender is done
         self._wake: Callable[[], None] = _nothing  # the engine loop's, called by the I/O thread
         self._fenced: OrderedDict[bytes, None] = OrderedDict()  # receivers gave these up
+        self._awaiting: dict[str, _Awaiting] = {}  # finished, destination not named yet
+        self._abandoned: list[str] = []  # awaiting ones given up: their blocks go back
         # Called (engine thread) with each new hold: (request id, notification, sender, its
         # control address); the worker asks the sender to fence it (``fence``).
         self.on_hold: Callable[[str, bytes, str | None, str | None], None] | None = None
@@ -152,45 +176,83 @@ class NixlConnector(KVConnector):
 
     # -- worker side ---------------------------------------------------------------------------
     def start_step(self, scheduled: Seq[ScheduledSeq]) -> None:
-        self._step, self._saved = {}, set()
+        self._step, self._saved, self._unnamed = {}, set(), []
         if self._spec is None:
             return
-        bs = self._spec.block_size
         with self._lock:
             for seq, n in scheduled:
-                dest = seq.kv_transfer_params
-                if not isinstance(dest, KVDestination):
+                params = seq.kv_transfer_params
+                dest = destination_of(params)
+                if dest is not None:
+                    self._plan_into_step(seq, n, dest)
+                elif isinstance(params, PendingDestination):
+                    self._unnamed.append(ScheduledSeq(seq, n))  # it may be named mid-step
+
+    def _plan_into_step(self, seq: Sequence, n: int, dest: KVDestination) -> PlannedWrite | None:
+        """Plan this step's blocks of ``seq`` into the step's writes (under the lock)."""
+        assert self._spec is not None
+        if dest.notif in self._fenced:
+            self._send.refuse(seq.request_id, dest, "its receiver gave the blocks up")
+        pw = self._send.plan(seq.request_id, dest, seq.block_table, seq.num_computed_tokens, n,
+                             seq.num_prompt_tokens, self._spec.block_size,
+                             self.transport.peer_incarnation(dest.peer))
+        if pw is None:
+            return None
+        w = self._step.setdefault((dest.peer, pw.incarnation), _PeerWrites())
+        w.local += pw.local
+        w.remote += pw.remote
+        w.request_ids.append(seq.request_id)
+        return pw
+
+    def _adopt_named(self) -> None:
+        """Requests whose destination was named while this step computes join its writes: the
+        layers already saved go at once, the later ones with everyone's."""
+        named: list[tuple[str, KVDestination, PlannedWrite]] = []
+        with self._lock:
+            unnamed = []
+            for s in self._unnamed:
+                dest = destination_of(s.seq.kv_transfer_params)
+                if dest is None:
+                    unnamed.append(s)
                     continue
-                if dest.notif in self._fenced:
-                    self._send.refuse(seq.request_id, dest, "its receiver gave the blocks up")
-                pw = self._send.plan(seq.request_id, dest, seq.block_table,
-                                     seq.num_computed_tokens, n, seq.num_prompt_tokens, bs,
-                                     self.transport.peer_incarnation(dest.peer))
-                if pw is None:
-                    continue
-                w = self._step.setdefault((dest.peer, pw.incarnation), _PeerWrites())
-                w.local += pw.local
-                w.remote += pw.remote
-                w.request_ids.append(seq.request_id)
+                pw = self._plan_into_step(s.seq, s.num_new_tokens, dest)
+                if pw is not None:
+                    named.append((s.seq.request_id, dest, pw))
+            self._unnamed = unnamed
+            if self._saved:
+                self._send.posted(rid for rid, _, _ in named)
+        if self._saved:
+            done = tuple(sorted(self._saved))
+            for rid, dest, pw in named:
+                self._io().submit(WriteJob(dest.peer, done, pw.local, pw.remote, (rid,),
+                                           pw.incarnation, self._ready_event()))
 
     def save_layer(self, layer: int) -> None:
+        if self._unnamed:
+            self._adopt_named()
         if self._step and layer not in self._saved:
             self._saved.add(layer)
             self._submit((layer,))
 
     def end_step(self) -> None:
+        if self._unnamed:
+            self._adopt_named()
         if self._step:
             assert self._spec is not None
             rest = tuple(x for x in range(self._spec.num_layers) if x not in self._saved)
             if rest:  # the model did not report these layers: send them now
                 self._submit(rest)
-        self._step, self._saved = {}, set()
+        self._step, self._saved, self._unnamed = {}, set(), []
+
+    def _ready_event(self) -> torch.cuda.Event | None:
+        if not self._cuda:
+            return None
+        ready = torch.cuda.Event()  # save_layer runs when kernels are queued, not done
+        ready.record()
+        return ready
 
     def _submit(self, layers: tuple[int, ...]) -> None:
-        ready = None
-        if self._cuda:  # save_layer runs when kernels are queued, not done
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = self._ready_event()
         thread = self._io()
         for (peer, incarnation), w in self._step.items():
             job = WriteJob(peer, layers, w.local, w.remote, tuple(w.request_ids), incarnation,
@@ -282,16 +344,24 @@ class NixlConnector(KVConnector):
 
     def request_finished(self, seq: Sequence) -> bool:
         params = seq.kv_transfer_params
-        if isinstance(params, KVDestination):
+        if isinstance(params, (KVDestination, PendingDestination)):
             mark("kv_finished", seq.request_id)
-            with self._lock:
-                jobs = self._send.finish(seq.request_id, params,
-                                         aborted=seq.finish_reason in _ABORTED)
-            for job in jobs:
-                mark("kv_written", job.request_id)
-                self._io().submit(job)
-            if not jobs:  # done already (a write had failed): ``take_events`` has it now
-                self._wake()
+            rid = seq.request_id
+            aborted = seq.finish_reason in _ABORTED
+            dest = destination_of(params)
+            if dest is None:
+                assert isinstance(params, PendingDestination)
+                if aborted and params.close():
+                    return False  # no destination ever: nothing was or will be written
+                with self._lock:  # against ``destination_ready`` and ``abandon``
+                    if params.closed:  # given up (its caller went away) before it finished
+                        return False
+                    if params.dest is None:
+                        self._awaiting[rid] = _Awaiting(params, list(seq.block_table),
+                                                        seq.num_prompt_tokens)
+                        return True
+                dest = params.dest
+            self._finish_send(rid, dest, list(seq.block_table), seq.num_prompt_tokens, aborted)
             return True
         if isinstance(params, KVExpectation):
             with self._lock:
@@ -309,6 +379,49 @@ class NixlConnector(KVConnector):
                 return True
         return False
 
+    def _finish_send(self, request_id: str, dest: KVDestination, block_table: list[int],
+                     num_prompt_tokens: int, aborted: bool) -> None:
+        """The engine is done with a sending request: blocks its destination was named too late
+        for go now (all layers), then the notification once every write has ended."""
+        assert self._spec is not None
+        with self._lock:
+            late = None if aborted else self._send.catch_up(
+                request_id, dest, block_table, num_prompt_tokens, self._spec.block_size,
+                self.transport.peer_incarnation(dest.peer))
+            if late is not None:
+                self._send.posted([request_id])
+            jobs = self._send.finish(request_id, dest, aborted=aborted)
+        if late is not None:
+            self._io().submit(WriteJob(dest.peer, tuple(range(self._spec.num_layers)),
+                                       late.local, late.remote, (request_id,), late.incarnation))
+        for job in jobs:
+            mark("kv_written", job.request_id)
+            self._io().submit(job)
+        if not jobs and late is None:  # done already (a write had failed): ``take_events``
+            self._wake()
+
+    def destination_ready(self, request_id: str) -> None:
+        """The request's ``PendingDestination`` was just resolved (any thread): if it finished
+        before, its KV goes now."""
+        with self._lock:
+            aw = self._awaiting.pop(request_id, None)
+        if aw is not None and aw.params.dest is not None:
+            self._finish_send(request_id, aw.params.dest, aw.block_table, aw.num_prompt_tokens,
+                              aborted=False)
+
+    def abandon(self, request_id: str) -> bool:
+        """Its destination will never be named (the router gave up): a request that finished
+        waiting for one gives its blocks back. False: it was not waiting."""
+        with self._lock:
+            aw = self._awaiting.pop(request_id, None)
+            if aw is None or not aw.params.close():  # (close: also for one still computing)
+                if aw is not None:  # resolved meanwhile: it sends after all
+                    self._awaiting[request_id] = aw
+                return False
+            self._abandoned.append(request_id)
+        self._wake()
+        return True
+
     def take_events(self) -> TransferEvents:
         with self._lock:
             expecting = self._recv.has_pending() or bool(self._quarantine)
@@ -322,13 +435,16 @@ class NixlConnector(KVConnector):
             self._recv.expire(time.monotonic())
             recv = self._recv.take()
             send = self._send.take()
+            abandoned, self._abandoned = self._abandoned, []
             released = self._quarantine.release_due(time.monotonic())
         for rid in recv.received:
             mark("kv_received", rid)
         for rid in send.sent:
             mark("kv_sent_seen", rid)
         # ``sent`` tells the engine it may free the blocks it held for these requests.
-        return TransferEvents(send.sent + released, recv.received, send.failed + recv.failed)
+        return TransferEvents(send.sent + released + abandoned, recv.received,
+                              send.failed + recv.failed
+                              + [(r, "no destination was named for its KV") for r in abandoned])
 
     def has_pending(self) -> bool:
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,50 @@ class KVDestination:
             object.__setattr__(self, "notif", self.notif.encode())
         if not self.notif:
             raise ValueError("KVDestination.notif must be non-empty: the receiver matches on it")
+
+
+class PendingDestination:
+    """A prefill started before its destination is known (the router reserves the decode
+    worker's blocks while this worker already computes): ``resolve`` names it later, from any
+    thread. Until then nothing is written; blocks computed meanwhile go out once it is known
+    (all layers at once), and a request that finished first keeps its blocks until then.
+    ``close`` (the request ended without a destination) makes a later ``resolve`` fail."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dest: KVDestination | None = None
+        self._closed = False
+
+    @property
+    def dest(self) -> KVDestination | None:
+        return self._dest
+
+    @property
+    def closed(self) -> bool:
+        """Ended unresolved: no destination will ever be named."""
+        return self._closed and self._dest is None
+
+    def resolve(self, dest: KVDestination) -> bool:
+        """False: already resolved, or the request is gone."""
+        with self._lock:
+            if self._dest is not None or self._closed:
+                return False
+            self._dest = dest
+            return True
+
+    def close(self) -> bool:
+        """End it unresolved; False when it was resolved first (the request sends then)."""
+        with self._lock:
+            self._closed = True
+            return self._dest is None
+
+
+def destination_of(params: object) -> KVDestination | None:
+    """The destination a prefill request's ``kv_transfer_params`` names now (None: not a
+    sending request, or not known yet)."""
+    if isinstance(params, KVDestination):
+        return params
+    return params.dest if isinstance(params, PendingDestination) else None
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ class _Send:
     notifying: bool = False
     failure: str | None = None
     aborted: bool = False
+    sent_tokens: int = 0  # prompt tokens [0, sent_tokens) are planned to go (or are cached there)
 
 
 class SendTracker:
@@ -94,7 +95,21 @@ class SendTracker:
             st.failure = str(e)
             return None
         st.covered = rng.covered
+        st.sent_tokens = max(st.sent_tokens, min(start_token + num_new_tokens, num_prompt_tokens))
         return PlannedWrite(bm.local, bm.remote, st.incarnation) if bm.local else None
+
+    def catch_up(self, request_id: str, dest: KVDestination, block_table: list[int],
+                 num_prompt_tokens: int, block_size: int,
+                 peer_incarnation: str | None = None) -> PlannedWrite | None:
+        """The prompt blocks computed but not yet planned (their destination came late), all
+        layers at once; None when every prompt token is covered already."""
+        st = self._state(request_id, dest, peer_incarnation)
+        done = max(st.sent_tokens, dest.skip_blocks * block_size)
+        if st.failure is not None or st.finished or done >= num_prompt_tokens:
+            return None
+        start = done // block_size * block_size  # a partial last block goes again, whole
+        return self.plan(request_id, dest, block_table, start, num_prompt_tokens - start,
+                         num_prompt_tokens, block_size, peer_incarnation)
 
     def refuse(self, request_id: str, dest: KVDestination, reason: str) -> None:
         """Never write for this request (its receiver fenced the transfer)."""

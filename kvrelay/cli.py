@@ -188,7 +188,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                             kv_timeout_s=float(args.kv_timeout),
                             max_inflight=int(args.max_inflight),
                             max_migrations=int(args.max_migrations),
-                            kv_wait_s=float(args.kv_wait)))
+                            kv_wait_s=float(args.kv_wait),
+                            prefill_ahead=bool(args.prefill_ahead)))
     asyncio.run(run_router(settings, on_ready=lambda r: _write_ready(
         args.ready_file, {"port": r.port, "control_port": r.control_port,
                           "http_port": r.http_port, "pid": os.getpid()})))
@@ -263,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--max-migrations", type=int, default=2)
     opt(p, "--kv-wait", type=float, default=5.0,
         help="seconds a request may wait for decode KV room before RESOURCE_EXHAUSTED")
+    opt(p, "--prefill-ahead", action=argparse.BooleanOptionalAction, default=True,
+        help="send the Prefill beside the decode worker's Reserve and name its KV destination "
+             "when the Reserve answers (--no-prefill-ahead: Reserve first, then Prefill)")
     opt(p, "--heartbeat-interval", type=float, default=1.0)
     opt(p, "--api-keys", default=None, help="comma-separated API keys (prefer the env var)")
     opt(p, "--api-key-file", default=None, help="file with one API key per line")

@@ -64,6 +64,15 @@ class KVEndpoint:
     def still_sending(self, request_id: str) -> bool:
         return self.connector.still_sending(request_id)
 
+    def is_fenced_notif(self, notif: bytes) -> bool:
+        return self.connector.is_fenced(notif)
+
+    def destination_ready(self, request_id: str) -> None:
+        self.connector.destination_ready(request_id)
+
+    def abandon(self, request_id: str) -> bool:
+        return self.connector.abandon(request_id)
+
     def has_peer(self, agent_name: str, incarnation: str) -> bool:
         return self.connector.peer_incarnation(agent_name) == incarnation
 

@@ -10,9 +10,10 @@ error, so the router can retry on another prefill worker under the same decode l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import grpc
@@ -23,6 +24,7 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
+from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -47,7 +49,7 @@ class KVSender(Protocol):
     def add_peer(self, peer_info: bytes) -> None: ...
 
     def destination(self, request_id: str, agent_name: str, block_ids: list[int],
-                    skip_blocks: int, lease_id: str, incarnation: str) -> object: ...
+                    skip_blocks: int, lease_id: str, incarnation: str) -> KVDestination: ...
 
     def block_bytes(self) -> int: ...
 
@@ -59,11 +61,27 @@ class KVSender(Protocol):
 
     def still_sending(self, request_id: str) -> bool: ...
 
+    def is_fenced_notif(self, notif: bytes) -> bool: ...
+
+    def destination_ready(self, request_id: str) -> None: ...
+
+    def abandon(self, request_id: str) -> bool: ...
+
+
+@dataclass
+class _Pending:
+    """A prefill sent ahead of its destination (``destination_follows``)."""
+
+    holder: PendingDestination
+    num_tokens: int
+    peer: str | None = None  # the decode worker, once named
+
 
 # A decode worker no request has gone to for this long is forgotten (its NIXL remote agent,
 # prepared descriptors and connection lock): decode pods come and go, and each one held here
 # forever would grow this worker's memory. One that comes back is reconnected on first use.
 PEER_IDLE_S = 300.0
+PREFILL_ARRIVAL_WAIT_S = 1.0  # a SetDestination waits this long for its Prefill to arrive
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -77,6 +95,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._peer_used: dict[str, float] = {}  # agent name -> last request's start
         self._peer_inflight: dict[str, int] = {}  # agent name -> Prefill calls under way
+        self._pending: dict[str, _Pending] = {}  # request id -> prefill awaiting SetDestination
+        self._arrivals: dict[str, asyncio.Event] = {}  # SetDestinations that came first
 
     async def _ensure_peer(self, dest: wpb.KVDestination) -> None:
         """Fetch a decode worker's transfer info once per incarnation."""
@@ -111,25 +131,36 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             logger.info("forgot %d idle decode worker(s): %s", len(idle), ", ".join(idle))
         return idle
 
-    def _validate(self, request: wpb.PrefillRequest) -> int:
-        """Returns the number of leading blocks the receiver already has."""
+    def _validate(self, request: wpb.PrefillRequest) -> None:
         if not request.request_id or len(request.request_id) > 256:
             raise ValueError("request_id must be 1..256 characters")
-        ids = list(request.prompt_token_ids)
-        self.engine.core.validate_prompt(ids)
+        self.engine.core.validate_prompt(list(request.prompt_token_ids))
         cache_salt_of(request.cache_salt)
-        dest = request.dest
+        if request.destination_follows == request.HasField("dest"):
+            raise ValueError("give exactly one of dest and destination_follows")
+
+    def _skip_blocks(self, dest: wpb.KVDestination, num_tokens: int) -> int:
+        """Validates ``dest`` for a prompt of ``num_tokens``; the leading blocks it holds."""
         if not dest.agent_name or not dest.decode_address:
             raise ValueError("dest.agent_name and dest.decode_address are required")
         bs = self.engine.core.config.cache.block_size
-        need = -(-len(ids) // bs)
+        need = -(-num_tokens // bs)
         if len(dest.block_ids) != need:
-            raise ValueError(f"dest has {len(dest.block_ids)} blocks; {len(ids)} tokens need "
+            raise ValueError(f"dest has {len(dest.block_ids)} blocks; {num_tokens} tokens need "
                              f"{need} blocks of {bs}")
-        if dest.skip_prefix_tokens % bs or dest.skip_prefix_tokens > len(ids):
+        if dest.skip_prefix_tokens % bs or dest.skip_prefix_tokens > num_tokens:
             raise ValueError(f"skip_prefix_tokens {dest.skip_prefix_tokens} must be a multiple "
                              f"of the block size {bs} and at most the prompt length")
         return dest.skip_prefix_tokens // bs
+
+    def _use_peer(self, name: str, delta: int) -> None:
+        """Count Prefill calls under way to a decode worker (an idle one may be evicted)."""
+        self._peer_used[name] = time.monotonic()
+        n = self._peer_inflight.get(name, 0) + delta
+        if n > 0:
+            self._peer_inflight[name] = n
+        else:
+            self._peer_inflight.pop(name, None)
 
     async def Prefill(self, request: wpb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
@@ -140,28 +171,104 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
                                     KV_NOTHING_WRITTEN)
             try:
-                skip_blocks = self._validate(request)
+                self._validate(request)
+                skip = (0 if request.destination_follows
+                        else self._skip_blocks(request.dest, len(request.prompt_token_ids)))
                 # Only the first token is sampled here; stop strings are the router's business.
                 sampling = replace(sampling_from_proto(request.sampling), max_tokens=1, stop=(),
                                    stop_token_ids=())
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if request.destination_follows:
+                return await self._prefill_then_destination(request, context, sampling)
+            await self.evict_idle_peers()
             dest = request.dest
             if self.kv.is_fenced(rid, dest.lease_id):  # its receiver gave the blocks up
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"the lease of {rid} was given up by its decode worker",
                                     KV_NOTHING_WRITTEN)
-            await self.evict_idle_peers()
-            self._peer_used[dest.agent_name] = time.monotonic()
-            self._peer_inflight[dest.agent_name] = self._peer_inflight.get(dest.agent_name, 0) + 1
+            self._use_peer(dest.agent_name, +1)
             try:
-                return await self._prefill(request, context, skip_blocks, sampling)
+                await self._connect(dest, context)
+                params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip,
+                                             dest.lease_id, dest.incarnation)
+                return await self._prefill(request, context, sampling, params)
             finally:
-                n = self._peer_inflight.get(dest.agent_name, 0) - 1
-                if n > 0:
-                    self._peer_inflight[dest.agent_name] = n
-                else:
-                    self._peer_inflight.pop(dest.agent_name, None)
+                self._use_peer(dest.agent_name, -1)
+
+    async def _prefill_then_destination(self, request: wpb.PrefillRequest,
+                                        context: grpc.aio.ServicerContext,
+                                        sampling: SamplingParams) -> wpb.PrefillResponse:
+        """Compute while the router reserves the decode worker's blocks (SetDestination)."""
+        rid = request.request_id
+        if rid in self._pending:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"request id {rid!r} is already in use", KV_NOTHING_WRITTEN)
+        pending = self._pending[rid] = _Pending(PendingDestination(),
+                                                len(request.prompt_token_ids))
+        arrived = self._arrivals.pop(rid, None)
+        if arrived is not None:  # its SetDestination overtook it
+            arrived.set()
+        try:
+            await self.evict_idle_peers()
+            return await self._prefill(request, context, sampling, pending.holder)
+        finally:
+            del self._pending[rid]
+            if pending.holder.close():  # never named: whether it finished or not, let go
+                self.kv.abandon(rid)
+            if pending.peer is not None:
+                self._use_peer(pending.peer, -1)
+
+    async def SetDestination(self, request: wpb.SetDestinationRequest,
+                             context: grpc.aio.ServicerContext) -> wpb.SetDestinationResponse:
+        rid = request.request_id
+        with request_context(rid):
+            pending = self._pending.get(rid)
+            if pending is None:
+                # Sent after its Prefill, on another stream: it may be handled first.
+                arrived = self._arrivals.setdefault(rid, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(arrived.wait(), PREFILL_ARRIVAL_WAIT_S)
+                if self._arrivals.get(rid) is arrived:
+                    del self._arrivals[rid]
+                pending = self._pending.get(rid)
+            if pending is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"no prefill of {rid!r} waits for a destination here")
+            dest = request.dest
+            try:
+                skip = self._skip_blocks(dest, pending.num_tokens)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if self.kv.is_fenced(rid, dest.lease_id):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"the lease of {rid} was given up by its decode worker",
+                                    KV_NOTHING_WRITTEN)
+            if pending.peer is None:
+                pending.peer = dest.agent_name
+                self._use_peer(dest.agent_name, +1)
+            await self._connect(dest, context)
+            params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip,
+                                         dest.lease_id, dest.incarnation)
+            if not pending.holder.resolve(params):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"the prefill of {rid} has ended or has a destination",
+                                    KV_NOTHING_WRITTEN)
+            self.kv.destination_ready(rid)
+            mark("prefill_destination", rid)
+            return wpb.SetDestinationResponse()
+
+    async def _connect(self, dest: wpb.KVDestination, context: grpc.aio.ServicerContext) -> None:
+        try:
+            await self._ensure_peer(dest)
+        except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"cannot reach decode worker {dest.agent_name}: {detail}",
+                                KV_DESTINATION_FAILED)
+        except ValueError as e:  # incompatible KV layouts: a deployment error
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e),
+                                KV_NOTHING_WRITTEN)
 
     async def Fence(self, request: wpb.FenceRequest,
                     context: grpc.aio.ServicerContext) -> wpb.FenceResponse:
@@ -187,21 +294,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return not self.kv.still_sending(request_id) and request_id not in core.seqs
 
     async def _prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext,
-                       skip_blocks: int, sampling: SamplingParams) -> wpb.PrefillResponse:
+                       sampling: SamplingParams,
+                       params: KVDestination | PendingDestination) -> wpb.PrefillResponse:
         rid = request.request_id
-        dest = request.dest
-        try:
-            await self._ensure_peer(dest)
-        except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
-            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"cannot reach decode worker {dest.agent_name}: {detail}",
-                                KV_DESTINATION_FAILED)
-        except ValueError as e:  # incompatible KV layouts: a deployment error
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e),
-                                KV_NOTHING_WRITTEN)
-        params = self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip_blocks,
-                                     dest.lease_id, dest.incarnation)
         salt = request.cache_salt or None  # checked in _validate
         t0 = time.monotonic()
         out: RequestOutput | None = None
@@ -231,13 +326,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             logger.warning("prefill failed: %s", reason)
             # A failed KV transfer is the destination's failure (the decode worker died or
             # dropped the lease, or fenced it), not this worker's.
+            dest = destination_of(params)
             side = (KV_DESTINATION_FAILED if reason.startswith(KV_TRANSFER_FAILED)
-                    or self.kv.is_fenced(rid, dest.lease_id) else ())
+                    or (dest is not None and self.kv.is_fenced_notif(dest.notif)) else ())
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason, side)
         done = time.monotonic()
         scheduled = out.scheduled_at or t0
         computed = out.computed_at or done
-        sent_blocks = len(dest.block_ids) - skip_blocks
+        dest = destination_of(params)
+        sent_blocks = len(dest.remote_block_ids) - dest.skip_blocks if dest is not None else 0
         first_lp = out.logprobs[0] if out.logprobs else None
         resp = wpb.PrefillResponse(
             first_token_id=out.new_token_ids[0],

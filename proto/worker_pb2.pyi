@@ -258,18 +258,32 @@ class KVDestination(_message.Message):
     def __init__(self, decode_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_prefix_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest", "cache_salt", "destination_follows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEST_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     dest: KVDestination
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., dest: _Optional[_Union[KVDestination, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    destination_follows: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., dest: _Optional[_Union[KVDestination, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination_follows: _Optional[bool] = ...) -> None: ...
+
+class SetDestinationRequest(_message.Message):
+    __slots__ = ("request_id", "dest")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    dest: KVDestination
+    def __init__(self, request_id: _Optional[str] = ..., dest: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+
+class SetDestinationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "logprob", "cached_prompt_tokens", "queue_ms", "prefill_ms", "transfer_ms", "kv_bytes", "worker_id")

@@ -585,6 +585,11 @@ class PrefillWorkerStub:
                 request_serializer=kvrelay_dot_proto_dot_worker__pb2.FenceRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_proto_dot_worker__pb2.FenceResponse.FromString,
                 _registered_method=True)
+        self.SetDestination = channel.unary_unary(
+                '/kvrelay.v1.PrefillWorker/SetDestination',
+                request_serializer=kvrelay_dot_proto_dot_worker__pb2.SetDestinationRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_proto_dot_worker__pb2.SetDestinationResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -607,6 +612,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetDestination(self, request, context):
+        """Names the KV destination of a Prefill sent with `destination_follows`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -619,6 +631,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Fence,
                     request_deserializer=kvrelay_dot_proto_dot_worker__pb2.FenceRequest.FromString,
                     response_serializer=kvrelay_dot_proto_dot_worker__pb2.FenceResponse.SerializeToString,
+            ),
+            'SetDestination': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDestination,
+                    request_deserializer=kvrelay_dot_proto_dot_worker__pb2.SetDestinationRequest.FromString,
+                    response_serializer=kvrelay_dot_proto_dot_worker__pb2.SetDestinationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -677,6 +694,33 @@ class PrefillWorker:
             '/kvrelay.v1.PrefillWorker/Fence',
             kvrelay_dot_proto_dot_worker__pb2.FenceRequest.SerializeToString,
             kvrelay_dot_proto_dot_worker__pb2.FenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDestination(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.PrefillWorker/SetDestination',
+            kvrelay_dot_proto_dot_worker__pb2.SetDestinationRequest.SerializeToString,
+            kvrelay_dot_proto_dot_worker__pb2.SetDestinationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,9 @@ class RouterConfig:
     # Policies that measure workers (`auto`) probe each joining worker before routing to it,
     # this long at most; a worker not measured by then serves on the cost model's priors.
     calibration_timeout_s: float = 30.0
+    # Send the Prefill at once, beside the Reserve, and name its destination (SetDestination)
+    # when the Reserve answers: the Reserve's round trip leaves the time to first token.
+    prefill_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.max_prefill_attempts < 1 or self.max_migrations < 0 or self.max_inflight < 1:
@@ -108,6 +111,9 @@ class _Pass:
     # Undoes the load ``prefill`` was charged when it was chosen before the Reserve (so that
     # arrivals meanwhile spread over the pool); the dispatch takes the charge over.
     unclaim: Callable[[], None] | None = None
+    # The Prefill sent beside the Reserve (``RouterConfig.prefill_ahead``) and when it left.
+    ahead: asyncio.Task[wpb.PrefillResponse] | None = None
+    ahead_t0: float = 0.0
 
     def drop_claim(self) -> None:
         if self.unclaim is not None:
@@ -283,10 +289,21 @@ class Lifecycle:
             if ranked:
                 ctx.prefill = ranked[0]
                 ctx.unclaim = self._claim(ranked[0], ctx)
+        if self.config.prefill_ahead and ctx.prefill is not None:
+            ahead = wpb.PrefillRequest(request_id=spec.request_id, prompt_token_ids=prompt,
+                                       cache_salt=spec.cache_salt or "",
+                                       sampling=sampling_to_proto(sampling),
+                                       destination_follows=True)
+            ctx.ahead_t0 = time.monotonic()
+            trace.add("prefill_start", ctx.prefill.worker_id, detail=ctx.reason or "ahead")
+            ctx.ahead = asyncio.ensure_future(ctx.prefill.prefill.Prefill(
+                ahead, metadata=self.md,
+                timeout=self._remaining(spec, self.config.prefill_timeout_s)))
         try:
             d, lease = await self._reserve(spec, prompt, trace, ctx)
         except BaseException:
             ctx.drop_claim()
+            await _cancel(ctx.ahead)  # it had no destination: nothing was written
             raise
         decode_started = False
         renew = asyncio.get_running_loop().create_task(self._renew(d, spec.request_id, lease))
@@ -327,6 +344,7 @@ class Lifecycle:
             d.inflight -= 1
             renew.cancel()
             ctx.drop_claim()
+            await _cancel(ctx.ahead)
             if not decode_started:
                 self._release_soon(d, spec.request_id, lease.lease_id,
                                    settled=not ctx.writes_unsettled)
@@ -462,14 +480,21 @@ class Lifecycle:
             p.dispatches += 1
             dispatched = p.dispatches
             p.inflight += 1
-            trace.add("prefill_start", p.worker_id, detail=ctx.reason if len(tried) == 1
-                      else "retry")
+            if ctx.ahead is not None:  # sent already (its prefill_start is in the trace)
+                trace.add("destination", p.worker_id, detail=d.worker_id)
+            else:
+                trace.add("prefill_start", p.worker_id, detail=ctx.reason if len(tried) == 1
+                          else "retry")
             t_rpc = time.monotonic()
             ctx.writes_unsettled = True
             try:
-                resp = await p.prefill.Prefill(
-                    req, metadata=self.md,
-                    timeout=self._remaining(spec, self.config.prefill_timeout_s))
+                if ctx.ahead is not None:  # already computing: name its destination
+                    t_rpc = ctx.ahead_t0
+                    resp = await self._join_ahead(spec, p, dest, ctx)
+                else:
+                    resp = await p.prefill.Prefill(
+                        req, metadata=self.md,
+                        timeout=self._remaining(spec, self.config.prefill_timeout_s))
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 last = f"{p.worker_id}: {code.name} {e.details()}"
@@ -610,6 +635,27 @@ class Lifecycle:
                   else ctx.req.hashes(w.block_size))
         w.expect(hashes, time.monotonic() + self.registry.expect_s)
 
+    async def _join_ahead(self, spec: GenerateSpec, p: WorkerState, dest: wpb.KVDestination,
+                          ctx: _Pass) -> wpb.PrefillResponse:
+        """Name the destination of the Prefill sent ahead, then await its answer. A refused
+        SetDestination cancels it (nothing was written without one) unless it has ended: then
+        its own outcome says more."""
+        ahead, ctx.ahead = ctx.ahead, None
+        assert ahead is not None
+        try:
+            try:
+                await p.prefill.SetDestination(
+                    wpb.SetDestinationRequest(request_id=spec.request_id, dest=dest),
+                    metadata=self.md,
+                    timeout=self._remaining(spec, self.config.reserve_timeout_s))
+            except grpc.aio.AioRpcError:
+                if not ahead.done():
+                    raise
+            return await ahead
+        except BaseException:
+            await _cancel(ahead)  # a no-op once it has ended
+            raise
+
     def _claim(self, p: WorkerState, ctx: _Pass) -> Callable[[], None]:
         pending = self.policy.cost.prefill(p, ctx.req, time.monotonic()).new_tokens
         p.pending_prompt_tokens += pending
@@ -650,6 +696,13 @@ class Lifecycle:
                                        metadata=self.md, timeout=2.0)
 
         asyncio.get_running_loop().create_task(release())
+
+
+async def _cancel(task: asyncio.Future[object] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await task
 
 
 def _trailer_says(e: grpc.aio.AioRpcError, pairs: tuple[tuple[str, str], ...]) -> bool:

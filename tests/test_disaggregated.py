@@ -59,7 +59,8 @@ def test_greedy_identical_to_engine_and_transformers(cluster, llm, demo_model_di
             if n in (17, 513, 2100):
                 assert want == hf_greedy(demo_model_dir, ids, 12).token_ids
             names = [e.name for e in got.trace]
-            assert names[:4] == ["received", "reserved", "prefill_start", "prefill_end"]
+            assert names[:5] == ["received", "prefill_start", "reserved", "destination",
+                                 "prefill_end"]
     assert cluster.wait_free_blocks(baseline) == baseline
 
 

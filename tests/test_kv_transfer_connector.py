@@ -20,7 +20,7 @@ from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrelay.kv_transfer.connector import NixlConnector, NixlConnectorConfig
-from kvrelay.kv_transfer.messages import KVDestination, PeerInfo
+from kvrelay.kv_transfer.messages import KVDestination, PeerInfo, PendingDestination
 
 torch.set_num_threads(1)
 
@@ -208,3 +208,85 @@ def test_unknown_peer_fails_the_request_without_a_notification() -> None:
         assert not c.has_pending()
     finally:
         c.close()
+
+
+class PendingReq(Req):
+    """A prefill sent ahead of its destination (``PendingDestination``), named by ``name()``."""
+
+    def __init__(self, rid: str, peer: str, prompt: int, local: list[int],
+                 remote: list[int]) -> None:
+        super().__init__(rid, peer, prompt, local, remote)
+        self.dest = self.seq.kv_transfer_params
+        self.seq.kv_transfer_params = self.holder = PendingDestination()
+
+    def name(self, c: NixlConnector) -> None:
+        assert self.holder.resolve(self.dest)
+        c.destination_ready(self.seq.request_id)
+
+
+@pytest.mark.slow
+def test_destinations_named_late_still_deliver_every_block_once() -> None:
+    """Named before the step, mid-step (after some layers were saved), after the request
+    finished, or never (abandoned / aborted): the received KV is exact, one notification
+    each, and an unnamed request's blocks come back without one."""
+    recv_name, send_name = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
+    p, conn = spawn(connector_receiver, recv_name, spec_dict(RECV_SPEC), MODEL_ID)
+    kv = allocate_kv_cache(SEND_SPEC)
+    c = NixlConnector(NixlConnectorConfig(send_name, MODEL_ID, write_timeout_s=10.0))
+    try:
+        c.register_kv_cache(kv, SEND_SPEC)
+        _, info, _ = recv_until(conn, "info", 30)
+        c.add_peer(PeerInfo.from_bytes(info))
+        early = PendingReq("early", recv_name, 20, [0, 1, 2], [10, 11, 12])
+        mid = PendingReq("mid", recv_name, 37, [3, 4, 5, 6, 7], [13, 14, 15, 16, 17])
+        late = PendingReq("late", recv_name, 12, [8, 9], [18, 19])
+        never = PendingReq("never", recv_name, 9, [20, 21], [20, 21])
+        aborted = PendingReq("aborted", recv_name, 9, [22, 23], [22, 23])
+        for r in (early, mid, late):
+            conn.send(("reserve", r.seq.request_id, r.remote, r.notif, 0, CACHED))
+            assert recv_until(conn, "reserved", 10)[2] is True
+        early.name(c)
+        # One step: "mid" is named after layer 0 was saved (chunked: 16 of 37 tokens).
+        work = [(early, 20), (mid, 16), (late, 12), (never, 9), (aborted, 9)]
+        c.start_step([ScheduledSeq(r.seq, n) for r, n in work])
+        for layer in range(SEND_SPEC.num_layers):
+            for r, n in work:
+                write_tokens(kv, r.seq, layer, r.seq.num_computed_tokens,
+                             r.seq.num_computed_tokens + n)
+            if layer == 1:
+                mid.name(c)
+            c.save_layer(layer)
+        c.end_step()
+        for r, n in work:
+            r.seq.num_computed_tokens += n
+        for r in (early, late, never):
+            finish(c, r, FinishReason.LENGTH)
+        aborted.seq.status, aborted.seq.finish_reason = SequenceStatus.FINISHED, \
+            FinishReason.ABORT
+        assert c.request_finished(aborted.seq) is False  # never named: nothing to wait for
+        run_step(c, kv, [(mid, 21)])  # the rest of "mid", its destination known now
+        finish(c, mid, FinishReason.LENGTH)
+        late.name(c)  # after it finished: all of it goes now
+        assert c.abandon("never") and not c.abandon("never")
+        sent, failed = [], []
+        deadline = time.monotonic() + 15
+        while len(sent) < 4 and time.monotonic() < deadline:
+            ev = c.take_events()
+            sent += ev.sent
+            failed += ev.failed
+            time.sleep(0.002)
+        assert sorted(sent) == ["early", "late", "mid", "never"]
+        assert [rid for rid, _ in failed] == ["never"]
+        snaps = {}
+        for _ in range(3):
+            _, rid, snap = recv_until(conn, "received", 10)
+            snaps[rid] = snap
+        for r in (early, mid, late):
+            check_received(snaps[r.seq.request_id], r)
+        time.sleep(0.2)
+        conn.send(("report",))
+        _, received, recv_failed, _ = recv_until(conn, "report", 10)
+        assert sorted(received) == ["early", "late", "mid"] and recv_failed == []  # once each
+    finally:
+        c.close()
+        stop(p, conn)
