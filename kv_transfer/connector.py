@@ -9,8 +9,13 @@ One class serves both roles; a request's ``kv_transfer_params`` says which side 
   (which returns True: the blocks are still being read) and once every write is done, the
   notification goes out exactly once; then ``take_events().sent`` names the request.
   Aborted or failed requests are never notified: ``failed`` names them, then ``sent``.
+  A ``PendingDestination`` is a prefill sent before its destination was reserved: it writes
+  nothing until ``destination_ready``; then blocks already computed go at once (mid-step: the
+  layers already saved; after it finished: all of them).
 - ``KVExpectation`` (decode engine): ``request_waiting_for_kv`` opens an expectation;
-  ``take_events`` polls NIXL notifications and reports the request in ``received``.
+  ``take_events`` polls NIXL notifications and reports the request in ``received``. The
+  receiving side's state (expectations bound to their sender, blocks held for a sender that
+  may still write) is ``receiving.Receiving``.
 
 The control plane also uses ``peer_info()`` (our endpoint, for the gRPC channel) and
 ``add_peer(info)`` (before the first request to a decode worker, and again when the peer's
@@ -22,17 +27,15 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
 from kvrelay.engine.sequence import FinishReason
+from kvrelay.kv_transfer.config import NixlConnectorConfig
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
 from kvrelay.kv_transfer.messages import (
@@ -43,11 +46,14 @@ from kvrelay.kv_transfer.messages import (
     destination_of,
 )
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
+from kvrelay.kv_transfer.receiving import OnHold, Receiving
 from kvrelay.kv_transfer.tracker import (
+    MAX_FENCED,
+    Awaiting,
+    BoundedSet,
     NotifJob,
+    PeerWrites,
     PlannedWrite,
-    Quarantine,
-    RecvTracker,
     SendTracker,
 )
 from kvrelay.kv_transfer.transfer_thread import TransferThread, WriteJob
@@ -60,56 +66,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ABORTED = (FinishReason.ABORT, FinishReason.ERROR)
-MAX_FENCED = 65536  # fenced notifications remembered (a late Prefill comes within seconds)
-
-
-@dataclass(frozen=True)
-class NixlConnectorConfig:
-    agent_name: str  # unique per worker process group; peers address us by it
-    model_id: str  # layout.model_identity(model_dir): refuses peers serving other weights
-    write_timeout_s: float = 10.0  # a write not done by then fails (retriable)
-    max_poll_interval_s: float = 2e-3  # longest wait between completion polls while in flight
-    # A receiving request aborted before its KV arrived keeps its blocks until its sender is
-    # known to be done (``tracker.Quarantine``): the sender may have writes in flight (a cancel
-    # reaches it asynchronously), and they must not land in blocks handed to another request.
-    # A sender that no router lists any more counts as done after this grace (its writes time
-    # out by then) ...
-    sender_gone_grace_s: float = 10.0
-    # ... and a hold that nothing ends is released after this backstop, with a warning.
-    quarantine_backstop_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if not self.agent_name:
-            raise ValueError("NixlConnectorConfig.agent_name must be non-empty")
-        if not self.model_id:
-            raise ValueError("NixlConnectorConfig.model_id must be non-empty")
-        if not self.write_timeout_s > 0:
-            raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
-        if self.sender_gone_grace_s < 0 or not self.quarantine_backstop_s > 0:
-            raise ValueError(f"sender_gone_grace_s must be >= 0 and quarantine_backstop_s > 0, "
-                             f"got {self.sender_gone_grace_s}, {self.quarantine_backstop_s}")
-        if not 0 < self.max_poll_interval_s <= 0.1:
-            raise ValueError(f"max_poll_interval_s must be in (0, 0.1], got "
-                             f"{self.max_poll_interval_s}")
-
-
-@dataclass
-class _Awaiting:
-    """A prefill that finished before its destination was named: its blocks, kept."""
-
-    params: PendingDestination
-    block_table: list[int]
-    num_prompt_tokens: int
-
-
-@dataclass
-class _PeerWrites:
-    """This step's blocks for one peer incarnation, all requests together: one write per
-    layer."""
-
-    local: list[int] = field(default_factory=list)
-    remote: list[int] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
 
 
 class NixlConnector(KVConnector):
@@ -117,22 +73,18 @@ class NixlConnector(KVConnector):
         self.config = config
         self._lock = threading.Lock()  # guards the trackers (engine thread vs I/O thread)
         self._send = SendTracker()
-        self._recv = RecvTracker()
+        self._rx = Receiving(config.sender_gone_grace_s, config.quarantine_backstop_s)
         self._transport: NixlTransport | None = None
         self._thread: TransferThread | None = None
         self._spec: KVCacheSpec | None = None
         self._cuda = False
-        self._step: dict[tuple[str, str | None], _PeerWrites] = {}
+        self._step: dict[tuple[str, str | None], PeerWrites] = {}
         self._saved: set[int] = set()
         self._unnamed: list[ScheduledSeq] = []  # in this step, destination not named yet
-        self._quarantine = Quarantine()  # aborted receivers' blocks, until their sender is done
         self._wake: Callable[[], None] = _nothing  # the engine loop's, called by the I/O thread
-        self._fenced: OrderedDict[bytes, None] = OrderedDict()  # receivers gave these up
-        self._awaiting: dict[str, _Awaiting] = {}  # finished, destination not named yet
+        self._fenced = BoundedSet(MAX_FENCED)  # notifications whose receivers gave them up
+        self._awaiting: dict[str, Awaiting] = {}  # finished, destination not named yet
         self._abandoned: list[str] = []  # awaiting ones given up: their blocks go back
-        # Called (engine thread) with each new hold: (request id, notification, sender, its
-        # control address); the worker asks the sender to fence it (``fence``).
-        self.on_hold: Callable[[str, bytes, str | None, str | None], None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
@@ -198,7 +150,7 @@ class NixlConnector(KVConnector):
                              self.transport.peer_incarnation(dest.peer))
         if pw is None:
             return None
-        w = self._step.setdefault((dest.peer, pw.incarnation), _PeerWrites())
+        w = self._step.setdefault((dest.peer, pw.incarnation), PeerWrites())
         w.local += pw.local
         w.remote += pw.remote
         w.request_ids.append(seq.request_id)
@@ -287,43 +239,39 @@ class NixlConnector(KVConnector):
 
     # -- scheduler side ------------------------------------------------------------------------
     def request_waiting_for_kv(self, seq: Sequence) -> None:
-        exp = seq.kv_transfer_params
-        if not isinstance(exp, KVExpectation):
-            raise TypeError(f"request {seq.request_id!r} waits for KV but its kv_transfer_params "
-                            f"is {type(exp).__name__}, not KVExpectation")
-        deadline = None if exp.timeout_s is None else time.monotonic() + exp.timeout_s
-        with self._lock:
-            self._recv.expect(seq.request_id, exp.notif, deadline, exp.sender,
-                              exp.sender_address)
+        self._rx.expect(seq)
 
     def bind_sender(self, request_id: str, sender: str, sender_address: str | None = None
                     ) -> bool:
         """Promise a waiting request's KV to another sender (a prefill retried elsewhere,
         before anything was written). False: the request waits for nothing here."""
-        with self._lock:
-            return self._recv.bind(request_id, sender, sender_address)
+        return self._rx.bind_sender(request_id, sender, sender_address)
 
     def settle(self, request_id: str) -> bool:
         """The control plane knows no write for this aborted receiver can still land: reuse its
         blocks now. False: nothing was held (no effect)."""
-        with self._lock:
-            return self._quarantine.settle(request_id)
+        return self._rx.settle(request_id)
 
     def observe_alive(self, senders: set[str]) -> None:
         """The agents some router lists as alive now (heartbeat answers)."""
-        with self._lock:
-            self._quarantine.observe_alive(senders, time.monotonic(),
-                                           self.config.sender_gone_grace_s)
+        self._rx.observe_alive(senders)
+
+    @property
+    def on_hold(self) -> OnHold | None:
+        """Called (engine thread) with each new hold: (request id, notification, sender, its
+        control address); the worker asks the sender to fence it."""
+        return self._rx.on_hold
+
+    @on_hold.setter
+    def on_hold(self, fn: OnHold | None) -> None:
+        self._rx.on_hold = fn
 
     # -- fencing (sending side) ----------------------------------------------------------------
     def fence(self, notif: bytes) -> None:
         """The receiver gave up this transfer: nothing is written under ``notif`` from now on
         (a request carrying it writes nothing). Call on the engine thread."""
         with self._lock:
-            self._fenced[notif] = None
-            self._fenced.move_to_end(notif)
-            while len(self._fenced) > MAX_FENCED:
-                self._fenced.popitem(last=False)
+            self._fenced.add(notif)
 
     def is_fenced(self, notif: bytes) -> bool:
         with self._lock:
@@ -335,12 +283,7 @@ class NixlConnector(KVConnector):
             return self._send.tracks(request_id)
 
     def counters(self) -> dict[str, int]:
-        with self._lock:
-            q = self._quarantine
-            out = {f"hold_ended_{why}": n for why, n in q.ended.items()}
-            out["foreign_notif"] = self._recv.num_foreign + q.num_foreign
-            out["held"] = q.num_held
-            return out
+        return self._rx.counters()
 
     def request_finished(self, seq: Sequence) -> bool:
         params = seq.kv_transfer_params
@@ -357,26 +300,14 @@ class NixlConnector(KVConnector):
                     if params.closed:  # given up (its caller went away) before it finished
                         return False
                     if params.dest is None:
-                        self._awaiting[rid] = _Awaiting(params, list(seq.block_table),
+                        self._awaiting[rid] = Awaiting(params, list(seq.block_table),
                                                         seq.num_prompt_tokens)
                         return True
                 dest = params.dest
             self._finish_send(rid, dest, list(seq.block_table), seq.num_prompt_tokens, aborted)
             return True
         if isinstance(params, KVExpectation):
-            with self._lock:
-                exp = self._recv.forget(seq.request_id)
-                held = seq.finish_reason in _ABORTED and not seq.kv_ready
-                sender, address = ((exp.sender, exp.sender_address) if exp is not None
-                                   else (params.sender, params.sender_address))
-                if held:
-                    self._quarantine.hold(seq.request_id, params.notif, sender,
-                                          time.monotonic() + self.config.quarantine_backstop_s,
-                                          address)
-            if held:
-                if self.on_hold is not None:
-                    self.on_hold(seq.request_id, params.notif, sender, address)
-                return True
+            return self._rx.finished(seq, params)
         return False
 
     def _finish_send(self, request_id: str, dest: KVDestination, block_table: list[int],
@@ -423,20 +354,12 @@ class NixlConnector(KVConnector):
         return True
 
     def take_events(self) -> TransferEvents:
-        with self._lock:
-            expecting = self._recv.has_pending() or bool(self._quarantine)
         # Only a receiver polls: on a sender the I/O thread may hold the transport for a copy.
-        notifs = self.transport.get_notifs() if expecting else []
+        notifs = self.transport.get_notifs() if self._rx.expecting() else []
+        recv, released = self._rx.take(notifs)
         with self._lock:
-            for n in notifs:
-                # A held request's sender has ended its last write: reuse the blocks now.
-                if not self._quarantine.on_notif(n.peer, n.msg):
-                    self._recv.on_notif(n.peer, n.msg)
-            self._recv.expire(time.monotonic())
-            recv = self._recv.take()
             send = self._send.take()
             abandoned, self._abandoned = self._abandoned, []
-            released = self._quarantine.release_due(time.monotonic())
         for rid in recv.received:
             mark("kv_received", rid)
         for rid in send.sent:
@@ -448,8 +371,8 @@ class NixlConnector(KVConnector):
 
     def has_pending(self) -> bool:
         with self._lock:
-            return (self._send.has_pending() or self._recv.has_pending()
-                    or bool(self._quarantine))
+            sending = self._send.has_pending()
+        return sending or self._rx.expecting()
 
     def set_waker(self, wake: Callable[[], None]) -> None:
         """The sending side's events come from the I/O thread, which calls ``wake`` after each
@@ -459,8 +382,7 @@ class NixlConnector(KVConnector):
     def needs_polling(self) -> bool:
         """Receiving needs polls: NIXL notifications arrive only when we progress UCX, and
         expectation deadlines and quarantine ends are times, not events."""
-        with self._lock:
-            return self._recv.has_pending() or bool(self._quarantine)
+        return self._rx.expecting()
 
 
 def _nothing() -> None:

@@ -19,12 +19,12 @@ known to be done (its last notification, the control plane's word, or its depart
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvrelay.kv_transfer.messages import KVDestination
+from kvrelay.kv_transfer.messages import KVDestination, PendingDestination
 from kvrelay.kv_transfer.send_plan import PlanError, blocks_to_send, map_blocks
 
 logger = logging.getLogger(__name__)
@@ -188,6 +188,45 @@ class SendTracker:
 
     def num_tracked(self) -> int:
         return len(self._reqs)
+
+
+@dataclass
+class Awaiting:
+    """A prefill that finished before its destination was named: its blocks, kept."""
+
+    params: PendingDestination
+    block_table: list[int]
+    num_prompt_tokens: int
+
+
+@dataclass
+class PeerWrites:
+    """This step's blocks for one peer incarnation, all requests together: one write per
+    layer."""
+
+    local: list[int] = field(default_factory=list)
+    remote: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+
+MAX_FENCED = 65536  # fenced notifications remembered (a late Prefill comes within seconds)
+
+
+class BoundedSet:
+    """The ``limit`` most recently added items (a sender's fenced notifications)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, item: bytes) -> None:
+        self._items[item] = None
+        self._items.move_to_end(item)
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
 
 
 class RecvOutcome(NamedTuple):

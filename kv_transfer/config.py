@@ -1,0 +1,35 @@
+"""``NixlConnectorConfig``: the knobs of the KV connector, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NixlConnectorConfig:
+    agent_name: str  # unique per worker process group; peers address us by it
+    model_id: str  # layout.model_identity(model_dir): refuses peers serving other weights
+    write_timeout_s: float = 10.0  # a write not done by then fails (retriable)
+    max_poll_interval_s: float = 2e-3  # longest wait between completion polls while in flight
+    # A receiving request aborted before its KV arrived keeps its blocks until its sender is
+    # known to be done (``tracker.Quarantine``): the sender may have writes in flight (a cancel
+    # reaches it asynchronously), and they must not land in blocks handed to another request.
+    # A sender that no router lists any more counts as done after this grace (its writes time
+    # out by then) ...
+    sender_gone_grace_s: float = 10.0
+    # ... and a hold that nothing ends is released after this backstop, with a warning.
+    quarantine_backstop_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.agent_name:
+            raise ValueError("NixlConnectorConfig.agent_name must be non-empty")
+        if not self.model_id:
+            raise ValueError("NixlConnectorConfig.model_id must be non-empty")
+        if not self.write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
+        if self.sender_gone_grace_s < 0 or not self.quarantine_backstop_s > 0:
+            raise ValueError(f"sender_gone_grace_s must be >= 0 and quarantine_backstop_s > 0, "
+                             f"got {self.sender_gone_grace_s}, {self.quarantine_backstop_s}")
+        if not 0 < self.max_poll_interval_s <= 0.1:
+            raise ValueError(f"max_poll_interval_s must be in (0, 0.1], got "
+                             f"{self.max_poll_interval_s}")
