@@ -19,11 +19,12 @@ import grpc
 from kvrelay.convert import finish_to_proto, logprob_to_proto, sampling_from_proto
 from kvrelay.decode_worker.leases import LeaseError, LeaseTable
 from kvrelay.engine.async_engine import AsyncEngine
-from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
+from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, RequestOutput
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+from kvrelay.rpc import WORKER_DRAINING
 from kvrelay.timeline import mark
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ FLUSH_WAIT_S = 5.0  # for the engine to pass on a request's last output (a step 
 
 def is_id_in_use(e: Exception) -> bool:
     """The engine refused a request id an earlier request still holds."""
-    return isinstance(e, ValueError) and "already in use" in str(e)
+    return isinstance(e, RequestIdInUse)
 
 
 def check_request_id(request_id: str) -> None:
@@ -103,7 +104,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     "this worker does not take remote KV (role=both)")
             if self.draining:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
+                                    WORKER_DRAINING)
             ids = list(request.prompt_token_ids)
             try:
                 check_request_id(rid)
@@ -122,7 +124,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if stale is not None and not stale.decoding:
                 logger.info("replacing stale lease %s", stale.lease_id)
                 await self.leases.release(rid, stale.lease_id)
-            elif stale is None and rid in getattr(self.engine, "_streams", ()):
+            elif stale is None and self.engine.has_stream(rid):
                 await self._forget_stream(rid)  # its release may be under way
             ttl = self.leases.ttl(request.ttl_ms)
             lease = self.leases.create(rid, ttl)
@@ -232,7 +234,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         with request_context(rid):
             if self.draining:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
+                                    WORKER_DRAINING)
             try:
                 check_request_id(rid)
                 sampling = sampling_from_proto(request.sampling)
@@ -280,15 +283,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         ``AsyncEngine.reserve`` opens it and only ``decode()`` removes it: a lease released or
         expired before Decode (a client cancel mid-prefill, a first token that ends the request,
         a failed prefill) would leave it forever, and the request id could never be reserved
-        here again. The request's last output (the ABORT of its free) is dispatched with the
-        engine's next step, by request id: that is let through first, so that it cannot land
-        in the queue of a later request of the same id.
+        here again. Bounded, like every wait here.
         """
-        with contextlib.suppress(TimeoutError):  # bounded, like every wait here
-            await asyncio.wait_for(self.engine.flush(), FLUSH_WAIT_S)
-        streams = getattr(self.engine, "_streams", None)  # AsyncEngine's, keyed by request id
-        if isinstance(streams, dict):
-            streams.pop(request_id, None)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.engine.forget(request_id), FLUSH_WAIT_S)
 
 
 async def _exhaust(stream: AsyncIterator[RequestOutput]) -> None:

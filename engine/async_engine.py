@@ -22,7 +22,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from kvrelay.engine.engine_core import EngineCore, EngineStats, RequestOutput, Reservation
+from kvrelay.engine.engine_core import (
+    EngineCore,
+    EngineStats,
+    RequestIdInUse,
+    RequestOutput,
+    Reservation,
+)
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 
@@ -157,6 +163,16 @@ class AsyncEngine:
         """Abort a request; a consumer still reading its stream gets a final ABORT output."""
         return await self.call(self.core.abort, request_id)
 
+    async def forget(self, request_id: str) -> None:
+        """Drop the output stream of a request nobody will read (a reservation given up before
+        its Decode): after the request's last output was dispatched (the ``flush``), so that it
+        cannot land in the stream of a later request of the same id."""
+        await self.flush()
+        self._streams.pop(request_id, None)
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     async def flush(self) -> None:
         """Return once every output the engine made for commands issued before this call has
         been dispatched to its stream (e.g. the ABORT output of an ``abort``)."""
@@ -195,7 +211,7 @@ class AsyncEngine:
 
     def _open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUse(f"request id {request_id!r} is already in use")
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = q
         return q

@@ -31,6 +31,10 @@ class EngineOverloaded(RuntimeError):
     """The engine cannot take this request now (queue full or no KV blocks); retry later."""
 
 
+class RequestIdInUse(ValueError):
+    """An earlier request still holds this id here (it may be letting go of it: transient)."""
+
+
 @dataclass
 class RequestOutput:
     """New tokens of one request since its last output."""
@@ -155,7 +159,7 @@ class EngineCore:
                  kv_transfer_params: object | None, arrival_time: float | None,
                  cache_salt: str | None = None) -> Sequence:
         if request_id in self.seqs or request_id in self._sending:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUse(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
         return Sequence(request_id, prompt_token_ids, sampling,
                         kv_transfer_params=kv_transfer_params, arrival_time=arrival_time,

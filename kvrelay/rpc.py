@@ -28,6 +28,10 @@ KV_DESTINATION_FAILED = ((FAILED_SIDE_KEY, "kv-destination"),)
 # connection broke), and a rerun there could be overwritten by its late writes.
 KV_WRITTEN_KEY = "x-kvrelay-kv-written"
 KV_NOTHING_WRITTEN = ((KV_WRITTEN_KEY, "none"),)
+# Trailing metadata of a call a worker refused because it is draining (leaving as planned): the
+# router tries another worker without suspecting this one.
+WORKER_STATE_KEY = "x-kvrelay-worker-state"
+WORKER_DRAINING = ((WORKER_STATE_KEY, "draining"),)
 MAX_MESSAGE_BYTES = 64 * 2**20
 
 CHANNEL_OPTIONS = [

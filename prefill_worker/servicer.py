@@ -31,6 +31,7 @@ from kvrelay.proto import worker_pb2_grpc
 from kvrelay.rpc import (
     KV_DESTINATION_FAILED,
     KV_NOTHING_WRITTEN,
+    WORKER_DRAINING,
     insecure_channel,
     token_metadata,
 )
@@ -169,7 +170,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         with request_context(rid):
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
-                                    KV_NOTHING_WRITTEN)
+                                    KV_NOTHING_WRITTEN + WORKER_DRAINING)
             try:
                 self._validate(request)
                 skip = (0 if request.destination_follows

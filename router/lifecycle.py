@@ -32,7 +32,7 @@ from kvrelay.router.errors import RouterError
 from kvrelay.router.policy import DEFAULT_POLICY, Policy, RouteRequest
 from kvrelay.router.registry import WorkerRegistry, WorkerState
 from kvrelay.router.trace import Trace
-from kvrelay.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN
+from kvrelay.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN, WORKER_DRAINING
 
 logger = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ class Lifecycle:
                     continue
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise RouterError(code, e.details() or "invalid request") from e
-                if code == grpc.StatusCode.UNAVAILABLE and "draining" in (e.details() or ""):
+                if _trailer_says(e, WORKER_DRAINING):
                     continue  # leaving as planned; its heartbeat says so too
                 self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
                 continue
@@ -509,7 +509,7 @@ class Lifecycle:
                     raise WorkerLost(f"KV destination {d.worker_id} failed: {last}") from e
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted = True
-                else:
+                elif not _trailer_says(e, WORKER_DRAINING):  # draining: leaving as planned
                     self.registry.mark_suspect(p.worker_id, f"Prefill: {last}")
                 if not _nothing_written(e):
                     # p may still write into the lease's blocks (it stalled, or only its
