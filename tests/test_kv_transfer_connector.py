@@ -8,8 +8,11 @@ opens expectations and snapshots its KV tensor the moment ``take_events`` report
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +42,24 @@ def token_kv(rid: str, layer: int, token: int) -> torch.Tensor:
 def write_tokens(kv: torch.Tensor, seq: Sequence, layer: int, start: int, end: int) -> None:
     for t in range(start, end):
         kv[layer, :, seq.block_table[t // BS], t % BS] = token_kv(seq.request_id, layer, t)
+
+
+@contextlib.contextmanager
+def connected() -> Iterator[tuple[NixlConnector, torch.Tensor, Any, Any, str]]:
+    """A sending connector in this process, added as a peer to a spawned receiver:
+    (connector, its KV tensor, the child's pipe, the child process, the receiver's name)."""
+    recv_name, send_name = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
+    p, conn = spawn(connector_receiver, recv_name, spec_dict(RECV_SPEC), MODEL_ID)
+    kv = allocate_kv_cache(SEND_SPEC)
+    c = NixlConnector(NixlConnectorConfig(send_name, MODEL_ID, write_timeout_s=10.0))
+    try:
+        c.register_kv_cache(kv, SEND_SPEC)
+        _, info, _ = recv_until(conn, "info", 30)
+        assert c.add_peer(PeerInfo.from_bytes(info)) is True
+        yield c, kv, conn, p, recv_name
+    finally:
+        c.close()
+        stop(p, conn)
 
 
 class Req:
@@ -86,14 +107,7 @@ def check_received(snap: torch.Tensor, r: Req) -> None:
 
 @pytest.mark.slow
 def test_connector_streams_chunked_prefills_and_notifies_once_after_the_data() -> None:
-    recv_name, send_name = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
-    p, conn = spawn(connector_receiver, recv_name, spec_dict(RECV_SPEC), MODEL_ID)
-    kv = allocate_kv_cache(SEND_SPEC)
-    c = NixlConnector(NixlConnectorConfig(send_name, MODEL_ID, write_timeout_s=10.0))
-    try:
-        c.register_kv_cache(kv, SEND_SPEC)
-        _, info, _ = recv_until(conn, "info", 30)
-        assert c.add_peer(PeerInfo.from_bytes(info)) is True
+    with connected() as (c, kv, conn, _, recv_name):
         # a: chunked 16+16+5 · b: 2 blocks in our prefix cache, 1 in theirs · c: aborted
         # d: they have 2 cached blocks, we have only 1 (their blocks are never written)
         a = Req("a", recv_name, 37, [3, 9, 4, 20, 1], [50, 2, 33, 7, 12])
@@ -146,21 +160,11 @@ def test_connector_streams_chunked_prefills_and_notifies_once_after_the_data() -
         _, received, failed, pending = recv_until(conn, "report", 10)
         assert sorted(received) == ["a", "b", "d"]  # once each; c never notified
         assert failed == [] and pending is True  # c's expectation is open until its deadline
-    finally:
-        c.close()
-        stop(p, conn)
 
 
 @pytest.mark.slow
 def test_a_killed_receiver_fails_its_requests_quickly_and_never_notifies() -> None:
-    recv_name, send_name = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
-    p, conn = spawn(connector_receiver, recv_name, spec_dict(RECV_SPEC), MODEL_ID)
-    kv = allocate_kv_cache(SEND_SPEC)
-    c = NixlConnector(NixlConnectorConfig(send_name, MODEL_ID, write_timeout_s=10.0))
-    try:
-        c.register_kv_cache(kv, SEND_SPEC)
-        _, info, _ = recv_until(conn, "info", 30)
-        c.add_peer(PeerInfo.from_bytes(info))
+    with connected() as (c, kv, conn, p, recv_name):
         a = Req("a", recv_name, 24, [0, 1, 2], [5, 6, 7])
         conn.send(("reserve", "a", a.remote, a.notif, 0, CACHED))
         recv_until(conn, "reserved", 10)
@@ -181,9 +185,6 @@ def test_a_killed_receiver_fails_its_requests_quickly_and_never_notifies() -> No
         assert failed[0][0] == "a" and "retriable" in failed[0][1], failed
         assert not c.has_pending()
         assert c.peer_incarnation(recv_name) is None  # dropped: re-add it after a restart
-    finally:
-        c.close()
-        stop(p, conn)
 
 
 @pytest.mark.slow
@@ -229,14 +230,7 @@ def test_destinations_named_late_still_deliver_every_block_once() -> None:
     """Named before the step, mid-step (after some layers were saved), after the request
     finished, or never (abandoned / aborted): the received KV is exact, one notification
     each, and an unnamed request's blocks come back without one."""
-    recv_name, send_name = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
-    p, conn = spawn(connector_receiver, recv_name, spec_dict(RECV_SPEC), MODEL_ID)
-    kv = allocate_kv_cache(SEND_SPEC)
-    c = NixlConnector(NixlConnectorConfig(send_name, MODEL_ID, write_timeout_s=10.0))
-    try:
-        c.register_kv_cache(kv, SEND_SPEC)
-        _, info, _ = recv_until(conn, "info", 30)
-        c.add_peer(PeerInfo.from_bytes(info))
+    with connected() as (c, kv, conn, _, recv_name):
         early = PendingReq("early", recv_name, 20, [0, 1, 2], [10, 11, 12])
         mid = PendingReq("mid", recv_name, 37, [3, 4, 5, 6, 7], [13, 14, 15, 16, 17])
         late = PendingReq("late", recv_name, 12, [8, 9], [18, 19])
@@ -287,6 +281,3 @@ def test_destinations_named_late_still_deliver_every_block_once() -> None:
         conn.send(("report",))
         _, received, recv_failed, _ = recv_until(conn, "report", 10)
         assert sorted(received) == ["early", "late", "mid"] and recv_failed == []  # once each
-    finally:
-        c.close()
-        stop(p, conn)
