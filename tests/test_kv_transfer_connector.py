@@ -105,6 +105,22 @@ def check_received(snap: torch.Tensor, r: Req) -> None:
                 assert torch.equal(snap[layer, :, rb, t % BS], want), (r.seq.request_id, t, layer)
 
 
+def check_delivered(conn: Any, reqs: tuple[Req, ...]) -> tuple[list[str], bool]:
+    """Each of ``reqs`` arrived exactly once with the right KV; the receiver's failed requests
+    and whether it still expects something."""
+    snaps = {}
+    for _ in reqs:
+        _, rid, snap = recv_until(conn, "received", 10)
+        snaps[rid] = snap
+    for r in reqs:
+        check_received(snaps[r.seq.request_id], r)
+    time.sleep(0.2)
+    conn.send(("report",))
+    _, received, failed, pending = recv_until(conn, "report", 10)
+    assert sorted(received) == sorted(r.seq.request_id for r in reqs)  # once each
+    return failed, pending
+
+
 @pytest.mark.slow
 def test_connector_streams_chunked_prefills_and_notifies_once_after_the_data() -> None:
     with connected() as (c, kv, conn, _, recv_name):
@@ -149,16 +165,7 @@ def test_connector_streams_chunked_prefills_and_notifies_once_after_the_data() -
         assert "aborted" in events["failed"][0][1]
         assert not c.has_pending()
 
-        snaps = {}
-        for _ in range(3):
-            _, rid, snap = recv_until(conn, "received", 10)
-            snaps[rid] = snap
-        for r in (a, b, d):
-            check_received(snaps[r.seq.request_id], r)
-        time.sleep(0.2)
-        conn.send(("report",))
-        _, received, failed, pending = recv_until(conn, "report", 10)
-        assert sorted(received) == ["a", "b", "d"]  # once each; c never notified
+        failed, pending = check_delivered(conn, (a, b, d))  # once each; c never notified
         assert failed == [] and pending is True  # c's expectation is open until its deadline
 
 
@@ -271,13 +278,4 @@ def test_destinations_named_late_still_deliver_every_block_once() -> None:
             time.sleep(0.002)
         assert sorted(sent) == ["early", "late", "mid", "never"]
         assert [rid for rid, _ in failed] == ["never"]
-        snaps = {}
-        for _ in range(3):
-            _, rid, snap = recv_until(conn, "received", 10)
-            snaps[rid] = snap
-        for r in (early, mid, late):
-            check_received(snaps[r.seq.request_id], r)
-        time.sleep(0.2)
-        conn.send(("report",))
-        _, received, recv_failed, _ = recv_until(conn, "report", 10)
-        assert sorted(received) == ["early", "late", "mid"] and recv_failed == []  # once each
+        assert check_delivered(conn, (early, mid, late))[0] == []
