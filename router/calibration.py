@@ -17,9 +17,10 @@ import grpc
 
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.router.errors import RouterError
-from kvrelay.router.lifecycle import GenerateSpec, Lifecycle, WorkerLost, _Pass
+from kvrelay.router.lifecycle import Lifecycle
 from kvrelay.router.policy import RouteRequest
 from kvrelay.router.registry import WorkerState
+from kvrelay.router.requests import GenerateSpec, Pass, WorkerLost
 from kvrelay.router.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Calibrator:
             sampling = SamplingParams(max_tokens=2 if w.role == "decode" else 1,
                                       temperature=0.0, ignore_eos=True)
             spec = GenerateSpec(rid, prompt, sampling)
-            ctx = _Pass(RouteRequest(prompt, sampling.max_tokens), reason="calibration",
+            ctx = Pass(RouteRequest(prompt, sampling.max_tokens), reason="calibration",
                         record=i >= len(warm), fit=False, count=False)
             self.lc.probes[rid] = ctx.record
             trace = Trace()

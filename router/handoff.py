@@ -1,0 +1,370 @@
+"""The P->D hand-off of one pass: reserve blocks on a decode worker, prefill on a prefill worker
+that streams the KV into them, and release what a pass leaves behind.
+
+The Prefill leaves beside the Reserve (``RouterConfig.prefill_ahead``) and learns its
+destination by ``SetDestination``; the lease's KV is promised to that prefill worker (the
+decode worker accepts its notification only). A prefill worker that refuses a prompt before
+writing anything is replaced under the same lease (rebound to the new worker first); after any
+other failure the pass takes a fresh lease. ``Lifecycle`` builds on this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvrelay.convert import sampling_to_proto
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.logs import request_context
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.errors import RouterError
+from kvrelay.router.policy import Policy
+from kvrelay.router.registry import WorkerRegistry, WorkerState
+from kvrelay.router.requests import GenerateSpec, Pass, RouterConfig, WorkerLost, new_pass
+from kvrelay.router.trace import Trace
+from kvrelay.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN, WORKER_DRAINING
+
+logger = logging.getLogger(__name__)
+
+
+class Handoff:
+    registry: WorkerRegistry
+    policy: Policy
+    config: RouterConfig
+    md: tuple[tuple[str, str], ...]  # the cluster token's metadata
+
+    def _remaining(self, spec: GenerateSpec, cap: float) -> float:
+        if spec.deadline is None:
+            return cap
+        left = spec.deadline - time.monotonic()
+        if left <= 0:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
+        return min(cap, left)
+
+    def _send_ahead(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
+                    trace: Trace, ctx: Pass) -> None:
+        """Send the Prefill now, its destination to follow (the Reserve runs meanwhile)."""
+        assert ctx.prefill is not None
+        ahead = wpb.PrefillRequest(request_id=spec.request_id, prompt_token_ids=prompt,
+                                   cache_salt=spec.cache_salt or "",
+                                   sampling=sampling_to_proto(sampling), destination_follows=True)
+        ctx.ahead_t0 = time.monotonic()
+        trace.add("prefill_start", ctx.prefill.worker_id, detail=ctx.reason or "ahead")
+        ctx.ahead = asyncio.ensure_future(ctx.prefill.prefill.Prefill(
+            ahead, metadata=self.md,
+            timeout=self._remaining(spec, self.config.prefill_timeout_s)))
+
+    async def _reserve(self, spec: GenerateSpec, prompt: list[int], trace: Trace,
+                       ctx: Pass | None = None) -> tuple[WorkerState, wpb.ReserveResponse]:
+        give_up = time.monotonic() + self.config.kv_wait_s
+        if spec.deadline is not None:
+            give_up = min(give_up, spec.deadline)
+        pause = 0.02
+        while True:
+            got = await self._reserve_once(spec, prompt, trace, ctx)
+            if got is not None:
+                return got
+            if time.monotonic() + pause > give_up:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  "no decode worker has KV room for this request now",
+                                  retry_after_s=1.0)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.25)
+
+    async def _reserve_once(self, spec: GenerateSpec, prompt: list[int], trace: Trace,
+                            ctx: Pass | None = None
+                            ) -> tuple[WorkerState, wpb.ReserveResponse] | None:
+        """Reserve on the best decode worker that has room; None when all are full."""
+        decoders = self.registry.alive("decode")
+        if not decoders:
+            raise WorkerLost("no decode worker")
+        bs = decoders[0].block_size
+        need = -(-(len(prompt) + 1) // bs)
+        exhausted = 0
+        ctx = ctx or new_pass(spec, prompt)
+        for d in self.policy.rank_decode(decoders, need, ctx.req):
+            req = wpb.ReserveRequest(request_id=spec.request_id, prompt_token_ids=prompt,
+                                     cache_salt=spec.cache_salt or "",
+                                     ttl_ms=int(self.config.lease_ttl_s * 1000),
+                                     sender_agent=ctx.prefill.worker_id if ctx.prefill else "",
+                                     sender_address=ctx.prefill.address if ctx.prefill else "")
+            # Counted from the reservation on (the caller drops it when the request leaves this
+            # worker), so concurrent arrivals between two heartbeats spread over the pool.
+            d.inflight += 1
+            t_rpc = time.monotonic()
+            try:
+                resp = await d.decode.Reserve(
+                    req, metadata=self.md,
+                    timeout=self._remaining(spec, self.config.reserve_timeout_s))
+            except BaseException as e:
+                d.inflight -= 1
+                if isinstance(e, grpc.aio.UsageError):  # d left the registry meanwhile
+                    continue
+                if isinstance(e, asyncio.CancelledError) and _call_cancelled(self, d):
+                    continue
+                if not isinstance(e, grpc.aio.AioRpcError):
+                    raise
+                code = e.code()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    exhausted += 1
+                    continue
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise RouterError(code, e.details() or "invalid request") from e
+                if _trailer_says(e, WORKER_DRAINING):
+                    continue  # leaving as planned; its heartbeat says so too
+                self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
+                continue
+            d.pending_blocks += len(resp.block_ids)
+            trace.reserve_ms = (time.monotonic() - t_rpc) * 1000.0
+            if ctx.record:
+                d.reserve_rpc_s.observe(time.monotonic() - t_rpc)
+            if ctx.count:
+                d.arrivals.tick(time.monotonic())
+            trace.add("reserved", d.worker_id, detail=f"cached={resp.cached_prefix_tokens}")
+            return d, resp
+        if exhausted:
+            return None
+        raise WorkerLost("every decode worker failed Reserve")
+
+    async def _renew(self, d: WorkerState, request_id: str, lease: wpb.ReserveResponse) -> None:
+        period = max(0.05, lease.ttl_ms / 3000.0)
+        req = wpb.LeaseRequest(request_id=request_id, lease_id=lease.lease_id)
+        while True:
+            await asyncio.sleep(period)
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                await d.decode.RenewLease(req, metadata=self.md, timeout=period)
+
+    async def _prefill(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
+                       d: WorkerState, lease: wpb.ReserveResponse,
+                       trace: Trace, ctx: Pass | None = None
+                       ) -> tuple[wpb.PrefillResponse, int]:
+        ctx = ctx or new_pass(spec, prompt, sampling.max_tokens)
+        dest = wpb.KVDestination(
+            decode_address=d.address, agent_name=lease.agent_name,
+            incarnation=lease.incarnation, block_ids=lease.block_ids,
+            skip_prefix_tokens=lease.cached_prefix_tokens, lease_id=lease.lease_id)
+        req = wpb.PrefillRequest(request_id=spec.request_id, prompt_token_ids=prompt,
+                                 cache_salt=spec.cache_salt or "",
+                                 sampling=sampling_to_proto(sampling), dest=dest)
+        tried: set[str] = set()
+        last = "no prefill worker"
+        exhausted = False
+        bound = ctx.prefill.worker_id if ctx.prefill is not None else ""  # the lease's sender
+        for _ in range(self.config.max_prefill_attempts):
+            if ctx.prefill is not None and not tried:
+                ranked = [ctx.prefill]
+            else:
+                ranked = [p for p in self.policy.rank_prefill(self.registry.alive("prefill"),
+                                                              ctx.req)
+                          if p.worker_id not in tried]
+            if not ranked:
+                break
+            p = ranked[0]
+            tried.add(p.worker_id)
+            if p.worker_id != bound:  # nothing was written under the lease: promise it to p
+                await self._rebind(spec, d, lease, p)
+                bound = p.worker_id
+            ctx.drop_claim()  # the dispatch charges p itself now
+            now = time.monotonic()
+            pending = self.policy.cost.prefill(p, ctx.req, now).new_tokens
+            p.pending_prompt_tokens += pending
+            p.expect(ctx.req.hashes(p.block_size), now + self.registry.expect_s)
+            clean = p.inflight == 0
+            p.dispatches += 1
+            dispatched = p.dispatches
+            p.inflight += 1
+            if ctx.ahead is not None:  # sent already (its prefill_start is in the trace)
+                trace.add("destination", p.worker_id, detail=d.worker_id)
+            else:
+                trace.add("prefill_start", p.worker_id, detail=ctx.reason if len(tried) == 1
+                          else "retry")
+            t_rpc = time.monotonic()
+            ctx.writes_unsettled = True
+            try:
+                if ctx.ahead is not None:  # already computing: name its destination
+                    t_rpc = ctx.ahead_t0
+                    resp = await self._join_ahead(spec, p, dest, ctx)
+                else:
+                    resp = await p.prefill.Prefill(
+                        req, metadata=self.md,
+                        timeout=self._remaining(spec, self.config.prefill_timeout_s))
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                last = f"{p.worker_id}: {code.name} {e.details()}"
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise RouterError(code, e.details() or "invalid request") from e
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and spec.deadline is not None \
+                        and time.monotonic() >= spec.deadline:
+                    raise RouterError(code, "request deadline exceeded") from e
+                trace.add("prefill_failed", p.worker_id, detail=last)
+                if _dest_failed(e):  # the decode worker holding the lease failed, not p
+                    self.registry.mark_suspect(d.worker_id, f"KV destination: {last}")
+                    raise WorkerLost(f"KV destination {d.worker_id} failed: {last}") from e
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    exhausted = True
+                elif not _trailer_says(e, WORKER_DRAINING):  # draining: leaving as planned
+                    self.registry.mark_suspect(p.worker_id, f"Prefill: {last}")
+                if not _nothing_written(e):
+                    # p may still write into the lease's blocks (it stalled, or only its
+                    # connection broke): a rerun there could be overwritten by p's late writes.
+                    # Take fresh blocks instead; d quarantines these until p's writes end.
+                    raise WorkerLost(f"prefill failed ({last}); its KV writes may still "
+                                     f"land: a new lease") from e
+                ctx.writes_unsettled = False
+                logger.warning("prefill on %s failed (%s); retrying under the same lease",
+                               p.worker_id, last)
+                continue
+            except asyncio.CancelledError:
+                if not _call_cancelled(self, p):
+                    raise
+                last = f"{p.worker_id}: dropped from the registry during the call"
+                trace.add("prefill_failed", p.worker_id, detail=last)
+                raise WorkerLost(f"prefill failed ({last}); its KV writes may still land: "
+                                 f"a new lease") from None
+            finally:
+                p.inflight -= 1
+                p.pending_prompt_tokens = max(0, p.pending_prompt_tokens - pending)
+            ctx.writes_unsettled = False  # answered: every write landed and was notified
+            trace.add("prefill_end", p.worker_id,
+                      detail=f"queue={resp.queue_ms:.1f}ms prefill={resp.prefill_ms:.1f}ms "
+                             f"transfer={resp.transfer_ms:.1f}ms bytes={resp.kv_bytes}")
+            trace.prefill = resp
+            self._observe_prefill(p, d, lease, ctx, resp, time.monotonic() - t_rpc,
+                                  clean and p.dispatches == dispatched)
+            return resp, resp.cached_prompt_tokens
+        if exhausted:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              "prefill workers are saturated", retry_after_s=1.0)
+        raise WorkerLost(f"prefill failed on every worker tried ({last})")
+
+    async def _join_ahead(self, spec: GenerateSpec, p: WorkerState, dest: wpb.KVDestination,
+                          ctx: Pass) -> wpb.PrefillResponse:
+        """Name the destination of the Prefill sent ahead, then await its answer. A refused
+        SetDestination cancels it (nothing was written without one) unless it has ended: then
+        its own outcome says more."""
+        ahead, ctx.ahead = ctx.ahead, None
+        assert ahead is not None
+        try:
+            try:
+                await p.prefill.SetDestination(
+                    wpb.SetDestinationRequest(request_id=spec.request_id, dest=dest),
+                    metadata=self.md,
+                    timeout=self._remaining(spec, self.config.reserve_timeout_s))
+            except grpc.aio.AioRpcError:
+                if not ahead.done():
+                    raise
+            return await ahead
+        except BaseException:
+            await _cancel(ahead)  # a no-op once it has ended
+            raise
+
+    def _claim(self, p: WorkerState, ctx: Pass) -> Callable[[], None]:
+        pending = self.policy.cost.prefill(p, ctx.req, time.monotonic()).new_tokens
+        p.pending_prompt_tokens += pending
+        p.inflight += 1
+
+        def unclaim() -> None:
+            p.inflight -= 1
+            p.pending_prompt_tokens = max(0, p.pending_prompt_tokens - pending)
+
+        return unclaim
+
+    async def _rebind(self, spec: GenerateSpec, d: WorkerState, lease: wpb.ReserveResponse,
+                      p: WorkerState) -> None:
+        req = wpb.LeaseRequest(request_id=spec.request_id, lease_id=lease.lease_id,
+                               sender_agent=p.worker_id, sender_address=p.address)
+        try:
+            await d.decode.RenewLease(req, metadata=self.md,
+                                      timeout=self._remaining(spec, self.config.reserve_timeout_s))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            raise WorkerLost(f"could not promise {d.worker_id}'s lease to {p.worker_id}: "
+                             f"{e}") from e
+
+    def _release_soon(self, d: WorkerState, request_id: str, lease_id: str, *,
+                      settled: bool = False) -> None:
+        """End a lease without making the caller wait (the TTL is the backstop). ``settled``:
+        no prefill can still write into its blocks, so d may reuse them at once."""
+
+        async def release() -> None:
+            # d may have left the registry and come back (missed heartbeats): its old channel is
+            # closed, the process and the lease live on; reach it by its current entry.
+            cur = self.registry.workers.get(d.worker_id)
+            w = cur if cur is not None and cur.incarnation == d.incarnation else d
+            with request_context(request_id), \
+                    contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                await w.decode.Release(wpb.LeaseRequest(request_id=request_id,
+                                                        lease_id=lease_id,
+                                                        writes_settled=settled),
+                                       metadata=self.md, timeout=2.0)
+
+        asyncio.get_running_loop().create_task(release())
+
+    def _observe_prefill(self, p: WorkerState, d: WorkerState, lease: wpb.ReserveResponse,
+                         ctx: Pass, resp: wpb.PrefillResponse, wall_s: float,
+                         clean: bool) -> None:
+        """A prefill's measurements: P's compute time for the tokens it computed (when it ran
+        alone there), transfer time against bytes, the RPC's own overhead."""
+        n = len(ctx.req)
+        computed = n - resp.cached_prompt_tokens
+        skip = lease.cached_prefix_tokens // d.block_size
+        sent = len(lease.block_ids) - skip
+        p.expect(ctx.req.hashes(p.block_size), time.monotonic() + self.registry.expect_s)
+        if ctx.count:
+            c = self.registry.counter(p)
+            c.prompt_tokens += n
+            c.computed_tokens += computed
+            c = self.registry.counter(d)
+            c.kv_blocks_sent += sent
+            c.kv_blocks_skipped += skip
+        if not ctx.record:
+            return
+        if clean and computed > 0 and ctx.fit:
+            p.prefill_fit.observe(computed, resp.prefill_ms / 1e3)
+        perf = self.registry.perf
+        perf.observe_transfer(resp.kv_bytes, sent, resp.transfer_ms / 1e3)
+        if clean:  # queue_ms of an idle worker is the hand-off to its engine: overhead
+            perf.prefill_rpc_s.observe(wall_s - (resp.prefill_ms + resp.transfer_ms) / 1e3)
+
+
+async def _cancel(task: asyncio.Future[object] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await task
+
+
+def _trailer_says(e: grpc.aio.AioRpcError, pairs: tuple[tuple[str, str], ...]) -> bool:
+    try:
+        md = tuple(e.trailing_metadata() or ())
+    except Exception:
+        return False
+    return any((k, v) in pairs for k, v in md)
+
+
+def _nothing_written(e: grpc.aio.AioRpcError) -> bool:
+    """True when a Prefill was refused before it wrote any KV (see ``KV_NOTHING_WRITTEN``)."""
+    return _trailer_says(e, KV_NOTHING_WRITTEN)
+
+
+def _dest_failed(e: grpc.aio.AioRpcError) -> bool:
+    """True when a Prefill failed because of its KV destination (see ``KV_DESTINATION_FAILED``)."""
+    return _trailer_says(e, KV_DESTINATION_FAILED)
+
+
+def _call_cancelled(lc: Handoff, w: WorkerState) -> bool:
+    """Whether a CancelledError out of a call to ``w`` is the call's, not this request's.
+
+    The registry closes the channel of a worker it drops (missed heartbeats), which cancels the
+    calls in flight on it: they raise CancelledError although nobody cancelled the request.
+    Left alone, that ends the request's handler without a status, and the client waits until
+    its deadline (forever without one). Such a call counts as a lost worker instead.
+    """
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "cancelling"):  # Python >= 3.11
+        return task.cancelling() == 0
+    return lc.registry.workers.get(w.worker_id) is not w
