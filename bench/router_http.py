@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import socket
 import sys
 import threading
@@ -128,8 +127,9 @@ def main() -> None:
     done.set()
     proc.join(30)
     mode = "stream" if args.stream else "plain"
-    print(f"router HTTP ({mode}, {args.tokens} tokens/request, pid {os.getpid()}): "
-          f"{args.requests / wall:.0f} req/s, {got_tokens[0] / wall:.0f} tok/s; server CPU "
+    print(f"router HTTP ({mode}, {args.tokens} tokens/request, {args.requests} requests, "
+          f"{got_tokens[0]} tokens): {args.requests / wall:.0f} req/s, "
+          f"{got_tokens[0] / wall:.0f} tok/s; server CPU "
           f"{cpu.value / args.requests * 1e3:.2f} ms/request, "
           f"{cpu.value / max(1, got_tokens[0]) * 1e6:.1f} ms/1000 tokens")
 

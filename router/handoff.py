@@ -144,10 +144,7 @@ class Handoff:
                        trace: Trace, ctx: Pass | None = None
                        ) -> tuple[wpb.PrefillResponse, int]:
         ctx = ctx or new_pass(spec, prompt, sampling.max_tokens)
-        dest = wpb.KVDestination(
-            decode_address=d.address, agent_name=lease.agent_name,
-            incarnation=lease.incarnation, block_ids=lease.block_ids,
-            skip_prefix_tokens=lease.cached_prefix_tokens, lease_id=lease.lease_id)
+        dest = _destination(d, lease)
         req = wpb.PrefillRequest(request_id=spec.request_id, prompt_token_ids=prompt,
                                  cache_salt=spec.cache_salt or "",
                                  sampling=sampling_to_proto(sampling), dest=dest)
@@ -156,33 +153,22 @@ class Handoff:
         exhausted = False
         bound = ctx.prefill.worker_id if ctx.prefill is not None else ""  # the lease's sender
         for _ in range(self.config.max_prefill_attempts):
-            if ctx.prefill is not None and not tried:
-                ranked = [ctx.prefill]
-            else:
-                ranked = [p for p in self.policy.rank_prefill(self.registry.alive("prefill"),
-                                                              ctx.req)
-                          if p.worker_id not in tried]
-            if not ranked:
+            p = self._next_prefill_worker(ctx, tried)
+            if p is None:
                 break
-            p = ranked[0]
             tried.add(p.worker_id)
             if p.worker_id != bound:  # nothing was written under the lease: promise it to p
                 await self._rebind(spec, d, lease, p)
                 bound = p.worker_id
             ctx.drop_claim()  # the dispatch charges p itself now
-            now = time.monotonic()
-            pending = self.policy.cost.prefill(p, ctx.req, now).new_tokens
-            p.pending_prompt_tokens += pending
-            p.expect(ctx.req.hashes(p.block_size), now + self.registry.expect_s)
+            p.expect(ctx.req.hashes(p.block_size), time.monotonic() + self.registry.expect_s)
             clean = p.inflight == 0
             p.dispatches += 1
             dispatched = p.dispatches
-            p.inflight += 1
-            if ctx.ahead is not None:  # sent already (its prefill_start is in the trace)
-                trace.add("destination", p.worker_id, detail=d.worker_id)
-            else:
-                trace.add("prefill_start", p.worker_id, detail=ctx.reason if len(tried) == 1
-                          else "retry")
+            uncharge = self._claim(p, ctx)
+            trace.add(*(("destination", p.worker_id, d.worker_id) if ctx.ahead is not None
+                        else ("prefill_start", p.worker_id,
+                              ctx.reason if len(tried) == 1 else "retry")))
             t_rpc = time.monotonic()
             ctx.writes_unsettled = True
             try:
@@ -194,30 +180,9 @@ class Handoff:
                         req, metadata=self.md,
                         timeout=self._remaining(spec, self.config.prefill_timeout_s))
             except grpc.aio.AioRpcError as e:
-                code = e.code()
-                last = f"{p.worker_id}: {code.name} {e.details()}"
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise RouterError(code, e.details() or "invalid request") from e
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED and spec.deadline is not None \
-                        and time.monotonic() >= spec.deadline:
-                    raise RouterError(code, "request deadline exceeded") from e
-                trace.add("prefill_failed", p.worker_id, detail=last)
-                if _dest_failed(e):  # the decode worker holding the lease failed, not p
-                    self.registry.mark_suspect(d.worker_id, f"KV destination: {last}")
-                    raise WorkerLost(f"KV destination {d.worker_id} failed: {last}") from e
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    exhausted = True
-                elif not _trailer_says(e, WORKER_DRAINING):  # draining: leaving as planned
-                    self.registry.mark_suspect(p.worker_id, f"Prefill: {last}")
-                if not _nothing_written(e):
-                    # p may still write into the lease's blocks (it stalled, or only its
-                    # connection broke): a rerun there could be overwritten by p's late writes.
-                    # Take fresh blocks instead; d quarantines these until p's writes end.
-                    raise WorkerLost(f"prefill failed ({last}); its KV writes may still "
-                                     f"land: a new lease") from e
+                last = self._prefill_refused(e, spec, p, d, trace)
+                exhausted = exhausted or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 ctx.writes_unsettled = False
-                logger.warning("prefill on %s failed (%s); retrying under the same lease",
-                               p.worker_id, last)
                 continue
             except asyncio.CancelledError:
                 if not _call_cancelled(self, p):
@@ -227,13 +192,9 @@ class Handoff:
                 raise WorkerLost(f"prefill failed ({last}); its KV writes may still land: "
                                  f"a new lease") from None
             finally:
-                p.inflight -= 1
-                p.pending_prompt_tokens = max(0, p.pending_prompt_tokens - pending)
+                uncharge()
             ctx.writes_unsettled = False  # answered: every write landed and was notified
-            trace.add("prefill_end", p.worker_id,
-                      detail=f"queue={resp.queue_ms:.1f}ms prefill={resp.prefill_ms:.1f}ms "
-                             f"transfer={resp.transfer_ms:.1f}ms bytes={resp.kv_bytes}")
-            trace.prefill = resp
+            trace.add_prefill_end(p.worker_id, resp)
             self._observe_prefill(p, d, lease, ctx, resp, time.monotonic() - t_rpc,
                                   clean and p.dispatches == dispatched)
             return resp, resp.cached_prompt_tokens
@@ -241,6 +202,41 @@ class Handoff:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               "prefill workers are saturated", retry_after_s=1.0)
         raise WorkerLost(f"prefill failed on every worker tried ({last})")
+
+    def _next_prefill_worker(self, ctx: Pass, tried: set[str]) -> WorkerState | None:
+        """The pass's chosen worker first, then the best one not tried yet."""
+        if ctx.prefill is not None and not tried:
+            return ctx.prefill
+        ranked = [p for p in self.policy.rank_prefill(self.registry.alive("prefill"), ctx.req)
+                  if p.worker_id not in tried]
+        return ranked[0] if ranked else None
+
+    def _prefill_refused(self, e: grpc.aio.AioRpcError, spec: GenerateSpec, p: WorkerState,
+                         d: WorkerState, trace: Trace) -> str:
+        """A failed Prefill: raises unless it may be rerun under the same lease (p refused it
+        before writing anything); then returns what happened, for the final error."""
+        code = e.code()
+        last = f"{p.worker_id}: {code.name} {e.details()}"
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise RouterError(code, e.details() or "invalid request") from e
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and spec.deadline is not None \
+                and time.monotonic() >= spec.deadline:
+            raise RouterError(code, "request deadline exceeded") from e
+        trace.add("prefill_failed", p.worker_id, detail=last)
+        if _dest_failed(e):  # the decode worker holding the lease failed, not p
+            self.registry.mark_suspect(d.worker_id, f"KV destination: {last}")
+            raise WorkerLost(f"KV destination {d.worker_id} failed: {last}") from e
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED and not _trailer_says(e, WORKER_DRAINING):
+            self.registry.mark_suspect(p.worker_id, f"Prefill: {last}")  # (draining: planned)
+        if not _nothing_written(e):
+            # p may still write into the lease's blocks (it stalled, or only its connection
+            # broke): a rerun there could be overwritten by p's late writes. Take fresh blocks
+            # instead; d holds these until p is known to be done.
+            raise WorkerLost(f"prefill failed ({last}); its KV writes may still land: a new "
+                             f"lease") from e
+        logger.warning("prefill on %s failed (%s); retrying under the same lease", p.worker_id,
+                       last)
+        return last
 
     async def _join_ahead(self, spec: GenerateSpec, p: WorkerState, dest: wpb.KVDestination,
                           ctx: Pass) -> wpb.PrefillResponse:
@@ -329,6 +325,13 @@ class Handoff:
         perf.observe_transfer(resp.kv_bytes, sent, resp.transfer_ms / 1e3)
         if clean:  # queue_ms of an idle worker is the hand-off to its engine: overhead
             perf.prefill_rpc_s.observe(wall_s - (resp.prefill_ms + resp.transfer_ms) / 1e3)
+
+
+def _destination(d: WorkerState, lease: wpb.ReserveResponse) -> wpb.KVDestination:
+    return wpb.KVDestination(decode_address=d.address, agent_name=lease.agent_name,
+                             incarnation=lease.incarnation, block_ids=lease.block_ids,
+                             skip_prefix_tokens=lease.cached_prefix_tokens,
+                             lease_id=lease.lease_id)
 
 
 async def _cancel(task: asyncio.Future[object] | None) -> None:

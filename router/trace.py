@@ -31,6 +31,13 @@ class Trace:
         self.events.append(ev)
         return ev
 
+    def add_prefill_end(self, worker: str, resp: Any) -> None:
+        """The prefill's answer (a ``PrefillResponse``): its timings in the event, kept."""
+        self.add("prefill_end", worker,
+                 detail=f"queue={resp.queue_ms:.1f}ms prefill={resp.prefill_ms:.1f}ms "
+                        f"transfer={resp.transfer_ms:.1f}ms bytes={resp.kv_bytes}")
+        self.prefill = resp
+
     def first(self, name: str) -> TraceEvent | None:
         return next((e for e in self.events if e.name == name), None)
 

@@ -476,6 +476,4 @@ def test_router_http_bench_runs_and_counts_every_streamed_token() -> None:
         out = subprocess.run([sys.executable, str(script), "--requests", "40", "--tokens", "5",
                               "--concurrency", "4", *extra], capture_output=True, text=True,
                              timeout=120, check=True).stdout
-        rate = float(out.split(" req/s, ")[1].split(" tok/s")[0])
-        reqs = float(out.split("): ")[1].split(" req/s")[0])
-        assert reqs > 0 and abs(rate / reqs - 5) < 0.01, out  # 5 tokens a request, all counted
+        assert "40 requests, 200 tokens)" in out, out  # 5 tokens a request, all counted
