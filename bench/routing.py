@@ -43,13 +43,8 @@ if __package__ in (None, ""):  # run as a script: make `bench.` importable
     sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import percentile  # noqa: E402
-from bench.run_serving import (  # noqa: E402
-    Deployment,
-    Proc,
-    free_port,
-    kvrelay_cmd,
-    wait_file,
-)
+from bench.serving_configs import kvrelay_cmd  # noqa: E402
+from bench.serving_procs import Deployment, Proc, free_port, wait_file  # noqa: E402
 from bench.workloads import make_requests, poisson_arrivals, read_vocab  # noqa: E402
 from kvrelay.proto import generate_pb2 as pb  # noqa: E402
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc  # noqa: E402
