@@ -18,6 +18,8 @@ ratios to ``round_robin``. Prints a table and writes ``--out`` (JSON).
 
     .venv/bin/python bench/routing.py                       # ~15 min on a quiet 2-core box
     .venv/bin/python bench/routing.py --quick               # plumbing only
+
+What is measured per request and how it is summarized and tabled is ``bench/routing_results.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make `bench.` importable
     sys.path.insert(0, str(ROOT))
 
-from bench.loadgen import percentile  # noqa: E402
-from bench.run_serving import (  # noqa: E402
-    Deployment,
-    Proc,
-    free_port,
-    kvrelay_cmd,
-    wait_file,
-)
+from bench.routing_results import Result, brief, mean_runs, summarize, table  # noqa: E402
+from bench.serving_configs import kvrelay_cmd  # noqa: E402
+from bench.serving_procs import Deployment, Proc, free_port, wait_file  # noqa: E402
 from bench.workloads import make_requests, poisson_arrivals, read_vocab  # noqa: E402
 from kvrelay.proto import generate_pb2 as pb  # noqa: E402
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc  # noqa: E402
@@ -142,21 +139,6 @@ def scrape(http_port: int) -> dict[str, float]:
 
 
 # -- requests ------------------------------------------------------------------------------------
-@dataclass
-class Result:
-    kind: str
-    prompt_tokens: int
-    sent_s: float
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float | None = None
-    cached_tokens: int = 0
-    local: bool = False
-    prefill_worker: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    error: str | None = None
-
-
 async def generate(stub: generate_pb2_grpc.GenerationStub, prompt: list[int], max_tokens: int,
                    kind: str, t0: float, timeout_s: float) -> Result:
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
@@ -246,36 +228,6 @@ async def warm_up(address: str, usable: list[int]) -> None:
 
 
 # -- one policy ----------------------------------------------------------------------------------
-def summarize(results: Sequence[Result], before: dict[str, float],
-              after: dict[str, float]) -> dict[str, Any]:
-    ok = [r for r in results if r.error is None]
-
-    def dist(xs: list[float]) -> dict[str, float | None]:
-        return {"p50": percentile(xs, 50), "p90": percentile(xs, 90), "p99": percentile(xs, 99),
-                "mean": sum(xs) / len(xs) if xs else None}
-
-    def delta(name: str) -> float:
-        return sum(after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.startswith(name))
-
-    return {
-        "requests": len(results), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:3],
-        "ttft_ms": dist([r.ttft_ms for r in ok if r.ttft_ms is not None]),
-        "tpot_ms": dist([r.tpot_ms for r in ok if r.tpot_ms is not None]),
-        "e2e_ms": dist([r.e2e_ms for r in ok if r.e2e_ms is not None]),
-        "prompt_tokens": sum(r.prompt_tokens for r in ok),
-        "prompt_tokens_routed": delta("kvrelay:router_prompt_tokens_routed_total"),
-        "prompt_tokens_computed": delta("kvrelay:router_prompt_tokens_computed_total"),
-        "kv_blocks_sent": delta("kvrelay:router_kv_blocks_sent_total"),
-        "kv_blocks_skipped": delta("kvrelay:router_kv_blocks_skipped_total"),
-        "fast_lane_share": sum(r.local for r in ok) / len(ok) if ok else 0.0,
-        "by_kind": {k: {"count": len(rs), "ttft_ms": dist([r.ttft_ms for r in rs
-                                                           if r.ttft_ms is not None])}
-                    for k in sorted({r.kind for r in ok})
-                    for rs in [[r for r in ok if r.kind == k]]},
-    }
-
-
 def bench_policy(st: Settings, policy: str) -> dict[str, Any]:
     usable = read_vocab(st.model_dir).usable()
     t_start = time.monotonic()
@@ -292,52 +244,10 @@ def bench_policy(st: Settings, policy: str) -> dict[str, Any]:
                 results = asyncio.run(run_mixed(addr["grpc"], st, st.model_dir, "run"))
             out[wl] = summarize(results, before, scrape(addr["http"]))
             out[wl]["duration_s"] = time.monotonic() - t0
-            logger.info("%s %s: %s", policy, wl, _brief(out[wl]))
+            logger.info("%s %s: %s", policy, wl, brief(out[wl]))
     finally:
         dep.stop()
     return out
-
-
-def _brief(s: dict[str, Any]) -> str:
-    return (f"ttft p50 {s['ttft_ms']['p50']:.0f}ms p99 {s['ttft_ms']['p99']:.0f}ms, "
-            f"computed {s['prompt_tokens_computed']:.0f}/{s['prompt_tokens_routed']:.0f}, "
-            f"fast lane {100 * s['fast_lane_share']:.0f}%, failed {s['failed']}")
-
-
-# -- report --------------------------------------------------------------------------------------
-def mean_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean of every number over repeated runs of one policy (structure of one run)."""
-    def avg(xs: list[Any]) -> Any:
-        if isinstance(xs[0], dict):
-            return {k: avg([x[k] for x in xs]) for k in xs[0] if all(k in x for x in xs)}
-        nums = [x for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool)]
-        if len(nums) == len(xs):
-            return sum(nums) / len(nums)
-        return xs[0]
-    return avg(runs)
-
-
-def table(doc: dict[str, Any]) -> str:
-    lines = []
-    for wl in doc["settings"]["workloads"]:
-        rows = {p: doc["policies"][p][wl] for p in doc["policies"] if wl in doc["policies"][p]}
-        base = rows.get("round_robin")
-        lines += [f"\n{wl}", "| policy | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-                  "| e2e p50 ms | prompt tokens computed / routed | fast lane | failed "
-                  "| TTFT p99 / RR | computed / RR |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for p, s in rows.items():
-            def r(x: float | None, b: float | None) -> str:
-                return f"{x / b:.2f}" if x is not None and b else "-"
-            lines.append(
-                f"| {p} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} "
-                f"| {s['tpot_ms']['p50']:.1f} | {s['tpot_ms']['p99']:.1f} "
-                f"| {s['e2e_ms']['p50']:.0f} "
-                f"| {s['prompt_tokens_computed']:.0f} / {s['prompt_tokens_routed']:.0f} "
-                f"| {100 * s['fast_lane_share']:.0f}% | {s['failed']:.0f} "
-                f"| {r(s['ttft_ms']['p99'], base and base['ttft_ms']['p99'])} "
-                f"| {r(s['prompt_tokens_computed'], base and base['prompt_tokens_computed'])} |")
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

