@@ -45,7 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes
-from kvrelay.router.registry import LinearFit, WorkerRegistry, WorkerState
+from kvrelay.router.estimators import LinearFit
+from kvrelay.router.registry import WorkerRegistry, WorkerState
 
 
 class RouteRequest:

@@ -4,7 +4,7 @@ The registry also keeps the router's own view of work it has handed out since th
 (prompt tokens sent to a prefill worker, blocks reserved on a decode worker), so a burst of
 requests between two beats does not all land on the same worker; of the prefix-cache blocks a
 worker holds (reported by its beats, plus the blocks the router just had it compute, until a beat
-can report them); and of how fast each worker is, measured (``LinearFit``): the routing cost
+can report them); and of how fast each worker is, measured (``estimators``): the routing cost
 model (``policy.py``) reads nothing else.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,15 @@ import grpc
 
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+from kvrelay.router.estimators import (
+    PRIOR_RPC_S,
+    ClusterPerf,
+    Ewma,
+    LinearFit,
+    RateMeter,
+    prefill_fit_prior,
+    step_fit_prior,
+)
 from kvrelay.rpc import insecure_channel
 
 logger = logging.getLogger(__name__)
@@ -73,124 +81,6 @@ def validate_beat(req: wpb.HeartbeatRequest) -> None:
         raise ValueError(f"at most {MAX_WORKER_BLOCKS} block hashes removed a beat")
 
 
-class LinearFit:
-    """``y ~ a + b*x`` by exponentially weighted least squares, from measured samples.
-
-    It starts from a prior given as two weak pseudo-samples (at ``x = 0`` and ``x = x_ref``) that
-    stand in only until measurements arrive: every sample multiplies all earlier weight by
-    ``decay`` (the prior's too) and weighs ``1 / prior_weight`` times as much as the prior. With
-    samples at one ``x`` only, the slope still leans on the prior; the warm-up probe measures two
-    sizes. ``a`` and ``b`` are kept non-negative (times never shrink with size).
-    """
-
-    __slots__ = ("decay", "n", "sw", "sx", "sxx", "sxy", "sy")
-
-    def __init__(self, a: float, b: float, x_ref: float, *, decay: float = 0.97,
-                 prior_weight: float = 1e-3):
-        self.decay = decay
-        self.n = 0  # measured samples
-        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self._add(0.0, a, prior_weight)
-        self._add(x_ref, a + b * x_ref, prior_weight)
-
-    def _add(self, x: float, y: float, w: float) -> None:
-        self.sw += w
-        self.sx += w * x
-        self.sy += w * y
-        self.sxx += w * x * x
-        self.sxy += w * x * y
-
-    def observe(self, x: float, y: float) -> None:
-        if not (math.isfinite(x) and math.isfinite(y)) or x < 0.0 or y < 0.0:
-            return
-        d = self.decay
-        self.sw *= d
-        self.sx *= d
-        self.sy *= d
-        self.sxx *= d
-        self.sxy *= d
-        self._add(x, y, 1.0)
-        self.n += 1
-
-    def coef(self) -> tuple[float, float]:
-        """(a, b): intercept and slope."""
-        mx, my = self.sx / self.sw, self.sy / self.sw
-        vxx = self.sxx / self.sw - mx * mx
-        b = (self.sxy / self.sw - mx * my) / vxx if vxx > 1e-12 * (1.0 + mx * mx) else 0.0
-        b = max(b, 0.0)
-        a = my - b * mx
-        if a < 0.0:  # noise would make small sizes free: through the origin instead
-            a, b = 0.0, (self.sxy / self.sxx if self.sxx > 0 else b)
-        return a, max(b, 0.0)
-
-    def predict(self, x: float) -> float:
-        a, b = self.coef()
-        return a + b * max(x, 0.0)
-
-    @property
-    def slope(self) -> float:
-        return self.coef()[1]
-
-
-class Ewma:
-    """Exponentially weighted mean of measured samples, from a prior until the first one."""
-
-    __slots__ = ("decay", "n", "value")
-
-    def __init__(self, prior: float, decay: float = 0.9):
-        self.value = prior
-        self.decay = decay
-        self.n = 0
-
-    def observe(self, y: float) -> None:
-        if not math.isfinite(y) or y < 0.0:
-            return
-        self.value = y if self.n == 0 else self.decay * self.value + (1 - self.decay) * y
-        self.n += 1
-
-
-class RateMeter:
-    """Events per second: the inverse of an exponentially weighted mean gap between events,
-    where the open gap since the last event counts once it is the longer (rates decay when
-    events stop)."""
-
-    __slots__ = ("decay", "gap", "last")
-
-    def __init__(self, decay: float = 0.9):
-        self.decay = decay
-        self.gap: float | None = None
-        self.last: float | None = None
-
-    def tick(self, now: float) -> None:
-        if self.last is not None:
-            g = max(0.0, now - self.last)
-            self.gap = g if self.gap is None else self.decay * self.gap + (1 - self.decay) * g
-        self.last = now
-
-    def rate(self, now: float) -> float:
-        if self.gap is None or self.last is None:
-            return 0.0
-        g = max(self.gap, now - self.last)
-        return 1.0 / g if g > 0 else 0.0
-
-
-# Priors, used only until a worker's first measurement (the warm-up probe of the `auto` policy
-# measures every worker before it takes traffic): roughly a small model on a CPU core.
-PRIOR_STEP_S = 0.005  # fixed cost of an engine step
-PRIOR_TOKEN_S = 0.0005  # per prompt token prefilled, per sequence decoded
-PRIOR_RPC_S = 0.001  # one router -> worker round trip
-PRIOR_BYTES_PER_S = 1e9  # KV transfer bandwidth
-
-
-def _prefill_fit() -> LinearFit:
-    return LinearFit(PRIOR_STEP_S, PRIOR_TOKEN_S, 512.0)
-
-
-def _step_fit() -> LinearFit:
-    # decode steps come one per token: a longer memory than per-request fits
-    return LinearFit(PRIOR_STEP_S, PRIOR_TOKEN_S, 32.0, decay=0.995)
-
-
 @dataclass
 class RouteCounters:
     """What the router had workers do, for metrics (pruned when the worker leaves)."""
@@ -200,28 +90,6 @@ class RouteCounters:
     kv_blocks_sent: int = 0  # KV blocks written into this decode worker
     kv_blocks_skipped: int = 0  # prompt blocks this decode worker already held (not sent)
 
-
-class ClusterPerf:
-    """Measured costs that belong to no single worker."""
-
-    def __init__(self) -> None:
-        # Prefill RPC wall time not spent computing or transferring on an otherwise idle
-        # worker (the hand-off to its engine included).
-        self.prefill_rpc_s = Ewma(PRIOR_RPC_S)
-        # KV delivery after the last prefill compute (PrefillResponse.transfer_ms) vs MiB sent.
-        self.transfer = LinearFit(PRIOR_RPC_S, 2.0**20 / PRIOR_BYTES_PER_S, 1.0)
-        self.block_bytes: float | None = None  # KV bytes of one block (kv_bytes / blocks sent)
-
-    def transfer_s(self, blocks: int) -> float:
-        if blocks <= 0:
-            return 0.0
-        return self.transfer.predict(blocks * (self.block_bytes or 0.0) / 2.0**20)
-
-    def observe_transfer(self, kv_bytes: int, blocks: int, seconds: float) -> None:
-        if kv_bytes <= 0 or blocks <= 0:
-            return
-        self.block_bytes = kv_bytes / blocks
-        self.transfer.observe(kv_bytes / 2.0**20, seconds)
 
 @dataclass
 class WorkerState:
@@ -256,9 +124,9 @@ class WorkerState:
     # (its PrefillResponse.prefill_ms); seconds from GenerateLocal to the first token for x new
     # tokens on a decode worker, less the wait for its running batch; a decode step's seconds
     # for a batch of x sequences (gaps between streamed tokens); a Reserve round trip.
-    prefill_fit: LinearFit = field(default_factory=_prefill_fit)
-    local_fit: LinearFit = field(default_factory=_prefill_fit)
-    step_fit: LinearFit = field(default_factory=_step_fit)
+    prefill_fit: LinearFit = field(default_factory=prefill_fit_prior)
+    local_fit: LinearFit = field(default_factory=prefill_fit_prior)
+    step_fit: LinearFit = field(default_factory=step_fit_prior)
     reserve_rpc_s: Ewma = field(default_factory=lambda: Ewma(PRIOR_RPC_S))
     arrivals: RateMeter = field(default_factory=RateMeter)  # requests routed to it per second
 

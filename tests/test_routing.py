@@ -30,6 +30,7 @@ from kvrelay.engine.sequence import Sequence
 from kvrelay.heartbeat import Heartbeater
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+from kvrelay.router.estimators import LinearFit, RateMeter
 from kvrelay.router.policy import (
     POLICIES,
     CostModel,
@@ -38,7 +39,7 @@ from kvrelay.router.policy import (
     RouteRequest,
     make_policy,
 )
-from kvrelay.router.registry import LinearFit, RateMeter, WorkerRegistry, WorkerState
+from kvrelay.router.registry import WorkerRegistry, WorkerState
 
 BS = 16
 
