@@ -78,16 +78,30 @@ def _as_ids(value: Any, where: str) -> list[int]:
     return values
 
 
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file holding a Jinja template, or the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    if not value.strip():
+        raise ValueError("--chat-template is empty")
+    return value
+
+
 def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                        add_generation_prompt: bool = True) -> str:
-    """Render chat ``messages`` with the tokenizer's own template into a prompt string.
+                        add_generation_prompt: bool = True,
+                        chat_template: str | None = None) -> str:
+    """Render chat ``messages`` with ``chat_template`` (a Jinja template; default: the
+    tokenizer's own) into a prompt string.
 
     The result already holds the template's special tokens (BOS included, if the template has
     it): encode it with ``add_special_tokens=False``.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt "
-                         "(completions) instead of chat messages")
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template: send a plain prompt "
+                         "(completions), or start the router with --chat-template FILE|STRING")
     if not messages:
         raise ValueError("messages must not be empty")
     for i, m in enumerate(messages):
@@ -97,7 +111,8 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
             raise ValueError(f"messages[{i}]['content'] must be a string")
     try:
         text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template or None)
     except Exception as e:  # jinja's TemplateError, including the template's raise_exception
         raise ValueError(f"the chat template rejected the messages: {e}") from e
     assert isinstance(text, str)

@@ -164,6 +164,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kvrelay.torch_free import forbid_torch
 
     forbid_torch()  # the router carries bytes, ids and text; transformers would load torch
+    from kvrelay.engine.tokenizer import read_chat_template
     from kvrelay.logs import setup_logging
     from kvrelay.router.lifecycle import RouterConfig
     from kvrelay.router.server import RouterSettings, run_router
@@ -182,6 +183,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         api_keys=_read_secret_list(args.api_keys, args.api_key_file),
         cache_salt_by_api_key=bool(args.cache_salt_by_api_key),
+        chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
         cluster_token=args.cluster_token, tls=tls,
         heartbeat_interval_s=float(args.heartbeat_interval),
         config=RouterConfig(policy=args.policy, lease_ttl_s=float(args.lease_ttl),
@@ -270,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--heartbeat-interval", type=float, default=1.0)
     opt(p, "--api-keys", default=None, help="comma-separated API keys (prefer the env var)")
     opt(p, "--api-key-file", default=None, help="file with one API key per line")
+    opt(p, "--chat-template", default=None,
+        help="Jinja chat template (a file, or the template itself) for /v1/chat/completions, "
+             "instead of the tokenizer's own; needed for checkpoints without one")
     opt(p, "--cache-salt-by-api-key", action="store_true", default=False,
         help="isolate prefix-cache sharing per API key (as if each key's requests carried "
              "their own cache_salt): one tenant cannot tell from cached_tokens or TTFT what "

@@ -24,6 +24,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.limits import MAX_HTTP_BODY_BYTES
 from kvrelay.logs import request_context
 from kvrelay.router.errors import RouterError
+from kvrelay.router.http_extras import extras
 from kvrelay.router.http_middleware import ApiKeyAuth, BodyLimit, presented_key
 from kvrelay.router.lifecycle import GenerateSpec
 from kvrelay.router.metrics import RouterMetrics
@@ -174,8 +175,9 @@ class HttpServer:
         # stream, which cost ~40% of the HTTP layer's CPU per streamed request.
         app.add_middleware(BodyLimit, limit=MAX_HTTP_BODY_BYTES, refuse=_refuse)
         if self.api_keys:
-            app.add_middleware(ApiKeyAuth, check=self.api_keys.check, prefix="/v1/",
-                               refuse=_refuse)
+            app.add_middleware(ApiKeyAuth, check=self.api_keys.check,
+                               prefixes=("/v1/", "/tokenize", "/detokenize"), refuse=_refuse)
+        app.include_router(extras(self.service, _refuse))
         service = self.service
 
         @app.exception_handler(RequestValidationError)

@@ -79,17 +79,18 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 class ApiKeyAuth:
-    """Paths under ``prefix`` need a key that ``check`` accepts; others (health, metrics) not."""
+    """Paths under ``prefixes`` need a key that ``check`` accepts; others (health, metrics,
+    version) do not."""
 
-    def __init__(self, app: Any, check: Callable[[str | None], bool], prefix: str,
-                 refuse: Refuse):
+    def __init__(self, app: Any, check: Callable[[str | None], bool],
+                 prefixes: tuple[str, ...], refuse: Refuse):
         self.app = app
         self.check = check
-        self.prefix = prefix
+        self.prefixes = prefixes
         self.refuse = refuse
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.prefix) \
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes) \
                 and not self.check(presented_key(scope.get("headers") or [])):
             await self.refuse(401, "missing or invalid API key")(scope, receive, send)
             return

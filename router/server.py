@@ -51,6 +51,7 @@ class RouterSettings:
     api_keys: tuple[str, ...] = ()
     # Each API key gets its own prefix-cache namespace (cache_salt derived from the key).
     cache_salt_by_api_key: bool = False
+    chat_template: str | None = None  # Jinja; None: the tokenizer's own
     cluster_token: str | None = None
     tls: TLSFiles | None = None
     heartbeat_interval_s: float = 1.0
@@ -116,7 +117,7 @@ class Router:
             max_model_len=arch.max_position_embeddings,
             eos_token_ids=frozenset(eos_token_ids(st.model, tokenizer)),
             max_inflight=st.config.max_inflight, metrics=self.metrics,
-            cache_salt_by_api_key=st.cache_salt_by_api_key)
+            cache_salt_by_api_key=st.cache_salt_by_api_key, chat_template=st.chat_template)
 
         keys = SecretSet(st.api_keys)
         # A public request is at most a maximal prompt; the internal ports carry KV metadata.

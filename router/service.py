@@ -49,7 +49,7 @@ TOKENIZER_THREADS = 2  # fast tokenizers release the GIL while they encode
 T = TypeVar("T")
 
 
-def _first_bad_id(token_ids: Sequence[object], vocab_size: int) -> object | None:
+def first_bad_id(token_ids: Sequence[object], vocab_size: int) -> object | None:
     return next((t for t in token_ids
                  if not isinstance(t, int) or not (0 <= t < vocab_size)), None)
 
@@ -93,7 +93,7 @@ class RouterService:
     def __init__(self, lifecycle: Lifecycle, tokenizer: object, *, model_name: str,
                  vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
                  max_inflight: int = 512, metrics: RouterMetrics | None = None,
-                 cache_salt_by_api_key: bool = False):
+                 cache_salt_by_api_key: bool = False, chat_template: str | None = None):
         self.lifecycle = lifecycle
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -102,6 +102,13 @@ class RouterService:
         self.eos_token_ids = eos_token_ids
         self.max_inflight = max_inflight
         self.cache_salt_by_api_key = cache_salt_by_api_key
+        self.chat_template = chat_template  # None: the tokenizer's own
+        if chat_template:  # a broken template fails at start, not on every request
+            try:
+                apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}],
+                                    chat_template=chat_template)
+            except ValueError as e:
+                raise ValueError(f"--chat-template does not render a conversation: {e}") from e
         self.inflight = 0
         # request ids in flight -> set when that request has left (a client may reuse an id)
         self._active: dict[str, asyncio.Event] = {}
@@ -126,7 +133,13 @@ class RouterService:
         return await self._run(len(text) > OFFLOAD_CHARS, self.tokenizer.encode, text,
                                add_special_tokens=add_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``; many ids are decoded on the tokenizer threads."""
+        return await self._run(len(token_ids) > OFFLOAD_IDS, self.tokenizer.decode,
+                               list(token_ids))
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                          add_generation_prompt: bool = True) -> list[int]:
         """Token ids of chat ``messages`` rendered with the model's template (ValueError when
         the template rejects them, or they hold more than ``MAX_PROMPT_CHARS`` characters in
         all); long conversations are rendered off the loop."""
@@ -134,10 +147,13 @@ class RouterService:
         if size > MAX_PROMPT_CHARS:
             raise ValueError(f"the messages have {size} characters in all; at most "
                              f"{MAX_PROMPT_CHARS}")
-        return await self._run(size > OFFLOAD_CHARS, self._encode_chat, messages)
+        return await self._run(size > OFFLOAD_CHARS, self._encode_chat, messages,
+                               add_generation_prompt)
 
-    def _encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        text = apply_chat_template(self.tokenizer, messages)
+    def _encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                     add_generation_prompt: bool = True) -> list[int]:
+        text = apply_chat_template(self.tokenizer, messages, add_generation_prompt,
+                                   chat_template=self.chat_template)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -216,7 +232,7 @@ class RouterService:
         if len(token_ids) >= max_len:
             raise bad(f"the prompt has {len(token_ids)} tokens; this model takes at most "
                       f"{max_len - 1} (context {max_len})")
-        bad_id = await self._run(len(token_ids) > OFFLOAD_IDS, _first_bad_id, token_ids,
+        bad_id = await self._run(len(token_ids) > OFFLOAD_IDS, first_bad_id, token_ids,
                                  self.vocab_size)
         if bad_id is not None:
             raise bad(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")

@@ -3,6 +3,8 @@ official ``openai`` client), /metrics, and bad input refused while the servers k
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 
 import httpx
@@ -11,9 +13,11 @@ import pytest
 from cluster import Cluster
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvrelay
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -234,3 +238,51 @@ def test_cache_salt_by_api_key_keys_the_namespace() -> None:
     assert svc.cache_salt(None, "key-1") == one  # stable: a tenant still shares with itself
     assert svc.cache_salt("s", "key-1") not in (one, svc.cache_salt("s", "key-2"))
     assert svc.cache_salt("s", None) == "s"  # no key presented: the request's own salt
+
+
+def test_tokenize_detokenize_version(cluster, oai, demo_model_dir) -> None:
+    """vLLM's shapes: /tokenize counts what a prompt (or chat messages, rendered with the chat
+    endpoint's template) costs, /detokenize turns ids back into text, /version answers."""
+    port = cluster.router.ready["http_port"]
+    tok = load_tokenizer(demo_model_dir)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+        r = c.post("/tokenize", json={"model": "demo", "prompt": "The quick brown fox"}).json()
+        assert r["tokens"] == tok.encode("The quick brown fox") and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] > 0
+        msgs = [{"role": "user", "content": "Hi there"}]
+        chat = c.post("/tokenize", json={"messages": msgs}).json()
+        usage = oai.chat.completions.create(model="demo", messages=msgs, max_tokens=1).usage
+        assert chat["count"] == usage.prompt_tokens  # the chat endpoint's own rendering
+        back = c.post("/detokenize", json={"tokens": r["tokens"]}).json()
+        assert back["prompt"] == tok.decode(r["tokens"])
+        assert c.get("/version").json() == {"version": kvrelay.__version__}
+        for path, body in (("/tokenize", {"prompt": "x", "messages": msgs}),
+                           ("/tokenize", {}), ("/detokenize", {"tokens": [10**9]}),
+                           ("/detokenize", {"tokens": "nope"})):
+            bad = c.post(path, json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["message"], (path, body)
+        assert c.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_chat_template_flag_serves_a_checkpoint_without_one(demo_model_dir, tmp_path) -> None:
+    """A checkpoint whose tokenizer has no chat template: chat is a 400 naming the flag, and
+    with --chat-template the router renders the conversation with the given one."""
+    model = tmp_path / "no-template"
+    shutil.copytree(demo_model_dir, model)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["chat_template"]
+    cfg_path.write_text(json.dumps(cfg))
+    tmpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    msgs = [{"role": "user", "content": "Hi there"}]
+    tok = load_tokenizer(str(model))
+    for args, want in (((), None), (("--chat-template", tmpl), "<user>Hi there<assistant>")):
+        with Cluster(str(model), tmp_path / f"r{len(args)}", prefill=0, decode=0,
+                     router_args=("--http-port", "0", *args)) as c:
+            port = c.router.ready["http_port"]
+            r = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"messages": msgs},
+                           timeout=30)
+            if want is None:
+                assert r.status_code == 400 and "--chat-template" in r.text
+            else:
+                assert r.json()["tokens"] == tok.encode(want, add_special_tokens=False)

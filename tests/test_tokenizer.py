@@ -18,6 +18,7 @@ from kvrelay.engine.tokenizer import (
     apply_chat_template,
     eos_token_ids,
     load_tokenizer,
+    read_chat_template,
 )
 
 TEXTS = [
@@ -332,3 +333,11 @@ def test_chat_template_missing(demo_model_dir: str, tmp_path: Any) -> None:
     plain = load_tokenizer(str(d))
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(plain, [{"role": "user", "content": "hi"}])
+    # --chat-template supplies one: a file, or the template itself; garbage is refused.
+    tmpl = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    assert apply_chat_template(plain, [{"role": "user", "content": "hi"}],
+                               chat_template=tmpl) == "[user] hi\n"
+    (tmp_path / "t.jinja").write_text(tmpl)
+    assert read_chat_template(str(tmp_path / "t.jinja")) == tmpl == read_chat_template(tmpl)
+    with pytest.raises(ValueError, match="neither a file nor"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
