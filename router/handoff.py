@@ -161,11 +161,11 @@ class Handoff:
                 await self._rebind(spec, d, lease, p)
                 bound = p.worker_id
             ctx.drop_claim()  # the dispatch charges p itself now
-            p.expect(ctx.req.hashes(p.block_size), time.monotonic() + self.registry.expect_s)
             clean = p.inflight == 0
             p.dispatches += 1
             dispatched = p.dispatches
-            uncharge = self._claim(p, ctx)
+            uncharge = self._claim(p, ctx)  # before the expectation: it would count as cached
+            p.expect(ctx.req.hashes(p.block_size), time.monotonic() + self.registry.expect_s)
             trace.add(*(("destination", p.worker_id, d.worker_id) if ctx.ahead is not None
                         else ("prefill_start", p.worker_id,
                               ctx.reason if len(tried) == 1 else "retry")))
@@ -256,7 +256,7 @@ class Handoff:
                     raise
             return await ahead
         except BaseException:
-            await _cancel(ahead)  # a no-op once it has ended
+            _cancel(ahead)  # a no-op once it has ended
             raise
 
     def _claim(self, p: WorkerState, ctx: Pass) -> Callable[[], None]:
@@ -334,11 +334,18 @@ def _destination(d: WorkerState, lease: wpb.ReserveResponse) -> wpb.KVDestinatio
                              lease_id=lease.lease_id)
 
 
-async def _cancel(task: asyncio.Future[object] | None) -> None:
-    if task is not None and not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-            await task
+def _cancel(task: asyncio.Future[object] | None) -> None:
+    """Cancel a call we no longer want, and retrieve its outcome (an exception of a call that
+    ended on its own would otherwise be logged as never retrieved). Does not wait for it."""
+    if task is None:
+        return
+    task.cancel()
+    task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _trailer_says(e: grpc.aio.AioRpcError, pairs: tuple[tuple[str, str], ...]) -> bool:

@@ -205,7 +205,7 @@ class Lifecycle(Handoff):
             d, lease = await self._reserve(spec, prompt, trace, ctx)
         except BaseException:
             ctx.drop_claim()
-            await _cancel(ctx.ahead)  # it had no destination: nothing was written
+            _cancel(ctx.ahead)  # it had no destination: nothing was written
             raise
         decode_started = False
         renew = asyncio.get_running_loop().create_task(self._renew(d, spec.request_id, lease))
@@ -246,7 +246,7 @@ class Lifecycle(Handoff):
             d.inflight -= 1
             renew.cancel()
             ctx.drop_claim()
-            await _cancel(ctx.ahead)
+            _cancel(ctx.ahead)
             if not decode_started:
                 self._release_soon(d, spec.request_id, lease.lease_id,
                                    settled=not ctx.writes_unsettled)
