@@ -181,7 +181,7 @@ def _mark(a: str, b: str) -> Callable[[Sample], float | None]:
 
 
 def _ahead(s: Sample) -> bool:
-    """The Prefill left beside the Reserve (``--prefill-ahead``, the default)."""
+    """The Prefill left beside the Reserve (``--prefill-ahead``)."""
     return s.trace.get("destination") is not None
 
 
@@ -290,13 +290,13 @@ def main() -> int:
           f"{os.getloadavg()[0]:.2f}")
     pd_workers = [("prefill", "0", 1), ("decode", "1", 1)]
     configs: dict[str, Config] = {
+        "1P1D, Prefill ahead": (pd_workers, ("--prefill-ahead",)),
         "1P1D": (pd_workers, ()),
-        "1P1D, Reserve first": (pd_workers, ("--no-prefill-ahead",)),
         "prefill alone (both)": ([("both", "0", 1)], ()),
     }
     res = measure(args.model, configs, args)
     alone = res["prefill alone (both)"]
-    for name in ("1P1D", "1P1D, Reserve first"):
+    for name in ("1P1D", "1P1D, Prefill ahead"):
         print(f"{name} (1 core each), per-stage breakdown:")
         for line in breakdown(res[name]):
             print(line)
@@ -307,7 +307,7 @@ def main() -> int:
             itl = [g * 1e3 for s in r[n] for g in s.itl]
             print(f"{f'{name}, {n} tok':<30} {statistics.median(ttft):>9.2f} "
                   f"{pct(ttft, 0.9):>9.2f} {statistics.median(itl):>8.2f} {pct(itl, 0.9):>8.2f}")
-    for name in ("1P1D", "1P1D, Reserve first"):
+    for name in ("1P1D", "1P1D, Prefill ahead"):
         for n in sorted(res[name]):
             a = [s.ttft * 1e3 for s in res[name][n]]
             b = [s.ttft * 1e3 for s in alone[n]]

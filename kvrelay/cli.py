@@ -266,9 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--max-migrations", type=int, default=2)
     opt(p, "--kv-wait", type=float, default=5.0,
         help="seconds a request may wait for decode KV room before RESOURCE_EXHAUSTED")
-    opt(p, "--prefill-ahead", action=argparse.BooleanOptionalAction, default=True,
+    opt(p, "--prefill-ahead", action=argparse.BooleanOptionalAction, default=False,
         help="send the Prefill beside the decode worker's Reserve and name its KV destination "
-             "when the Reserve answers (--no-prefill-ahead: Reserve first, then Prefill)")
+             "when the Reserve answers, hiding the Reserve's round trip (pays when the prefill "
+             "worker has its own cores or GPU; default: Reserve first, then Prefill)")
     opt(p, "--heartbeat-interval", type=float, default=1.0)
     opt(p, "--api-keys", default=None, help="comma-separated API keys (prefer the env var)")
     opt(p, "--api-key-file", default=None, help="file with one API key per line")

@@ -34,8 +34,11 @@ class RouterConfig:
     # this long at most; a worker not measured by then serves on the cost model's priors.
     calibration_timeout_s: float = 30.0
     # Send the Prefill at once, beside the Reserve, and name its destination (SetDestination)
-    # when the Reserve answers: the Reserve's round trip leaves the time to first token.
-    prefill_ahead: bool = True
+    # when the Reserve answers: the Reserve's round trip leaves the time to first token. Off by
+    # default: on a host whose few cores the router and both pools share, the overlap slowed
+    # the prefill itself by more than it saved (bench/results/pd_latency.txt); it pays where
+    # the prefill worker has its own cores or GPU.
+    prefill_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.max_prefill_attempts < 1 or self.max_migrations < 0 or self.max_inflight < 1:

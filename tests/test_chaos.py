@@ -100,7 +100,10 @@ def llm(demo_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(demo_model_dir, tmp_path_factory):
-    with Cluster(demo_model_dir, tmp_path_factory.mktemp("chaos"), prefill=2, decode=2) as c:
+    # Prefill ahead: its extra states (no destination yet, named mid-step) under kills and
+    # random cancels; Reserve-first is the default the other suites run.
+    with Cluster(demo_model_dir, tmp_path_factory.mktemp("chaos"), prefill=2, decode=2,
+                 router_args=("--prefill-ahead",)) as c:
         yield c
 
 

@@ -33,7 +33,9 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(demo_model_dir, tmp_path_factory):
-    with Cluster(demo_model_dir, tmp_path_factory.mktemp("pd"), prefill=1, decode=1) as c:
+    # The Prefill-ahead hand-off here (Reserve-first is the default, tested everywhere else).
+    with Cluster(demo_model_dir, tmp_path_factory.mktemp("pd"), prefill=1, decode=1,
+                 router_args=("--prefill-ahead",)) as c:
         yield c
 
 

@@ -147,7 +147,7 @@ def test_metrics_parse_and_move(cluster, oai) -> None:
     # The per-request trace names each phase and the worker that ran it.
     trace = r.model_extra["kvrelay_trace"]
     names = [e["name"] for e in trace]
-    assert names[:5] == ["received", "prefill_start", "reserved", "destination", "prefill_end"]
+    assert names[:4] == ["received", "reserved", "prefill_start", "prefill_end"]
     assert "decode_start" in names and names[-1] == "finished"
     [prefiller] = {e["worker"] for e in trace if e["name"] == "prefill_end"}
     assert prefiller.startswith("prefill")
