@@ -33,6 +33,8 @@ from kvrelay.deploy.planner.sizing import (
     required,
 )
 
+MIX_ALPHA = 0.3  # smoothing of the load mix (prompt and output length, cache hit rate)
+
 
 @dataclass(frozen=True)
 class PlannerConfig:
@@ -81,7 +83,7 @@ class Planner:
         self._last_change[pool] = t
 
     def _learn(self, obs: Observation) -> None:
-        a = self.cfg.correction_alpha
+        a = MIX_ALPHA
         self.predictor.update(obs.rate)
         if self.cfg.burst_memory_s > 0:
             self._peak = max(obs.rate, self._peak * math.exp(-obs.interval_s
@@ -94,6 +96,7 @@ class Planner:
             self.cache_hit += a * (obs.cache_hit - self.cache_hit)
         if obs.finished < self.cfg.min_samples or self.prompt_len is None:
             return
+        a = self.cfg.correction_alpha
         load = self._load(self._rate, 0.0)
         # Fit only near a steady state: a backlog, or a change whose effect the latency window
         # still mixes in, would read as slow replicas (and the sizing adds backlog on its own).

@@ -36,7 +36,7 @@ def load(path: str | Path) -> list[TraceRequest]:
         for line in f:
             if line.strip():
                 d = json.loads(line)
-                out.append(TraceRequest(d["timestamp"] / 1000.0, int(d["input_length"]),
+                out.append(TraceRequest(round(d["timestamp"] / 1000.0, 6), int(d["input_length"]),
                                         int(d["output_length"]), tuple(d.get("hash_ids", ()))))
     return sorted(out, key=lambda r: r.t)
 
