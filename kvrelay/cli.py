@@ -310,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-stats", action="store_true", help="print usage and timing after")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("planner", help="the SLO planner as its own process (Kubernetes: "
+                       "scrapes the router, scales the prefill/decode Deployments)")
+    from kvrelay.deploy.planner.k8s import add_options, cmd_planner
+
+    add_options(p)
+    p.set_defaults(func=cmd_planner)
+
     from kvrelay.deploy.ray_cli import register  # serve/scale/status live with the launcher
 
     for name, help_, fn in register():
