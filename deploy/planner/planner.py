@@ -34,6 +34,7 @@ from kvrelay.deploy.planner.sizing import (
 )
 
 MIX_ALPHA = 0.3  # smoothing of the load mix (prompt and output length, cache hit rate)
+MIN_FIT_UTILIZATION = 0.4  # of the prefill pool, for its TTFT to correct the profile
 
 
 @dataclass(frozen=True)
@@ -104,17 +105,26 @@ class Planner:
             1, obs.prefill_replicas)
         settled = {p: obs.t - self._last_change[p] > self.cfg.settle_s and p not in obs.changing
                    for p in POOLS}
+        # A faster-than-profiled reading counts only under real load: at low utilization TTFT
+        # is a lone prefill's latency and says little about throughput. A slower one always does.
+        busy = self._utilization(load, obs.prefill_replicas) >= MIN_FIT_UTILIZATION
         if obs.ttft_p90_ms is not None and settled["prefill"] and not backlog:
             n = obs.prefill_replicas
             k = fit_correction(lambda c: prefill_ttft_p90_s(self.profile, load, n, c),
                                obs.ttft_p90_ms / 1000)
-            self.corr["prefill"] += a * (k - self.corr["prefill"])
-        if obs.itl_p90_ms is not None and settled["decode"] and not backlog:
-            b = obs.decode_running / max(1, obs.decode_replicas)
+            if busy or k > self.corr["prefill"]:
+                self.corr["prefill"] += a * (k - self.corr["prefill"])
+        b = obs.decode_running / max(1, obs.decode_replicas)
+        if obs.itl_p90_ms is not None and settled["decode"] and not backlog and b >= 2:
             ctx = load.prompt_len + load.output_len / 2
             model = self.profile.itl_s(max(1.0, b + 1.28 * math.sqrt(b)), ctx)
             k = min(8.0, max(0.25, obs.itl_p90_ms / 1000 / model))
             self.corr["decode"] += a * (k - self.corr["decode"])
+
+    def _utilization(self, load: Load, n: int) -> float:
+        eff = max(1.0, load.prompt_len * (1.0 - load.cache_hit))
+        mu = self.profile.prefill_tokens_per_s(math.ceil(eff)) / eff / self.corr["prefill"]
+        return load.rate / (max(1, n) * mu)
 
     def _load(self, rate: float, backlog: float) -> Load:
         startup = self.profile.startup_s if self.cfg.startup_s is None else self.cfg.startup_s

@@ -25,6 +25,7 @@ from kvrelay.deploy.planner.profile import Profile
 P90_PROMPT = 1.5  # p90 / mean of a prompt length (log-normal with sigma 0.4: 1.55)
 Z90 = 1.2816
 KV_FILL = 0.9  # of a decode replica's KV the sizing lets a batch take
+MAX_UTILIZATION = 0.85  # of a prefill pool's throughput: beyond it, bursts queue for seconds
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,22 @@ def prefill_ttft_p90_s(profile: Profile, load: Load, n: int, corr: float = 1.0) 
     if n <= 0:
         return math.inf
     eff = max(1.0, load.prompt_len * (1.0 - load.cache_hit))
-    service = corr * profile.prefill_s(math.ceil(eff * P90_PROMPT)) + profile.transfer_s
+    lone = profile.prefill_s(math.ceil(eff * P90_PROMPT))
     if load.rate <= 0:
-        return service
-    mu = profile.prefill_tokens_per_s(math.ceil(eff)) / eff / corr  # requests/s per replica
+        return corr * lone + profile.transfer_s
+    tps = profile.prefill_tokens_per_s(math.ceil(eff))
+    # A correction below 1 (the replica answers faster than profiled) shortens latencies but
+    # never raises the throughput the pool is sized by above the profile's.
+    mu = tps / eff / max(1.0, corr)  # requests/s per replica
     lam = load.rate + load.backlog_tokens / eff / max(load.drain_s, 1e-3)
-    if lam >= n * mu:
+    if lam >= MAX_UTILIZATION * n * mu:
         return math.inf
+    rho = lam / (n * mu)
+    # A busy replica batches: a request waits out the step in flight (half of one, on average)
+    # and rides a step that grows from its lone prefill towards a full budget as load rises.
+    full = profile.max_num_batched_tokens / tps
+    service = corr * (lone + rho * max(0.0, full - profile.prefill_s(math.ceil(eff)))
+                      + rho * full / 2) + profile.transfer_s
     c = erlang_c(n, lam / mu)
     wait = math.log(c / 0.1) / (n * mu - lam) if c > 0.1 else 0.0
     return service + wait
