@@ -407,6 +407,7 @@ class Controller:
         try:
             got = await self.scale({pool: to})
             rec["result"] = "done"
+            rec["seconds"] = round(time.time() - rec["t"], 2)  # a replica's start-up or drain
             logger.info("%s %s: now %d replicas", who, pool, got[pool])
         except Exception as e:
             rec["result"] = f"failed: {e!r}"

@@ -20,6 +20,7 @@ exported as metrics. Pure: no I/O, time comes from the observation.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from kvrelay.deploy.planner.predictor import make_predictor
@@ -54,7 +55,7 @@ class PlannerConfig:
     min_samples: int = 8  # finished requests an interval needs to update the corrections
     startup_s: float | None = None  # default: the profile's
     settle_s: float = 12.0  # after a pool's change, before its latency corrects the profile
-    burst_memory_s: float = 150.0  # size for the peak rate seen, decaying with this time (0: off)
+    burst_memory_s: float = 120.0  # size for at least the peak rate of this window (0: off)
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms <= 0 or self.itl_slo_ms <= 0:
@@ -78,6 +79,7 @@ class Planner:
         self._rate = 0.0  # smoothed current rate (for the corrections)
         self._last_change = {p: -math.inf for p in POOLS}
         self._peak = 0.0
+        self._rates: deque[tuple[float, float]] = deque()
         self._lower_since: dict[str, float | None] = {p: None for p in POOLS}
 
     def change_done(self, pool: str, t: float) -> None:
@@ -86,9 +88,12 @@ class Planner:
     def _learn(self, obs: Observation) -> None:
         a = MIX_ALPHA
         self.predictor.update(obs.rate)
-        if self.cfg.burst_memory_s > 0:
-            self._peak = max(obs.rate, self._peak * math.exp(-obs.interval_s
-                                                             / self.cfg.burst_memory_s))
+        if self.cfg.burst_memory_s > 0:  # the highest 3-interval mean rate in the window
+            self._rates.append((obs.t, obs.rate))
+            while self._rates and self._rates[0][0] < obs.t - self.cfg.burst_memory_s:
+                self._rates.popleft()
+            xs = [r for _, r in self._rates]
+            self._peak = max(sum(xs[i:i + 3]) / len(xs[i:i + 3]) for i in range(len(xs)))
         self._rate = obs.rate if self._rate == 0 else self._rate + 0.5 * (obs.rate - self._rate)
         if obs.finished:
             for name, x in (("prompt_len", obs.mean_prompt), ("output_len", obs.mean_output)):
