@@ -140,7 +140,7 @@ def test_simulator_is_deterministic_and_capacity_matters(tmp_path) -> None:
 
 
 def test_simulated_planner_scales_up_and_down_under_a_ramp() -> None:
-    trace = generate(shapes(120, duration_s=300)["ramp"], seed=1)
+    trace = generate(shapes(120, duration_s=600)["ramp"], seed=1)
     res = simulate(PROFILE, trace, SimConfig(*SLO, interval_s=2.0),
                    Planner(PROFILE, PlannerConfig(*SLO, max_replicas=8)))
     total = [r["prefill"] + r["decode"] for r in res.timeline]
