@@ -87,6 +87,7 @@ def plot(name: str, timeline: list[dict], out: Path, slo: tuple[float, float]) -
     ax[2].axhline(slo[0], color="C0", ls="--", lw=0.6)
     ax[2].axhline(10 * slo[1], color="C1", ls="--", lw=0.6)
     ax[2].set_yscale("symlog", linthresh=100)
+    ax[2].set_ylim(bottom=0)
     ax[2].set_xlabel("virtual time (s)")
     ax[2].legend(loc="upper right", fontsize=8)
     fig.suptitle(f"planner on the {name} trace (simulated)")

@@ -97,6 +97,11 @@ def test_planner_steps_are_bounded_budgeted_and_scale_down_waits() -> None:
     assert "need" in d.reason and "scale up" in d.reason
     d = pl.decide(_obs(4, 400.0, 1, 1, changing=("prefill",)))
     assert d.prefill == 1 and "in flight" in d.reason
+    # decode above its need (its scale-down waits) holds prefill's scale-up within the budget
+    pl = Planner(PROFILE, replace(cfg, burst_memory_s=0))
+    for i in range(3):
+        d = pl.decide(_obs(2 * i, 40.0, 1, 4, queued_prompt_tokens=10**6))
+        assert d.prefill + d.decode <= 5 and d.decode == 4
     # load gone: scale-down only after the need stayed lower for down_delay_s
     pl = Planner(PROFILE, replace(cfg, burst_memory_s=0))
     got = [pl.decide(_obs(2 * i, 1.0, 3, 2)).prefill for i in range(1, 10)]

@@ -165,12 +165,17 @@ class Planner:
             guard.append("ITL p90 over the SLO")
         need_p, need_d = min(need_p, cap), min(need_d, cap)
         need_p, need_d = self._fit_budget(need_p, need_d)
-        why = []
-        targets = {}
-        for pool, need in (("prefill", need_p), ("decode", need_d)):
+        steps = {pool: self._step(pool, obs.replicas(pool), need, obs)
+                 for pool, need in (("prefill", need_p), ("decode", need_d))}
+        targets = {pool: t for pool, (t, _) in steps.items()}
+        # The other pool may still sit above its need (its scale-down waits): a scale-up never
+        # takes the total past the budget meanwhile.
+        for pool, other in (("prefill", "decode"), ("decode", "prefill")):
             cur = obs.replicas(pool)
-            targets[pool], reason = self._step(pool, cur, need, obs)
-            why.append(f"{pool} {cur}->{targets[pool]} ({reason})")
+            if targets[pool] > cur and targets[pool] + targets[other] > c.max_replicas:
+                targets[pool] = max(cur, c.max_replicas - targets[other])
+                steps[pool] = (targets[pool], "scale up held by the replica budget")
+        why = [f"{pool} {obs.replicas(pool)}->{t} ({r})" for pool, (t, r) in steps.items()]
         ttft_pred = prefill_ttft_p90_s(self.profile, load, targets["prefill"],
                                        self.corr["prefill"])
         itl_pred = decode_itl_p90_s(self.profile, load, targets["decode"], self.corr["decode"])
