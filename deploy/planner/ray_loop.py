@@ -41,6 +41,7 @@ async def run_planner(controller: Any, spec: PlannerSpec) -> None:
     window = max(5.0, 3 * cfg.interval_s)
     prev: Snapshot | None = None
     last_reason = ""
+    pending: dict[str, int] = {}
     while True:
         await asyncio.sleep(cfg.interval_s)
         try:
@@ -51,8 +52,10 @@ async def run_planner(controller: Any, spec: PlannerSpec) -> None:
         if prev is None:
             prev = cur
             continue
-        counts = controller.counts()
         changing = tuple(p for p in POOLS if controller.change_in_flight(p))
+        # A pool mid-change counts at its target: a starting replica is not in counts() yet,
+        # and the budget must see it.
+        counts = {p: pending[p] if p in changing else n for p, n in controller.counts().items()}
         obs = observe(prev, cur, {p: counts[p] for p in POOLS}, changing)
         prev = cur
         d = planner.decide(obs)
@@ -65,6 +68,7 @@ async def run_planner(controller: Any, spec: PlannerSpec) -> None:
             to = d.target(pool)
             if to != counts[pool] and not controller.change_in_flight(pool):
                 moved = True
+                pending[pool] = to
                 controller.start_change(
                     "planner", pool, counts[pool], to, d.reason,
                     lambda t, pool=pool: planner.change_done(pool, t),
