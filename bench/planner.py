@@ -61,6 +61,26 @@ def static_search(profile: Profile, trace: list[TraceRequest], sim: SimConfig,
     return {**best, "searched": len(tried)}
 
 
+def threshold_search(profile: Profile, trace: list[TraceRequest], sim: SimConfig,
+                     base: AutoscaleConfig, attainment: float) -> dict:
+    """The threshold autoscaler with tighter targets (a small grid, in hindsight): the fewest
+    replica-seconds at ``attainment`` or better, else the best attainment. Its defaults
+    under-provision these traces, so this is the comparison at equal attainment."""
+    tried = []
+    for queued in (2048, 1024, 512):
+        for running in (24, 12):
+            for sustain in (1,):
+                cfg = replace(base, prefill_queued_tokens_per_replica=queued,
+                              decode_running_per_replica=running, sustain=sustain)
+                r = row(simulate(profile, trace, replace(sim, interval_s=cfg.interval_s),
+                                 ThresholdPolicy(cfg)))
+                r["split"] = f"q{queued} r{running} s{sustain}"
+                tried.append(r)
+    ok = [r for r in tried if r["attainment"] >= attainment]
+    return min(ok, key=lambda r: r["replica_seconds"]) if ok else \
+        max(tried, key=lambda r: r["attainment"])
+
+
 def plot(name: str, timeline: list[dict], out: Path, slo: tuple[float, float]) -> None:
     try:
         import matplotlib
@@ -138,6 +158,8 @@ def main() -> None:
         r = simulate(profile, trace, replace(sim, interval_s=thr_cfg.interval_s),
                      ThresholdPolicy(thr_cfg))
         res["threshold"] = row(r)
+        res["threshold_tuned"] = threshold_search(profile, trace, sim, thr_cfg,
+                                                  res["planner_holt"]["attainment"])
         res["static_best"] = static_search(profile, trace, sim, a.max_pool, a.max_replicas)
         series = rate_series(trace, plan_cfg.interval_s)
         h = round((profile.startup_s + plan_cfg.interval_s) / plan_cfg.interval_s)
@@ -159,25 +181,35 @@ def report(results: dict[str, dict], meta: dict) -> str:
              f"and mean ITL <= {meta['planner']['itl_slo_ms']} ms per request; at most "
              f"{meta['planner']['max_replicas']} replicas. Attainment: share of all requests "
              "meeting both SLOs (failed ones do not).", "",
-             "| trace | planner (holt) | planner (ewma) | threshold | static best | targets |",
-             "|---|---|---|---|---|---|"]
+             "Cells: attainment / replica-seconds. threshold: `--autoscale` defaults with the "
+             "same SLOs and bounds; threshold tuned: the cheapest of a grid of tighter targets "
+             "(queued tokens, running, sustain) that reaches the planner's attainment, in "
+             "hindsight; static best: the cheapest fixed P:D split at >= 95 %, in hindsight.",
+             "",
+             "| trace | planner (holt) | planner (ewma) | threshold | threshold tuned | "
+             "static best | targets |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         def cell(k: str, r: dict = r) -> str:
             x = r[k]
             return f"{x['attainment']:.1%} / {x['replica_seconds']:.0f} rs" + (
                 f" ({x['split']})" if "split" in x else "")
-        p, t, s = r["planner_holt"], r["threshold"], r["static_best"]
+        p, s = r["planner_holt"], r["static_best"]
         checks = [f"att>=95%: {'yes' if p['attainment'] >= TARGET_ATTAINMENT else 'NO'}"]
         if name in ("ramp", "bursty"):
-            ratio = p["replica_seconds"] / t["replica_seconds"]
-            ok = ratio <= 0.8 and p["attainment"] >= t["attainment"]
-            cmp = ">=" if p["attainment"] >= t["attainment"] else "<"
-            checks.append(f"rs {ratio:.2f}x threshold's, att {cmp} ({'yes' if ok else 'NO'})")
+            for key, label in (("threshold", "threshold"), ("threshold_tuned", "tuned")):
+                t = r[key]
+                ratio = p["replica_seconds"] / t["replica_seconds"]
+                ok = ratio <= 0.8 and p["attainment"] >= t["attainment"]
+                cmp = ">=" if p["attainment"] >= t["attainment"] else "<"
+                checks.append(f"rs {ratio:.2f}x {label}'s, att {cmp} "
+                              f"({'yes' if ok else 'NO'})")
         if name == "steady":
             ratio = p["replica_seconds"] / s["replica_seconds"]
             checks.append(f"rs {ratio:.2f}x static best ({'yes' if ratio <= 1.1 else 'NO'})")
         lines.append(f"| {name} | {cell('planner_holt')} | {cell('planner_ewma')} | "
-                     f"{cell('threshold')} | {cell('static_best')} | {'; '.join(checks)} |")
+                     f"{cell('threshold')} | {cell('threshold_tuned')} | "
+                     f"{cell('static_best')} | {'; '.join(checks)} |")
     lines += ["", "Predictor error (mean absolute error / mean rate; h = intervals ahead):", "",
               "| trace | " + " | ".join(next(iter(results.values()))["predictor_error"]) + " |",
               "|---|" + "---|" * len(next(iter(results.values()))["predictor_error"])]
