@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -168,8 +169,8 @@ def main() -> None:
         results[name] = res
         print(name, json.dumps({k: (round(v["attainment"], 3), round(v["replica_seconds"]))
                                 for k, v in res.items() if "attainment" in v}), flush=True)
-    meta = {"profile": a.profile, "planner": asdict(plan_cfg), "threshold": asdict(thr_cfg),
-            "peak_rate": a.peak_rate, "duration_s": a.duration}
+    meta = {"profile": os.path.relpath(a.profile, HERE.parent), "planner": asdict(plan_cfg),
+            "threshold": asdict(thr_cfg), "peak_rate": a.peak_rate, "duration_s": a.duration}
     (out / "results.json").write_text(json.dumps({"meta": meta, "traces": results}, indent=1))
     (out / "REPORT.md").write_text(report(results, meta))
     print(f"wrote {out / 'REPORT.md'}")
