@@ -117,8 +117,10 @@ class Planner:
             n = obs.prefill_replicas
             k = fit_correction(lambda c: prefill_ttft_p90_s(self.profile, load, n, c),
                                obs.ttft_p90_ms / 1000)
-            if busy or k > self.corr["prefill"]:
-                self.corr["prefill"] += a * (k - self.corr["prefill"])
+            # (a faster reading at low load still pulls a quarter as hard, so a correction
+            # inflated by an overload does not stay up until the next one)
+            w = a if busy or k > self.corr["prefill"] else a / 4
+            self.corr["prefill"] += w * (k - self.corr["prefill"])
         b = obs.decode_running / max(1, obs.decode_replicas)
         if obs.itl_p90_ms is not None and settled["decode"] and not backlog and b >= 2:
             ctx = load.prompt_len + load.output_len / 2
