@@ -28,11 +28,12 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from kvrelay.deploy.autoscaler import AutoscaleConfig, Decision, PoolAutoscaler, PoolSample
+from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolAutoscaler, PoolSample
 from kvrelay.engine.config import EngineConfig
 from kvrelay.router.server import RouterSettings
 
 if TYPE_CHECKING:  # kvrelay.worker loads torch: the router actor's process must not
+    from kvrelay.deploy.planner.ray_loop import PlannerSpec
     from kvrelay.worker import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ServeSpec:
     pools: dict[str, PoolSpec]
     loopback: bool = True  # embedded local Ray: bind everything to 127.0.0.1
     autoscale: AutoscaleConfig | None = None
+    planner: PlannerSpec | None = None  # the SLO planner (exclusive with autoscale)
     log_level: str = "INFO"
     # How long a new replica may wait for its placement group (on KubeRay: for a node to be
     # added) before the scale-up fails.
@@ -117,6 +119,17 @@ class RouterActor:
     async def recent_latency(self, window_s: float) -> dict[str, float | None]:
         ttft, itl = self.router.service.recent_latency(window_s)
         return {"ttft_ms": ttft, "itl_ms": itl}
+
+    async def metrics_text(self) -> str:
+        return self.router.metrics.render().decode()
+
+    async def planner_report(self, decision: Any, current: dict[str, int]) -> None:
+        """Export a planner decision on the router's /metrics (created on first use)."""
+        if not hasattr(self, "planner_metrics"):
+            from kvrelay.deploy.planner.metrics import PlannerMetrics
+
+            self.planner_metrics = PlannerMetrics(self.router.metrics.registry)
+        self.planner_metrics.record(decision, current)
 
     async def stop(self) -> None:
         await self.router.stop()
@@ -170,6 +183,7 @@ class Controller:
         self._autoscale_task: asyncio.Task[None] | None = None
         self._autoscale_cfg: AutoscaleConfig | None = None
         self._autoscale_jobs: dict[str, asyncio.Task[None]] = {}
+        self._planner_task: asyncio.Task[None] | None = None
         self.decisions: list[dict[str, Any]] = []
 
     async def start(self) -> dict[str, Any]:
@@ -187,6 +201,8 @@ class Controller:
         await self.scale({p: s.replicas for p, s in self.spec.pools.items()})
         if self.spec.autoscale is not None:
             await self.set_autoscale(self.spec.autoscale)
+        if self.spec.planner is not None:
+            await self.set_planner(self.spec.planner)
         # Ready means a request can be served (the router's health says SERVING): registered
         # workers may still be measured, and a pool of prefill alone serves nothing.
         if not await self.router.wait_serving.remote(READY_TIMEOUT_S):
@@ -353,8 +369,9 @@ class Controller:
                     d = scaler.decide(sample, time.monotonic())
                     if d.delta:
                         last_hold.pop(pool, None)
-                        self._autoscale_jobs[pool] = asyncio.get_running_loop().create_task(
-                            self._autoscale_apply(pool, scaler, sample, d))
+                        self.start_change("autoscale", pool, sample.replicas,
+                                          sample.replicas + d.delta,
+                                          f"{d.reason} | {_fmt_sample(sample)}", scaler.changed)
                         continue
                     # Holds: each tick at DEBUG, and at INFO whenever the reason changes.
                     kind = d.reason.split(":")[0]
@@ -366,26 +383,57 @@ class Controller:
             for job in self._autoscale_jobs.values():
                 job.cancel()
 
-    async def _autoscale_apply(self, pool: str, scaler: PoolAutoscaler, sample: PoolSample,
-                               d: Decision) -> None:
-        n = sample.replicas
-        rec = {"t": time.time(), "pool": pool, "from": n, "to": n + d.delta,
-               "reason": d.reason, "result": "pending"}
+    def change_in_flight(self, pool: str) -> bool:
+        job = self._autoscale_jobs.get(pool)
+        return job is not None and not job.done()
+
+    def start_change(self, who: str, pool: str, n: int, to: int, reason: str,
+                     done: Any = None, extra: dict[str, Any] | None = None) -> None:
+        """Run ``apply_change`` as this pool's one change in flight."""
+        assert not self.change_in_flight(pool)
+        self._autoscale_jobs[pool] = asyncio.get_running_loop().create_task(
+            self.apply_change(who, pool, n, to, reason, done, extra))
+
+    async def apply_change(self, who: str, pool: str, n: int, to: int, reason: str,
+                           done: Any = None, extra: dict[str, Any] | None = None) -> None:
+        """One scaling change of a policy (autoscaler or planner): recorded in ``decisions``
+        with its reason, applied through ``scale``; ``done(t)`` runs when it has finished
+        (the autoscaler's cooldown counts from there), whether it worked or not."""
+        rec = {"t": time.time(), "by": who, "pool": pool, "from": n, "to": to,
+               "reason": reason, "result": "pending", **(extra or {})}
         self.decisions.append(rec)
         del self.decisions[:-200]
-        logger.info("autoscale %s: %d -> %d: %s | %s", pool, n, n + d.delta, d.reason,
-                    _fmt_sample(sample))
+        logger.info("%s %s: %d -> %d: %s", who, pool, n, to, reason)
         try:
-            got = await self.scale({pool: n + d.delta})
+            got = await self.scale({pool: to})
             rec["result"] = "done"
-            logger.info("autoscale %s: now %d replicas", pool, got[pool])
+            rec["seconds"] = round(time.time() - rec["t"], 2)  # a replica's start-up or drain
+            logger.info("%s %s: now %d replicas", who, pool, got[pool])
         except Exception as e:
             rec["result"] = f"failed: {e!r}"
-            logger.exception("autoscale %s: %d -> %d failed", pool, n, n + d.delta)
+            logger.exception("%s %s: %d -> %d failed", who, pool, n, to)
         finally:
-            scaler.changed(time.monotonic())  # the cooldown counts from the end of a change
+            if done is not None:
+                done(time.monotonic())
+
+    # -- SLO planner ------------------------------------------------------------------------------
+    async def set_planner(self, spec: PlannerSpec | None) -> bool:
+        """Turn the SLO planner on (replacing any running one, and the autoscaler) or off."""
+        if self._planner_task is not None:
+            self._planner_task.cancel()
+            await asyncio.gather(self._planner_task, return_exceptions=True)
+            self._planner_task = None
+        if spec is None:
+            return False
+        await self.set_autoscale(None)
+        from kvrelay.deploy.planner.ray_loop import run_planner
+
+        logger.info("planner on: %s", spec.config)
+        self._planner_task = asyncio.get_running_loop().create_task(run_planner(self, spec))
+        return True
 
     async def shutdown(self) -> None:
+        await self.set_planner(None)
         await self.set_autoscale(None)
         async with self._lock:
             replicas = [r for rs in self.pools.values() for r in rs]

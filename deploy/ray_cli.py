@@ -98,6 +98,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(g, "--autoscale-down-fraction", type=float, default=0.3)
     opt(g, "--autoscale-cooldown", type=float, default=10.0,
         help="seconds after a change (once finished) before the next")
+    from kvrelay.deploy.planner.cli import add_planner_options
+
+    add_planner_options(p)
     opt(p, "--log-level", default="INFO")
 
 
@@ -157,7 +160,8 @@ def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
                               heartbeat_interval_s=hb,
                               drain_timeout_s=float(args.drain_timeout)),
         engine=engine_config_from_args(args), pools=pools, loopback=loopback,
-        autoscale=autoscale, log_level=args.log_level, placement_timeout_s=placement)
+        autoscale=autoscale, planner=_planner(args),
+        log_level=args.log_level, placement_timeout_s=placement)
 
 
 def serve_cluster_token(given: str | None) -> str:
@@ -169,6 +173,12 @@ def serve_cluster_token(given: str | None) -> str:
         return given
     logger.info("no --cluster-token: generated one for this launch's router and workers")
     return secrets.token_urlsafe(32)
+
+
+def _planner(args: argparse.Namespace) -> Any:
+    from kvrelay.deploy.planner.cli import build_planner
+
+    return build_planner(args) if args.planner else None
 
 
 def _opt_float(v: Any) -> float | None:

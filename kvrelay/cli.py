@@ -198,6 +198,23 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from kvrelay.deploy.planner.measure import progress_bar, run_profile
+
+    def show(done: int, total: int, label: str) -> None:
+        sys.stderr.write("\r" + progress_bar(done, total, label).ljust(100)[:100])
+        sys.stderr.flush()
+    profile = run_profile(engine_config_from_args(args), time_budget_s=float(args.time_budget),
+                          progress=show)
+    sys.stderr.write("\n")
+    profile.save(args.out)
+    err = profile.fit_error()
+    print(f"wrote {args.out}: {len(profile.prefill_points)} prefill and "
+          f"{len(profile.decode_points)} decode points; fit error prefill "
+          f"{err['prefill']:.1%}, decode {err['decode']:.1%}")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvrelay.client import generate_cli
 
@@ -285,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_process_options(p)
     p.set_defaults(func=cmd_router)
 
+    p = sub.add_parser("profile", help="measure one prefill and one decode replica for the "
+                       "planner (engine in this process; writes a JSON profile)")
+    add_engine_options(p)
+    p.add_argument("--out", default="profile.json", help="profile file to write")
+    p.add_argument("--time-budget", type=float, default=170.0,
+                   help="seconds of sweep after warm-up; later points are skipped")
+    p.set_defaults(func=cmd_profile)
+
     p = sub.add_parser("generate", help="stream an answer from a running router")
     opt(p, "--target", default="127.0.0.1:50051", help="router gRPC address")
     p.add_argument("prompt")
@@ -299,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--tls-ca", default=None, help="CA certificate to verify a TLS router")
     p.add_argument("--show-stats", action="store_true", help="print usage and timing after")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("planner", help="the SLO planner as its own process (Kubernetes: "
+                       "scrapes the router, scales the prefill/decode Deployments)")
+    from kvrelay.deploy.planner.k8s import add_options, cmd_planner
+
+    add_options(p)
+    p.set_defaults(func=cmd_planner)
 
     from kvrelay.deploy.ray_cli import register  # serve/scale/status live with the launcher
 

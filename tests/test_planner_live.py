@@ -1,0 +1,80 @@
+"""The SLO planner on a real local Ray (``kvrelay serve --planner``): under a ramp low -> heavy ->
+low it scales the pools up, then back down, and no request fails.
+
+One embedded Ray session and one cluster for the module (helpers shared with test_ray). The
+planner reads the committed demo profile (measured with 2 torch threads; the replicas here run
+1, so its corrections have real work to do). Every wait is a bounded poll; nothing asserts
+timing.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_ray import LOG_LEVEL, Load, Served, prompt_ids, serve_args, wait_for
+from test_ray import ray_session as ray_session
+
+pytestmark = pytest.mark.slow
+PROFILE = Path(__file__).resolve().parent.parent / "bench/results/planner/profile-demo.json"
+
+
+@pytest.fixture(scope="module")
+def served(ray_session, demo_model_dir):
+    from kvrelay.deploy.launcher import start
+    from kvrelay.deploy.ray_cli import build_spec
+
+    args = serve_args(demo_model_dir, "--planner", "--profile", str(PROFILE),
+                      "--ttft-slo-ms", "150", "--itl-slo-ms", "40", "--max-replicas", "4",
+                      "--planner-interval", "1", "--planner-down-delay", "6",
+                      "--replica-startup", "6", "--planner-burst-memory", "20")
+    spec = build_spec(args, loopback=True)
+    assert spec.planner is not None and spec.autoscale is None and LOG_LEVEL
+    handle, info = start(spec)
+    try:
+        yield Served(handle, info, ray_session.get_runtime_context().gcs_address,
+                     spec.worker.cluster_token)
+    finally:
+        handle.shutdown()
+
+
+def planner_decisions(served: Served, since: float) -> list[dict[str, Any]]:
+    return [d for d in served.status()["decisions"] if d["t"] >= since and d["by"] == "planner"]
+
+
+def test_planner_scales_up_under_a_ramp_and_back_down_with_no_failed_request(served) -> None:
+    assert served.counts() == {"prefill": 1, "decode": 1, "both": 0}
+    t0 = time.time()
+
+    def light(k: int, i: int) -> tuple[int, list[int], int]:
+        return -1, prompt_ids(64, random.Random(k * 1000 + i)), 8
+
+    def heavy(k: int, i: int) -> tuple[int, list[int], int]:
+        return -1, prompt_ids(1200, random.Random(90_000 + k * 1000 + i)), 24
+
+    with Load(served.target, light, clients=1) as low:
+        time.sleep(4)
+    low.check(None)
+    with Load(served.target, heavy, clients=8, max_per_client=400) as high:
+        def grown() -> bool:
+            assert not high.errors, high.errors[:3]
+            return sum(served.counts().values()) > 2
+        wait_for(grown, 180, "the planner scaled up", every=0.5)
+        time.sleep(3)  # some requests on the grown pools
+    high.check(None)
+    with Load(served.target, light, clients=1, max_per_client=10_000) as back:
+        def shrunk() -> bool:
+            st = served.status()
+            return (st["counts"] == {"prefill": 1, "decode": 1, "both": 0}
+                    and all(d["result"] != "pending" for d in st["decisions"]))
+        wait_for(shrunk, 240, "the planner scaled back to 1P1D", every=0.5)
+    back.check(None)
+    made = planner_decisions(served, t0)
+    ups = [d for d in made if d["to"] > d["from"]]
+    downs = [d for d in made if d["to"] < d["from"]]
+    assert ups and downs and ups[0]["t"] < downs[-1]["t"], made
+    assert all(d["result"] == "done" for d in made), made
+    assert all("need" in d["reason"] and "predicted_rate" in d for d in made), made
