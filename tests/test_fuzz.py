@@ -13,6 +13,7 @@ grow past their limits: such requests are served or refused, never answered with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import string
@@ -22,7 +23,7 @@ import grpc
 import httpx
 import pytest
 from cluster import Cluster
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.limits import (
@@ -372,6 +373,10 @@ def _http_case(data, chat: bool) -> tuple[bytes, list[str]]:
     for name in broken:
         if name in HTTP_BYTE_BREAKERS:
             text = HTTP_BYTE_BREAKERS[name](data, text, chat)
+    if set(broken) <= {"truncated", "trailing"}:  # they can cancel out: '...}' + '}' cut by 1
+        with contextlib.suppress(ValueError):
+            json.loads(text)
+            assume(False)  # a valid body after all: not a malformed case
     return text, broken
 
 
