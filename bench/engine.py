@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.engine import gemm
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampling_params import SamplingParams
@@ -83,6 +84,10 @@ class Ceilings:
                                 for x, w, _ in self._mm]
             except (RuntimeError, AttributeError):
                 self._packed = []
+        self._panels = []
+        if gemm.available():
+            self._panels = [(x, gemm.pack_panels(w.t().contiguous()), o.shape[1])
+                            for x, w, o in self._mm]
         self._flops = sum(2 * m * k * n for k, n in shapes)
         self._src = torch.randn(weight_bytes // 4)
         self._dst = torch.empty_like(self._src)
@@ -98,6 +103,10 @@ class Ceilings:
         t = timed(lambda: [torch.mm(x, w, out=o) for x, w, o in self._mm])
         if self._packed:
             t = min(t, timed(self._onednn))
+        if self._panels:
+            threads = torch.get_num_threads()
+            t = min(t, timed(lambda: [gemm.panel_linear(x, p, None, n, threads)
+                                      for x, p, n in self._panels]))
         return self._flops / t / 1e9
 
     def copy_gbs(self) -> float:
@@ -157,12 +166,13 @@ def _prod(shape: list[int]) -> int:
 
 
 # -- kvrelay -----------------------------------------------------------------------------------
-def make_core(model: str, threads: int, num_blocks: int, gemv: bool | None = None,
+def make_core(model: str, threads: int, num_blocks: int, linear_kernel: str = "auto",
               prefix_caching: bool = False, **kw: object) -> EngineCore:
     cfg = EngineConfig.from_kwargs(model, num_threads=threads, num_blocks=num_blocks,
                                    max_num_batched_tokens=2048, max_num_seqs=128,
                                    long_prefill_threshold=2048,
-                                   enable_prefix_caching=prefix_caching, gemv_weights=gemv, **kw)
+                                   enable_prefix_caching=prefix_caching,
+                                   linear_kernel=linear_kernel, **kw)
     return EngineCore(cfg, eos_token_ids=frozenset())
 
 
@@ -308,6 +318,7 @@ def main() -> int:
 
     print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32; "
           f"{args.threads} threads; attention {core.runner.backend}; "
+          f"linears {core.runner.model.linear_kernel}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     ceil = Ceilings(hf_cfg.hidden_size, hf_cfg.intermediate_size, weight_bytes)
     mm0 = max(ceil.gflops() for _ in range(args.reps + 2))
@@ -368,16 +379,19 @@ def main() -> int:
         t, ratio = ours_decode(core, lengths, 1, vocab, ceil, model, steps=16)
         label = f"{b} ctx {MIXED_CTX[0]}-{MIXED_CTX[1]}"
         print(f"{label:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}", flush=True)
-    # The same batch-1 step both ways (the engine picked one at load: --gemv-weights auto).
-    picked = "slabs" if core.runner.model.has_gemv_slabs else "oneDNN"
+    # The short decode rows again with the linear kernel auto did not pick (oneDNN, or the
+    # panels where auto kept oneDNN), so both kernels are measured in the same run.
+    picked = core.runner.model.linear_kernel
     del core
-    for label, gemv in (("1 oneDNN", False), ("1 slabs", True)):
-        one = make_core(model_dir, args.threads, num_blocks=64, gemv=gemv,
+    other = "onednn" if picked != "onednn" else "panels"
+    if other == "onednn" or gemm.available():
+        alt = make_core(model_dir, args.threads, num_blocks=blocks, linear_kernel=other,
                         attention_backend=args.attention_backend)
-        t, ratio = ours_decode(one, [DECODE_PROMPT], args.reps, vocab, ceil, model)
-        print(f"{label:>18} {1 / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}   "
-              f"(--gemv-weights {'on' if gemv else 'off'}; auto picked {picked})", flush=True)
-        del one
+        for b in DECODE_BATCHES:
+            t, ratio = ours_decode(alt, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
+            print(f"{f'{b} {other}':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}   "
+                  f"(--linear-kernel {other}; auto picked {picked})", flush=True)
+        del alt
     print("\nof roof: the row's floor (max of FLOPs / matmul ceiling and bytes read / copy_ "
           "bandwidth) over its measured time; each the median over pairs of a measurement and "
           "ceiling samples taken beside it. Targets: prefill 2048 >= 85%, 8 x 256 >= 80%, "

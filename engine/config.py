@@ -36,10 +36,10 @@ class ModelConfig:
     attention_backend: Literal["auto", "native", "sdpa", "flash"] = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU
     seed: int = 0
-    # CPU fp32: keep the dense linear weights beside the oneDNN-packed ones, for batch-1 decode
-    # steps (1.3x faster on some CPUs, 1.3x slower on others; costs a second copy of the
-    # weights). None: measure both at load and keep the copy only where it wins.
-    gemv_weights: bool | None = None
+    # CPU fp32 linears: "panels" (the native panel GEMM), "onednn" (oneDNN's prepacked linear),
+    # "mixed" (panels up to 64 rows, oneDNN above; two weight copies) or "auto": time both at
+    # load and keep what wins on this CPU (see engine.loader.choose_linear_kernel).
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -51,6 +51,9 @@ class ModelConfig:
         if self.attention_backend not in ("auto", "native", "sdpa", "flash"):
             raise ValueError(f"attention_backend must be auto|native|sdpa|flash, got "
                              f"{self.attention_backend!r}")
+        if self.linear_kernel not in ("auto", "panels", "onednn", "mixed"):
+            raise ValueError(f"linear_kernel must be auto|panels|onednn|mixed, got "
+                             f"{self.linear_kernel!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

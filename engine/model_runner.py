@@ -87,7 +87,7 @@ class ModelRunner:
                       arch.max_position_embeddings)
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
                                            attn_fn=attn_fn, max_positions=max_len,
-                                           gemv_weights=mc.gemv_weights)
+                                           linear_kernel=mc.linear_kernel)
         cc = config.cache
         num_blocks = cc.num_blocks or blocks_for_budget(
             cc.kv_cache_memory, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
@@ -99,6 +99,7 @@ class ModelRunner:
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
         # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.
+        # oneDNN compiles a primitive per row count (see padded_rows); the panel GEMM does not
         self.pad_rows = self.model.lm_head.packed is not None
         # A sequence can never hold more tokens than the cache has slots.
         self.max_model_len = min(max_len, num_blocks * cc.block_size)

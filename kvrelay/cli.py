@@ -64,10 +64,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
              "a fitted step-time model says keep it within this (default: fixed budget)")
     opt(g, "--num-threads", type=int, default=None, help="torch threads on CPU")
     opt(g, "--attention-backend", default="auto", choices=["auto", "native", "sdpa", "flash"])
-    opt(g, "--gemv-weights", default="auto", choices=["auto", "on", "off"],
-        help="CPU fp32: keep a dense copy of the weights for batch-1 decode steps; auto keeps "
-             "it only when a pass over the weights measures faster at load")
-    opt(g, "--no-gemv-weights", action="store_true", help="same as --gemv-weights off")
+    opt(g, "--linear-kernel", default="auto", choices=["auto", "panels", "onednn", "mixed"],
+        help="CPU fp32 linears: the native panel GEMM, oneDNN, or both (panels up to 64 rows); "
+             "auto times them at load and keeps the faster")
     opt(g, "--seed", type=int, default=0)
 
 
@@ -83,8 +82,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),
         tpot_slo_ms=None if args.tpot_slo_ms is None else float(args.tpot_slo_ms),
         num_threads=args.num_threads, attention_backend=args.attention_backend,
-        gemv_weights={"auto": None, "on": True, "off": False}[
-            "off" if args.no_gemv_weights else args.gemv_weights],
+        linear_kernel=args.linear_kernel,
         seed=int(args.seed), role=role)
     for k in ("max_model_len", "num_blocks", "long_prefill_threshold", "num_threads"):
         if kw[k] is not None:

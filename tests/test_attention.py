@@ -140,19 +140,23 @@ def test_native_rejects_a_context_longer_than_its_block_table() -> None:
 
 def test_native_build_is_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch) -> None:
     """A second build of the same source finds the cached library instead of compiling."""
-    if native._compiler() is None:
+    from kvrelay.engine import native as kernels
+
+    if kernels._compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
-    first = native.build()
+    first = kernels.build()
     mtime = first.stat().st_mtime_ns
-    assert native.build() == first and first.stat().st_mtime_ns == mtime
+    assert kernels.build() == first and first.stat().st_mtime_ns == mtime
     assert first.parent == tmp_path / "native"
 
 
 def test_native_missing_compiler_is_a_clear_error(monkeypatch, tmp_path) -> None:
+    from kvrelay.engine import native as kernels
+
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"failed|no C compiler"):
-        native.build(cc=str(tmp_path / "no-such-cc"))
+        kernels.build(cc=str(tmp_path / "no-such-cc"))
 
 
 def _prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

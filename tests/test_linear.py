@@ -1,5 +1,5 @@
-"""The CPU matmul paths: oneDNN-packed rows, the single-row GEMV over dense slabs, and the MLP's
-row chunks."""
+"""The CPU matmul paths: the native panel GEMM, oneDNN-packed rows, the choice between them at
+load, and the MLP's row chunks."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine.models.llama import MLP, Linear, gemv_slabs, onednn_packing_available
+from kvrelay.engine import gemm
+from kvrelay.engine.models.llama import MIXED_PANEL_ROWS, MLP, Linear, onednn_packing_available
 
-pytestmark = pytest.mark.skipif(not onednn_packing_available(), reason="needs oneDNN packing")
+needs_onednn = pytest.mark.skipif(not onednn_packing_available(), reason="needs oneDNN packing")
+needs_panels = pytest.mark.skipif(not gemm.available(),
+                                  reason="the panel GEMM needs AVX2+FMA and a C compiler")
 
 
 @pytest.fixture
@@ -22,8 +25,8 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def make(n_in: int, n_out: int, bias: bool,
-         gemv: bool) -> tuple[Linear, tuple[torch.Tensor, torch.Tensor | None]]:
+def make(n_in: int, n_out: int, bias: bool, *, onednn: bool = True,
+         panels: bool = False) -> tuple[Linear, tuple[torch.Tensor, torch.Tensor | None]]:
     g = torch.Generator().manual_seed(n_in * 1000 + n_out)
     lin = Linear(n_in, n_out, bias)
     w = torch.randn(n_out, n_in, generator=g)
@@ -32,48 +35,67 @@ def make(n_in: int, n_out: int, bias: bool,
     if bias:
         b = torch.randn(n_out, generator=g)
         lin.bias.data.copy_(b)
-    lin.pack(gemv=gemv)
+    lin.pack(onednn=onednn, panels=panels)
     return lin, (w, b)
 
 
+@needs_panels
+@pytest.mark.parametrize("bias", [False, True])
+# Row counts around the register tile (6 rows on AVX2, 8 on AVX-512): one tile, a full and a
+# short one, many tiles; output widths with and without a partial last panel.
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 64, 300])
+@pytest.mark.parametrize("n_out", [200, 256])
+def test_panel_gemm_matches_f_linear(two_threads, bias: bool, rows: int, n_out: int) -> None:
+    lin, (w, b) = make(300, n_out, bias, onednn=False, panels=True)
+    nr = gemm.panel_width()
+    assert lin.weight is None and lin.packed is None
+    assert lin.panels.shape == (-(-n_out // nr), 300, nr)
+    x = torch.randn(rows, 300)
+    with torch.inference_mode():
+        got = lin(x)
+        strided = lin(torch.randn(rows, 600)[:, ::2])  # a non-contiguous input is copied first
+    assert got.shape == (rows, n_out) and strided.shape == (rows, n_out)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_panels
+def test_panel_gemm_uses_the_threads_it_was_packed_with(two_threads) -> None:
+    torch.set_num_threads(1)
+    lin, (w, b) = make(64, 96, True, onednn=False, panels=True)
+    assert lin.threads == 1
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 5])
-def test_packed_and_gemv_paths_match_f_linear(two_threads, bias: bool, rows: int) -> None:
-    lin, (w, b) = make(96, 200, bias, gemv=True)
-    assert lin.weight is None and lin.slabs is not None and lin.slabs.shape == (2, 48, 200)
+def test_packed_path_matches_f_linear(two_threads, bias: bool, rows: int) -> None:
+    lin, (w, b) = make(96, 200, bias)
+    assert lin.weight is None and lin.panels is None
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         got = lin(x)
-    ref = F.linear(x, w, b)
-    assert got.shape == (rows, 200)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_single_row_takes_the_slabs(two_threads, monkeypatch) -> None:
-    lin, _ = make(64, 128, False, gemv=True)
+@needs_onednn
+@needs_panels
+def test_mixed_takes_the_panels_up_to_the_row_limit(two_threads, monkeypatch) -> None:
+    lin, (w, _) = make(64, 128, False, onednn=True, panels=True)
+    assert lin.panel_rows == MIXED_PANEL_ROWS
     calls = []
-    real = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or real(*a))
-    assert lin.slabs.shape == (2, 32, 128)
+    real = gemm.panel_linear
+    monkeypatch.setattr("kvrelay.engine.models.llama.panel_linear",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with torch.inference_mode():
-        lin(torch.randn(1, 64))
-        assert len(calls) == 1
-        lin(torch.randn(3, 64))  # several rows: oneDNN's packed GEMM
-        assert len(calls) == 1
-
-
-def test_slabs_follow_the_thread_count(two_threads) -> None:
-    w = torch.randn(5, 8)
-    slabs = gemv_slabs(w)
-    assert slabs.shape == (2, 4, 5) and slabs.is_contiguous()
-    torch.testing.assert_close(slabs.reshape(8, 5), w.t())
-    assert gemv_slabs(torch.randn(5, 7)).shape == (1, 7, 5)  # threads do not divide: one slab
-    torch.set_num_threads(1)
-    lin, (w, b) = make(16, 33, True, gemv=True)  # one thread: a plain mm over one slab
-    assert lin.slabs.shape == (1, 16, 33)
-    x = torch.randn(1, 16)
-    with torch.inference_mode():
-        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        for rows in (1, MIXED_PANEL_ROWS, MIXED_PANEL_ROWS + 1):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(lin(x), x @ w.T, rtol=1e-5, atol=1e-4)
+    assert calls == [1, MIXED_PANEL_ROWS]
+    lin.drop("onednn")  # panels only: every row count
+    assert lin.packed is None and lin.panel_rows > 10**9
 
 
 @pytest.mark.parametrize("rows", [4, 10, 16])
@@ -85,7 +107,7 @@ def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
     for p in mlp.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
     for m in (mlp.gate_up, mlp.down):
-        m.pack(gemv=True)
+        m.pack(onednn=onednn_packing_available(), panels=gemm.available())
     x = torch.randn(rows, 32, generator=g)
     with torch.inference_mode():
         whole = mlp(x)
@@ -94,36 +116,48 @@ def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("slabs_s", "packed_s", "kept"), [(0.5, 1.0, True), (1.0, 0.5, False),
-                                                          (0.98, 1.0, False)])
-def test_auto_keeps_the_dense_copy_only_where_it_measures_faster(
-        demo_model_dir, monkeypatch, slabs_s: float, packed_s: float, kept: bool) -> None:
-    """gemv_weights=None times a batch-1 pass both ways at load: the slabs stay only when they
-    are clearly (> 5%) faster, since they cost a second copy of every weight."""
-    if not onednn_packing_available():
-        pytest.skip("no oneDNN packing in this torch build")
+@needs_onednn
+@needs_panels
+@pytest.mark.parametrize(("small", "large", "kept"), [
+    ((0.5, 1.0), (0.5, 1.0), "panels"),  # panels win both: oneDNN's copy is dropped
+    ((0.5, 1.0), (1.0, 0.5), "mixed"),  # panels win decode-sized passes only: both kept
+    ((1.0, 0.5), (0.5, 1.0), "onednn"),  # panels lose the decode pass: their copy is dropped
+])
+def test_auto_keeps_what_measures_faster(demo_model_dir, monkeypatch, small, large,
+                                         kept: str) -> None:
+    """linear_kernel=auto times an 8-row and a 256-row pass both ways at load and keeps only
+    the copies that win."""
     from kvrelay.engine.attention.sdpa import sdpa_attention
     from kvrelay.engine.loader import load_model
     from kvrelay.engine.models.llama import LlamaForCausalLM
 
-    monkeypatch.setattr(LlamaForCausalLM, "time_single_row", lambda self: (slabs_s, packed_s))
+    monkeypatch.setattr(LlamaForCausalLM, "time_linears",
+                        lambda self, rows, layers=None: small if rows == 8 else large)
     model, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
-                          attn_fn=sdpa_attention, max_positions=64, gemv_weights=None)
-    assert model.has_gemv_slabs is kept
-    forced, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
-                           attn_fn=sdpa_attention, max_positions=64, gemv_weights=True)
-    assert forced.has_gemv_slabs
+                          attn_fn=sdpa_attention, max_positions=64)
+    assert model.linear_kernel == kept
+    lins = model._linears()
+    assert all((m.panels is not None) == (kept != "onednn") for m in lins)
+    assert all((m.packed is not None) == (kept != "panels") for m in lins)
 
 
-def test_single_row_timing_measures_both_paths(demo_model_dir) -> None:
-    if not onednn_packing_available():
-        pytest.skip("no oneDNN packing in this torch build")
+@needs_onednn
+@needs_panels
+def test_linear_timing_measures_both_paths(demo_model_dir) -> None:
     from kvrelay.engine.attention.sdpa import sdpa_attention
     from kvrelay.engine.loader import load_model
 
     model, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
-                          attn_fn=sdpa_attention, max_positions=64, gemv_weights=True)
-    slabs_s, packed_s = model.time_single_row(reps=2)
-    assert 0 < slabs_s < 10 and 0 < packed_s < 10
-    model.drop_gemv_slabs()
-    assert not model.has_gemv_slabs
+                          attn_fn=sdpa_attention, max_positions=64, linear_kernel="mixed")
+    assert model.linear_kernel == "mixed"
+    panels_s, onednn_s = model.time_linears(8, reps=2)
+    assert 0 < panels_s < 10 and 0 < onednn_s < 10
+    model.keep_linear_kernel("onednn")
+    assert model.linear_kernel == "onednn"
+
+
+def test_unknown_linear_kernel_is_refused() -> None:
+    from kvrelay.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="linear_kernel"):
+        EngineConfig.from_kwargs("x", linear_kernel="fast")

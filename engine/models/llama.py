@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.engine.attention import AttentionFn, current_metadata, write_kv
+from kvrelay.engine.gemm import pack_panels, panel_linear
 from kvrelay.engine.models.arch import ModelArch
 
 
@@ -33,60 +34,71 @@ def onednn_packing_available() -> bool:
     return bool(torch.allclose(y, torch.full((2, 4), 4.0)))
 
 
-class Linear(nn.Module):
-    """``y = x W^T + b``. On CPU in fp32 the weight is prepacked once into oneDNN's blocked
-    layout: a plain GEMM repacks the weight on every call, which at decode-sized batches
-    (a few rows) costs 2-3x the matmul itself.
+LINEAR_KERNELS = ("auto", "panels", "onednn", "mixed")
+# Row counts up to which "mixed" sends a linear through the panel GEMM (oneDNN above).
+MIXED_PANEL_ROWS = 64
 
-    One row (a batch-1 decode step) is a matrix-vector product whose cost is reading the
-    weight once, and there oneDNN's kernel streams the weight at only ~60-70% of the copy
-    bandwidth (x86, fp32; measured in bench/engine.py). A row instead goes through a dense
-    ``[in, out]`` copy cut along ``in`` into one slab per intra-op thread: one ``bmm`` whose
-    batch entries the threads take one each (each a contiguous stream), then a sum of the
-    partial rows; with one thread, a plain ``mm``. That reads at ~90% of the copy bandwidth
-    with two threads and ~100% with one, for the price of a second copy of the weights
-    (``gemv=True`` in :meth:`pack`; off with ``ModelConfig.gemv_weights=False``)."""
+
+class Linear(nn.Module):
+    """``y = x W^T + b``. On CPU in fp32 the weight is repacked once at load into a kernel's
+    layout (a plain GEMM repacks it on every call, which at decode-sized batches costs 2-3x the
+    matmul itself):
+
+    - ``panels``: the native panel GEMM (:mod:`kvrelay.engine.gemm`), whose threads each stream
+      their share of the weight exactly once per call: at decode-sized row counts that runs at
+      the memory bandwidth, where oneDNN's kernels reach ~50-80% of it;
+    - ``packed``: oneDNN's blocked layout (``torch.ops.mkldnn``).
+
+    A layer holds one or both; with both, rows up to ``panel_rows`` take the panels."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.out_features = out_features
         self.weight: nn.Parameter | None = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
         self.packed: torch.Tensor | None = None
-        self.slabs: torch.Tensor | None = None  # [slabs, in / slabs, out]
+        self.panels: torch.Tensor | None = None  # [ceil(out / NR), in, NR]
+        self.panel_rows = 0
+        self.threads = 1
 
-    def pack(self, weight: torch.Tensor | None = None, *, gemv: bool = False) -> None:
-        """Prepack (``weight`` defaults to this layer's own) and drop the dense parameter; with
-        ``gemv`` also keep the transposed slabs for single-row inputs."""
+    def pack(self, weight: torch.Tensor | None = None, *, onednn: bool = True,
+             panels: bool = False) -> None:
+        """Repack (``weight`` defaults to this layer's own) for oneDNN and/or the panel GEMM,
+        and drop the dense parameter."""
         w = self.weight if weight is None else weight
-        assert w is not None
+        assert w is not None and (onednn or panels)
         w = w.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        self.slabs = gemv_slabs(w) if gemv else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None) if onednn else None
+        if panels:
+            self.panels = pack_panels(w)
+            self.panel_rows = 1 << 62 if not onednn else MIXED_PANEL_ROWS
+        self.threads = torch.get_num_threads()
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.shape[0] <= self.panel_rows:
+            return panel_linear(x, self.panels, self.bias, self.out_features, self.threads)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if self.slabs is not None and x.shape[0] == 1:
-            s, k, _ = self.slabs.shape
-            if s == 1:
-                y = torch.mm(x, self.slabs[0])
-            else:  # slab i times the row's i-th stretch of inputs, one thread each; then sum
-                y = torch.bmm(x.reshape(s, 1, k), self.slabs).sum(0)
-            return y if self.bias is None else y.add_(self.bias)
         return self.packed_forward(x)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Through oneDNN's prepacked weight, whatever the row count."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def panel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Through the panel GEMM, whatever the row count."""
+        assert self.panels is not None
+        return panel_linear(x, self.panels, self.bias, self.out_features, self.threads)
 
-def gemv_slabs(w: torch.Tensor) -> torch.Tensor:
-    """``w`` ([out, in]) as a contiguous ``[in, out]`` copy viewed as one slab of input rows
-    per intra-op thread (one slab when the threads do not divide ``in``)."""
-    threads = torch.get_num_threads()
-    s = threads if w.shape[1] % threads == 0 else 1
-    return w.t().contiguous().view(s, w.shape[1] // s, w.shape[0])
+    def drop(self, kernel: str) -> None:
+        """Keep only the other kernel's copy (``kernel``: ``"panels"`` or ``"onednn"``)."""
+        if kernel == "panels":
+            assert self.packed is not None
+            self.panels, self.panel_rows = None, 0
+        else:
+            assert self.panels is not None
+            self.packed, self.panel_rows = None, 1 << 62
 
 
 class RMSNorm(nn.Module):
@@ -210,47 +222,56 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = None  # shares the embedding (see weights())
         self.rotary = Rotary(inv_freq, rope_scale, max_positions)
 
-    def pack_weights(self, *, gemv: bool = False) -> None:
-        """Prepack every linear for oneDNN (CPU, fp32), after the weights are loaded; ``gemv``
-        keeps the dense weights for single-row steps too (see :class:`Linear`)."""
+    def pack_weights(self, *, onednn: bool = True, panels: bool = False) -> None:
+        """Repack every linear for oneDNN and/or the panel GEMM (CPU, fp32), after the weights
+        are loaded (see :class:`Linear`)."""
         for m in self.modules():
             if isinstance(m, Linear) and m is not self.lm_head:
-                m.pack(gemv=gemv)
-        self.lm_head.pack(self.embed if self.arch.tie_word_embeddings else None, gemv=gemv)
+                m.pack(onednn=onednn, panels=panels)
+        self.lm_head.pack(self.embed if self.arch.tie_word_embeddings else None,
+                          onednn=onednn, panels=panels)
 
     def _linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
     @property
-    def has_gemv_slabs(self) -> bool:
-        return any(m.slabs is not None for m in self._linears())
+    def linear_kernel(self) -> str:
+        """Which copies the linears hold: ``panels``, ``onednn``, ``mixed`` or ``dense``."""
+        lin = self.layers[0].mlp.down
+        if lin.panels is not None:
+            return "mixed" if lin.packed is not None else "panels"
+        return "onednn" if lin.packed is not None else "dense"
 
-    def drop_gemv_slabs(self) -> None:
-        for m in self._linears():
-            m.slabs = None
+    def keep_linear_kernel(self, kernel: str) -> None:
+        """From both copies (``pack_weights(onednn=True, panels=True)``) keep ``kernel``'s:
+        ``panels``, ``onednn``, or ``mixed`` (both, panels up to ``MIXED_PANEL_ROWS`` rows)."""
+        if kernel != "mixed":
+            for m in self._linears():
+                m.drop("onednn" if kernel == "panels" else "panels")
 
     @torch.inference_mode()
-    def time_single_row(self, reps: int = 5) -> tuple[float, float]:
-        """Seconds of one batch-1 pass over every packed linear (weights streamed from memory,
-        as in a decode step) through the dense slabs and through oneDNN: the best of ``reps``
-        each, interleaved so both see the same machine. Which is faster depends on the CPU
-        (measured 1.3x either way on two x86 machines)."""
-        rows = [(m, torch.randn(1, m.slabs.shape[0] * m.slabs.shape[1])) for m in self._linears()
-                if m.packed is not None and m.slabs is not None]
+    def time_linears(self, rows: int, layers: int | None = None,
+                     reps: int = 3) -> tuple[float, float]:
+        """Seconds of one pass of ``rows`` rows through the linears of the first ``layers``
+        layers (all, and the LM head, by default) via the panels and via oneDNN: the best of
+        ``reps`` each, interleaved so both see the same machine."""
+        mods = self._linears() if layers is None else [
+            m for layer in self.layers[:layers] for m in layer.modules() if isinstance(m, Linear)]
+        xs = [(m, torch.randn(rows, m.panels.shape[1])) for m in mods if m.panels is not None]
 
-        def run(slabs: bool) -> float:
+        def run(panels: bool) -> float:
             t = time.perf_counter()
-            for m, x in rows:
-                if slabs:
-                    m(x)
+            for m, x in xs:
+                if panels:
+                    m.panel_forward(x)
                 else:
                     m.packed_forward(x)
             return time.perf_counter() - t
 
         best = [float("inf"), float("inf")]
         for _ in range(reps):
-            for i, slabs in enumerate((True, False)):
-                best[i] = min(best[i], run(slabs))
+            for i, panels in enumerate((True, False)):
+                best[i] = min(best[i], run(panels))
         return best[0], best[1]
 
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
@@ -271,6 +292,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head for the rows that sample: ``[N, hidden] -> [N, vocab]``."""
         h = self.norm(hidden)
-        if self.lm_head.packed is None and self.lm_head.weight is None:  # tied, unpacked
+        lm = self.lm_head
+        if lm.packed is None and lm.panels is None and lm.weight is None:  # tied, unpacked
             return F.linear(h, self.embed)
         return self.lm_head(h)

@@ -1,4 +1,4 @@
-/* Paged attention kernels for the CPU (fp32), built on first use by kvrelay.engine.attention.native.
+/* Paged attention kernels for the CPU (fp32), built on first use by kvrelay.engine.native.
  *
  * Decode: every decoding sequence's single query row attends over its cached K/V, read straight
  * out of the paged cache through its block table, without gathering it anywhere first. Work is
@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVR_ABI_VERSION 3
+#define KVR_ABI_VERSION 4
 
 int kvr_abi_version(void) { return KVR_ABI_VERSION; }
 
