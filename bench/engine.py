@@ -7,8 +7,9 @@ to a temporary directory. Everything runs fp32 on CPU with ``--threads`` intra-o
 
 Ceilings (the machine is shared and its speed drifts minute to minute, so each measurement is
 paired with a ceiling sample taken right beside it, and a ratio is the median over those pairs):
-  - matmul: fp32 GFLOP/s of the faster of ``torch.mm`` (MKL) and oneDNN's prepacked linear (the
-    kernel the engine runs) on the model's own projection shapes at M = 2048 rows, sampled
+  - matmul: fp32 GFLOP/s of the fastest of ``torch.mm`` (MKL), oneDNN's prepacked linear and
+    the native panel GEMM (the engine runs one of the last two) on the model's own projection
+    shapes at M = 2048 rows, sampled
     before and after each prefill (their mean). On some CPUs the two differ by 1.7x (MKL on AMD
     takes its AVX2 path), and a ceiling below the engine's own kernel would flatter every row;
   - memory: bandwidth of ``Tensor.copy_`` over a buffer as large as the weights, counted as bytes
