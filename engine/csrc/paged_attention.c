@@ -26,11 +26,19 @@
 
 int kvr_abi_version(void) { return KVR_ABI_VERSION; }
 
-/* 16 floats; aligned(4) lets it load from and store to any float address. */
-typedef float vf __attribute__((vector_size(64), aligned(4)));
+/* One machine vector of floats: 16 with AVX-512, else 8 (AVX2's 16 ymm registers; a 16-float
+ * type there is a register pair, and the kernels' accumulator tiles below would spill). Tiles
+ * are sized in machine vectors so they fit the register file either way. aligned(4) lets a
+ * vector load from and store to any float address. */
+#if defined(__AVX512F__)
 #define VL 16
-
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+#define ACC 16 /* accumulator vectors a register tile may hold (of 32 registers) */
+#else
+#define VL 8
+#define ACC 12 /* (of 16 registers) */
+#endif
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4), aligned(4)));
 
 typedef struct {
     int32_t seq;
@@ -39,7 +47,7 @@ typedef struct {
     int32_t slot;  /* partial-result slot, or -1 when this is its sequence's only item */
 } item_t;
 
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline vf splat(float x) { return (vf){} + x; }
 
 static inline vf vmax(vf a, vf b) {
     vi gt = a > b; /* lanes of all ones where a > b */
@@ -64,9 +72,10 @@ static inline vf vexp_neg(vf x) {
     return p * (vf)((n + 127) << 23);
 }
 
-/* r[i] = sum of the lanes of a[i]: a transpose-and-add tree, 30 shuffles for 16 sums where
- * 16 separate horizontal sums would take ~4x as many. */
-static inline vf reduce16(const vf a[16]) {
+/* r[i] = sum of the lanes of a[i], i < VL: a transpose-and-add tree (30 shuffles for 16 sums,
+ * 14 for 8) where separate horizontal sums would take ~4x as many. */
+#if VL == 16
+static inline vf reduce_vl(const vf a[16]) {
     vf b[8], c[4], d[2];
     for (int i = 0; i < 8; i++)
         b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
@@ -88,6 +97,19 @@ static inline vf reduce16(const vf a[16]) {
            __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                    29, 31);
 }
+#else
+static inline vf reduce_vl(const vf a[8]) {
+    vf b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 static inline float hsum(vf v) {
     float s = 0.f;
@@ -101,11 +123,37 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return s;
 }
 
-/* o[D] += sum_t p[t] * rows[t][D]. */
+/* o[D] += sum_t p[t] * rows[t][D]: D in slices of up to 8 vectors held in registers across
+ * the rows (independent FMA chains, not one chain per vector through every row). */
 static inline void axpy_rows(float *restrict o, const float *restrict p,
                              const float *const *restrict rows, int64_t n, int64_t d) {
     if (d % VL == 0) {
-        for (int64_t i = 0; i < d; i += VL) {
+        int64_t i = 0;
+        for (; i + 8 * VL <= d; i += 8 * VL) {
+            vf acc[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) acc[j] = *(const vf *)(o + i + j * VL);
+            for (int64_t t = 0; t < n; t++) {
+                const vf b = splat(p[t]);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) acc[j] += b * *(const vf *)(rows[t] + i + j * VL);
+            }
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) *(vf *)(o + i + j * VL) = acc[j];
+        }
+        for (; i + 4 * VL <= d; i += 4 * VL) {
+            vf acc[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[j] = *(const vf *)(o + i + j * VL);
+            for (int64_t t = 0; t < n; t++) {
+                const vf b = splat(p[t]);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) acc[j] += b * *(const vf *)(rows[t] + i + j * VL);
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) *(vf *)(o + i + j * VL) = acc[j];
+        }
+        for (; i < d; i += VL) {
             vf acc = *(vf *)(o + i);
             for (int64_t t = 0; t < n; t++) acc += p[t] * *(const vf *)(rows[t] + i);
             *(vf *)(o + i) = acc;
@@ -116,18 +164,18 @@ static inline void axpy_rows(float *restrict o, const float *restrict p,
         for (int64_t i = 0; i < d; i++) o[i] += p[t] * rows[t][i];
 }
 
-/* Scores of up to 16 consecutive keys (rows `row` floats apart from k0, this head's slice) for
- * query head q (D floats, D a multiple of 16), scaled, into s[0..cnt). */
-static inline void scores16(const float *restrict q, const float *restrict k0, int64_t row,
-                            int64_t D, int64_t cnt, float scale, float *restrict s) {
-    vf a[16];
+/* Scores of up to VL consecutive keys (rows `row` floats apart from k0, this head's slice) for
+ * query head q (D floats, D a multiple of VL), scaled, into s[0..cnt). */
+static inline void scores_vl(const float *restrict q, const float *restrict k0, int64_t row,
+                             int64_t D, int64_t cnt, float scale, float *restrict s) {
+    vf a[VL];
 #pragma GCC unroll 16
-    for (int t = 0; t < 16; t++) a[t] = splat(0.f);
-    if (cnt == 16) { /* the common case, unrolled so the 16 sums live in registers */
+    for (int t = 0; t < VL; t++) a[t] = splat(0.f);
+    if (cnt == VL) { /* the common case, unrolled so the VL sums live in registers */
         for (int64_t i = 0; i < D; i += VL) {
             const vf qv = *(const vf *)(q + i);
 #pragma GCC unroll 16
-            for (int t = 0; t < 16; t++) a[t] += qv * *(const vf *)(k0 + t * row + i);
+            for (int t = 0; t < VL; t++) a[t] += qv * *(const vf *)(k0 + t * row + i);
         }
     } else {
         for (int64_t i = 0; i < D; i += VL) {
@@ -135,12 +183,19 @@ static inline void scores16(const float *restrict q, const float *restrict k0, i
             for (int64_t t = 0; t < cnt; t++) a[t] += qv * *(const vf *)(k0 + t * row + i);
         }
     }
-    const vf r = reduce16(a) * splat(scale);
-    if (cnt == 16) {
+    const vf r = reduce_vl(a) * splat(scale);
+    if (cnt == VL) {
         *(vf *)s = r;
     } else {
         for (int64_t t = 0; t < cnt; t++) s[t] = r[t];
     }
+}
+
+/* Scores of up to 16 consecutive keys (a run within one block), VL at a time. */
+static inline void scores16(const float *restrict q, const float *restrict k0, int64_t row,
+                            int64_t D, int64_t cnt, float scale, float *restrict s) {
+    for (int64_t g = 0; g < cnt; g += VL)
+        scores_vl(q, k0 + g * row, row, D, cnt - g < VL ? cnt - g : VL, scale, s + g);
 }
 
 /* Asks for the next run of rows (up to 16 keys from `pos`) while this one computes: runs
@@ -159,7 +214,7 @@ static inline void prefetch_run(const float *cache, const int32_t *table, int64_
 
 /* One item: for every head, softmax(q K^T * scale) V over keys [begin, end). Writes the
  * unnormalised output rows to o (H x D) and each head's max and sum to m and l. `scores` holds
- * H x (end - begin) floats, rounded up to a multiple of 16. */
+ * H x (end - begin) floats, rounded up to a multiple of VL. */
 static void attend(const float *restrict q, const float *restrict k_cache,
                    const float *restrict v_cache, const int32_t *restrict table, int64_t H,
                    int64_t KVH, int64_t D, int64_t bs, int32_t begin, int32_t end, float scale,
@@ -187,7 +242,7 @@ static void attend(const float *restrict q, const float *restrict k_cache,
         }
         t0 += cnt;
     }
-    /* Softmax numerators and sums, 16 lanes at a time (the tail lanes padded with -inf-like
+    /* Softmax numerators and sums, VL lanes at a time (the tail lanes padded with -inf-like
      * values contribute ~0 and are never read by pass 2). */
     const int64_t full = n / VL * VL;
     for (int64_t h = 0; h < H; h++) {
@@ -370,30 +425,43 @@ typedef struct {
     int32_t nq; /* rows in the tile */
 } pitem_t;
 
-/* S[r][0..32) = sum_d Q[r][d] Kt[d][0..32) for 8 rows (rows `ldq` apart), scaled. */
-static inline void qk_8x32(const float *restrict qr, int64_t ldq, const float *restrict kt,
+/* Query rows per QK tile: QR rows x 2 vectors of keys = 2 QR accumulators (16 of AVX-512's 32
+ * registers, 12 of AVX2's 16). */
+#if VL == 16
+#define QR 8
+#else
+#define QR 6
+#endif
+#define ROWS_PADDED(n) (((n) + QR - 1) / QR * QR)
+
+/* S[r][0..KT) = sum_d Q[r][d] Kt[d][0..KT) for QR rows (rows `ldq` apart), scaled; 2 VL keys
+ * at a time. */
+static inline void qk_tile(const float *restrict qr, int64_t ldq, const float *restrict kt,
                            int64_t D, float scale, float *restrict s) {
-    vf acc[8][2];
+    for (int64_t c0 = 0; c0 < KT; c0 += 2 * VL) {
+        vf acc[QR][2];
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = splat(0.f);
-    for (int64_t d = 0; d < D; d++) {
-        const vf k0 = *(const vf *)(kt + d * KT), k1 = *(const vf *)(kt + d * KT + VL);
+        for (int r = 0; r < QR; r++) acc[r][0] = acc[r][1] = splat(0.f);
+        for (int64_t d = 0; d < D; d++) {
+            const vf k0 = *(const vf *)(kt + d * KT + c0);
+            const vf k1 = *(const vf *)(kt + d * KT + c0 + VL);
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) {
-            const vf b = splat(qr[r * ldq + d]);
-            acc[r][0] += b * k0;
-            acc[r][1] += b * k1;
+            for (int r = 0; r < QR; r++) {
+                const vf b = splat(qr[r * ldq + d]);
+                acc[r][0] += b * k0;
+                acc[r][1] += b * k1;
+            }
         }
-    }
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) {
-        *(vf *)(s + r * KT) = acc[r][0] * splat(scale);
-        *(vf *)(s + r * KT + VL) = acc[r][1] * splat(scale);
+        for (int r = 0; r < QR; r++) {
+            *(vf *)(s + r * KT + c0) = acc[r][0] * splat(scale);
+            *(vf *)(s + r * KT + c0 + VL) = acc[r][1] * splat(scale);
+        }
     }
 }
 
-/* O[r][0..D) += sum_c P[r][c] V[c][0..D) over nk keys, R rows at a time with R x DV = 16
- * accumulators (DV = D / 16 vectors per row). */
+/* O[r][0..D) += sum_c P[r][c] V[c][0..D) over nk keys, R rows at a time with R x DV <= ACC
+ * accumulators (DV = D / VL vectors per row). */
 #define PV_KERNEL(DV, R)                                                                         \
     static inline void pv_##DV(const float *restrict p, const float *const *restrict vrows,     \
                                int64_t nk, float *restrict o, int64_t D) {                      \
@@ -414,20 +482,23 @@ static inline void qk_8x32(const float *restrict qr, int64_t ldq, const float *r
             _Pragma("GCC unroll 16") for (int j = 0; j < DV; j++)                                \
                 *(vf *)(o + r * D + j * VL) = acc[r][j];                                         \
     }
+#if VL == 16
 PV_KERNEL(1, 16)
 PV_KERNEL(2, 8)
 PV_KERNEL(4, 4)
 PV_KERNEL(8, 2)
 PV_KERNEL(16, 1)
+#else
+PV_KERNEL(1, 12)
+PV_KERNEL(2, 6)
+PV_KERNEL(4, 3)
+PV_KERNEL(8, 1)
+#endif
 
-/* One row at a time, any D multiple of 16 (rows left over by the blocked kernels). */
+/* One row at a time, any D multiple of VL (rows left over by the blocked kernels). */
 static inline void pv_row(const float *restrict p, const float *const *restrict vrows, int64_t nk,
                           float *restrict o, int64_t D) {
-    for (int64_t j = 0; j < D; j += VL) {
-        vf acc = *(const vf *)(o + j);
-        for (int64_t c = 0; c < nk; c++) acc += splat(p[c]) * *(const vf *)(vrows[c] + j);
-        *(vf *)(o + j) = acc;
-    }
+    axpy_rows(o, p, vrows, nk, D);
 }
 
 static void prefill_item(const float *restrict q, const float *restrict kt_all,
@@ -438,23 +509,23 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
                          float *restrict m, float *restrict l, float *restrict qbuf) {
     const int64_t G = H / KVH, row = KVH * D, nq = w->nq;
     const int64_t rows = G * nq;              /* item rows: r = g * nq + i */
-    const int64_t rows8 = (rows + 7) / 8 * 8; /* padded for the 8-row kernel */
+    const int64_t rowsp = ROWS_PADDED(rows); /* padded for the QK tile */
     const int64_t offset = ctx - q_len;       /* position of the span's row 0 */
     const int64_t pos_lo = offset + w->q0, pos_hi = pos_lo + nq - 1;
-    /* The item's query rows, contiguous (and zero padding rows for the 8-row kernel). */
+    /* The item's query rows, contiguous (and zero padding rows for the QK tile). */
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++)
             memcpy(qbuf + (g * nq + i) * D, q + ((q_start + w->q0 + i) * H + w->kvh * G + g) * D,
                    sizeof(float) * D);
-    memset(qbuf + rows * D, 0, sizeof(float) * (rows8 - rows) * D);
-    memset(obuf, 0, sizeof(float) * rows8 * D);
-    for (int64_t r = 0; r < rows8; r++) m[r] = -FLT_MAX, l[r] = 0.f;
+    memset(qbuf + rows * D, 0, sizeof(float) * (rowsp - rows) * D);
+    memset(obuf, 0, sizeof(float) * rowsp * D);
+    for (int64_t r = 0; r < rowsp; r++) m[r] = -FLT_MAX, l[r] = 0.f;
     const int64_t k_first = window > 0 && pos_lo - window + 1 > 0 ? pos_lo - window + 1 : 0;
     const float *vrows[KT];
     for (int64_t k0 = k_first / KT * KT; k0 <= pos_hi; k0 += KT) {
         const int64_t nk = k0 + KT <= ctx ? KT : ctx - k0;
         const float *kt = kt_all + k0 * D; /* [D][KT] tile of this KV head's transposed keys */
-        for (int64_t r = 0; r < rows8; r += 8) qk_8x32(qbuf + r * D, D, kt, D, scale, sbuf + r * KT);
+        for (int64_t r = 0; r < rowsp; r += QR) qk_tile(qbuf + r * D, D, kt, D, scale, sbuf + r * KT);
         int any = 0;
         for (int64_t r = 0; r < rows; r++) {
             const int64_t pos = pos_lo + r % nq;
@@ -472,11 +543,9 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
             for (int64_t c = a; c < b; c++) mx = s[c] > mx ? s[c] : mx;
             const float alpha = m[r] == -FLT_MAX ? 0.f : expf(m[r] - mx);
             m[r] = mx;
-            vf e0 = vexp_neg(*(vf *)s - splat(mx)), e1 = vexp_neg(*(vf *)(s + VL) - splat(mx));
-            for (int64_t c = 0; c < KT; c++) {
-                const float e = c < VL ? e0[c] : e1[c - VL];
-                s[c] = (c >= a && c < b) ? e : 0.f;
-            }
+            for (int64_t c = 0; c < KT; c += VL) *(vf *)(s + c) = vexp_neg(*(vf *)(s + c) - splat(mx));
+            for (int64_t c = 0; c < a; c++) s[c] = 0.f;
+            for (int64_t c = b; c < KT; c++) s[c] = 0.f;
             float sum = 0.f;
             for (int64_t c = a; c < b; c++) sum += s[c];
             l[r] = l[r] * alpha + sum;
@@ -497,11 +566,18 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
         for (; r + R <= rows; r += R) pv_##DV(sbuf + r * KT, vrows, nk, obuf + r * D, D);        \
         break;
         switch (dv) {
+#if VL == 16
             PV_CASE(1, 16)
             PV_CASE(2, 8)
             PV_CASE(4, 4)
             PV_CASE(8, 2)
             PV_CASE(16, 1)
+#else
+            PV_CASE(1, 12)
+            PV_CASE(2, 6)
+            PV_CASE(4, 3)
+            PV_CASE(8, 1)
+#endif
         default:
             break;
         }
@@ -577,11 +653,11 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
                 }
             }
         /* Phase 2: the attention tiles. */
-        const int64_t rows8 = (G * QT + 7) / 8 * 8;
-        float *sbuf = malloc(sizeof(float) * rows8 * KT);
-        float *obuf = malloc(sizeof(float) * rows8 * D);
-        float *qbuf = malloc(sizeof(float) * rows8 * D);
-        float *ml = malloc(sizeof(float) * rows8 * 2);
+        const int64_t rowsp = ROWS_PADDED(G * QT);
+        float *sbuf = malloc(sizeof(float) * rowsp * KT);
+        float *obuf = malloc(sizeof(float) * rowsp * D);
+        float *qbuf = malloc(sizeof(float) * rowsp * D);
+        float *ml = malloc(sizeof(float) * rowsp * 2);
         if (!sbuf || !obuf || !qbuf || !ml) {
 #pragma omp atomic write
             failed = 1;
@@ -593,7 +669,7 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
             const int64_t j = w->span;
             prefill_item(q, kt + kt_off[j * KVH + w->kvh], v_cache, tables + j * W, q_start[j],
                          q_len[j], ctx_len[j], w, H, KVH, D, bs, scale, window, out, sbuf, obuf,
-                         ml, ml + rows8, qbuf);
+                         ml, ml + rowsp, qbuf);
         }
         free(sbuf), free(obuf), free(qbuf), free(ml);
     }
