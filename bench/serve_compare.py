@@ -191,13 +191,15 @@ def main() -> int:
                 continue
             for run, r in res.items():
                 b = base[run]
-                gp = (r.get("request_goodput") or 0) / max(b.get("request_goodput") or 0, 1e-9)
+                ours, theirs = r.get("request_goodput") or 0, b.get("request_goodput") or 0
+                gp = (f"{ours / theirs:.2f}x" if theirs > 0
+                      else "- (vLLM 0)" if ours > 0 else "-")
                 tput = r["output_throughput"] / b["output_throughput"]
                 lines.append(
                     f"{config:>18} {run:>9} tok/s {tput:.2f}x"
                     f"  TTFT p50 {r['median_ttft_ms'] / b['median_ttft_ms']:.2f}x"
                     f"  TPOT p50 {r['median_tpot_ms'] / b['median_tpot_ms']:.2f}x"
-                    f"  TPOT p99 {r['p99_tpot_ms'] / b['p99_tpot_ms']:.2f}x  goodput {gp:.2f}x")
+                    f"  TPOT p99 {r['p99_tpot_ms'] / b['p99_tpot_ms']:.2f}x  goodput {gp}")
     text = "\n".join(lines)
     print(text)
     (out_dir / "summary.txt").write_text(text + "\n")
