@@ -600,7 +600,7 @@ def exported_series() -> set[str]:
 
     from kvrelay.engine.engine_core import EngineStats
     from kvrelay.engine.step_cost import StepCostFit
-    from kvrelay.worker_metrics import WorkerMetrics
+    from kvrelay.worker.metrics import WorkerMetrics
 
     stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)})
     stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),

@@ -27,7 +27,6 @@ from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.prefix_hash import block_hashes
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import Sequence
-from kvrelay.heartbeat import Heartbeater
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import LinearFit, RateMeter
@@ -40,6 +39,7 @@ from kvrelay.router.policy import (
     make_policy,
 )
 from kvrelay.router.registry import WorkerRegistry, WorkerState
+from kvrelay.worker.heartbeat import Heartbeater
 
 BS = 16
 
@@ -84,8 +84,8 @@ def test_cached_hash_set_is_the_same_object_until_the_cache_changes() -> None:
 
 
 def test_heartbeats_carry_block_hash_deltas_into_the_registry() -> None:
+    from kvrelay.common.rpc import bind, make_server
     from kvrelay.router.grpc_api import RegistryServicer
-    from kvrelay.rpc import bind, make_server
 
     async def run() -> None:
         reg = WorkerRegistry(heartbeat_interval_s=0.05)
