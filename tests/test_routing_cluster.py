@@ -10,6 +10,7 @@ is asserted.
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
