@@ -10,8 +10,8 @@ prompt length and reports, for 1P1D, where the time to first token goes, then th
 overhead = TTFT(1P1D) - TTFT(prefill alone), p50 and p90 (ms).
 
 The stages come from the router's timing fields and trace (``Timing``, trace events) and from the
-workers' ``kvrelay.timeline`` marks (``time.monotonic()``, one clock for every process of the
-host), which the workers log when ``KVRELAY_DEBUG_LOGGERS=kvrelay.timeline``.
+workers' ``kvrelay.common.timeline`` marks (``time.monotonic()``, one clock for every process of the
+host), which the workers log when ``KVRELAY_DEBUG_LOGGERS=kvrelay.common.timeline``.
 """
 
 from __future__ import annotations

@@ -48,10 +48,10 @@ from bench.routing_results import Result, brief, mean_runs, summarize, table  # 
 from bench.serving_configs import kvrelay_cmd  # noqa: E402
 from bench.serving_procs import Deployment, Proc, free_port, wait_file  # noqa: E402
 from bench.workloads import make_requests, poisson_arrivals, read_vocab  # noqa: E402
+from kvrelay.common.rpc import CHANNEL_OPTIONS  # noqa: E402
 from kvrelay.proto import generate_pb2 as pb  # noqa: E402
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc  # noqa: E402
 from kvrelay.proto import worker_pb2 as wpb  # noqa: E402
-from kvrelay.rpc import CHANNEL_OPTIONS  # noqa: E402
 
 logger = logging.getLogger("bench.routing")
 

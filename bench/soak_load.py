@@ -19,9 +19,9 @@ import grpc
 import httpx
 
 from bench.soak_cluster import SERVED, SoakCluster
+from kvrelay.common.rpc import CHANNEL_OPTIONS
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc
-from kvrelay.rpc import CHANNEL_OPTIONS
 
 # -- load -----------------------------------------------------------------------------------------
 KINDS = {  # kind: weight

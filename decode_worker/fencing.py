@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import grpc
 
+from kvrelay.common.rpc import insecure_channel, token_metadata
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.rpc import insecure_channel, token_metadata
 
 logger = logging.getLogger(__name__)
 

@@ -16,20 +16,25 @@ from typing import Protocol
 
 import grpc
 
-from kvrelay.convert import finish_to_proto, logprob_to_proto, sampling_from_proto
+from kvrelay.common.convert import (
+    ID_REUSE_WAIT_S,
+    cache_salt_of,
+    check_request_id,
+    finish_to_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+from kvrelay.common.logs import request_context
+from kvrelay.common.rpc import WORKER_DRAINING
+from kvrelay.common.timeline import mark
 from kvrelay.decode_worker.leases import LeaseError, LeaseTable
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, RequestOutput
-from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
-from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.rpc import WORKER_DRAINING
-from kvrelay.timeline import mark
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_ID = 256
 DEFAULT_KV_TIMEOUT_S = 30.0
 
 
@@ -49,24 +54,7 @@ class KVReceiver(Protocol):
     def settle(self, request_id: str) -> bool: ...
 
 
-ID_REUSE_WAIT_S = 3.0  # for a torn-down attempt of this id to let go of it
 FLUSH_WAIT_S = 5.0  # for the engine to pass on a request's last output (a step or two)
-
-
-def is_id_in_use(e: Exception) -> bool:
-    """The engine refused a request id an earlier request still holds."""
-    return isinstance(e, RequestIdInUse)
-
-
-def check_request_id(request_id: str) -> None:
-    if not request_id or len(request_id) > MAX_REQUEST_ID:
-        raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID} characters")
-
-
-def cache_salt_of(salt: str) -> str | None:
-    if len(salt) > MAX_CACHE_SALT:
-        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT} characters")
-    return salt or None
 
 
 def decode_response(out: RequestOutput) -> wpb.DecodeResponse:
@@ -142,11 +130,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 except ValueError as e:
                     # An earlier request of this id aborted here may hold it a moment longer
                     # (its blocks quarantined until the sender's last write): transient.
-                    if is_id_in_use(e) and time.monotonic() < in_use_until:
+                    if isinstance(e, RequestIdInUse) and time.monotonic() < in_use_until:
                         await asyncio.sleep(0.02)
                         continue
                     self.leases.drop(rid)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE if is_id_in_use(e)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE if isinstance(e, RequestIdInUse)
                                         else grpc.StatusCode.INVALID_ARGUMENT, str(e))
             logger.debug("reserved %d blocks (%d tokens cached) lease %s", len(res.block_ids),
                          res.num_cached_tokens, lease.lease_id)

@@ -32,9 +32,9 @@ from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolAutoscaler, PoolSampl
 from kvrelay.engine.config import EngineConfig
 from kvrelay.router.server import RouterSettings
 
-if TYPE_CHECKING:  # kvrelay.worker loads torch: the router actor's process must not
+if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
     from kvrelay.deploy.planner.ray_loop import PlannerSpec
-    from kvrelay.worker import WorkerSettings
+    from kvrelay.worker.process import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +86,9 @@ class ServeSpec:
 @ray.remote(num_cpus=0)
 class RouterActor:
     async def start(self, settings: RouterSettings, log_level: str) -> dict[str, Any]:
-        from kvrelay.logs import setup_logging
+        from kvrelay.common.logs import setup_logging
+        from kvrelay.common.torch_free import forbid_torch, torch_loaded
         from kvrelay.router.server import Router
-        from kvrelay.torch_free import forbid_torch, torch_loaded
 
         setup_logging("router", log_level)
         # This actor has its own process; keep transformers from loading torch into it.
@@ -139,8 +139,8 @@ class RouterActor:
 class WorkerActor:
     async def start(self, settings: WorkerSettings, engine: EngineConfig,
                     log_level: str) -> dict[str, Any]:
-        from kvrelay.logs import setup_logging
-        from kvrelay.worker import Worker
+        from kvrelay.common.logs import setup_logging
+        from kvrelay.worker.process import Worker
 
         setup_logging(f"{settings.role}-worker", log_level)
         if settings.advertise_host is None:
@@ -187,7 +187,7 @@ class Controller:
         self.decisions: list[dict[str, Any]] = []
 
     async def start(self) -> dict[str, Any]:
-        from kvrelay.logs import setup_logging
+        from kvrelay.common.logs import setup_logging
 
         setup_logging("controller", self.spec.log_level)
         opts: dict[str, Any] = {"name": ROUTER_NAME}

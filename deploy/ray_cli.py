@@ -41,7 +41,7 @@ def _pool_resources(text: str | None) -> dict[str, float]:
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
-    from kvrelay.cli import add_engine_options, opt
+    from kvrelay.common.options import add_engine_options, opt
     from kvrelay.router.policy import DEFAULT_POLICY, POLICIES
 
     add_engine_options(p, model_required=False)
@@ -107,12 +107,12 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
 def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
     from dataclasses import replace
 
-    from kvrelay.cli import engine_config_from_args
+    from kvrelay.common.options import engine_config_from_args
     from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
     from kvrelay.deploy.launcher import PoolSpec, ServeSpec
     from kvrelay.router.lifecycle import RouterConfig
     from kvrelay.router.server import RouterSettings
-    from kvrelay.worker import WorkerSettings
+    from kvrelay.worker.process import WorkerSettings
 
     model = os.path.abspath(args.model)
     host = args.host or ("127.0.0.1" if loopback else "0.0.0.0")
@@ -275,7 +275,7 @@ def _use_local_auth_token() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvrelay.logs import setup_logging
+    from kvrelay.common.logs import setup_logging
 
     setup_logging("serve", args.log_level)
     if not args.model:

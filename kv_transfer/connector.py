@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrelay.common.timeline import mark
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.config import NixlConnectorConfig
@@ -57,7 +58,6 @@ from kvrelay.kv_transfer.tracker import (
     SendTracker,
 )
 from kvrelay.kv_transfer.transfer_thread import TransferThread, WriteJob
-from kvrelay.timeline import mark
 
 if TYPE_CHECKING:
     from kvrelay.engine.kv_cache import KVCacheSpec

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvrelay.common.rpc import CHANNEL_OPTIONS
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc
-from kvrelay.rpc import CHANNEL_OPTIONS
 
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_ERROR: "error"}

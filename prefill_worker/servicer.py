@@ -18,24 +18,28 @@ from typing import Protocol
 
 import grpc
 
-from kvrelay.convert import logprob_to_proto, sampling_from_proto
-from kvrelay.decode_worker.servicer import ID_REUSE_WAIT_S, cache_salt_of, is_id_in_use
-from kvrelay.engine.async_engine import AsyncEngine
-from kvrelay.engine.engine_core import EngineOverloaded, RequestOutput
-from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.sequence import FinishReason
-from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
-from kvrelay.logs import request_context
-from kvrelay.proto import worker_pb2 as wpb
-from kvrelay.proto import worker_pb2_grpc
-from kvrelay.rpc import (
+from kvrelay.common.convert import (
+    ID_REUSE_WAIT_S,
+    cache_salt_of,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+from kvrelay.common.logs import request_context
+from kvrelay.common.rpc import (
     KV_DESTINATION_FAILED,
     KV_NOTHING_WRITTEN,
     WORKER_DRAINING,
     insecure_channel,
     token_metadata,
 )
-from kvrelay.timeline import mark
+from kvrelay.common.timeline import mark
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, RequestOutput
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sequence import FinishReason
+from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -314,11 +318,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             except ValueError as e:
                 # An earlier request of this id (given up by the router, or a client's retry)
                 # may still be sending its KV out: wait a moment, it is transient.
-                if is_id_in_use(e) and out is None \
+                if isinstance(e, RequestIdInUse) and out is None \
                         and time.monotonic() < t0 + ID_REUSE_WAIT_S:
                     await asyncio.sleep(0.02)
                     continue
-                await context.abort(grpc.StatusCode.UNAVAILABLE if is_id_in_use(e)
+                await context.abort(grpc.StatusCode.UNAVAILABLE if isinstance(e, RequestIdInUse)
                                     else grpc.StatusCode.INVALID_ARGUMENT, str(e),
                                     KV_NOTHING_WRITTEN)
         if out is None or out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) \

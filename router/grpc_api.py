@@ -10,16 +10,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvrelay.convert import finish_to_proto, logprob_to_proto, sampling_from_proto
-from kvrelay.limits import MAX_TIMEOUT_MS
-from kvrelay.logs import request_context
+from kvrelay.common.convert import finish_to_proto, logprob_to_proto, sampling_from_proto
+from kvrelay.common.limits import MAX_TIMEOUT_MS
+from kvrelay.common.logs import request_context
+from kvrelay.common.rpc import bearer_or_key
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError
 from kvrelay.router.registry import WorkerIdTaken, WorkerRegistry
 from kvrelay.router.service import Delta, RouterService
-from kvrelay.rpc import bearer_or_key
 
 logger = logging.getLogger(__name__)
 

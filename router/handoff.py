@@ -18,16 +18,16 @@ from collections.abc import Callable
 
 import grpc
 
-from kvrelay.convert import sampling_to_proto
+from kvrelay.common.convert import sampling_to_proto
+from kvrelay.common.logs import request_context
+from kvrelay.common.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN, WORKER_DRAINING
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.logs import request_context
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError
 from kvrelay.router.policy import Policy
 from kvrelay.router.registry import WorkerRegistry, WorkerState
 from kvrelay.router.requests import GenerateSpec, Pass, RouterConfig, WorkerLost, new_pass
 from kvrelay.router.trace import Trace
-from kvrelay.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN, WORKER_DRAINING
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvrelay.common.limits import MAX_HTTP_BODY_BYTES
+from kvrelay.common.logs import request_context
+from kvrelay.common.rpc import SecretSet, TLSFiles
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.limits import MAX_HTTP_BODY_BYTES
-from kvrelay.logs import request_context
 from kvrelay.router.errors import RouterError
 from kvrelay.router.http_extras import extras
 from kvrelay.router.http_middleware import ApiKeyAuth, BodyLimit, presented_key
@@ -30,7 +31,6 @@ from kvrelay.router.lifecycle import GenerateSpec
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
 from kvrelay.router.service import Delta, RouterService
-from kvrelay.rpc import SecretSet, TLSFiles
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import kvrelay
-from kvrelay.limits import MAX_PROMPT_CHARS
+from kvrelay.common.limits import MAX_PROMPT_CHARS
 from kvrelay.router.openai_models import ChatMessage
 from kvrelay.router.service import RouterService, first_bad_id
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import grpc
 
-from kvrelay.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
+from kvrelay.common.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
 from kvrelay.engine.outputs import FinishReason
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvrelay.common.limits import INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
-from kvrelay.limits import INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_HTTP_LOGPROBS = 20
 

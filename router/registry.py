@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvrelay.common.rpc import insecure_channel
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import (
@@ -31,7 +32,6 @@ from kvrelay.router.estimators import (
     prefill_fit_prior,
     step_fit_prior,
 )
-from kvrelay.rpc import insecure_channel
 
 logger = logging.getLogger(__name__)
 

@@ -12,16 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvrelay.limits import MAX_GRPC_REQUEST_BYTES
-from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
-from kvrelay.router.calibration import Calibrator
-from kvrelay.router.grpc_api import GenerationServicer, RegistryServicer
-from kvrelay.router.lifecycle import Lifecycle, RouterConfig
-from kvrelay.router.metrics import RouterMetrics
-from kvrelay.router.policy import make_policy
-from kvrelay.router.registry import WorkerRegistry
-from kvrelay.router.service import RouterService
-from kvrelay.rpc import (
+from kvrelay.common.limits import MAX_GRPC_REQUEST_BYTES
+from kvrelay.common.rpc import (
     SecretSet,
     TLSFiles,
     add_health,
@@ -32,6 +24,14 @@ from kvrelay.rpc import (
     set_serving,
     token_metadata,
 )
+from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
+from kvrelay.router.calibration import Calibrator
+from kvrelay.router.grpc_api import GenerationServicer, RegistryServicer
+from kvrelay.router.lifecycle import Lifecycle, RouterConfig
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.policy import make_policy
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.service import RouterService
 
 logger = logging.getLogger(__name__)
 

@@ -19,17 +19,18 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvrelay.engine.outputs import FinishReason, TokenLogprob
-from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
-from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.tokenizer import OutputProcessor, apply_chat_template
-from kvrelay.limits import (
+from kvrelay.common.limits import (
     MAX_PROMPT_CHARS,
+    MAX_REQUEST_ID,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TIMEOUT_MS,
 )
+from kvrelay.engine.outputs import FinishReason, TokenLogprob
+from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import OutputProcessor, apply_chat_template
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
@@ -37,7 +38,7 @@ from kvrelay.router.trace import Trace
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+REQUEST_ID_RE = re.compile(rf"^[A-Za-z0-9_.:\-]{{1,{MAX_REQUEST_ID}}}$")
 DUPLICATE_ID_WAIT_S = 1.0  # how long a request waits for an earlier one of its id to leave
 # Text longer than this (characters; token ids: a quarter of it) is tokenized, templated and
 # checked off the event loop, which also serves heartbeats and lease renewals. Smaller inputs
@@ -185,7 +186,8 @@ class RouterService:
 
         rid = request_id or self.new_request_id()
         if not isinstance(rid, str) or not REQUEST_ID_RE.fullmatch(rid):  # '$' allows '\n'
-            raise bad("request_id must be 1-128 characters of letters, digits, '-', '_', '.', ':'")
+            raise bad(f"request_id must be 1-{MAX_REQUEST_ID} characters of letters, digits, "
+                      "'-', '_', '.', ':'")
         if model and model != self.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
                               f"model {model!r} is not served here; this router serves "

@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 
 from kvrelay.client import Client
+from kvrelay.common.rpc import CLUSTER_TOKEN_KEY
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.rpc import CLUSTER_TOKEN_KEY
 
 WORKER_ARGS = ("--num-threads", "1", "--kv-cache-memory", "64MiB")
 

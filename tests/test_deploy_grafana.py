@@ -12,7 +12,7 @@ from kvrelay.engine.engine_core import EngineStats
 from kvrelay.engine.step_cost import StepCostFit
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.registry import WorkerRegistry
-from kvrelay.worker_metrics import WorkerMetrics
+from kvrelay.worker.metrics import WorkerMetrics
 
 GRAFANA = Path(__file__).resolve().parent.parent / "deploy" / "grafana"
 

@@ -15,11 +15,11 @@ from cluster import Cluster
 from hf_models import hf_greedy
 
 from kvrelay.client import sampling
+from kvrelay.common.rpc import KV_NOTHING_WRITTEN
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.rpc import KV_NOTHING_WRITTEN
 
 pytestmark = pytest.mark.slow
 

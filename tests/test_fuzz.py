@@ -26,7 +26,7 @@ from cluster import Cluster
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvrelay.limits import (
+from kvrelay.common.limits import (
     MAX_GRPC_REQUEST_BYTES,
     MAX_HTTP_BODY_BYTES,
     MAX_PROMPT_CHARS,

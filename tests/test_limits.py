@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
-from kvrelay.convert import sampling_from_proto, sampling_to_proto
+from kvrelay.common.convert import sampling_from_proto, sampling_to_proto
+from kvrelay.common.limits import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.limits import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.proto import generate_pb2 as pb
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from test_deploy import K8S, named, of_kind, pool_deployment, render, validate
+from deploy_checks import K8S, named, of_kind, pool_deployment, render, validate
 
 OVERLAY = "overlays/cpu-demo-planner"
 

@@ -31,11 +31,11 @@ import grpc
 import pytest
 
 from kvrelay.client import Client, Completion, sampling
+from kvrelay.common.rpc import token_metadata
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.rpc import token_metadata
 
 pytestmark = pytest.mark.slow
 

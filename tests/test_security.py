@@ -31,10 +31,10 @@ import pytest
 from cluster import Cluster
 
 from kvrelay.client import Client, sampling
+from kvrelay.common.rpc import CLUSTER_TOKEN_KEY
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.proto import worker_pb2 as wpb
-from kvrelay.rpc import CLUSTER_TOKEN_KEY
 
 pytestmark = pytest.mark.slow
 

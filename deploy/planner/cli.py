@@ -14,7 +14,7 @@ def _opt_float(v: Any) -> float | None:
 def add_planner_options(p: argparse.ArgumentParser, *, slo_options: bool = False) -> None:
     """The planner's options; ``slo_options`` adds the SLO and minimum flags too (``kvrelay
     serve`` has them already, shared with ``--autoscale``)."""
-    from kvrelay.cli import opt
+    from kvrelay.common.options import opt
 
     g = p.add_argument_group("SLO planner (with --planner; uses --ttft-slo-ms, --itl-slo-ms, "
                              "--min-prefill, --min-decode)")

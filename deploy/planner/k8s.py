@@ -93,7 +93,7 @@ def _scrape(url: str, token: str | None) -> str:
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    from kvrelay.cli import opt
+    from kvrelay.common.options import opt
     from kvrelay.deploy.planner.cli import add_planner_options
 
     add_planner_options(p, slo_options=True)
@@ -112,10 +112,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def cmd_planner(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry, start_http_server
 
+    from kvrelay.common.logs import setup_logging
     from kvrelay.deploy.planner.cli import build_planner
     from kvrelay.deploy.planner.metrics import PlannerMetrics
     from kvrelay.deploy.planner.planner import Planner
-    from kvrelay.logs import setup_logging
 
     setup_logging("planner", args.log_level)
     args.planner = True

@@ -21,14 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvrelay.decode_worker.fencing import Fencer
-from kvrelay.engine.async_engine import AsyncEngine
-from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.engine_core import EngineCore, EngineStats
-from kvrelay.heartbeat import Heartbeater
-from kvrelay.proto import worker_pb2 as wpb
-from kvrelay.proto import worker_pb2_grpc
-from kvrelay.rpc import (
+from kvrelay.common.rpc import (
     SecretSet,
     add_health,
     bind,
@@ -36,6 +29,13 @@ from kvrelay.rpc import (
     make_server,
     set_serving,
 )
+from kvrelay.decode_worker.fencing import Fencer
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.engine_core import EngineCore, EngineStats
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import worker_pb2_grpc
+from kvrelay.worker.heartbeat import Heartbeater
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Worker:
         model_dir = self.engine_config.model.model
         self.kv = None
         if role != "both":
-            from kvrelay.kv_endpoint import KVEndpoint
+            from kvrelay.worker.kv_endpoint import KVEndpoint
 
             if self.settings.host in ("127.0.0.1", "localhost", "::1"):
                 # UCX listens on every interface unless told; a loopback worker keeps its KV
@@ -163,7 +163,7 @@ class Worker:
         self.metrics_port: int | None = None
         await self._build_engine()
         if st.metrics_port is not None:
-            from kvrelay.worker_metrics import WorkerMetrics
+            from kvrelay.worker.metrics import WorkerMetrics
 
             self.metrics = WorkerMetrics(lambda: self.engine.stats, st.role, self.worker_id)
             self.metrics_port = self.metrics.serve(st.host, st.metrics_port)

@@ -3,12 +3,27 @@ message fit for the client (servicers turn it into INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
+from kvrelay.common.limits import MAX_ATTEMPT_ID, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
+from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.limits import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.proto import generate_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
+# How long a worker waits for a torn-down attempt of a request id to let go of it before it
+# refuses the id as in use.
+ID_REUSE_WAIT_S = 3.0
+
+
+def check_request_id(request_id: str) -> None:
+    if not request_id or len(request_id) > MAX_ATTEMPT_ID:
+        raise ValueError(f"request_id must be 1..{MAX_ATTEMPT_ID} characters")
+
+
+def cache_salt_of(salt: str) -> str | None:
+    if len(salt) > MAX_CACHE_SALT:
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT} characters")
+    return salt or None
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -1,7 +1,7 @@
 """Logging set-up shared by every kvrelay process: request ids on every line, text or JSON.
 
 ``KVRELAY_LOG_LEVEL`` and ``KVRELAY_LOG_FORMAT`` give the defaults; ``KVRELAY_DEBUG_LOGGERS``
-(comma-separated logger names) opens a few loggers at DEBUG, e.g. ``kvrelay.timeline``, where
+(comma-separated logger names) opens a few loggers at DEBUG, e.g. ``kvrelay.common.timeline``, where
 components mark a request's steps with ``time.monotonic()`` stamps (one clock for every process
 on a host), which ``bench/pd_latency.py`` lines up across processes.
 
@@ -82,6 +82,6 @@ def setup_logging(component: str, level: str | None = None, fmt: str | None = No
     root.setLevel(level)
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Loggers to open at DEBUG whatever the level (e.g. ``kvrelay.timeline`` for benchmarks).
+    # Loggers to open at DEBUG whatever the level (e.g. ``kvrelay.common.timeline`` for benchmarks).
     for name in filter(None, os.environ.get("KVRELAY_DEBUG_LOGGERS", "").split(",")):
         logging.getLogger(name.strip()).setLevel(logging.DEBUG)

@@ -10,6 +10,10 @@ from __future__ import annotations
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 
+# A client's request id (HTTP/gRPC edge); the router extends it with an attempt suffix for the
+# workers, which therefore accept ids up to twice as long.
+MAX_REQUEST_ID = 128
+MAX_ATTEMPT_ID = 2 * MAX_REQUEST_ID
 MAX_PROMPT_CHARS = 4 * 2**20  # a text prompt, or all chat messages together
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256  # characters of one stop string

@@ -1,0 +1,93 @@
+"""Command-line options shared by every kvrelay process and by the deploy tools: each option's
+default can come from a ``KVRELAY_<FLAG>`` environment variable (how the Kubernetes manifests and
+the Ray launcher configure processes), and the engine's options map onto one ``EngineConfig``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+ENV_PREFIX = "KVRELAY_"
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _truthy(v: str) -> bool:
+    return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def opt(p: argparse.ArgumentParser | Any, flag: str, *, env: bool = True, **kw: Any) -> None:
+    """``add_argument`` whose default comes from ``KVRELAY_<FLAG>`` when that is set."""
+    name = env_name(flag)
+    if env and name in os.environ:
+        raw = os.environ[name]
+        if kw.get("action") == "store_true":
+            kw["default"] = _truthy(raw)
+        elif kw.get("action") == "append":
+            kw["default"] = [x for x in raw.split(",") if x]
+        else:
+            kw["default"] = raw
+    if env:
+        kw["help"] = (kw.get("help") or "") + f" [env {name}]"
+    p.add_argument(flag, **kw)
+
+
+# -- option groups --------------------------------------------------------------------------
+def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    g = p.add_argument_group("engine")
+    opt(g, "--model", required=model_required and env_name("--model") not in os.environ,
+        help="checkpoint directory (config.json + *.safetensors + tokenizer)")
+    opt(g, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    opt(g, "--device", default="auto", help="auto|cpu|cuda|cuda:N")
+    opt(g, "--max-model-len", type=int, default=None)
+    opt(g, "--block-size", type=int, default=16, help="tokens per KV block")
+    opt(g, "--kv-cache-memory", default="512MiB", help="KV cache budget (e.g. 512MiB, 4GiB)")
+    opt(g, "--num-kv-blocks", type=int, default=None, help="exact KV blocks (overrides budget)")
+    opt(g, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    opt(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    opt(g, "--max-num-seqs", type=int, default=128)
+    opt(g, "--no-chunked-prefill", action="store_true", help="prefill whole prompts only")
+    opt(g, "--long-prefill-threshold", type=int, default=None,
+        help="prompts longer than this are chunked one at a time (default budget/4)")
+    opt(g, "--max-waiting", type=int, default=1024, help="queued requests before refusing")
+    opt(g, "--tpot-slo-ms", type=float, default=None,
+        help="time-per-output-token target: a step with decodes carries only the prefill tokens "
+             "a fitted step-time model says keep it within this (default: fixed budget)")
+    opt(g, "--num-threads", type=int, default=None, help="torch threads on CPU")
+    opt(g, "--attention-backend", default="auto", choices=["auto", "native", "sdpa", "flash"])
+    opt(g, "--linear-kernel", default="auto", choices=["auto", "panels", "onednn", "mixed"],
+        help="CPU fp32 linears: the native panel GEMM, oneDNN, or both (panels up to 64 rows); "
+             "auto times them at load and keeps the faster")
+    opt(g, "--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any:
+    from kvrelay.engine.config import EngineConfig
+
+    kw: dict[str, Any] = dict(
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        block_size=int(args.block_size), kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=int(args.max_num_batched_tokens),
+        max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
+        long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),
+        tpot_slo_ms=None if args.tpot_slo_ms is None else float(args.tpot_slo_ms),
+        num_threads=args.num_threads, attention_backend=args.attention_backend,
+        linear_kernel=args.linear_kernel,
+        seed=int(args.seed), role=role)
+    for k in ("max_model_len", "num_blocks", "long_prefill_threshold", "num_threads"):
+        if kw[k] is not None:
+            kw[k] = int(kw[k])
+    return EngineConfig.from_kwargs(args.model, **kw)
+
+
+def add_common_process_options(p: argparse.ArgumentParser) -> None:
+    opt(p, "--log-level", default="INFO")
+    opt(p, "--log-format", default="text", choices=["text", "json"])
+    opt(p, "--cluster-token", default=None,
+        help="shared secret required on internal ports (prefer the env var)")
+    opt(p, "--ready-file", default=None,
+        help="write a JSON file with the bound ports once serving (for supervisors)")
