@@ -1,4 +1,5 @@
-"""The native CPU kernels (``engine/csrc/*.c``: paged attention, panel GEMM), compiled on first
+"""The native CPU kernels (``engine/csrc/*.c``: paged attention, panel GEMM, the fused
+residual-add + RMSNorm and RoPE), compiled on first
 use into one shared library and loaded with ctypes.
 
 The build needs only a C compiler (``cc``/``gcc``, ``-fopenmp``): it takes a second or two and is
@@ -30,8 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 4
-SOURCES = ("paged_attention.c", "gemm.c")
+ABI_VERSION = 5
+SOURCES = ("paged_attention.c", "gemm.c", "pointwise.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
 
@@ -116,6 +117,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr] * 4 + [i64] * 4 + [cint]
     fn.restype = cint
     lib.kvr_gemm_panel_width.restype = cint
+    fn = lib.kvr_add_rmsnorm_f32
+    fn.argtypes = [ptr] * 4 + [i64, i64, f32, cint]
+    fn.restype = cint
+    fn = lib.kvr_rope_f32
+    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, cint]
+    fn.restype = cint
 
 
 def load() -> ctypes.CDLL | None:

@@ -16,6 +16,7 @@ from torch import nn
 from kvrelay.engine.attention import AttentionFn, current_metadata, write_kv
 from kvrelay.engine.gemm import pack_panels, panel_linear
 from kvrelay.engine.models.arch import ModelArch
+from kvrelay.engine.pointwise import add_rms_norm, rope
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -110,6 +111,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """``h += delta`` in place, then this norm of ``h`` (one native pass on CPU fp32)."""
+        return add_rms_norm(h, delta, self.weight, self.eps)
+
 
 class Rotary(nn.Module):
     """Rotate-half RoPE from precomputed cos/sin tables (half width: the two halves share)."""
@@ -122,9 +127,8 @@ class Rotary(nn.Module):
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """``x`` ``[T, H, D]`` (a strided view is fine), ``cos``/``sin`` ``[T, D/2]``."""
+        return rope(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -195,6 +199,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer over a residual stream ``h`` that it updates in place: each residual
+    add is fused with the RMSNorm that follows it (:func:`add_rms_norm`), this layer's
+    post-attention norm and the next layer's input norm (or none after the last layer)."""
+
     def __init__(self, arch: ModelArch, layer: int, attn_fn: AttentionFn):
         super().__init__()
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -202,10 +210,16 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rotary: Rotary) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), cos, sin, rotary)
-        return h + self.mlp(self.post_attn_norm(h))
+    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotary: Rotary, next_norm: RMSNorm | None) -> torch.Tensor | None:
+        """``x`` is ``input_norm(h)``; returns ``next_norm(h)`` after this layer's two residual
+        adds into ``h`` (None without a next norm)."""
+        x = self.post_attn_norm.add_and_norm(h, self.attn(x, cos, sin, rotary))
+        m = self.mlp(x)
+        if next_norm is None:
+            h.add_(m)
+            return None
+        return next_norm.add_and_norm(h, m)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -282,11 +296,14 @@ class LlamaForCausalLM(nn.Module):
             layer.attn.v_cache = kv[i, 1].view(nb * bs, kvh, hd)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed)
-        cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, head_dim / 2]
-        sin = self.rotary.sin[positions].unsqueeze(1)
-        for layer in self.layers:
-            h = layer(h, cos, sin, self.rotary)
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        cos = self.rotary.cos[positions]  # [T, head_dim / 2]
+        sin = self.rotary.sin[positions]
+        layers = self.layers
+        x = layers[0].input_norm.add_and_norm(h, None)
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
+            x = layer(h, x, cos, sin, self.rotary, nxt)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

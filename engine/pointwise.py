@@ -1,0 +1,56 @@
+"""The per-token ops between a decoder layer's matmuls: the residual add fused with the next
+RMSNorm, and rotate-half RoPE, each one native call (``engine/csrc/pointwise.c``) on CPU fp32.
+
+At decode-sized steps these ops are microseconds of arithmetic behind many torch dispatches
+(``F.rms_norm`` is ~6 ops, the RoPE ~8 per tensor): on the ~150M demo model they were ~15% of a
+batch-8 decode step, and far more of a step of the ~7M model, whose matmuls are tiny. Elsewhere
+(GPU, other dtypes, no compiler) the same functions run the torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.engine import native
+
+_F32 = torch.float32
+
+
+def _native(*ts: torch.Tensor) -> bool:
+    # native.load() is memoized but takes a lock; this runs ~50 times a step
+    return all(t.dtype is _F32 and t.device.type == "cpu" for t in ts) and native.load() is not None
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``h += delta`` in place (when given), then return ``rms_norm(h) * weight`` as a new
+    tensor. ``h`` ``[T, D]`` must be contiguous (it is the residual stream)."""
+    if _native(h, weight) and (delta is None or _native(delta)) and h.is_contiguous():
+        if delta is not None and not delta.is_contiguous():
+            delta = delta.contiguous()
+        out = torch.empty_like(h)
+        native.load().kvr_add_rmsnorm_f32(
+            h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), h.shape[0], h.shape[1], eps, torch.get_num_threads())
+        return out
+    if delta is not None:
+        h.add_(delta)
+    return F.rms_norm(h, weight.shape, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` ``[T, H, D]`` (rows may be strided, heads contiguous within a
+    row: a view into the fused qkv output) with ``cos``/``sin`` ``[T, D/2]``; a new contiguous
+    ``[T, H, D]``."""
+    t, h, d = x.shape
+    if _native(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == d \
+            and cos.is_contiguous() and sin.is_contiguous():
+        out = x.new_empty(t, h, d)
+        native.load().kvr_rope_f32(x.data_ptr(), x.stride(0), out.data_ptr(), t, h, d,
+                                   cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+        return out
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = d // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -1,0 +1,56 @@
+"""The fused per-token ops (engine/pointwise.py) equal the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.engine import native, pointwise
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no native kernels here")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 768 takes the multi-threaded path
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_add_then_rms_norm(rows: int, with_delta: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 768, generator=g)
+    delta = torch.randn(rows, 768, generator=g) if with_delta else None
+    w = torch.randn(768, generator=g)
+    ref_h = h + delta if with_delta else h.clone()
+    ref = F.rms_norm(ref_h, (768,), w, 1e-6)
+    out = pointwise.add_rms_norm(h, delta, w, 1e-6)
+    assert out.data_ptr() != h.data_ptr()
+    torch.testing.assert_close(h, ref_h, rtol=0, atol=0)  # the residual add, in place
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm_takes_a_strided_delta() -> None:
+    h, big = torch.randn(5, 64), torch.randn(5, 128)
+    ref = F.rms_norm(h + big[:, :64], (64,), torch.ones(64), 1e-5)
+    torch.testing.assert_close(pointwise.add_rms_norm(h, big[:, :64], torch.ones(64), 1e-5), ref)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 600])
+def test_rope_on_a_strided_qkv_view_matches_rotate_half(rows: int) -> None:
+    heads, kv_heads, d = 4, 2, 64
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    q = qkv[:, :heads * d].view(rows, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d)
+    assert rows == 1 or not q.is_contiguous()
+    pos = torch.randint(0, 4096, (rows,), generator=g)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    freqs = pos[:, None].float() * inv[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        c, s = cos[:, None], sin[:, None]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    for x in (q, k):
+        out = pointwise.rope(x, cos, sin)
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
