@@ -48,7 +48,7 @@ ROLE_LABEL = "app.kubernetes.io/component"
 RAY_COMMANDS = {"serve", "scale", "status"}  # the Ray launcher's (issue 4)
 POOL_SERIES = {"prefill": "kvrelay:num_queued_prompt_tokens",
                "decode": "kvrelay:kv_cache_usage_perc"}
-# gRPC health service names each server registers (router/server.py, kvrelay/worker.py).
+# gRPC health service names each server registers (router/server.py, worker/process.py).
 ROLE_SERVICE = {"prefill": "kvrelay.v1.PrefillWorker", "decode": "kvrelay.v1.DecodeWorker"}
 
 
