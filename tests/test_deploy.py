@@ -134,7 +134,7 @@ def test_probes_and_services_hit_ports_the_command_line_opens(path: str) -> None
 
 def test_health_service_names_match_the_code() -> None:
     server = (ROOT / "router" / "server.py").read_text()
-    worker = (ROOT / "kvrelay" / "worker.py").read_text()
+    worker = (ROOT / "worker" / "process.py").read_text()
     assert '"kvrelay.v1.Generation"' in server and '"kvrelay.v1.Registry"' in server
     for name in (*ROLE_SERVICE.values(), "kvrelay.v1.WorkerControl"):
         assert f'"{name}"' in worker
