@@ -51,6 +51,18 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for name in ("temperature", "top_p", "top_k", "seed", "logprobs", "skip_special_tokens"):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
+    if len(msg.logit_bias) > SamplingParams.MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {SamplingParams.MAX_LOGIT_BIAS} tokens")
+    if len(msg.allowed_token_ids) > SamplingParams.MAX_ALLOWED_TOKEN_IDS:
+        raise ValueError(f"at most {SamplingParams.MAX_ALLOWED_TOKEN_IDS} allowed_token_ids")
+    kw["logit_bias"] = dict(msg.logit_bias)
+    kw["min_tokens"] = msg.min_tokens
+    kw["resumed_output_tokens"] = msg.resumed_output_tokens
+    if msg.allowed_token_ids:
+        kw["allowed_token_ids"] = msg.allowed_token_ids
     if kw.get("top_k") == -1:
         kw["top_k"] = 0
     return SamplingParams(**kw)
@@ -65,6 +77,18 @@ def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
     )
     if sp.seed is not None:
         msg.seed = sp.seed
+    if sp.presence_penalty:
+        msg.presence_penalty = sp.presence_penalty
+    if sp.frequency_penalty:
+        msg.frequency_penalty = sp.frequency_penalty
+    if sp.repetition_penalty != 1.0:
+        msg.repetition_penalty = sp.repetition_penalty
+    for tok, bias in sp.logit_bias:
+        msg.logit_bias[tok] = bias
+    msg.min_tokens = sp.min_tokens
+    msg.resumed_output_tokens = sp.resumed_output_tokens
+    if sp.allowed_token_ids is not None:
+        msg.allowed_token_ids.extend(sorted(sp.allowed_token_ids))
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
     return msg

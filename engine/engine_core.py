@@ -86,6 +86,7 @@ class EngineCore:
                  eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
         self.runner = ModelRunner(config)
+        self.runner.eos_token_ids = eos_token_ids  # min_tokens masks them
         self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         sc = config.scheduler
@@ -155,12 +156,19 @@ class EngineCore:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
+    def validate_sampling(self, sampling: SamplingParams) -> None:
+        top = sampling.max_token_id()
+        if top >= self.vocab_size:
+            raise ValueError(f"token id {top} in logit_bias/allowed_token_ids is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+
     def _new_seq(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  kv_transfer_params: object | None, arrival_time: float | None,
                  cache_salt: str | None = None) -> Sequence:
         if request_id in self.seqs or request_id in self._sending:
             raise RequestIdInUse(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
+        self.validate_sampling(sampling)
         return Sequence(request_id, prompt_token_ids, sampling,
                         kv_transfer_params=kv_transfer_params, arrival_time=arrival_time,
                         cache_salt=cache_salt)
@@ -211,6 +219,7 @@ class EngineCore:
             raise ValueError(f"request {request_id!r} already started decoding")
         if not (0 <= first_token_id < self.vocab_size):
             raise ValueError(f"first token {first_token_id} is outside the vocabulary")
+        self.validate_sampling(sampling)
         seq.sampling = sampling
         if not sampling.greedy and sampling.seed is not None:
             seq.generator = seeded_generator(sampling.seed, self.runner.device)

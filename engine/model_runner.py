@@ -106,6 +106,7 @@ class ModelRunner:
         self.block_size = cc.block_size
         self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
+        self.eos_token_ids: frozenset[int] = frozenset()
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
                     num_blocks, cc.block_size, self.kv_spec.total_bytes / 2**20, self.backend,
@@ -257,7 +258,7 @@ class ModelRunner:
             rows = hidden.index_select(0, inputs.logits_indices.to(self.device))
             logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
             seqs = [scheduled[i].seq for i in inputs.sampled_order]
-            sampled, lps = sample(logits, seqs, self.generator)
+            sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids)
             for i, tok, lp in zip(inputs.sampled_order, sampled, lps, strict=True):
                 tokens[i], logprobs[i] = tok, lp
         return SampledTokens(tokens, logprobs)

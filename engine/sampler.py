@@ -18,7 +18,7 @@ import torch
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sequence import Sequence
 
-__all__ = ["TokenLogprob", "sample", "seeded_generator", "skip_draw"]
+__all__ = ["TokenLogprob", "apply_logits_processors", "sample", "seeded_generator", "skip_draw"]
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -47,10 +47,83 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence],
-           default_generator: torch.Generator) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of ``logits [N, vocab]`` (row i belongs to ``seqs[i]``)."""
-    logits = logits.float()
+def _token_table(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in lists), default=0)
+    table = torch.full((len(lists), max(width, 1)), pad, dtype=torch.long)
+    for r, t in enumerate(lists):
+        if t:
+            table[r, :len(t)] = torch.tensor(t, dtype=torch.long)
+    return table.to(device)
+
+
+def apply_logits_processors(logits: torch.Tensor, seqs: Seq[Sequence],
+                            eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+    """The request-level logits edits, vectorized over the rows that ask for any (vLLM order and
+    semantics): ``allowed_token_ids``, ``logit_bias`` and ``min_tokens`` (EOS, unless
+    ``ignore_eos``, and ``stop_token_ids`` masked until that many tokens were generated), then
+    the repetition penalty over prompt + output tokens (positive logits divided, negative
+    multiplied) and the frequency/presence penalties over output tokens. Returns ``logits``
+    itself, untouched, when no row uses any of them; otherwise a processed copy."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.processes_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = out.shape[-1]
+    dev = out.device
+    neg_inf = float("-inf")
+    for i in rows:  # sparse per-row edits: a handful of index writes each
+        seq, sp = seqs[i], seqs[i].sampling
+        if sp.allowed_token_ids is not None:
+            keep = torch.tensor(sorted(sp.allowed_token_ids), dtype=torch.long, device=dev)
+            row = torch.full((vocab,), neg_inf, dtype=out.dtype, device=dev)
+            row[keep] = out[i, keep]
+            out[i] = row
+        if sp.logit_bias:
+            ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long, device=dev)
+            vals = torch.tensor([v for _, v in sp.logit_bias], dtype=out.dtype, device=dev)
+            out[i, ids] += vals
+        if sp.min_tokens and seq.num_output_tokens < sp.min_tokens:
+            stops = set(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                stops |= eos_token_ids
+            stops = {t for t in stops if t < vocab}
+            if stops:
+                out[i, torch.tensor(sorted(stops), dtype=torch.long, device=dev)] = neg_inf
+    pen = [i for i in rows if seqs[i].sampling.repetition_penalty != 1.0
+           or seqs[i].sampling.presence_penalty or seqs[i].sampling.frequency_penalty]
+    if pen:
+        idx = torch.tensor(pen, device=dev)
+        sub = out.index_select(0, idx)
+        sps = [seqs[i].sampling for i in pen]
+        outputs = _token_table([seqs[i].penalized_output_token_ids for i in pen], vocab, dev)
+        counts = torch.zeros((len(pen), vocab + 1), dtype=sub.dtype, device=dev)
+        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=sub.dtype))
+        counts = counts[:, :vocab]
+        rep = torch.tensor([p.repetition_penalty for p in sps], dtype=sub.dtype, device=dev)
+        if bool((rep != 1.0).any()):
+            prompts = _token_table([seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in pen],
+                                   vocab, dev)
+            seen = torch.zeros((len(pen), vocab + 1), dtype=torch.bool, device=dev)
+            seen.scatter_(1, prompts, True)
+            seen = seen[:, :vocab] | (counts > 0)
+            r = rep[:, None]
+            sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        freq = torch.tensor([p.frequency_penalty for p in sps], dtype=sub.dtype, device=dev)
+        pres = torch.tensor([p.presence_penalty for p in sps], dtype=sub.dtype, device=dev)
+        sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(sub.dtype)
+        out[idx] = sub
+    return out
+
+
+def sample(logits: torch.Tensor, seqs: Seq[Sequence], default_generator: torch.Generator,
+           eos_token_ids: frozenset[int] = frozenset()) \
+        -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of ``logits [N, vocab]`` (row i belongs to ``seqs[i]``).
+
+    Logprobs are those of the model's raw distribution (vLLM's default), before penalties,
+    ``logit_bias`` and temperature."""
+    raw = logits.float()
+    logits = apply_logits_processors(raw, seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     if random_rows:
@@ -78,7 +151,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence],
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     if want:
-        lp = logits.index_select(0, torch.tensor(want, device=logits.device)).log_softmax(-1)
+        lp = raw.index_select(0, torch.tensor(want, device=logits.device)).log_softmax(-1)
         for j, i in enumerate(want):
             n = seqs[i].sampling.logprobs or 0
             tok = token_list[i]

@@ -36,9 +36,22 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    allowed_token_ids: frozenset[int] | None = None
+    resumed_output_tokens: int = 0
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
+    # ``resumed_output_tokens``: a request resumed on another worker (a migration) arrives with
+    # its output so far appended to the prompt; those last tokens still count as output for the
+    # presence and frequency penalties, so the resumed stream equals an uninterrupted one.
+
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 1024
+    MAX_ALLOWED_TOKEN_IDS = 1 << 17
     MIN_TEMPERATURE = 1e-2
     MIN_TOP_P = 1e-6
 
@@ -74,6 +87,75 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not (0 <= t <= _UINT32_MAX):
                 raise ValueError(f"stop_token_ids must be integers in [0, 2**32), got {t!r}")
+
+        self._validate_processors()
+
+    def _validate_processors(self) -> None:
+        # Ranges as vLLM's: presence/frequency in [-2, 2], repetition > 0; OpenAI's logit_bias.
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = float(getattr(self, name))
+            if not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+            object.__setattr__(self, name, v)
+        rp = float(self.repetition_penalty)
+        if not (0.0 < rp <= 100.0):
+            raise ValueError(f"repetition_penalty must be in (0, 100], "
+                             f"got {self.repetition_penalty}")
+        object.__setattr__(self, "repetition_penalty", rp)
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        pairs: dict[int, float] = {}
+        for item in items:
+            try:
+                k, v = item
+                tok = int(k)
+                val = float(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to numbers, "
+                                 f"got {item!r}") from None
+            if isinstance(k, float) or not (0 <= tok <= _UINT32_MAX):
+                raise ValueError(f"logit_bias keys must be token ids in [0, 2**32), got {k!r}")
+            if not (-100.0 <= val <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for "
+                                 f"token {tok}")
+            pairs[tok] = val
+        if len(pairs) > self.MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {self.MAX_LOGIT_BIAS} tokens")
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs.items())))
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not (0 <= self.min_tokens <= self.max_tokens)):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}],"
+                             f" got {self.min_tokens!r}")
+        if self.allowed_token_ids is not None:
+            ids = frozenset(self.allowed_token_ids)
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if len(ids) > self.MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"at most {self.MAX_ALLOWED_TOKEN_IDS} allowed_token_ids")
+            for t in ids:
+                if not isinstance(t, int) or not (0 <= t <= _UINT32_MAX):
+                    raise ValueError(f"allowed_token_ids must be integers in [0, 2**32), "
+                                     f"got {t!r}")
+            object.__setattr__(self, "allowed_token_ids", ids)
+        if (not isinstance(self.resumed_output_tokens, int)
+                or not (0 <= self.resumed_output_tokens <= _UINT32_MAX)):
+            raise ValueError(f"resumed_output_tokens must be a non-negative integer, got "
+                             f"{self.resumed_output_tokens!r}")
+
+    def max_token_id(self) -> int:
+        """The largest token id these parameters name (-1 if none): the engine checks it
+        against the vocabulary."""
+        ids = [t for t, _ in self.logit_bias]
+        if self.allowed_token_ids:
+            ids.append(max(self.allowed_token_ids))
+        return max(ids, default=-1)
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when anything beyond temperature/top-k/top-p touches this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
+                    or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:

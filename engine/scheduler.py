@@ -237,10 +237,11 @@ class Scheduler:
     def check_stop(self, seq: Sequence) -> FinishReason | None:
         sp = seq.sampling
         last = seq.last_token_id
-        if not sp.ignore_eos and last in self.eos_token_ids:
-            return FinishReason.STOP
-        if last in sp.stop_token_ids:
-            return FinishReason.STOP
+        if seq.num_output_tokens > sp.min_tokens or not sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                return FinishReason.STOP
+            if last in sp.stop_token_ids:
+                return FinishReason.STOP
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

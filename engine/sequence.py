@@ -94,6 +94,13 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def penalized_output_token_ids(self) -> list[int]:
+        """Output tokens for the presence/frequency penalties: this engine's output plus what
+        the request produced before it was resumed here (the prompt's tail)."""
+        resumed = min(self.sampling.resumed_output_tokens, self.num_prompt_tokens)
+        return self.token_ids[self.num_prompt_tokens - resumed:]
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 

@@ -180,8 +180,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 skip = (0 if request.destination_follows
                         else self._skip_blocks(request.dest, len(request.prompt_token_ids)))
                 # Only the first token is sampled here; stop strings are the router's business.
-                sampling = replace(sampling_from_proto(request.sampling), max_tokens=1, stop=(),
-                                   stop_token_ids=())
+                # Stop tokens stay only to be masked under min_tokens (a first token cannot be
+                # one then); min_tokens is cut to the one token this pass samples.
+                full = sampling_from_proto(request.sampling)
+                sampling = replace(full, max_tokens=1, stop=(), min_tokens=min(full.min_tokens, 1),
+                                   stop_token_ids=full.stop_token_ids if full.min_tokens else ())
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if request.destination_follows:

@@ -84,6 +84,13 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
         kw["top_p"] = req.top_p
     if req.top_k is not None:
         kw["top_k"] = 0 if req.top_k == -1 else req.top_k
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    kw["logit_bias"] = req.logit_bias_ids()
+    kw["min_tokens"] = req.min_tokens
+    if req.allowed_token_ids is not None:
+        kw["allowed_token_ids"] = req.allowed_token_ids
     return SamplingParams(**kw)
 
 

@@ -64,7 +64,12 @@ class Lifecycle(Handoff):
         while True:
             prompt = spec.prompt_token_ids + produced
             remaining = spec.sampling.max_tokens - len(produced)
-            sampling = replace(spec.sampling, max_tokens=remaining)
+            # Output so far rides at the prompt's end: the penalties still count it as output,
+            # and min_tokens counts down by it.
+            sampling = replace(spec.sampling, max_tokens=remaining,
+                               min_tokens=max(0, spec.sampling.min_tokens - len(produced)),
+                               resumed_output_tokens=spec.sampling.resumed_output_tokens
+                               + len(produced))
             # Every pass runs under an id of its own on the workers (the client's id plus a
             # nonce, so logs still match by prefix): an earlier request of the same client id,
             # or the given-up attempt of this one, may still hold its id there (a lease whose

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their checks.
 
-Fields kvrelay cannot honour (n > 1, echo, penalties, best_of, suffix) are refused with a
-400 that says so, instead of being silently ignored.
+Fields kvrelay cannot honour (n > 1, echo, best_of, suffix) are refused with a 400 that says
+so, instead of being silently ignored. Penalties, logit_bias, min_tokens and allowed_token_ids are
+range-checked here and again by SamplingParams (whose message the 400 carries).
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    # OpenAI: token id (a JSON object's keys are strings) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    allowed_token_ids: list[int] | None = None
     user: str | None = None
     request_id: str | None = None
     timeout_ms: int | None = Field(default=None, gt=0)
@@ -55,12 +61,14 @@ class _Common(BaseModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalties(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("presence/frequency penalties are not supported")
-        return v
+    def logit_bias_ids(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        return out
 
     @field_validator("stop")
     @classmethod

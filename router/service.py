@@ -214,6 +214,12 @@ class RouterService:
         bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
         if bad_stop is not None:
             raise bad(f"stop token id {bad_stop} is outside the vocabulary")
+        top = sampling.max_token_id()
+        if top >= self.vocab_size:
+            raise bad(f"token id {top} in logit_bias/allowed_token_ids is outside the vocabulary "
+                      f"[0, {self.vocab_size})")
+        if sampling.resumed_output_tokens:
+            raise bad("resumed_output_tokens is set by the router only")
         max_len = self.effective_max_model_len()
         if sampling.max_tokens >= max_len:  # more than any prompt leaves room for
             raise bad(f"max_tokens is {sampling.max_tokens}; this model's context holds "

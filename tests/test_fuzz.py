@@ -236,8 +236,17 @@ def _h_sampling(d, body, chat):
         ("top_k", st.integers(max_value=-2)),
         ("seed", st.one_of(st.integers(max_value=-1), st.integers(min_value=2**63))),
         ("n", st.integers().filter(lambda n: n != 1)),
-        ("presence_penalty", st.floats(min_value=0.01, max_value=2)),
-        ("frequency_penalty", st.floats(min_value=-2, max_value=-0.01)),
+        ("presence_penalty", st.one_of(st.floats(min_value=2.001), st.floats(max_value=-2.001))),
+        ("frequency_penalty", st.one_of(st.floats(min_value=2.001),
+                                        st.floats(max_value=-2.001))),
+        ("repetition_penalty", st.one_of(st.floats(max_value=0.0), st.floats(min_value=100.01))),
+        ("logit_bias", st.one_of(
+            st.dictionaries(st.integers(0, VOCAB - 1).map(str),
+                            st.one_of(st.floats(min_value=100.01), st.floats(max_value=-100.01)),
+                            min_size=1, max_size=3),
+            st.dictionaries(st.integers(min_value=VOCAB).map(str), st.floats(-100, 100),
+                            min_size=1, max_size=3))),
+        ("min_tokens", st.one_of(st.integers(max_value=-1), st.integers(min_value=CONTEXT))),
         ("top_logprobs" if chat else "logprobs", st.integers(min_value=21)),
     ]))
     body[field] = d.draw(bad)
@@ -416,7 +425,8 @@ EDGE_FLOATS = [0.0, -0.0, 5e-324, 1e-320, 1e-50, 1e-45, 1.4e-45, 1e-40, 1.175494
 edge_numbers = st.one_of(st.sampled_from(EDGE_INTS), st.sampled_from(EDGE_FLOATS),
                          st.sampled_from(EDGE_INTS).map(float))
 HTTP_NUMERIC = ["max_tokens", "temperature", "top_p", "top_k", "seed", "timeout_ms", "n",
-                "presence_penalty", "frequency_penalty", "stop_token_ids", "prompt_id"]
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                "stop_token_ids", "prompt_id"]
 EDGES = settings(SETTINGS, max_examples=150)
 
 

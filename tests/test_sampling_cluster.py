@@ -1,0 +1,100 @@
+"""Penalties, logit_bias and logprobs through the disaggregated cluster (1 prefill, 2 decode):
+the OpenAI SDK's requests give the engine-alone reference's tokens, and a request with penalties
+whose decode worker is killed mid-stream resumes on the other with identical output."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from cluster import Cluster
+
+from kvrelay.client import sampling
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.7, "repetition_penalty": 1.6}
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory):
+    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("sampling"), prefill=1, decode=2,
+                router_args=("--http-port", "0", "--served-model-name", "demo"))
+    with c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model_dir):
+    return LLM(demo_model_dir, num_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    port = cluster.router.ready["http_port"]
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
+def test_penalties_and_logit_bias_give_the_reference_tokens(oai, llm) -> None:
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0,
+                                                  ignore_eos=True))[0]
+    banned = plain.token_ids[0]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **PENALTIES,
+                        logit_bias={banned: -100.0})
+    ref = llm.generate([PROMPT], sp)[0]
+    assert ref.token_ids != plain.token_ids and banned not in ref.token_ids
+    r = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0,
+                               presence_penalty=1.2, frequency_penalty=0.7,
+                               logit_bias={str(banned): -100},
+                               extra_body={"ignore_eos": True, "repetition_penalty": 1.6})
+    assert r.choices[0].text == ref.text
+    assert r.usage.completion_tokens == 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def test_bad_values_are_400s_with_a_message(oai) -> None:
+    for extra, word in [({"presence_penalty": 3}, "presence_penalty"),
+                        ({"logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"logit_bias": {"99999999": 1}}, "vocabulary"),
+                        ({"repetition_penalty": 0}, "repetition_penalty"),
+                        ({"min_tokens": 50, "max_tokens": 10}, "min_tokens")]:
+        body = {"max_tokens": 4, **extra}
+        with pytest.raises(openai.BadRequestError, match=word):
+            oai.completions.create(model="demo", prompt=PROMPT, extra_body=body)
+
+
+def test_chat_top_logprobs(oai) -> None:
+    r = oai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
+                                    max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                                    frequency_penalty=0.5)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0.0
+
+
+def test_penalties_survive_a_decode_worker_migration(cluster, llm) -> None:
+    n = 300
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **PENALTIES)
+    ref = llm.generate([PROMPT], sp)[0]
+    decodes = [p for p in cluster.workers if p.name.startswith("decode")]
+    got: list[int] = []
+    trace: list[str] = []
+    killed = False
+    with cluster.client() as c:
+        for msg in c.stream(PROMPT, sampling(n, 0.0, ignore_eos=True, **PENALTIES),
+                            timeout=180):
+            got.extend(msg.token_ids)
+            if not killed and len(got) >= 8:
+                victim = next((p for p in decodes if cluster.status(p).load.running >= 1), None)
+                assert victim is not None, "no decode worker holds the stream"
+                cluster.kill(victim)
+                killed = True
+            if msg.finish_reason:
+                trace = [e.name for e in msg.trace]
+    assert killed and "migrate" in trace, trace
+    assert len(got) == n
+    assert got == ref.token_ids
