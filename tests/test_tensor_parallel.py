@@ -161,3 +161,25 @@ def test_a_dead_or_stuck_rank_fails_the_replica_in_bounded_time(hf_model_dir, si
         if sig == signal.SIGSTOP:
             os.kill(pid, signal.SIGKILL)
         core.runner.close()
+
+
+def test_serve_places_one_bundle_per_rank(hf_model_dir) -> None:
+    """``kvrelay serve --both-tp 2``: a STRICT_PACK placement group of two per-rank bundles and
+    an engine of two ranks; prefill/decode TP is refused up front (no TP-aware KV transfer)."""
+    pytest.importorskip("ray")
+    from kvrelay.cli import build_parser
+    from kvrelay.deploy.launcher import PoolSpec
+    from kvrelay.deploy.ray_cli import build_spec
+
+    def args(*extra: str) -> object:
+        return build_parser().parse_args([
+            "serve", "--model", hf_model_dir("llama"), "--grpc-port", "0", "--control-port", "0",
+            "--http-port", "-1", "--cpus-per-replica", "1", *extra])
+
+    spec = build_spec(args("--both", "1", "--both-tp", "2"), loopback=True)
+    both = spec.pools["both"]
+    assert both.tp == 2 and both.strategy == "STRICT_PACK"
+    assert both.bundles() == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert PoolSpec(1, 2.0).bundles() == [{"CPU": 2.0}] and PoolSpec(1).strategy == "PACK"
+    with pytest.raises(ValueError, match="--decode-tp 2"):
+        build_spec(args("--prefill", "1", "--decode", "1", "--decode-tp", "2"), loopback=True)
