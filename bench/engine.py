@@ -1,6 +1,7 @@
 """Engine throughput beside the machine's roofline and beside transformers, measured in one run.
 
     .venv/bin/python bench/engine.py [--model DIR] [--threads 2] [--reps 3]
+    .venv/bin/python bench/engine.py --tp 2   # TP=2 (1 thread/rank) vs TP=1 (1, 2 threads)
 
 With no ``--model`` it writes the ~150M-parameter demo Llama (``kvrelay demo-model --size base``)
 to a temporary directory. Everything runs fp32 on CPU with ``--threads`` intra-op threads.
@@ -279,6 +280,51 @@ def hf_decode_step(model: torch.nn.Module, batch: int, reps: int, vocab: int) ->
     return best(lambda: (gen(DECODE_STEPS + 1) - gen(1)) / DECODE_STEPS, reps)
 
 
+class _TimedShard:
+    """A rank's shard whose all-reduces are timed (the bench's view of the TP step)."""
+
+    def __init__(self, shard: object):
+        self.shard, self.seconds = shard, 0.0
+
+    def all_reduce(self, t: torch.Tensor, *args: object) -> None:
+        start = time.perf_counter()
+        self.shard.all_reduce(t, *args)  # type: ignore[attr-defined]
+        self.seconds += time.perf_counter() - start
+
+
+def tp_bench(model_dir: str, tp: int, reps: int, n: int = 2048) -> int:
+    """Prefill of one ``n``-token prompt: TP=``tp`` with one thread per rank against TP=1 with
+    one and with ``tp`` threads, and the share of the TP step rank 0 spends in all-reduces
+    (waiting for the slower rank included)."""
+    from kvrelay.engine.tensor_parallel import RowParallelLinear
+
+    print(f"prefill {n} tokens, best of {reps}; load average {os.getloadavg()[0]:.2f}")
+    blocks = n // 16 + 64
+    for label, threads, size in ((f"TP={tp}, 1 thread/rank", 1, tp), ("TP=1, 1 thread", 1, 1),
+                                 (f"TP=1, {tp} threads", tp, 1)):
+        core = make_core(model_dir, threads, num_blocks=blocks, tensor_parallel_size=size)
+        vocab = core.runner.arch.vocab_size
+        timed = None
+        if size > 1:
+            row = [m for m in core.runner.model.modules() if isinstance(m, RowParallelLinear)]
+            timed = _TimedShard(row[0].shard)
+            for m in row:
+                m.shard = timed  # type: ignore[assignment]
+        run_prefill(core, [prompt(n, next(_seeds), vocab)])
+        best_t, share = float("inf"), 0.0
+        for _ in range(reps):
+            if timed is not None:
+                timed.seconds = 0.0
+            t = run_prefill(core, [prompt(n, next(_seeds), vocab)])
+            if t < best_t:
+                best_t, share = t, (timed.seconds / t if timed is not None else 0.0)
+        extra = f"; all-reduce {share:.1%} of the step" if timed is not None else ""
+        print(f"{label:>22}: {n / best_t:8.0f} tok/s ({best_t * 1e3:.0f} ms){extra}", flush=True)
+        if size > 1:
+            core.runner.close()  # type: ignore[attr-defined]
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: demo base, ~150M)")
@@ -287,6 +333,8 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers")
     ap.add_argument("--attention-backend", default="auto",
                     choices=["auto", "native", "sdpa"])
+    ap.add_argument("--tp", type=int, default=1,
+                    help="only the tensor-parallel prefill comparison (2048 tokens) at this TP")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model
@@ -296,6 +344,8 @@ def main() -> int:
 
         tmp = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
         model_dir = write_demo_model(os.path.join(tmp.name, "base"), size="base")
+    if args.tp > 1:
+        return tp_bench(model_dir, args.tp, args.reps)
 
     from transformers import AutoConfig, AutoModelForCausalLM
 

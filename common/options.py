@@ -56,7 +56,12 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--tpot-slo-ms", type=float, default=None,
         help="time-per-output-token target: a step with decodes carries only the prefill tokens "
              "a fitted step-time model says keep it within this (default: fixed budget)")
-    opt(g, "--num-threads", type=int, default=None, help="torch threads on CPU")
+    opt(g, "--num-threads", type=int, default=None,
+        help="torch threads on CPU (per rank; default 1 per rank under tensor parallelism)")
+    opt(g, "--tensor-parallel-size", type=int, default=1,
+        help="ranks of one replica, one process each (heads and MLP columns split over them)")
+    opt(g, "--tp-timeout-s", type=float, default=60.0,
+        help="longest wait of a tensor-parallel collective before the replica fails")
     opt(g, "--attention-backend", default="auto", choices=["auto", "native", "sdpa", "flash"])
     opt(g, "--linear-kernel", default="auto", choices=["auto", "panels", "onednn", "mixed"],
         help="CPU fp32 linears: the native panel GEMM, oneDNN, or both (panels up to 64 rows); "
@@ -77,6 +82,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         tpot_slo_ms=None if args.tpot_slo_ms is None else float(args.tpot_slo_ms),
         num_threads=args.num_threads, attention_backend=args.attention_backend,
         linear_kernel=args.linear_kernel,
+        tensor_parallel_size=int(args.tensor_parallel_size),
+        tp_timeout_s=float(args.tp_timeout_s),
         seed=int(args.seed), role=role)
     for k in ("max_model_len", "num_blocks", "long_prefill_threshold", "num_threads"):
         if kw[k] is not None:

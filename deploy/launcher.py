@@ -56,10 +56,23 @@ class PoolSpec:
     cpus: float = 1.0  # per replica; also the worker's torch threads on CPU
     gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
+    # Tensor-parallel ranks per replica: one bundle each (cpus/gpus/resources are per rank),
+    # packed onto one node. The worker actor takes bundle 0 and spawns the other ranks itself;
+    # their bundles keep Ray from placing anything else on those cores/GPUs.
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.replicas < 0 or self.cpus < 0 or self.gpus < 0:
             raise ValueError("replicas, cpus and gpus must be non-negative")
+        if self.tp < 1:
+            raise ValueError(f"tp must be positive, got {self.tp}")
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [self.bundle()] * self.tp
+
+    @property
+    def strategy(self) -> str:
+        return "STRICT_PACK" if self.tp > 1 else "PACK"
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.cpus, **self.resources}
@@ -81,6 +94,15 @@ class ServeSpec:
     # How long a new replica may wait for its placement group (on KubeRay: for a node to be
     # added) before the scale-up fails.
     placement_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for pool in ("prefill", "decode"):
+            ps = self.pools.get(pool)
+            if ps is not None and ps.tp > 1:
+                raise ValueError(f"--{pool}-tp {ps.tp}: prefill and decode replicas move KV "
+                                 f"between them, which does not support tensor parallelism "
+                                 f"yet; use tensor parallelism on aggregated replicas "
+                                 f"(--both N --both-tp {ps.tp})")
 
 
 @ray.remote(num_cpus=0)
@@ -248,13 +270,13 @@ class Controller:
         ps = self.spec.pools.get(pool, PoolSpec())
         self._serial[pool] += 1
         wid = f"{pool}-{self._serial[pool]}"
-        pg = placement_group([ps.bundle()], strategy="PACK", name=replica_actor_name(wid))
+        pg = placement_group(ps.bundles(), strategy=ps.strategy, name=replica_actor_name(wid))
         try:
             await asyncio.wait_for(pg.ready(), self.spec.placement_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
             remove_placement_group(pg)
             raise RuntimeError(
-                f"no room for replica {wid} ({ps.bundle()}) within "
+                f"no room for replica {wid} ({ps.tp} x {ps.bundle()}) within "
                 f"{self.spec.placement_timeout_s:.0f}s; available: {ray.available_resources()}"
             ) from None
         settings = replace(
@@ -264,7 +286,8 @@ class Controller:
             advertise_host="127.0.0.1" if self.spec.loopback else None)
         threads = self.spec.engine.model.num_threads or max(1, int(ps.cpus))
         engine = replace(self.spec.engine, role=pool,
-                         model=replace(self.spec.engine.model, num_threads=threads))
+                         model=replace(self.spec.engine.model, num_threads=threads,
+                                       tensor_parallel_size=ps.tp))
         opts: dict[str, Any] = {}
         if self.spec.loopback and "UCX_NET_DEVICES" not in os.environ:
             # The KV data plane (UCX under NIXL) listens on every network device unless told

@@ -61,6 +61,10 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--control-port", type=int, default=50052)
     opt(p, "--cpus-per-replica", type=float, default=1.0)
     opt(p, "--gpus-per-replica", type=float, default=None, help="default 1 when CUDA is used")
+    for pool in ("prefill", "decode", "both"):
+        opt(p, f"--{pool}-tp", type=int, default=1,
+            help=f"tensor-parallel ranks per {pool} replica (one Ray bundle each, STRICT_PACK; "
+                 f"--cpus/--gpus-per-replica are per rank)")
     opt(p, "--prefill-resources", default=None, help='extra Ray resources, JSON {"name": n}')
     opt(p, "--decode-resources", default=None, help='extra Ray resources, JSON {"name": n}')
     opt(p, "--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
@@ -131,10 +135,10 @@ def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
     cpus = float(args.cpus_per_replica)
     pools = {
         "prefill": PoolSpec(int(args.prefill), cpus, float(gpus),
-                            _pool_resources(args.prefill_resources)),
+                            _pool_resources(args.prefill_resources), tp=int(args.prefill_tp)),
         "decode": PoolSpec(int(args.decode), cpus, float(gpus),
-                           _pool_resources(args.decode_resources)),
-        "both": PoolSpec(int(args.both), cpus, float(gpus)),
+                           _pool_resources(args.decode_resources), tp=int(args.decode_tp)),
+        "both": PoolSpec(int(args.both), cpus, float(gpus), tp=int(args.both_tp)),
     }
     autoscale = None
     if args.autoscale:

@@ -40,6 +40,10 @@ class ModelConfig:
     # "mixed" (panels up to 64 rows, oneDNN above; two weight copies) or "auto": time both at
     # load and keep what wins on this CPU (see engine.loader.choose_linear_kernel).
     linear_kernel: str = "auto"
+    # Ranks of one replica (one process each; see engine.tensor_parallel) and how long any of
+    # their collectives may wait before the replica fails with TensorParallelError.
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -56,6 +60,11 @@ class ModelConfig:
                              f"{self.linear_kernel!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got "
+                             f"{self.tensor_parallel_size}")
+        if not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
                  eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
-        self.runner = ModelRunner(config)
+        if config.model.tensor_parallel_size > 1:
+            if connector is not None:
+                raise ValueError("KV transfer (prefill/decode roles with a connector) is not "
+                                 "supported under tensor parallelism yet")
+            from kvrelay.engine.tp_runner import TPModelRunner
+
+            self.runner: ModelRunner = TPModelRunner(config)
+        else:
+            self.runner = ModelRunner(config)
         self.runner.eos_token_ids = eos_token_ids  # min_tokens masks them
         self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)

@@ -22,6 +22,7 @@ from kvrelay.engine.models.llama import (
     onednn_packing_available,
 )
 from kvrelay.engine.models.rope import rope_inv_freq
+from kvrelay.engine.tensor_parallel import TPShard, shard_model, validate_tp
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,11 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
 def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
                attn_fn: AttentionFn, max_positions: int,
                pack: bool | None = None,
-               linear_kernel: str = "auto") -> tuple[LlamaForCausalLM, ModelArch]:
+               linear_kernel: str = "auto",
+               shard: TPShard | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
     """Build the model and load its weights. ``pack`` (default: on CPU in fp32) repacks the
-    linear weights for ``linear_kernel`` (see :func:`choose_linear_kernel`)."""
+    linear weights for ``linear_kernel`` (see :func:`choose_linear_kernel`). With ``shard``
+    the model is cut to that tensor-parallel rank's part before packing."""
     hf_cfg = load_hf_config(model_dir)
     arch = arch_from_hf_config(hf_cfg)
     inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
@@ -136,6 +139,9 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights: {shown}")
+    if shard is not None:
+        validate_tp(arch, shard.size)
+        shard_model(model, shard)
     n_params = sum(p.numel() for p in model.parameters())
     if pack is None:
         pack = device.type == "cpu" and dtype == torch.float32 and (

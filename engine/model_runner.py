@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from kvrelay.engine.attention import (
     AttentionMetadata,
@@ -28,6 +29,7 @@ from kvrelay.engine.kv_cache import (
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq
 from kvrelay.engine.loader import load_model
 from kvrelay.engine.sampler import TokenLogprob, sample
+from kvrelay.engine.tensor_parallel import TPShard, local_kv_heads
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +70,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, shard: TPShard | None = None):
         mc = config.model
-        self.device = resolve_device(mc.device)
+        self.device = self.device_for(config, 0 if shard is None else shard.rank)
         if mc.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -87,12 +89,15 @@ class ModelRunner:
                       arch.max_position_embeddings)
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
                                            attn_fn=attn_fn, max_positions=max_len,
-                                           linear_kernel=mc.linear_kernel)
+                                           linear_kernel=mc.linear_kernel, shard=shard)
+        self.shard = shard
+        # Under TP each rank holds its own heads' KV (the budget is per rank).
+        kv_heads = arch.num_kv_heads if shard is None else local_kv_heads(arch, shard.size)
         cc = config.cache
         num_blocks = cc.num_blocks or blocks_for_budget(
-            cc.kv_cache_memory, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+            cc.kv_cache_memory, num_layers=arch.num_layers, num_kv_heads=kv_heads,
             head_dim=arch.head_dim, block_size=cc.block_size, dtype=dtype_name(self.dtype))
-        self.kv_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+        self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads, arch.head_dim,
                                    cc.block_size, num_blocks, dtype_name(self.dtype))
         self.kv = allocate_kv_cache(self.kv_spec, self.device)
         self.model.bind_kv_cache(self.kv)
@@ -111,6 +116,24 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
                     num_blocks, cc.block_size, self.kv_spec.total_bytes / 2**20, self.backend,
                     self.max_model_len)
+
+    @staticmethod
+    def device_for(config: EngineConfig, rank: int) -> torch.device:
+        """The device of tensor-parallel rank ``rank`` (0 without TP)."""
+        device = resolve_device(config.model.device)
+        return torch.device("cuda", rank) if device.type == "cuda" and rank else device
+
+    def check_blocks(self) -> None:
+        """Under TP: every rank must have the same number of KV blocks (one block manager
+        addresses them all)."""
+        assert self.shard is not None
+        n = self.kv_spec.num_blocks
+        hi_lo = torch.tensor([n, -n], dtype=torch.long)
+        self.shard.all_reduce(hi_lo, dist.ReduceOp.MAX)
+        if hi_lo.tolist() != [n, -n]:
+            raise ValueError(f"tensor-parallel ranks disagree on the KV block count: "
+                             f"{-int(hi_lo[1])} to {int(hi_lo[0])} (a per-rank budget must "
+                             f"give every rank the same)")
 
     # -- inputs --------------------------------------------------------------------------------
     @staticmethod

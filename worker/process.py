@@ -99,6 +99,10 @@ class Worker:
     def __init__(self, settings: WorkerSettings, engine_config: EngineConfig):
         if engine_config.role != settings.role:
             raise ValueError("engine role and worker role differ")
+        if settings.role != "both" and engine_config.model.tensor_parallel_size > 1:
+            raise ValueError(f"--tensor-parallel-size {engine_config.model.tensor_parallel_size}"
+                             f" needs --role both: KV transfer between prefill and decode "
+                             f"workers does not support tensor parallelism yet")
         self.settings = settings
         self.engine_config = engine_config
         self.worker_id = settings.resolved_worker_id()
