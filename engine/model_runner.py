@@ -17,6 +17,7 @@ from kvrelay.engine.attention import (
     select_backend,
 )
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.device import kv_budget_for, resolve_device
 from kvrelay.engine.heap import bound_onednn_caches
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
@@ -61,16 +62,12 @@ class SampledTokens(NamedTuple):
     logprobs: list[TokenLogprob | None]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         mc = config.model
         self.device = resolve_device(mc.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's kernels and events on its GPU
         if mc.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -90,7 +87,8 @@ class ModelRunner:
                                            linear_kernel=mc.linear_kernel)
         cc = config.cache
         num_blocks = cc.num_blocks or blocks_for_budget(
-            cc.kv_cache_memory, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+            kv_budget_for(self.device, cc.kv_cache_memory, cc.gpu_memory_utilization),
+            num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim, block_size=cc.block_size, dtype=dtype_name(self.dtype))
         self.kv_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                    cc.block_size, num_blocks, dtype_name(self.dtype))
