@@ -36,6 +36,7 @@ import torch
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.config import NixlConnectorConfig
+from kvrelay.kv_transfer.cuda_sync import record_ready_event
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
 from kvrelay.kv_transfer.messages import (
@@ -78,6 +79,7 @@ class NixlConnector(KVConnector):
         self._thread: TransferThread | None = None
         self._spec: KVCacheSpec | None = None
         self._cuda = False
+        self._device: torch.device | None = None
         self._step: dict[tuple[str, str | None], PeerWrites] = {}
         self._saved: set[int] = set()
         self._unnamed: list[ScheduledSeq] = []  # in this step, destination not named yet
@@ -95,6 +97,7 @@ class NixlConnector(KVConnector):
                                         write_timeout_s=self.config.write_timeout_s)
         self._spec = spec
         self._cuda = kv.is_cuda
+        self._device = kv.device
 
     def close(self) -> None:
         if self._thread is not None:
@@ -199,9 +202,9 @@ class NixlConnector(KVConnector):
     def _ready_event(self) -> torch.cuda.Event | None:
         if not self._cuda:
             return None
-        ready = torch.cuda.Event()  # save_layer runs when kernels are queued, not done
-        ready.record()
-        return ready
+        assert self._device is not None
+        # save_layer runs when kernels are queued, not done
+        return record_ready_event(self._device)
 
     def _submit(self, layers: tuple[int, ...]) -> None:
         ready = self._ready_event()
@@ -216,7 +219,8 @@ class NixlConnector(KVConnector):
     def _io(self) -> TransferThread:
         if self._thread is None:
             self._thread = TransferThread(self.transport, self._on_write_end, self._on_notif_end,
-                                          max_wait_s=self.config.max_poll_interval_s)
+                                          max_wait_s=self.config.max_poll_interval_s,
+                                          device=self._device)
         return self._thread
 
     def _on_write_end(self, job: WriteJob, err: KVTransferError | None) -> list[NotifJob]:
