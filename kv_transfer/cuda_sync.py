@@ -31,3 +31,4 @@ def bind_thread_to(device: torch.device | None) -> None:
     creates a CUDA context, events or NIXL peers."""
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.cuda.synchronize(device)  # creates the primary context if it is not there yet
