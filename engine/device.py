@@ -56,3 +56,16 @@ def kv_budget_for(device: torch.device, requested: int, utilization: float) -> i
         return requested
     free, total = torch.cuda.mem_get_info(device)
     return cuda_kv_budget(requested, utilization, free, total)
+
+
+PAGED_FLASH_BLOCK = 256  # flash-attn 2's paged KV needs blocks of a multiple of 256 tokens
+
+
+def paged_flash_block_size(requested: int) -> int:
+    """The KV block size when flash-attn reads the paged cache directly (``block_table``):
+    ``requested`` if flash-attn accepts it, else 256 (a power of two, as the cache needs)."""
+    if requested % PAGED_FLASH_BLOCK == 0:
+        return requested
+    logger.info("KV block size %d -> %d: flash-attn's paged KV needs multiples of %d tokens",
+                requested, PAGED_FLASH_BLOCK, PAGED_FLASH_BLOCK)
+    return PAGED_FLASH_BLOCK

@@ -12,12 +12,13 @@ from kvrelay.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillSpan,
+    flash_supports_paged,
     forward_context,
     group_by_length,
     select_backend,
 )
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.device import kv_budget_for, resolve_device
+from kvrelay.engine.device import kv_budget_for, paged_flash_block_size, resolve_device
 from kvrelay.engine.heap import bound_onednn_caches
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
@@ -86,12 +87,21 @@ class ModelRunner:
                                            attn_fn=attn_fn, max_positions=max_len,
                                            linear_kernel=mc.linear_kernel)
         cc = config.cache
-        num_blocks = cc.num_blocks or blocks_for_budget(
+        block_size = cc.block_size
+        # flash-attn reads the paged cache itself where it can (no per-layer gather of every
+        # sequence's K/V); the gather path stays for a flash-attn without block_table.
+        self.paged_flash = self.backend == "flash" and flash_supports_paged()
+        if self.paged_flash:
+            block_size = paged_flash_block_size(block_size)
+        # --num-kv-blocks counts blocks of the configured size: keep the tokens it meant.
+        exact = None if cc.num_blocks is None else max(1, cc.num_blocks * cc.block_size
+                                                         // block_size)
+        num_blocks = exact or blocks_for_budget(
             kv_budget_for(self.device, cc.kv_cache_memory, cc.gpu_memory_utilization),
             num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim, block_size=cc.block_size, dtype=dtype_name(self.dtype))
+            head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.dtype))
         self.kv_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                   cc.block_size, num_blocks, dtype_name(self.dtype))
+                                   block_size, num_blocks, dtype_name(self.dtype))
         self.kv = allocate_kv_cache(self.kv_spec, self.device)
         self.model.bind_kv_cache(self.kv)
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
@@ -100,13 +110,13 @@ class ModelRunner:
         # oneDNN compiles a primitive per row count (see padded_rows); the panel GEMM does not
         self.pad_rows = self.model.lm_head.packed is not None
         # A sequence can never hold more tokens than the cache has slots.
-        self.max_model_len = min(max_len, num_blocks * cc.block_size)
-        self.block_size = cc.block_size
+        self.max_model_len = min(max_len, num_blocks * block_size)
+        self.block_size = block_size
         self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
-                    num_blocks, cc.block_size, self.kv_spec.total_bytes / 2**20, self.backend,
+                    num_blocks, block_size, self.kv_spec.total_bytes / 2**20, self.backend,
                     self.max_model_len)
 
     # -- inputs --------------------------------------------------------------------------------
@@ -212,9 +222,14 @@ class ModelRunner:
         q_lens = [scheduled[i].num_new_tokens for i in order]
         k_lens = [scheduled[i].seq.num_computed_tokens + scheduled[i].num_new_tokens
                   for i in order]
-        slots = self._slots([scheduled[i].seq.block_table for i in order], k_lens)
-        meta.gather_slots = torch.cat([slots[j, :k] for j, k in enumerate(k_lens)])
+        tables = [scheduled[i].seq.block_table for i in order]
         i32 = torch.int32
+        if self.paged_flash:
+            meta.flash_block_table = self._tables(tables, -(-max(k_lens) // self.block_size),
+                                                  dtype=i32)
+        else:
+            slots = self._slots(tables, k_lens)
+            meta.gather_slots = torch.cat([slots[j, :k] for j, k in enumerate(k_lens)])
         meta.cu_seqlens_q = torch.tensor([0, *q_lens], dtype=i32).cumsum(0, dtype=i32)
         meta.cu_seqlens_k = torch.tensor([0, *k_lens], dtype=i32).cumsum(0, dtype=i32)
         meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
@@ -230,7 +245,7 @@ class ModelRunner:
         for g in meta.decode_groups:
             g.ctx_lens = g.ctx_lens.to(d, non_blocking=True)
             g.block_tables = g.block_tables.to(d, non_blocking=True)
-        for name in ("cu_seqlens_q", "cu_seqlens_k", "gather_slots"):
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "gather_slots", "flash_block_table"):
             t = getattr(meta, name)
             if t is not None:
                 setattr(meta, name, t.to(d, non_blocking=True))

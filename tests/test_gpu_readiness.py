@@ -313,3 +313,50 @@ def test_receiver_progress_runs_only_while_expecting() -> None:
         assert len(calls) == n  # idle: asleep on its event, no polling
     finally:
         rp.close()
+
+
+# -- paged flash-attn ------------------------------------------------------------------------
+def test_paged_flash_block_size() -> None:
+    from kvrelay.engine.device import paged_flash_block_size
+
+    assert paged_flash_block_size(16) == 256
+    assert paged_flash_block_size(256) == 256
+    assert paged_flash_block_size(512) == 512
+
+
+def test_flash_metadata_paged_and_gather(demo_model_dir: str) -> None:
+    """The runner's flash-attn view of a step: block tables for the paged kernel, else the
+    gathered slots; both name the same visible keys."""
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.engine_core import EngineCore
+    from kvrelay.engine.kv_connector import ScheduledSeq
+    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.engine.sequence import Sequence
+
+    core = EngineCore(EngineConfig.from_kwargs(demo_model_dir, block_size=16, num_blocks=64,
+                                               attention_backend="sdpa"))
+    runner, bm = core.runner, core.block_manager
+    seqs = [Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams()) for i, n in
+            enumerate((40, 5, 17))]
+    for s in seqs:
+        assert bm.allocate(s, len(s.token_ids))
+    seqs[1].num_computed_tokens = 4  # a decode over 4 cached tokens
+    sched = [ScheduledSeq(seqs[0], 40), ScheduledSeq(seqs[1], 1), ScheduledSeq(seqs[2], 17)]
+    order = [0, 1, 2]
+    metas = {}
+    for paged in (False, True):
+        runner.paged_flash = paged
+        meta = runner.prepare(sched).meta
+        runner._add_flash_metadata(meta, sched, order)
+        metas[paged] = meta
+    gather, paged_meta = metas[False], metas[True]
+    assert paged_meta.gather_slots is None and gather.flash_block_table is None
+    table = paged_meta.flash_block_table
+    assert table is not None and table.dtype == torch.int32 and table.shape == (3, 3)
+    k_lens = torch.diff(paged_meta.cu_seqlens_k).tolist()
+    assert k_lens == [40, 5, 17]
+    slots = torch.cat([(table[j, :-(-k // 16)].long()[:, None] * 16 + torch.arange(16))
+                       .flatten()[:k] for j, k in enumerate(k_lens)])
+    assert torch.equal(slots, gather.gather_slots)
+    for s in seqs:
+        bm.free(s)

@@ -20,7 +20,8 @@ from kvrelay.engine.attention.metadata import (
 from kvrelay.engine.attention.sdpa import sdpa_attention, write_kv
 
 __all__ = ["AttentionFn", "AttentionMetadata", "DecodeGroup", "PrefillSpan", "current_metadata",
-           "forward_context", "group_by_length", "select_backend", "write_kv"]
+           "flash_supports_paged", "forward_context", "group_by_length", "select_backend",
+           "write_kv"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,14 @@ def flash_available() -> bool:
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_supports_paged() -> bool:
+    """Whether the installed flash-attn's varlen kernel reads a paged cache (``block_table``,
+    flash-attn >= 2.5). Only asked once the flash backend was chosen."""
+    from kvrelay.engine.attention.flash import supports_paged
+
+    return supports_paged()
 
 
 def _import_flash() -> AttentionFn | None:
