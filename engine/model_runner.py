@@ -234,21 +234,29 @@ class ModelRunner:
         meta.cu_seqlens_k = torch.tensor([0, *k_lens], dtype=i32).cumsum(0, dtype=i32)
         meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
 
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A step input onto the GPU through pinned memory, so the copy is truly asynchronous
+        (from pageable memory ``non_blocking`` copies synchronously). torch's caching host
+        allocator reuses the pinned buffers and keeps each alive until its copy is done."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.device.type == "cpu":
             return meta
-        d = self.device
-        meta.slot_mapping = meta.slot_mapping.to(d, non_blocking=True)
+        h2d = self._h2d
+        meta.slot_mapping = h2d(meta.slot_mapping)
         for span in meta.prefills:
             if span.ctx_slots is not None:
-                span.ctx_slots = span.ctx_slots.to(d, non_blocking=True)
+                span.ctx_slots = h2d(span.ctx_slots)
         for g in meta.decode_groups:
-            g.ctx_lens = g.ctx_lens.to(d, non_blocking=True)
-            g.block_tables = g.block_tables.to(d, non_blocking=True)
+            g.ctx_lens = h2d(g.ctx_lens)
+            g.block_tables = h2d(g.block_tables)
         for name in ("cu_seqlens_q", "cu_seqlens_k", "gather_slots", "flash_block_table"):
             t = getattr(meta, name)
             if t is not None:
-                setattr(meta, name, t.to(d, non_blocking=True))
+                setattr(meta, name, h2d(t))
         return meta
 
     # -- the forward ---------------------------------------------------------------------------
@@ -261,13 +269,13 @@ class ModelRunner:
             connector.start_step(scheduled)
             meta.on_kv_written = connector.save_layer
         with forward_context(meta):
-            hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device))
+            hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         if connector is not None:
             connector.end_step()
         tokens: list[int | None] = [None] * len(scheduled)
         logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
         if inputs.sampled_order:
-            rows = hidden.index_select(0, inputs.logits_indices.to(self.device))
+            rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
             logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
             seqs = [scheduled[i].seq for i in inputs.sampled_order]
             sampled, lps = sample(logits, seqs, self.generator)
@@ -280,5 +288,5 @@ class ModelRunner:
         """Logits of every new token of a step (tests compare them with transformers)."""
         inputs = self.prepare(scheduled)
         with forward_context(inputs.meta):
-            hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device))
+            hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         return self.model.compute_logits(hidden[:inputs.meta.slot_mapping.shape[0]])
