@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvrelay-installed
 DEMO_MODEL := .demo-model
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: install test serve lint fmt proto bench clean
+.PHONY: install install-gpu test test-gpu serve lint fmt proto bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,9 +18,30 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# On a CUDA machine instead of `make install`: torch from its CUDA index (keep TORCH_INDEX_URL
+# paired with the toolkit, see deploy/docker/Dockerfile.cuda), then flash-attn, which compiles
+# against the installed torch and so needs --no-build-isolation (a plain
+# `pip install 'kvrelay[gpu]'` builds it against a fresh torch in an isolated env, and fails).
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cu126
+GPU_STAMP := $(VENV)/.kvrelay-gpu-installed
+$(GPU_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --index-url $(TORCH_INDEX_URL) -c constraints.txt torch==2.13.0
+	$(PY) -c "import torch, sys; sys.exit('not a CUDA build of torch' if torch.version.cuda is None else 0)"
+	$(PY) -m pip install -q "setuptools>=68" wheel packaging ninja psutil einops
+	$(PY) -m pip install -q --no-build-isolation -c constraints.txt -e '.[dev,gpu]'
+	touch $(STAMP) $(GPU_STAMP)
+
+install-gpu: $(GPU_STAMP)
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra
+
+# The GPU smoke suite (tests/gpu/README.md); every test skips cleanly where CUDA is absent.
+test-gpu: $(STAMP)
+	KVRELAY_GPU_TESTS=1 $(PY) -m pytest -q -ra tests/gpu
 
 serve: $(STAMP)
 	test -f $(DEMO_MODEL)/config.json || $(VENV)/bin/kvrelay demo-model $(DEMO_MODEL)

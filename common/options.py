@@ -45,6 +45,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--max-model-len", type=int, default=None)
     opt(g, "--block-size", type=int, default=16, help="tokens per KV block")
     opt(g, "--kv-cache-memory", default="512MiB", help="KV cache budget (e.g. 512MiB, 4GiB)")
+    opt(g, "--gpu-memory-utilization", type=float, default=0.9,
+        help="on CUDA the KV cache also stays within this fraction of the GPU's memory")
     opt(g, "--num-kv-blocks", type=int, default=None, help="exact KV blocks (overrides budget)")
     opt(g, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
     opt(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -75,7 +77,9 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
     kw: dict[str, Any] = dict(
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         block_size=int(args.block_size), kv_cache_memory=args.kv_cache_memory,
-        num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        num_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=float(getattr(args, "gpu_memory_utilization", 0.9)),
+        enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=int(args.max_num_batched_tokens),
         max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),

@@ -60,7 +60,8 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--http-port", type=int, default=8000, help="OpenAI HTTP port (-1 = off)")
     opt(p, "--control-port", type=int, default=50052)
     opt(p, "--cpus-per-replica", type=float, default=1.0)
-    opt(p, "--gpus-per-replica", type=float, default=None, help="default 1 when CUDA is used")
+    opt(p, "--gpus-per-replica", type=float, default=None,
+        help="default: 1 with --device cuda*, and with --device auto on a cluster with GPUs")
     for pool in ("prefill", "decode", "both"):
         opt(p, f"--{pool}-tp", type=int, default=1,
             help=f"tensor-parallel ranks per {pool} replica (one Ray bundle each, STRICT_PACK; "
@@ -108,11 +109,15 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--log-level", default="INFO")
 
 
-def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
+def build_spec(args: argparse.Namespace, loopback: bool,
+               cluster_resources: dict[str, float] | None = None) -> Any:
+    """The launch; ``cluster_resources`` (``ray.cluster_resources()``) lets ``--device auto``
+    ask for the cluster's GPUs (without it, auto plans a CPU launch)."""
     from dataclasses import replace
 
     from kvrelay.common.options import engine_config_from_args
     from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
+    from kvrelay.deploy.gpu_request import gpu_request
     from kvrelay.deploy.launcher import PoolSpec, ServeSpec
     from kvrelay.router.lifecycle import RouterConfig
     from kvrelay.router.server import RouterSettings
@@ -129,9 +134,12 @@ def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
         control_port=int(args.control_port), http_host=host, http_port=http,
         api_keys=keys, cluster_token=token,
         served_model_name=args.served_model_name, config=RouterConfig(policy=args.policy))
-    gpus = args.gpus_per_replica
-    if gpus is None:
-        gpus = 1.0 if args.device.startswith("cuda") else 0.0
+    try:
+        req = gpu_request(args.device, _opt_float(args.gpus_per_replica),
+                          cluster_resources or {})
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    gpus = req.gpus_per_replica
     cpus = float(args.cpus_per_replica)
     pools = {
         "prefill": PoolSpec(int(args.prefill), cpus, float(gpus),
@@ -163,7 +171,9 @@ def build_spec(args: argparse.Namespace, loopback: bool) -> Any:
         worker=WorkerSettings(role="both", cluster_token=token,
                               heartbeat_interval_s=hb,
                               drain_timeout_s=float(args.drain_timeout)),
-        engine=engine_config_from_args(args), pools=pools, loopback=loopback,
+        engine=engine_config_from_args(argparse.Namespace(**{**vars(args),
+                                                             "device": req.device})),
+        pools=pools, loopback=loopback,
         autoscale=autoscale, planner=_planner(args),
         log_level=args.log_level, placement_timeout_s=placement)
 
@@ -289,6 +299,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = build_spec(args, loopback)  # before Ray starts: a bad flag costs no Ray start
     init_ray(args.address, args.ray_num_cpus, args.object_store_memory)
     import ray
+
+    if args.device == "auto" and args.gpus_per_replica is None:
+        spec = build_spec(args, loopback, ray.cluster_resources())
 
     # After ray.init (it sets its own SIGTERM handler). Ctrl-C in a terminal reaches the whole
     # process group; Ray's daemons block SIGINT, so they outlive us until we have stopped the

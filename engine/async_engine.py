@@ -250,6 +250,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
+        if core.runner.device.type == "cuda":  # each thread starts on GPU 0
+            import torch
+
+            torch.cuda.set_device(core.runner.device)
         conn = core.connector
         while not self._stop.is_set():
             if core.has_schedulable():

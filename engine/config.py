@@ -72,6 +72,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 512 * 2**20  # bytes for the KV tensor
     num_blocks: int | None = None  # overrides the memory budget when set
+    # On CUDA the KV budget also stays within this fraction of the GPU's memory (after weights).
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -82,6 +84,9 @@ class CacheConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

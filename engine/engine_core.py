@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from kvrelay.engine.block_manager import BlockManager
@@ -84,7 +84,6 @@ class EngineStats:
 class EngineCore:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
                  eos_token_ids: frozenset[int] = frozenset()):
-        self.config = config
         if config.model.tensor_parallel_size > 1:
             if connector is not None:
                 raise ValueError("KV transfer (prefill/decode roles with a connector) is not "
@@ -95,6 +94,10 @@ class EngineCore:
         else:
             self.runner = ModelRunner(config)
         self.runner.eos_token_ids = eos_token_ids  # min_tokens masks them
+        if self.runner.block_size != config.cache.block_size:  # paged flash-attn on CUDA
+            config = replace(config, cache=replace(config.cache,
+                                                   block_size=self.runner.block_size))
+        self.config = config
         self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         sc = config.scheduler

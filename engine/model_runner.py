@@ -13,11 +13,13 @@ from kvrelay.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillSpan,
+    flash_supports_paged,
     forward_context,
     group_by_length,
     select_backend,
 )
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.device import kv_budget_for, paged_flash_block_size, resolve_device
 from kvrelay.engine.heap import bound_onednn_caches
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
@@ -63,16 +65,12 @@ class SampledTokens(NamedTuple):
     logprobs: list[TokenLogprob | None]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, shard: TPShard | None = None):
         mc = config.model
         self.device = self.device_for(config, 0 if shard is None else shard.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's kernels and events on its GPU
         if mc.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -94,11 +92,21 @@ class ModelRunner:
         # Under TP each rank holds its own heads' KV (the budget is per rank).
         kv_heads = arch.num_kv_heads if shard is None else local_kv_heads(arch, shard.size)
         cc = config.cache
-        num_blocks = cc.num_blocks or blocks_for_budget(
-            cc.kv_cache_memory, num_layers=arch.num_layers, num_kv_heads=kv_heads,
-            head_dim=arch.head_dim, block_size=cc.block_size, dtype=dtype_name(self.dtype))
+        block_size = cc.block_size
+        # flash-attn reads the paged cache itself where it can (no per-layer gather of every
+        # sequence's K/V); the gather path stays for a flash-attn without block_table.
+        self.paged_flash = self.backend == "flash" and flash_supports_paged()
+        if self.paged_flash:
+            block_size = paged_flash_block_size(block_size)
+        # --num-kv-blocks counts blocks of the configured size: keep the tokens it meant.
+        exact = None if cc.num_blocks is None else max(1, cc.num_blocks * cc.block_size
+                                                         // block_size)
+        num_blocks = exact or blocks_for_budget(
+            kv_budget_for(self.device, cc.kv_cache_memory, cc.gpu_memory_utilization),
+            num_layers=arch.num_layers, num_kv_heads=kv_heads,
+            head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.dtype))
         self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads, arch.head_dim,
-                                   cc.block_size, num_blocks, dtype_name(self.dtype))
+                                   block_size, num_blocks, dtype_name(self.dtype))
         self.kv = allocate_kv_cache(self.kv_spec, self.device)
         self.model.bind_kv_cache(self.kv)
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
@@ -107,14 +115,14 @@ class ModelRunner:
         # oneDNN compiles a primitive per row count (see padded_rows); the panel GEMM does not
         self.pad_rows = self.model.lm_head.packed is not None
         # A sequence can never hold more tokens than the cache has slots.
-        self.max_model_len = min(max_len, num_blocks * cc.block_size)
-        self.block_size = cc.block_size
+        self.max_model_len = min(max_len, num_blocks * block_size)
+        self.block_size = block_size
         self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.eos_token_ids: frozenset[int] = frozenset()
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
-                    num_blocks, cc.block_size, self.kv_spec.total_bytes / 2**20, self.backend,
+                    num_blocks, block_size, self.kv_spec.total_bytes / 2**20, self.backend,
                     self.max_model_len)
 
     @staticmethod
@@ -238,28 +246,41 @@ class ModelRunner:
         q_lens = [scheduled[i].num_new_tokens for i in order]
         k_lens = [scheduled[i].seq.num_computed_tokens + scheduled[i].num_new_tokens
                   for i in order]
-        slots = self._slots([scheduled[i].seq.block_table for i in order], k_lens)
-        meta.gather_slots = torch.cat([slots[j, :k] for j, k in enumerate(k_lens)])
+        tables = [scheduled[i].seq.block_table for i in order]
         i32 = torch.int32
+        if self.paged_flash:
+            meta.flash_block_table = self._tables(tables, -(-max(k_lens) // self.block_size),
+                                                  dtype=i32)
+        else:
+            slots = self._slots(tables, k_lens)
+            meta.gather_slots = torch.cat([slots[j, :k] for j, k in enumerate(k_lens)])
         meta.cu_seqlens_q = torch.tensor([0, *q_lens], dtype=i32).cumsum(0, dtype=i32)
         meta.cu_seqlens_k = torch.tensor([0, *k_lens], dtype=i32).cumsum(0, dtype=i32)
         meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
 
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A step input onto the GPU through pinned memory, so the copy is truly asynchronous
+        (from pageable memory ``non_blocking`` copies synchronously). torch's caching host
+        allocator reuses the pinned buffers and keeps each alive until its copy is done."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.device.type == "cpu":
             return meta
-        d = self.device
-        meta.slot_mapping = meta.slot_mapping.to(d, non_blocking=True)
+        h2d = self._h2d
+        meta.slot_mapping = h2d(meta.slot_mapping)
         for span in meta.prefills:
             if span.ctx_slots is not None:
-                span.ctx_slots = span.ctx_slots.to(d, non_blocking=True)
+                span.ctx_slots = h2d(span.ctx_slots)
         for g in meta.decode_groups:
-            g.ctx_lens = g.ctx_lens.to(d, non_blocking=True)
-            g.block_tables = g.block_tables.to(d, non_blocking=True)
-        for name in ("cu_seqlens_q", "cu_seqlens_k", "gather_slots"):
+            g.ctx_lens = h2d(g.ctx_lens)
+            g.block_tables = h2d(g.block_tables)
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "gather_slots", "flash_block_table"):
             t = getattr(meta, name)
             if t is not None:
-                setattr(meta, name, t.to(d, non_blocking=True))
+                setattr(meta, name, h2d(t))
         return meta
 
     # -- the forward ---------------------------------------------------------------------------
@@ -272,13 +293,13 @@ class ModelRunner:
             connector.start_step(scheduled)
             meta.on_kv_written = connector.save_layer
         with forward_context(meta):
-            hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device))
+            hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         if connector is not None:
             connector.end_step()
         tokens: list[int | None] = [None] * len(scheduled)
         logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
         if inputs.sampled_order:
-            rows = hidden.index_select(0, inputs.logits_indices.to(self.device))
+            rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
             logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
             seqs = [scheduled[i].seq for i in inputs.sampled_order]
             sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids)
@@ -291,5 +312,5 @@ class ModelRunner:
         """Logits of every new token of a step (tests compare them with transformers)."""
         inputs = self.prepare(scheduled)
         with forward_context(inputs.meta):
-            hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device))
+            hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         return self.model.compute_logits(hidden[:inputs.meta.slot_mapping.shape[0]])

@@ -37,6 +37,7 @@ from kvrelay.common.timeline import mark
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.config import NixlConnectorConfig
+from kvrelay.kv_transfer.cuda_sync import bind_thread_to, record_ready_event
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
 from kvrelay.kv_transfer.messages import (
@@ -47,6 +48,7 @@ from kvrelay.kv_transfer.messages import (
     destination_of,
 )
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
+from kvrelay.kv_transfer.receiver_progress import ReceiverProgress
 from kvrelay.kv_transfer.receiving import OnHold, Receiving
 from kvrelay.kv_transfer.tracker import (
     MAX_FENCED,
@@ -78,6 +80,8 @@ class NixlConnector(KVConnector):
         self._thread: TransferThread | None = None
         self._spec: KVCacheSpec | None = None
         self._cuda = False
+        self._device: torch.device | None = None
+        self._recv_progress: ReceiverProgress | None = None
         self._step: dict[tuple[str, str | None], PeerWrites] = {}
         self._saved: set[int] = set()
         self._unnamed: list[ScheduledSeq] = []  # in this step, destination not named yet
@@ -95,8 +99,16 @@ class NixlConnector(KVConnector):
                                         write_timeout_s=self.config.write_timeout_s)
         self._spec = spec
         self._cuda = kv.is_cuda
+        self._device = kv.device
+        if self._cuda:  # GPU steps are long; the CPU path keeps progressing from the engine
+            device = kv.device
+            self._recv_progress = ReceiverProgress(
+                self._transport.progress, self._rx.expecting, self.config.max_poll_interval_s,
+                on_start=lambda: bind_thread_to(device))
 
     def close(self) -> None:
+        if self._recv_progress is not None:
+            self._recv_progress.close()
         if self._thread is not None:
             self._thread.close()
         if self._transport is not None:
@@ -114,6 +126,7 @@ class NixlConnector(KVConnector):
         return self.transport.peer_info()
 
     def add_peer(self, info: PeerInfo) -> bool:
+        bind_thread_to(self._device)  # UCX's CUDA transports need this thread's context first
         """Connect to a decode worker (no-op if this incarnation is known). Raises
         ``IncompatibleKVLayout`` with the flag to change when its KV layout differs."""
         return self.transport.add_peer(info)
@@ -199,9 +212,9 @@ class NixlConnector(KVConnector):
     def _ready_event(self) -> torch.cuda.Event | None:
         if not self._cuda:
             return None
-        ready = torch.cuda.Event()  # save_layer runs when kernels are queued, not done
-        ready.record()
-        return ready
+        assert self._device is not None
+        # save_layer runs when kernels are queued, not done
+        return record_ready_event(self._device)
 
     def _submit(self, layers: tuple[int, ...]) -> None:
         ready = self._ready_event()
@@ -216,7 +229,8 @@ class NixlConnector(KVConnector):
     def _io(self) -> TransferThread:
         if self._thread is None:
             self._thread = TransferThread(self.transport, self._on_write_end, self._on_notif_end,
-                                          max_wait_s=self.config.max_poll_interval_s)
+                                          max_wait_s=self.config.max_poll_interval_s,
+                                          device=self._device)
         return self._thread
 
     def _on_write_end(self, job: WriteJob, err: KVTransferError | None) -> list[NotifJob]:
@@ -240,6 +254,8 @@ class NixlConnector(KVConnector):
     # -- scheduler side ------------------------------------------------------------------------
     def request_waiting_for_kv(self, seq: Sequence) -> None:
         self._rx.expect(seq)
+        if self._recv_progress is not None:
+            self._recv_progress.kick()
 
     def bind_sender(self, request_id: str, sender: str, sender_address: str | None = None
                     ) -> bool:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from kvrelay.kv_transfer.cuda_sync import bind_thread_to
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.nixl_transport import NixlTransport, WriteHandle
 from kvrelay.kv_transfer.tracker import NotifJob
@@ -48,7 +49,8 @@ OnNotifEnd = Callable[[NotifJob, KVTransferError | None], None]
 class TransferThread:
     def __init__(self, transport: NixlTransport, on_write_end: OnWriteEnd,
                  on_notif_end: OnNotifEnd, *, min_wait_s: float = 5e-5,
-                 max_wait_s: float = 2e-3, linger_s: float = 0.5) -> None:
+                 max_wait_s: float = 2e-3, linger_s: float = 0.5,
+                 device: Any | None = None) -> None:
         self._transport = transport
         self._on_write_end = on_write_end
         self._on_notif_end = on_notif_end
@@ -56,6 +58,7 @@ class TransferThread:
         self._cond = threading.Condition()
         self._queue: list[WriteJob | NotifJob] = []
         self._stopping = False
+        self._device = device  # a torch.device: the KV's GPU, made current in the thread
         self._thread = threading.Thread(target=self._run, name="kv-send", daemon=True)
         self._thread.start()
 
@@ -77,6 +80,7 @@ class TransferThread:
 
     # -- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
+        bind_thread_to(self._device)
         inflight: list[tuple[WriteJob, WriteHandle]] = []
         wait = self._min_wait
         linger_until = 0.0

@@ -20,6 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+# The GPU smoke suite runs by itself (`make test-gpu`), never inside the normal suite.
+collect_ignore = [] if os.environ.get("KVRELAY_GPU_TESTS") == "1" else ["gpu"]
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -120,6 +120,7 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     gather_slots: torch.Tensor | None = None  # all visible slots, sequence after sequence
+    flash_block_table: torch.Tensor | None = None  # int32 [N, W]: paged flash-attn, no gather
     # Called with the layer index right after that layer's K/V are written to the cache.
     on_kv_written: Callable[[int], None] | None = None
 

@@ -1,0 +1,362 @@
+"""The GPU path's decisions, checked on the CPU (issue 24): device selection, the Ray GPU
+request, flash-attn's dtype gate and import fallback, the CUDA memory budget, the KV-ready event's
+device, the Docker image's torch/CUDA pairing and the Kubernetes GPU overlay. What needs a real
+GPU lives in tests/gpu/ (``make test-gpu``)."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE_CUDA = ROOT / "deploy" / "docker" / "Dockerfile.cuda"
+K8S = ROOT / "deploy" / "k8s"
+
+# The one table: CUDA builds download.pytorch.org publishes per torch release (cuXYZ index
+# suffixes). Extend it when constraints.txt moves torch; the image must use one of these, with a
+# toolkit of the same major.minor (flash-attn refuses a CUDA major mismatch at build time).
+TORCH_CUDA_BUILDS: dict[str, tuple[str, ...]] = {
+    "2.13.0": ("cu126", "cu130"),
+}
+
+
+# -- device selection ------------------------------------------------------------------------
+def test_auto_device_follows_cuda_visibility() -> None:
+    from kvrelay.engine.device import resolve_device
+
+    assert resolve_device("auto", cuda_available=False) == torch.device("cpu")
+    assert resolve_device("auto", cuda_available=True).type == "cuda"
+    assert resolve_device("cpu", cuda_available=True) == torch.device("cpu")
+
+
+def test_cuda_asked_but_invisible_fails_loudly() -> None:
+    from kvrelay.engine.device import resolve_device
+
+    with pytest.raises(RuntimeError, match="sees no CUDA device"):
+        resolve_device("cuda", cuda_available=False)
+    with pytest.raises(RuntimeError, match="sees 1 CUDA device"):
+        resolve_device("cuda:1", cuda_available=True, device_count=1)
+    assert resolve_device("cuda:1", cuda_available=True, device_count=2) == torch.device("cuda", 1)
+    assert resolve_device("cuda", cuda_available=True, device_count=1) == torch.device("cuda", 0)
+
+
+def test_cuda_kv_budget_respects_utilization() -> None:
+    from kvrelay.engine.device import cuda_kv_budget
+
+    gib = 2**30
+    # 80 GiB card, 60 GiB free after weights, 10 % held back: 52 GiB usable.
+    assert cuda_kv_budget(8 * gib, 0.9, 60 * gib, 80 * gib) == 8 * gib
+    assert cuda_kv_budget(100 * gib, 0.9, 60 * gib, 80 * gib) == 52 * gib
+    with pytest.raises(RuntimeError, match="no GPU memory left"):
+        cuda_kv_budget(gib, 0.5, 30 * gib, 80 * gib)
+    with pytest.raises(ValueError):
+        cuda_kv_budget(gib, 1.5, 30 * gib, 80 * gib)
+
+
+def test_cache_config_validates_utilization() -> None:
+    from kvrelay.engine.config import CacheConfig
+
+    assert CacheConfig().gpu_memory_utilization == 0.9
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        CacheConfig(gpu_memory_utilization=0.0)
+
+
+def test_cpu_kv_budget_is_untouched() -> None:
+    from kvrelay.engine.device import kv_budget_for
+
+    assert kv_budget_for(torch.device("cpu"), 123456, 0.5) == 123456
+
+
+# -- Ray GPU requests ------------------------------------------------------------------------
+@pytest.mark.parametrize("device,explicit,cluster,want", [
+    ("auto", None, {"CPU": 16.0}, (0.0, "cpu")),
+    ("auto", None, {"CPU": 16.0, "GPU": 8.0}, (1.0, "cuda")),
+    ("cuda", None, {}, (1.0, "cuda")),
+    ("cuda:0", None, {"GPU": 1.0}, (1.0, "cuda:0")),
+    ("cpu", None, {"GPU": 8.0}, (0.0, "cpu")),
+    ("auto", 2.0, {"GPU": 8.0}, (2.0, "cuda")),
+    ("auto", 0.0, {"GPU": 8.0}, (0.0, "cpu")),
+    ("cuda", 0.5, {"GPU": 1.0}, (0.5, "cuda")),
+])
+def test_gpu_request(device: str, explicit: float | None, cluster: dict[str, float],
+                     want: tuple[float, str]) -> None:
+    from kvrelay.deploy.gpu_request import gpu_request
+
+    assert tuple(gpu_request(device, explicit, cluster)) == want
+
+
+def test_cuda_with_zero_gpus_is_refused() -> None:
+    from kvrelay.deploy.gpu_request import gpu_request
+
+    with pytest.raises(ValueError, match="hide"):
+        gpu_request("cuda", 0.0, {"GPU": 1.0})
+
+
+def _serve_args(model: str, *extra: str) -> Any:
+    from kvrelay.cli import build_parser
+
+    return build_parser().parse_args(["serve", "--model", model, "--http-port", "-1", *extra])
+
+
+def test_build_spec_auto_on_a_gpu_cluster(tmp_path: Path) -> None:
+    from kvrelay.deploy.ray_cli import build_spec
+
+    spec = build_spec(_serve_args(str(tmp_path)), True, {"CPU": 32.0, "GPU": 4.0})
+    assert {p.gpus for p in spec.pools.values()} == {1.0}
+    assert spec.engine.model.device == "cuda"  # a replica that sees no GPU then fails at start
+    cpu = build_spec(_serve_args(str(tmp_path)), True, {"CPU": 32.0})
+    assert {p.gpus for p in cpu.pools.values()} == {0.0}
+    assert cpu.engine.model.device == "cpu"
+    two = build_spec(_serve_args(str(tmp_path), "--gpus-per-replica", "2"), True)
+    assert {p.gpus for p in two.pools.values()} == {2.0}
+
+
+# -- attention backend selection -------------------------------------------------------------
+def _pretend_flash_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvrelay.engine.attention as attn
+
+    monkeypatch.setattr(attn, "flash_available", lambda: True)
+
+
+def test_flash_only_for_half_precision(monkeypatch: pytest.MonkeyPatch,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    import kvrelay.engine.attention as attn
+
+    _pretend_flash_installed(monkeypatch)
+    sentinel = object()
+    monkeypatch.setattr(attn, "_import_flash", lambda: sentinel)
+    cuda = torch.device("cuda", 0)
+    for dt in (torch.float16, torch.bfloat16):
+        assert attn.select_backend("auto", cuda, dt) == ("flash", sentinel)
+    with caplog.at_level(logging.INFO, logger=attn.__name__):
+        name, _ = attn.select_backend("auto", cuda, torch.float32)
+    assert name == "sdpa" and "no torch.float32 kernels" in caplog.text
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        attn.select_backend("flash", cuda, torch.float32)
+
+
+def test_flash_that_does_not_load_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    import kvrelay.engine.attention as attn
+
+    _pretend_flash_installed(monkeypatch)
+    real_import = builtins.__import__
+
+    def broken(name: str, *a: Any, **kw: Any) -> Any:
+        if name.endswith("attention.flash") or name.startswith("flash_attn"):
+            raise ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    cuda = torch.device("cuda", 0)
+    with caplog.at_level(logging.WARNING, logger=attn.__name__):
+        name, _ = attn.select_backend("auto", cuda, torch.bfloat16)
+    assert name == "sdpa" and "undefined symbol" in caplog.text
+    with pytest.raises(ImportError, match="does not load"):
+        attn.select_backend("flash", cuda, torch.bfloat16)
+
+
+def test_cpu_selection_unchanged() -> None:
+    from kvrelay.engine.attention import select_backend
+
+    name, _ = select_backend("auto", torch.device("cpu"), torch.float32)
+    assert name in ("native", "sdpa")
+    assert select_backend("auto", torch.device("cpu"), torch.bfloat16)[0] == "sdpa"
+
+
+# -- the KV-ready event ----------------------------------------------------------------------
+class _FakeEvent:
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+        self.stream: Any = None
+
+    def record(self, stream: Any) -> None:
+        self.stream = stream
+
+
+def test_ready_event_is_recorded_on_the_workers_device() -> None:
+    from kvrelay.kv_transfer.cuda_sync import record_ready_event
+
+    asked: list[torch.device] = []
+
+    def stream_of(device: torch.device) -> str:
+        asked.append(device)
+        return f"stream-of-{device}"
+
+    ev = record_ready_event(torch.device("cuda", 1), _FakeEvent, stream_of)
+    assert asked == [torch.device("cuda", 1)]
+    assert ev.stream == "stream-of-cuda:1"
+    assert ev.kw == {"blocking": True}  # the sender sleeps in synchronize(), it does not spin
+
+
+# -- the CUDA image --------------------------------------------------------------------------
+def _dockerfile_args() -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE_CUDA.read_text(), re.M))
+
+
+def test_dockerfile_torch_cuda_pairing() -> None:
+    args = _dockerfile_args()
+    pinned = re.search(r"^torch==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)
+    assert pinned is not None
+    assert args["TORCH_VERSION"] == pinned.group(1), "the image and constraints.txt disagree"
+    assert args["TORCH_VERSION"] in TORCH_CUDA_BUILDS, "add the torch release to the table"
+    index = re.fullmatch(r"https://download\.pytorch\.org/whl/(cu\d+)", args["TORCH_INDEX_URL"])
+    assert index is not None
+    build = index.group(1)
+    assert build in TORCH_CUDA_BUILDS[args["TORCH_VERSION"]], \
+        f"torch {args['TORCH_VERSION']} has no {build} build"
+    major, minor = args["CUDA_VERSION"].split(".")[:2]
+    assert build == f"cu{major}{minor}", "the base image's toolkit must match torch's CUDA"
+    text = DOCKERFILE_CUDA.read_text()
+    assert "--no-build-isolation" in text
+
+
+def test_makefile_gpu_targets_use_the_same_pairing() -> None:
+    make = (ROOT / "Makefile").read_text()
+    index = re.search(r"^TORCH_INDEX_URL \?= (\S+)$", make, re.M)
+    assert index is not None and index.group(1) == _dockerfile_args()["TORCH_INDEX_URL"]
+    assert "--no-build-isolation" in make and "test-gpu:" in make
+
+
+def test_gpu_suite_is_not_collected_by_the_normal_suite() -> None:
+    from conftest import collect_ignore
+
+    if os.environ.get("KVRELAY_GPU_TESTS") != "1":
+        assert "gpu" in collect_ignore
+
+
+# -- the Kubernetes GPU overlay --------------------------------------------------------------
+def _render(kustomization_dir: Path) -> list[dict[str, Any]]:
+    if shutil.which("kubectl"):
+        cmd = ["kubectl", "kustomize", str(kustomization_dir)]
+    elif shutil.which("kustomize"):
+        cmd = ["kustomize", "build", str(kustomization_dir)]
+    else:
+        pytest.skip("neither kubectl nor kustomize on PATH")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def _workers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == "Deployment"
+            and d["metadata"]["labels"].get("app.kubernetes.io/component") in
+            ("prefill", "decode")]
+
+
+def test_gpu_overlay_requests_rdma_ipc_lock_and_shm() -> None:
+    workers = _workers(_render(K8S / "overlays" / "gpu"))
+    assert len(workers) == 2
+    for dep in workers:
+        pod = dep["spec"]["template"]["spec"]
+        (c,) = [c for c in pod["containers"] if c["name"] == "worker"]
+        for side in ("requests", "limits"):
+            res = c["resources"][side]
+            assert res["nvidia.com/gpu"] == 1
+            assert res["rdma/rdma_shared_device_a"] == 1
+        caps = c["securityContext"]["capabilities"]
+        assert caps["add"] == ["IPC_LOCK"] and caps["drop"] == ["ALL"]
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert shm["emptyDir"]["sizeLimit"] == "16Gi"
+
+
+def test_multus_component_annotates_only_workers(tmp_path: Path) -> None:
+    rel = os.path.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {rel}/overlays/gpu\ncomponents:\n  - {rel}/components/multus-rdma\n")
+    docs = _render(tmp_path)
+    key = "k8s.v1.cni.cncf.io/networks"
+    for dep in (d for d in docs if d["kind"] == "Deployment"):
+        notes = dep["spec"]["template"]["metadata"].get("annotations", {})
+        assert (key in notes) == (dep in _workers(docs)), dep["metadata"]["name"]
+
+
+def test_receiver_progress_runs_only_while_expecting() -> None:
+    import threading
+    import time
+
+    from kvrelay.kv_transfer.errors import KVTransferError
+    from kvrelay.kv_transfer.receiver_progress import ReceiverProgress
+
+    calls: list[float] = []
+    expecting = threading.Event()
+    started = threading.Event()
+
+    def progress() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            raise KVTransferError("a peer went away", retriable=True)  # must not kill it
+
+    rp = ReceiverProgress(progress, expecting.is_set, 0.002, on_start=started.set)
+    try:
+        expecting.set()
+        rp.kick()
+        deadline = time.monotonic() + 5
+        while len(calls) < 10 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert started.is_set() and len(calls) >= 10
+        expecting.clear()
+        time.sleep(0.05)
+        n = len(calls)
+        time.sleep(0.05)
+        assert len(calls) == n  # idle: asleep on its event, no polling
+    finally:
+        rp.close()
+
+
+# -- paged flash-attn ------------------------------------------------------------------------
+def test_paged_flash_block_size() -> None:
+    from kvrelay.engine.device import paged_flash_block_size
+
+    assert paged_flash_block_size(16) == 256
+    assert paged_flash_block_size(256) == 256
+    assert paged_flash_block_size(512) == 512
+
+
+def test_flash_metadata_paged_and_gather(demo_model_dir: str) -> None:
+    """The runner's flash-attn view of a step: block tables for the paged kernel, else the
+    gathered slots; both name the same visible keys."""
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.engine_core import EngineCore
+    from kvrelay.engine.kv_connector import ScheduledSeq
+    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.engine.sequence import Sequence
+
+    core = EngineCore(EngineConfig.from_kwargs(demo_model_dir, block_size=16, num_blocks=64,
+                                               attention_backend="sdpa"))
+    runner, bm = core.runner, core.block_manager
+    seqs = [Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams()) for i, n in
+            enumerate((40, 5, 17))]
+    for s in seqs:
+        assert bm.allocate(s, len(s.token_ids))
+    seqs[1].num_computed_tokens = 4  # a decode over 4 cached tokens
+    sched = [ScheduledSeq(seqs[0], 40), ScheduledSeq(seqs[1], 1), ScheduledSeq(seqs[2], 17)]
+    order = [0, 1, 2]
+    metas = {}
+    for paged in (False, True):
+        runner.paged_flash = paged
+        meta = runner.prepare(sched).meta
+        runner._add_flash_metadata(meta, sched, order)
+        metas[paged] = meta
+    gather, paged_meta = metas[False], metas[True]
+    assert paged_meta.gather_slots is None and gather.flash_block_table is None
+    table = paged_meta.flash_block_table
+    assert table is not None and table.dtype == torch.int32 and table.shape == (3, 3)
+    k_lens = torch.diff(paged_meta.cu_seqlens_k).tolist()
+    assert k_lens == [40, 5, 17]
+    slots = torch.cat([(table[j, :-(-k // 16)].long()[:, None] * 16 + torch.arange(16))
+                       .flatten()[:k] for j, k in enumerate(k_lens)])
+    assert torch.equal(slots, gather.gather_slots)
+    for s in seqs:
+        bm.free(s)
