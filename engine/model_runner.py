@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
@@ -131,13 +132,13 @@ class ModelRunner:
         device = resolve_device(config.model.device)
         return torch.device("cuda", rank) if device.type == "cuda" and rank else device
 
-    def check_blocks(self) -> None:
+    def check_blocks(self, timeout: datetime.timedelta) -> None:
         """Under TP: every rank must have the same number of KV blocks (one block manager
         addresses them all)."""
         assert self.shard is not None
         n = self.kv_spec.num_blocks
         hi_lo = torch.tensor([n, -n], dtype=torch.long)
-        self.shard.all_reduce(hi_lo, dist.ReduceOp.MAX)
+        self.shard.all_reduce(hi_lo, dist.ReduceOp.MAX, timeout)
         if hi_lo.tolist() != [n, -n]:
             raise ValueError(f"tensor-parallel ranks disagree on the KV block count: "
                              f"{-int(hi_lo[1])} to {int(hi_lo[0])} (a per-rank budget must "

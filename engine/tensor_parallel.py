@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 _OP_STOP, _OP_FORWARD = 0, 1
 
 
+STARTUP_TIMEOUT_S = 300.0
+
+
 class TensorParallelError(RuntimeError):
     """A rank of this replica died, hung past the timeout, or failed its step."""
 
@@ -53,15 +56,25 @@ class TPShard:
     group: dist.ProcessGroup
     timeout: datetime.timedelta
 
-    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                   timeout: datetime.timedelta | None = None) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.group.allreduce([t], opts).wait(self.timeout)
+        opts.timeout = timeout or self.timeout
+        self.group.allreduce([t], opts).wait(opts.timeout)
 
     def broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        opts.timeout = self.timeout
         self.group.broadcast([t], opts).wait(self.timeout)
+
+
+def startup_timeout(config: EngineConfig) -> datetime.timedelta:
+    """The wait for the ranks to start, join and load the model: spawning a process that imports
+    torch and loads a checkpoint takes longer than a step, and far longer on a loaded machine, so
+    it gets at least STARTUP_TIMEOUT_S whatever ``tp_timeout_s`` (the steps' bound) is."""
+    return datetime.timedelta(seconds=max(config.model.tp_timeout_s, STARTUP_TIMEOUT_S))
 
 
 def validate_tp(arch: ModelArch, size: int) -> None:
@@ -217,11 +230,12 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
     from kvrelay.engine.model_runner import ModelRunner
 
     timeout = datetime.timedelta(seconds=config.model.tp_timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+    startup = startup_timeout(config)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=startup)
     cuda = ModelRunner.device_for(config, rank).type == "cuda"
-    shard = TPShard(rank, size, _make_group(store, rank, size, timeout, cuda), timeout)
+    shard = TPShard(rank, size, _make_group(store, rank, size, startup, cuda), timeout)
     runner = ModelRunner(config, shard=shard)
-    runner.check_blocks()
+    runner.check_blocks(startup)
     with torch.inference_mode():
         while True:
             try:  # idle for as long as it takes: the step header comes through a pipe
@@ -245,7 +259,8 @@ class Ranks:
         size = config.model.tensor_parallel_size
         self.size = size
         self.timeout = datetime.timedelta(seconds=config.model.tp_timeout_s)
-        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=self.timeout,
+        startup = startup_timeout(config)
+        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=startup,
                                    wait_for_workers=False)
         ctx = mp.get_context("spawn")
         # The step header (op, payload length) goes through a pipe, so an idle replica waits
@@ -263,7 +278,7 @@ class Ranks:
 
         cuda = ModelRunner.device_for(config, 0).type == "cuda"
         try:
-            group = _make_group(self.store, 0, size, self.timeout, cuda)
+            group = _make_group(self.store, 0, size, startup, cuda)
         except RuntimeError as e:
             self.close()
             raise self.error("joining the process group", e) from e

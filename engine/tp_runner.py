@@ -21,6 +21,7 @@ from kvrelay.engine.model_runner import ModelRunner, SampledTokens
 from kvrelay.engine.tensor_parallel import (
     Ranks,
     TensorParallelError,
+    startup_timeout,
     tp_model_config,
     validate_tp,
 )
@@ -39,7 +40,7 @@ class TPModelRunner(ModelRunner):
         self._finalizer = weakref.finalize(self, self.ranks.close)
         try:
             super().__init__(config, shard=self.ranks.shard)
-            self.check_blocks()
+            self.check_blocks(startup_timeout(config))
         except ValueError:
             self.close()
             raise
