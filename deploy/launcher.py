@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -28,13 +28,12 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolAutoscaler, PoolSample
-from kvrelay.engine.config import EngineConfig
-from kvrelay.router.server import RouterSettings
+from kvrelay.deploy.actors import RouterActor, WorkerActor
+from kvrelay.deploy.autoscaler import AutoscaleConfig
+from kvrelay.deploy.spec import PoolSpec, ServeSpec
 
 if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
     from kvrelay.deploy.planner.ray_loop import PlannerSpec
-    from kvrelay.worker.process import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -42,143 +41,11 @@ CONTROLLER_NAME = "kvrelay-controller"
 ROUTER_NAME = "kvrelay-router"
 NAMESPACE = "kvrelay"
 POOLS = ("prefill", "decode", "both")
-AUTOSCALED_POOLS = ("prefill", "decode")
 READY_TIMEOUT_S = 120.0  # started pools -> the router can serve a request
 
 
 def replica_actor_name(worker_id: str) -> str:
     return f"kvrelay-{worker_id}"
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    replicas: int = 0
-    cpus: float = 1.0  # per replica; also the worker's torch threads on CPU
-    gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
-    # Tensor-parallel ranks per replica: one bundle each (cpus/gpus/resources are per rank),
-    # packed onto one node. The worker actor takes bundle 0 and spawns the other ranks itself;
-    # their bundles keep Ray from placing anything else on those cores/GPUs.
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        if self.replicas < 0 or self.cpus < 0 or self.gpus < 0:
-            raise ValueError("replicas, cpus and gpus must be non-negative")
-        if self.tp < 1:
-            raise ValueError(f"tp must be positive, got {self.tp}")
-
-    def bundles(self) -> list[dict[str, float]]:
-        return [self.bundle()] * self.tp
-
-    @property
-    def strategy(self) -> str:
-        return "STRICT_PACK" if self.tp > 1 else "PACK"
-
-    def bundle(self) -> dict[str, float]:
-        b = {"CPU": self.cpus, **self.resources}
-        if self.gpus:
-            b["GPU"] = self.gpus
-        return {k: v for k, v in b.items() if v}
-
-
-@dataclass(frozen=True)
-class ServeSpec:
-    router: RouterSettings
-    worker: WorkerSettings  # template: role, routers and ids are filled in per replica
-    engine: EngineConfig  # template: role is filled in per pool
-    pools: dict[str, PoolSpec]
-    loopback: bool = True  # embedded local Ray: bind everything to 127.0.0.1
-    autoscale: AutoscaleConfig | None = None
-    planner: PlannerSpec | None = None  # the SLO planner (exclusive with autoscale)
-    log_level: str = "INFO"
-    # How long a new replica may wait for its placement group (on KubeRay: for a node to be
-    # added) before the scale-up fails.
-    placement_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        for pool in ("prefill", "decode"):
-            ps = self.pools.get(pool)
-            if ps is not None and ps.tp > 1:
-                raise ValueError(f"--{pool}-tp {ps.tp}: prefill and decode replicas move KV "
-                                 f"between them, which does not support tensor parallelism "
-                                 f"yet; use tensor parallelism on aggregated replicas "
-                                 f"(--both N --both-tp {ps.tp})")
-
-
-@ray.remote(num_cpus=0)
-class RouterActor:
-    async def start(self, settings: RouterSettings, log_level: str) -> dict[str, Any]:
-        from kvrelay.common.logs import setup_logging
-        from kvrelay.common.torch_free import forbid_torch, torch_loaded
-        from kvrelay.router.server import Router
-
-        setup_logging("router", log_level)
-        # This actor has its own process; keep transformers from loading torch into it.
-        if torch_loaded():
-            logger.warning("torch is already loaded in the router actor's process")
-        else:
-            forbid_torch()
-        self.router = Router(settings)
-        await self.router.start()
-        return {"port": self.router.port, "control_port": self.router.control_port,
-                "http_port": self.router.http_port, "host": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(), "torch": torch_loaded()}
-
-    async def workers(self) -> list[dict[str, Any]]:
-        out = []
-        for w in self.router.registry.workers.values():
-            ld = w.load
-            out.append({"worker_id": w.worker_id, "role": w.role, "address": w.address,
-                        "draining": ld.draining, "queued_prompt_tokens": ld.queued_prompt_tokens,
-                        "kv_usage": 1 - ld.free_blocks / ld.num_blocks if ld.num_blocks else 0,
-                        "running": ld.running + ld.waiting_for_kv + ld.waiting,
-                        "free_blocks": ld.free_blocks, "num_blocks": ld.num_blocks})
-        return out
-
-    async def wait_serving(self, timeout_s: float) -> bool:
-        return await self.router.wait_serving(timeout_s)
-
-    async def recent_latency(self, window_s: float) -> dict[str, float | None]:
-        ttft, itl = self.router.service.recent_latency(window_s)
-        return {"ttft_ms": ttft, "itl_ms": itl}
-
-    async def metrics_text(self) -> str:
-        return self.router.metrics.render().decode()
-
-    async def planner_report(self, decision: Any, current: dict[str, int]) -> None:
-        """Export a planner decision on the router's /metrics (created on first use)."""
-        if not hasattr(self, "planner_metrics"):
-            from kvrelay.deploy.planner.metrics import PlannerMetrics
-
-            self.planner_metrics = PlannerMetrics(self.router.metrics.registry)
-        self.planner_metrics.record(decision, current)
-
-    async def stop(self) -> None:
-        await self.router.stop()
-
-
-@ray.remote(num_cpus=0)
-class WorkerActor:
-    async def start(self, settings: WorkerSettings, engine: EngineConfig,
-                    log_level: str) -> dict[str, Any]:
-        from kvrelay.common.logs import setup_logging
-        from kvrelay.worker.process import Worker
-
-        setup_logging(f"{settings.role}-worker", log_level)
-        if settings.advertise_host is None:
-            # Joined to a cluster: the router (on another node, maybe) dials this node's IP.
-            settings = replace(settings, advertise_host=ray.util.get_node_ip_address())
-        self.worker = Worker(settings, engine)
-        await self.worker.start()
-        return {"worker_id": self.worker.worker_id, "port": self.worker.port,
-                "address": self.worker.info.address, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id()}
-
-    async def drain(self, timeout_s: float) -> None:
-        await self.worker.drain(timeout_s)
-
-    async def stop(self) -> None:
-        await self.worker.stop()
 
 
 @dataclass
@@ -359,52 +226,16 @@ class Controller:
                 logger.info("autoscaler off")
             return False
         logger.info("autoscaler on: %s", config)
-        self._autoscale_task = asyncio.get_running_loop().create_task(self._autoscale(config))
+        from kvrelay.deploy.autoscale_loop import run_autoscaler
+
+        self._autoscale_task = asyncio.get_running_loop().create_task(
+            run_autoscaler(self, config))
         return True
 
-    def _sample(self, pool: str, workers: list[dict[str, Any]],
-                lat: dict[str, float | None]) -> PoolSample:
-        ws = [w for w in workers if w["role"] == pool and not w["draining"]]
-        return PoolSample(
-            replicas=self.counts()[pool],
-            queued_prompt_tokens=sum(w["queued_prompt_tokens"] for w in ws),
-            kv_usage=sum(w["kv_usage"] for w in ws) / len(ws) if ws else 0.0,
-            running=sum(w["running"] for w in ws),
-            ttft_ms=lat["ttft_ms"], itl_ms=lat["itl_ms"])
-
-    async def _autoscale(self, cfg: AutoscaleConfig) -> None:
-        scalers = {p: PoolAutoscaler(p, cfg) for p in AUTOSCALED_POOLS}
-        last_hold: dict[str, str] = {}
-        try:
-            while True:
-                await asyncio.sleep(cfg.interval_s)
-                try:
-                    workers = await self.router.workers.remote()
-                    lat = await self.router.recent_latency.remote(max(5.0, 5 * cfg.interval_s))
-                except Exception:
-                    logger.exception("autoscaler: could not read the router's load")
-                    continue
-                for pool, scaler in scalers.items():
-                    job = self._autoscale_jobs.get(pool)
-                    if job is not None and not job.done():
-                        continue  # one change per pool at a time; its cooldown starts after
-                    sample = self._sample(pool, workers, lat)
-                    d = scaler.decide(sample, time.monotonic())
-                    if d.delta:
-                        last_hold.pop(pool, None)
-                        self.start_change("autoscale", pool, sample.replicas,
-                                          sample.replicas + d.delta,
-                                          f"{d.reason} | {_fmt_sample(sample)}", scaler.changed)
-                        continue
-                    # Holds: each tick at DEBUG, and at INFO whenever the reason changes.
-                    kind = d.reason.split(":")[0]
-                    log = logger.info if last_hold.get(pool) != kind else logger.debug
-                    last_hold[pool] = kind
-                    log("autoscale %s: hold at %d: %s | %s", pool, sample.replicas, d.reason,
-                        _fmt_sample(sample))
-        finally:
-            for job in self._autoscale_jobs.values():
-                job.cancel()
+    def cancel_changes(self) -> None:
+        """Cancel every pool's change in flight (the autoscaler stopping)."""
+        for job in self._autoscale_jobs.values():
+            job.cancel()
 
     def change_in_flight(self, pool: str) -> bool:
         job = self._autoscale_jobs.get(pool)
@@ -477,13 +308,6 @@ class Controller:
                 logger.warning("stopping the router: %r", e)
             finally:
                 ray.kill(self.router)
-
-
-def _fmt_sample(s: PoolSample) -> str:
-    lat = "".join(f" {k}={v:.0f}ms" for k, v in (("ttft", s.ttft_ms), ("itl", s.itl_ms))
-                  if v is not None)
-    return (f"replicas={s.replicas} queued_prompt_tokens={s.queued_prompt_tokens} "
-            f"kv_usage={s.kv_usage:.0%} running={s.running}{lat}")
 
 
 class ClusterHandle:

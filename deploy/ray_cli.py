@@ -118,7 +118,7 @@ def build_spec(args: argparse.Namespace, loopback: bool,
     from kvrelay.common.options import engine_config_from_args
     from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
     from kvrelay.deploy.gpu_request import gpu_request
-    from kvrelay.deploy.launcher import PoolSpec, ServeSpec
+    from kvrelay.deploy.spec import PoolSpec, ServeSpec
     from kvrelay.router.lifecycle import RouterConfig
     from kvrelay.router.server import RouterSettings
     from kvrelay.worker.process import WorkerSettings

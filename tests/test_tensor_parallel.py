@@ -171,8 +171,8 @@ def test_serve_places_one_bundle_per_rank(hf_model_dir) -> None:
     an engine of two ranks; prefill/decode TP is refused up front (no TP-aware KV transfer)."""
     pytest.importorskip("ray")
     from kvrelay.cli import build_parser
-    from kvrelay.deploy.launcher import PoolSpec
     from kvrelay.deploy.ray_cli import build_spec
+    from kvrelay.deploy.spec import PoolSpec
 
     def args(*extra: str) -> object:
         return build_parser().parse_args([

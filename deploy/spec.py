@@ -1,0 +1,70 @@
+"""What ``kvrelay serve`` launches on Ray: the router's settings, the worker and engine templates,
+and each pool's replicas and per-replica resources (one bundle per tensor-parallel rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvrelay.deploy.autoscaler import AutoscaleConfig
+from kvrelay.engine.config import EngineConfig
+from kvrelay.router.server import RouterSettings
+
+if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
+    from kvrelay.deploy.planner.ray_loop import PlannerSpec
+    from kvrelay.worker.process import WorkerSettings
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    replicas: int = 0
+    cpus: float = 1.0  # per replica; also the worker's torch threads on CPU
+    gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
+    # Tensor-parallel ranks per replica: one bundle each (cpus/gpus/resources are per rank),
+    # packed onto one node. The worker actor takes bundle 0 and spawns the other ranks itself;
+    # their bundles keep Ray from placing anything else on those cores/GPUs.
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0 or self.cpus < 0 or self.gpus < 0:
+            raise ValueError("replicas, cpus and gpus must be non-negative")
+        if self.tp < 1:
+            raise ValueError(f"tp must be positive, got {self.tp}")
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [self.bundle()] * self.tp
+
+    @property
+    def strategy(self) -> str:
+        return "STRICT_PACK" if self.tp > 1 else "PACK"
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.cpus, **self.resources}
+        if self.gpus:
+            b["GPU"] = self.gpus
+        return {k: v for k, v in b.items() if v}
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    router: RouterSettings
+    worker: WorkerSettings  # template: role, routers and ids are filled in per replica
+    engine: EngineConfig  # template: role is filled in per pool
+    pools: dict[str, PoolSpec]
+    loopback: bool = True  # embedded local Ray: bind everything to 127.0.0.1
+    autoscale: AutoscaleConfig | None = None
+    planner: PlannerSpec | None = None  # the SLO planner (exclusive with autoscale)
+    log_level: str = "INFO"
+    # How long a new replica may wait for its placement group (on KubeRay: for a node to be
+    # added) before the scale-up fails.
+    placement_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for pool in ("prefill", "decode"):
+            ps = self.pools.get(pool)
+            if ps is not None and ps.tp > 1:
+                raise ValueError(f"--{pool}-tp {ps.tp}: prefill and decode replicas move KV "
+                                 f"between them, which does not support tensor parallelism "
+                                 f"yet; use tensor parallelism on aggregated replicas "
+                                 f"(--both N --both-tp {ps.tp})")
