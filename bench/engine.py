@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from roofline import Ceilings, best, timed
 
 from kvrelay.engine import gemm
 from kvrelay.engine.config import EngineConfig
@@ -57,63 +58,6 @@ MIXED_BATCHES = (8, 32, 64)
 MIXED_CTX = (64, 1024)
 DECODE_PROMPT = 32
 DECODE_STEPS = 24
-
-
-def best(fn: Callable[[], float], reps: int) -> float:
-    """The fastest of ``reps`` timings (the least disturbed by a shared machine)."""
-    return min(fn() for _ in range(reps))
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-# -- ceilings ----------------------------------------------------------------------------------
-class Ceilings:
-    """Samples of the machine's fp32 matmul rate and copy bandwidth."""
-
-    def __init__(self, hidden: int, inter: int, weight_bytes: int):
-        m = 2048
-        shapes = [(hidden, inter), (inter, hidden), (hidden, hidden)]
-        self._mm = [(torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)) for k, n in shapes]
-        self._packed = []
-        if torch.backends.mkldnn.is_available():
-            try:
-                self._packed = [(x, torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(),
-                                                                            None))
-                                for x, w, _ in self._mm]
-            except (RuntimeError, AttributeError):
-                self._packed = []
-        self._panels = []
-        if gemm.available():
-            self._panels = [(x, gemm.pack_panels(w.t().contiguous()), o.shape[1])
-                            for x, w, o in self._mm]
-        self._flops = sum(2 * m * k * n for k, n in shapes)
-        self._src = torch.randn(weight_bytes // 4)
-        self._dst = torch.empty_like(self._src)
-        self._bytes = 2 * self._src.numel() * 4
-        self.gflops(), self.copy_gbs()  # warm-up
-
-    def _onednn(self) -> None:
-        for x, w in self._packed:
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-    def gflops(self) -> float:
-        """fp32 GFLOP/s of one pass over the projection shapes, by the faster kernel."""
-        t = timed(lambda: [torch.mm(x, w, out=o) for x, w, o in self._mm])
-        if self._packed:
-            t = min(t, timed(self._onednn))
-        if self._panels:
-            threads = torch.get_num_threads()
-            t = min(t, timed(lambda: [gemm.panel_linear(x, p, None, n, threads)
-                                      for x, p, n in self._panels]))
-        return self._flops / t / 1e9
-
-    def copy_gbs(self) -> float:
-        """GB/s (read + write) of one weight-sized ``copy_``."""
-        return self._bytes / timed(lambda: self._dst.copy_(self._src)) / 1e9
 
 
 @dataclass(frozen=True)
@@ -280,51 +224,6 @@ def hf_decode_step(model: torch.nn.Module, batch: int, reps: int, vocab: int) ->
     return best(lambda: (gen(DECODE_STEPS + 1) - gen(1)) / DECODE_STEPS, reps)
 
 
-class _TimedShard:
-    """A rank's shard whose all-reduces are timed (the bench's view of the TP step)."""
-
-    def __init__(self, shard: object):
-        self.shard, self.seconds = shard, 0.0
-
-    def all_reduce(self, t: torch.Tensor, *args: object) -> None:
-        start = time.perf_counter()
-        self.shard.all_reduce(t, *args)  # type: ignore[attr-defined]
-        self.seconds += time.perf_counter() - start
-
-
-def tp_bench(model_dir: str, tp: int, reps: int, n: int = 2048) -> int:
-    """Prefill of one ``n``-token prompt: TP=``tp`` with one thread per rank against TP=1 with
-    one and with ``tp`` threads, and the share of the TP step rank 0 spends in all-reduces
-    (waiting for the slower rank included)."""
-    from kvrelay.engine.tensor_parallel import RowParallelLinear
-
-    print(f"prefill {n} tokens, best of {reps}; load average {os.getloadavg()[0]:.2f}")
-    blocks = n // 16 + 64
-    for label, threads, size in ((f"TP={tp}, 1 thread/rank", 1, tp), ("TP=1, 1 thread", 1, 1),
-                                 (f"TP=1, {tp} threads", tp, 1)):
-        core = make_core(model_dir, threads, num_blocks=blocks, tensor_parallel_size=size)
-        vocab = core.runner.arch.vocab_size
-        timed = None
-        if size > 1:
-            row = [m for m in core.runner.model.modules() if isinstance(m, RowParallelLinear)]
-            timed = _TimedShard(row[0].shard)
-            for m in row:
-                m.shard = timed  # type: ignore[assignment]
-        run_prefill(core, [prompt(n, next(_seeds), vocab)])
-        best_t, share = float("inf"), 0.0
-        for _ in range(reps):
-            if timed is not None:
-                timed.seconds = 0.0
-            t = run_prefill(core, [prompt(n, next(_seeds), vocab)])
-            if t < best_t:
-                best_t, share = t, (timed.seconds / t if timed is not None else 0.0)
-        extra = f"; all-reduce {share:.1%} of the step" if timed is not None else ""
-        print(f"{label:>22}: {n / best_t:8.0f} tok/s ({best_t * 1e3:.0f} ms){extra}", flush=True)
-        if size > 1:
-            core.runner.close()  # type: ignore[attr-defined]
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: demo base, ~150M)")
@@ -345,6 +244,8 @@ def main() -> int:
         tmp = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
         model_dir = write_demo_model(os.path.join(tmp.name, "base"), size="base")
     if args.tp > 1:
+        from engine_tp import tp_bench
+
         return tp_bench(model_dir, args.tp, args.reps)
 
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,0 +1,70 @@
+"""The machine's ceilings for bench/engine.py's roofline ratios: fp32 matmul GFLOP/s (the
+fastest of MKL's mm, oneDNN's prepacked linear and the native panel GEMM, on the model's own
+projection shapes) and ``copy_`` bandwidth over a weight-sized buffer. Sampled beside each
+measurement, because this machine's speed drifts minute to minute."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvrelay.engine import gemm
+
+
+def best(fn: Callable[[], float], reps: int) -> float:
+    """The fastest of ``reps`` timings (the least disturbed by a shared machine)."""
+    return min(fn() for _ in range(reps))
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# -- ceilings ----------------------------------------------------------------------------------
+class Ceilings:
+    """Samples of the machine's fp32 matmul rate and copy bandwidth."""
+
+    def __init__(self, hidden: int, inter: int, weight_bytes: int):
+        m = 2048
+        shapes = [(hidden, inter), (inter, hidden), (hidden, hidden)]
+        self._mm = [(torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)) for k, n in shapes]
+        self._packed = []
+        if torch.backends.mkldnn.is_available():
+            try:
+                self._packed = [(x, torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(),
+                                                                            None))
+                                for x, w, _ in self._mm]
+            except (RuntimeError, AttributeError):
+                self._packed = []
+        self._panels = []
+        if gemm.available():
+            self._panels = [(x, gemm.pack_panels(w.t().contiguous()), o.shape[1])
+                            for x, w, o in self._mm]
+        self._flops = sum(2 * m * k * n for k, n in shapes)
+        self._src = torch.randn(weight_bytes // 4)
+        self._dst = torch.empty_like(self._src)
+        self._bytes = 2 * self._src.numel() * 4
+        self.gflops(), self.copy_gbs()  # warm-up
+
+    def _onednn(self) -> None:
+        for x, w in self._packed:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    def gflops(self) -> float:
+        """fp32 GFLOP/s of one pass over the projection shapes, by the faster kernel."""
+        t = timed(lambda: [torch.mm(x, w, out=o) for x, w, o in self._mm])
+        if self._packed:
+            t = min(t, timed(self._onednn))
+        if self._panels:
+            threads = torch.get_num_threads()
+            t = min(t, timed(lambda: [gemm.panel_linear(x, p, None, n, threads)
+                                      for x, p, n in self._panels]))
+        return self._flops / t / 1e9
+
+    def copy_gbs(self) -> float:
+        """GB/s (read + write) of one weight-sized ``copy_``."""
+        return self._bytes / timed(lambda: self._dst.copy_(self._src)) / 1e9
