@@ -37,7 +37,7 @@ install-gpu: $(GPU_STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 # The GPU smoke suite (tests/gpu/README.md); every test skips cleanly where CUDA is absent.
 test-gpu: $(STAMP)
