@@ -71,7 +71,8 @@ class Controller:
         self._lock = asyncio.Lock()
         self._autoscale_task: asyncio.Task[None] | None = None
         self._autoscale_cfg: AutoscaleConfig | None = None
-        self._autoscale_jobs: dict[str, asyncio.Task[None]] = {}
+        self._autoscale_jobs: dict[str, list[asyncio.Task[None]]] = {p: [] for p in POOLS}
+        self._starting = {p: 0 for p in POOLS}  # replicas being added (not in pools yet)
         self._planner_task: asyncio.Task[None] | None = None
         self.decisions: list[dict[str, Any]] = []
 
@@ -118,22 +119,35 @@ class Controller:
         bad = [p for p in targets if p not in POOLS or targets[p] < 0]
         if bad:
             raise ValueError(f"unknown pool or negative count: {bad}")
+        # Replicas start outside the lock, so a scale-up can raise a pool's count while an
+        # earlier one is still starting (a growing backlog needs both); removals choose their
+        # victims and drain under it, one at a time, and wait for no start in flight.
+        adds = []
         async with self._lock:
-            jobs = []
+            removes = []
             for pool, n in targets.items():
-                live = [r for r in self.pools[pool] if not r.draining]
-                if n > len(live):
-                    jobs += [self._add(pool) for _ in range(n - len(live))]
-                elif n < len(live):
-                    jobs.append(self._remove(pool, len(live) - n))
-            results = await asyncio.gather(*jobs, return_exceptions=True)
-            logger.info("pools now %s", self.counts())
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise errors[0]
-            return self.counts()
+                live = sum(1 for r in self.pools[pool] if not r.draining)
+                if n > live + self._starting[pool]:
+                    for _ in range(n - live - self._starting[pool]):
+                        self._starting[pool] += 1
+                        adds.append(asyncio.ensure_future(self._add(pool)))
+                elif n < live and not self._starting[pool]:
+                    removes.append(self._remove(pool, live - n))
+            results = await asyncio.gather(*removes, return_exceptions=True)
+        results += await asyncio.gather(*adds, return_exceptions=True)
+        logger.info("pools now %s", self.counts())
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        return self.counts()
 
     async def _add(self, pool: str) -> None:
+        try:
+            await self._start_replica(pool)
+        finally:
+            self._starting[pool] -= 1
+
+    async def _start_replica(self, pool: str) -> None:
         ps = self.spec.pools.get(pool, PoolSpec())
         self._serial[pool] += 1
         wid = f"{pool}-{self._serial[pool]}"
@@ -234,19 +248,21 @@ class Controller:
 
     def cancel_changes(self) -> None:
         """Cancel every pool's change in flight (the autoscaler stopping)."""
-        for job in self._autoscale_jobs.values():
-            job.cancel()
+        for jobs in self._autoscale_jobs.values():
+            for job in jobs:
+                job.cancel()
 
     def change_in_flight(self, pool: str) -> bool:
-        job = self._autoscale_jobs.get(pool)
-        return job is not None and not job.done()
+        jobs = self._autoscale_jobs[pool] = [j for j in self._autoscale_jobs[pool] if not j.done()]
+        return bool(jobs)
 
     def start_change(self, who: str, pool: str, n: int, to: int, reason: str,
                      done: Any = None, extra: dict[str, Any] | None = None) -> None:
-        """Run ``apply_change`` as this pool's one change in flight."""
-        assert not self.change_in_flight(pool)
-        self._autoscale_jobs[pool] = asyncio.get_running_loop().create_task(
-            self.apply_change(who, pool, n, to, reason, done, extra))
+        """Run ``apply_change`` as a change of this pool: the only one in flight, or a scale-up
+        beyond the one(s) in flight (``to`` counts the starting replicas)."""
+        assert not self.change_in_flight(pool) or to > n
+        self._autoscale_jobs[pool].append(asyncio.get_running_loop().create_task(
+            self.apply_change(who, pool, n, to, reason, done, extra)))
 
     async def apply_change(self, who: str, pool: str, n: int, to: int, reason: str,
                            done: Any = None, extra: dict[str, Any] | None = None) -> None:

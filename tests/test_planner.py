@@ -95,8 +95,13 @@ def test_planner_steps_are_bounded_budgeted_and_scale_down_waits() -> None:
     assert (d.prefill, d.decode) == (2, 2)  # one step each, though far more is needed
     assert d.details["required_prefill"] + d.details["required_decode"] <= 5
     assert "need" in d.reason and "scale up" in d.reason
-    d = pl.decide(_obs(4, 400.0, 1, 1, changing=("prefill",)))
-    assert d.prefill == 1 and "in flight" in d.reason
+    # mid-change a pool still short of its need grows again (its new replicas start at once);
+    # one that needs no more holds (nor scales down) until the change is done
+    pl = Planner(PROFILE, replace(cfg, max_replicas=8))
+    d = pl.decide(_obs(4, 400.0, 2, 2, changing=("prefill",)))
+    assert d.prefill == 3 and "scale up" in d.reason.split("prefill")[-1]
+    d = Planner(PROFILE, cfg).decide(_obs(4, 1.0, 3, 1, changing=("prefill",)))
+    assert d.prefill == 3 and "in flight" in d.reason
     # decode above its need (its scale-down waits) holds prefill's scale-up within the budget
     pl = Planner(PROFILE, replace(cfg, burst_memory_s=0))
     for i in range(3):
@@ -107,6 +112,38 @@ def test_planner_steps_are_bounded_budgeted_and_scale_down_waits() -> None:
     got = [pl.decide(_obs(2 * i, 1.0, 3, 2)).prefill for i in range(1, 10)]
     assert got[0] == 3 and 2 in got and min(got) >= 1
     assert got.index(2) >= 5  # 10 s at 2 s intervals
+
+
+def test_a_growing_backlog_is_sized_as_it_will_be_when_a_replica_is_up() -> None:
+    """The same queue now, growing or not: growing, it is sized for what a replica started now
+    will find after its start-up (the queue plus its growth meanwhile), so more prefill."""
+    cfg = PlannerConfig(*SLO, max_replicas=12, up_step=8, burst_memory_s=0)
+
+    def need(queues: list[int]) -> float:
+        pl = Planner(PROFILE, cfg)
+        for i, q in enumerate(queues):
+            d = pl.decide(_obs(2 * (i + 1), 20.0, 1, 1, queued_prompt_tokens=q))
+        return d.details["required_prefill"]
+
+    assert need([200_000, 200_000]) < need([100_000, 200_000])
+    assert need([200_000, 100_000]) == need([100_000, 100_000])  # a draining queue adds nothing
+
+
+def test_a_burst_is_remembered_a_gradual_decline_is_not() -> None:
+    """After an abrupt drop the planner keeps sizing for the peak (bursts come back); after a
+    decline of the same size spread over 70 s it follows the load down."""
+    cfg = PlannerConfig(*SLO, max_replicas=12, up_step=8, burst_memory_s=120.0)
+
+    def planned_for(rates: list[float]) -> float:
+        pl = Planner(PROFILE, cfg)
+        for i, r in enumerate(rates):
+            d = pl.decide(_obs(2 * (i + 1), r, 4, 4))
+        return d.details["predicted_rate"]
+
+    burst = [100.0] * 10 + [30.0] * 10
+    ramp = [100.0] * 10 + [100.0 - 2 * i for i in range(1, 36)]
+    assert planned_for(burst) >= 95.0
+    assert planned_for(ramp) < 60.0
 
 
 def test_observed_correction_fixes_a_wrong_profile() -> None:

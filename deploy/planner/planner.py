@@ -8,9 +8,11 @@
    so queueing, cache hits and a replica slower or faster than profiled all show up there.
 3. The predicted rate one horizon ahead (a replica's start-up plus an interval), plus the
    predictor's recent error as headroom, and the prefill backlog to drain, are sized into
-   replicas per pool with ``margin`` of each SLO kept free.
+   replicas per pool with ``margin`` of each SLO kept free. The backlog counted is the queue
+   now plus its observed growth carried on for a start-up: what a replica started now finds.
 4. The total is held within ``max_replicas`` (shortfall shared in proportion to need); a step
-   moves a pool by at most ``up_step``/``down_step``; a pool with a change in flight holds;
+   moves a pool by at most ``up_step``/``down_step``; a pool with a change in flight holds
+   unless it needs more still (a growing backlog does not wait out a start-up per replica);
    scale-down waits until the need has stayed lower for ``down_delay_s``.
 
 Every decision carries a reason and numbers (``PlanDecision.details``) that are logged and
@@ -36,6 +38,8 @@ from kvrelay.deploy.planner.sizing import (
 
 MIX_ALPHA = 0.3  # smoothing of the load mix (prompt and output length, cache hit rate)
 MIN_FIT_UTILIZATION = 0.4  # of the prefill pool, for its TTFT to correct the profile
+# A burst: the (3-interval mean) rate falls by SPIKE_DROP within SPIKE_INTERVALS intervals.
+SPIKE_DROP, SPIKE_INTERVALS = 0.4, 5
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class Planner:
         self._peak = 0.0
         self._rates: deque[tuple[float, float]] = deque()
         self._lower_since: dict[str, float | None] = {p: None for p in POOLS}
+        self._queued: float | None = None
 
     def change_done(self, pool: str, t: float) -> None:
         self._last_change[pool] = t
@@ -93,7 +98,13 @@ class Planner:
             while self._rates and self._rates[0][0] < obs.t - self.cfg.burst_memory_s:
                 self._rates.popleft()
             xs = [r for _, r in self._rates]
-            self._peak = max(sum(xs[i:i + 3]) / len(xs[i:i + 3]) for i in range(len(xs)))
+            m3 = [sum(xs[i:i + 3]) / len(xs[i:i + 3]) for i in range(len(xs))]
+            # Only load that vanished abruptly (a burst) is expected back: a gradual decline
+            # (a ramp or a day ending) is followed, not held at its peak.
+            k = SPIKE_INTERVALS
+            spiked = any(min(m3[i + 1:i + 1 + k]) <= (1 - SPIKE_DROP) * m3[i]
+                         for i in range(len(m3) - 1))
+            self._peak = max(m3) if spiked else 0.0
         self._rate = obs.rate if self._rate == 0 else self._rate + 0.5 * (obs.rate - self._rate)
         if obs.finished:
             for name, x in (("prompt_len", obs.mean_prompt), ("output_len", obs.mean_output)):
@@ -128,6 +139,17 @@ class Planner:
             k = min(8.0, max(0.25, obs.itl_p90_ms / 1000 / model))
             self.corr["decode"] += a * (k - self.corr["decode"])
 
+    def _projected_backlog(self, obs: Observation, startup: float) -> float:
+        """Prompt tokens queued when a replica started now can serve: today's queue plus its
+        growth over the last interval carried on for a start-up (sizing for today's queue alone
+        chases a backlog that keeps growing while each new replica starts; the growth is
+        observed, so a load mix the finished requests do not show yet counts too)."""
+        q = float(obs.queued_prompt_tokens)
+        prev, self._queued = self._queued, q
+        if prev is None or obs.interval_s <= 0:
+            return q
+        return q + max(0.0, (q - prev) / obs.interval_s) * startup
+
     def _utilization(self, load: Load, n: int) -> float:
         eff = max(1.0, load.prompt_len * (1.0 - load.cache_hit))
         mu = self.profile.prefill_tokens_per_s(math.ceil(eff)) / eff / self.corr["prefill"]
@@ -147,7 +169,7 @@ class Planner:
         rate = max(self.predictor.predict(horizon), self.predictor.predict(1)) \
             + self.predictor.error
         rate = max(rate, self._peak)
-        load = self._load(rate, obs.queued_prompt_tokens)
+        load = self._load(rate, self._projected_backlog(obs, startup))
         ttft_t = c.ttft_slo_ms / 1000 * (1 - c.margin)
         itl_t = c.itl_slo_ms / 1000 * (1 - c.margin)
         cap = c.max_replicas - min(c.min_prefill, c.min_decode)
@@ -208,7 +230,7 @@ class Planner:
 
     def _step(self, pool: str, cur: int, need: int, obs: Observation) -> tuple[int, str]:
         c = self.cfg
-        if pool in obs.changing:
+        if pool in obs.changing and need <= cur:
             self._lower_since[pool] = None
             return cur, "a change is in flight"
         if need > cur:

@@ -3,8 +3,9 @@
 Each interval it reads the router actor's metrics (the same text its /metrics serves) and exact
 recent TTFT/ITL p90s, builds an ``Observation``, asks the ``Planner``, exports the decision on
 the router's /metrics, and applies a changed count through the controller's own scaling path
-(``Controller.start_change``: the one the threshold autoscaler uses, one change per pool in
-flight, recorded in ``kvrelay status``'s decisions).
+(``Controller.start_change``: the one the threshold autoscaler uses, recorded in ``kvrelay
+status``'s decisions). A pool changes once at a time, except that it may grow again while
+replicas it asked for are still starting.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ async def run_planner(controller: Any, spec: PlannerSpec) -> None:
         moved = False
         for pool in POOLS:
             to = d.target(pool)
-            if to != counts[pool] and not controller.change_in_flight(pool):
+            # A pool mid-change can still grow (the planner asks for more while replicas
+            # start, as a backlog grows); any other change waits for the one in flight.
+            if to > counts[pool] or (to != counts[pool]
+                                     and not controller.change_in_flight(pool)):
                 moved = True
                 pending[pool] = to
                 controller.start_change(
