@@ -25,7 +25,7 @@ from kvrelay.deploy.planner.profile import Profile
 P90_PROMPT = 1.5  # p90 / mean of a prompt length (log-normal with sigma 0.4: 1.55)
 Z90 = 1.2816
 KV_FILL = 0.9  # of a decode replica's KV the sizing lets a batch take
-MAX_UTILIZATION = 0.85  # of a prefill pool's throughput: beyond it, bursts queue for seconds
+MAX_UTILIZATION = 0.92  # of a prefill pool's throughput: beyond it, bursts queue for seconds
 
 
 @dataclass(frozen=True)
