@@ -112,12 +112,11 @@ def test_logits_match_transformers_through_chunks_and_decodes(hf_model_dir, arch
     bm.free(seq)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_swa"])
-def test_prefix_cache_hits_keep_tokens_identical(hf_model_dir, arch: str) -> None:
-    model_dir = hf_model_dir(arch)
+def check_prefix_hit(core: EngineCore, model_dir: str) -> None:
+    """A prompt extending an earlier one finds its five full blocks cached, and its greedy
+    tokens still equal transformers'."""
     base = prompts(3, (41,))[0]
     longer = base + prompts(4, (9,))[0]
-    core = make_core(model_dir)
     run(core, {"a": (base, GREEDY)})
     core.add_request("b", longer, GREEDY)
     toks: list[int] = []
@@ -128,6 +127,13 @@ def test_prefix_cache_hits_keep_tokens_identical(hf_model_dir, arch: str) -> Non
             cached = max(cached, o.num_cached_tokens)
     assert cached == 40  # five full blocks of the shared prefix
     assert toks == hf_tokens(model_dir, tuple(longer), GEN)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_swa"])
+def test_prefix_cache_hits_keep_tokens_identical(hf_model_dir, arch: str) -> None:
+    model_dir = hf_model_dir(arch)
+    core = make_core(model_dir)
+    check_prefix_hit(core, model_dir)
     assert core.stats().prefix_cache_hits >= 40
 
 

@@ -13,7 +13,15 @@ import time
 import pytest
 import torch
 from hf_models import ARCHS, hf_forward_logits, hf_greedy
-from test_engine_parity import GEN, GREEDY, hf_tokens, make_core, prompts, run
+from test_engine_parity import (
+    GEN,
+    GREEDY,
+    check_prefix_hit,
+    hf_tokens,
+    make_core,
+    prompts,
+    run,
+)
 
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import ScheduledSeq
@@ -107,18 +115,7 @@ def test_tp2_prefix_cache_hits(hf_model_dir) -> None:
     model_dir = hf_model_dir("qwen3")
     core = tp_core(model_dir)
     try:
-        base = prompts(3, (41,))[0]
-        longer = base + prompts(4, (9,))[0]
-        run(core, {"a": (base, GREEDY)})
-        core.add_request("b", longer, GREEDY)
-        toks: list[int] = []
-        cached = 0
-        while core.has_unfinished():
-            for o in core.step():
-                toks += o.new_token_ids
-                cached = max(cached, o.num_cached_tokens)
-        assert cached == 40
-        assert toks == hf_tokens(model_dir, tuple(longer), GEN)
+        check_prefix_hit(core, model_dir)
     finally:
         core.runner.close()
 
