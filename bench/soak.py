@@ -36,7 +36,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench.` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.soak_cluster import ROOT, SoakCluster
+from bench.soak_cluster import ROOT, soak_cluster
 from bench.soak_load import Load
 from bench.soak_sampling import flatness as flatness  # where the tests find it
 from bench.soak_sampling import (
@@ -47,9 +47,10 @@ from bench.soak_sampling import (
     summarize,
     worker_status,
 )
+from kvrelay.local_cluster import Cluster
 
 
-async def soak(args: argparse.Namespace, cluster: SoakCluster) -> dict[str, Any]:
+async def soak(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     config = json.loads(Path(args.model_dir, "config.json").read_text())
     vocab = min(int(config["vocab_size"]), 4000)  # the tokenizer's ids, specials aside
     names = [p.name for p in cluster.procs] + ["soak-client"]
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"soak: {args.minutes:g} min, {args.concurrency} clients, logs in {workdir}",
           flush=True)
-    cluster = SoakCluster(args.model_dir, workdir, [
+    cluster = soak_cluster(args.model_dir, workdir, [
         "--num-threads", "1", "--kv-cache-memory", args.kv_cache_memory])
 
     def on_term(signum: int, frame: object) -> None:

@@ -18,8 +18,9 @@ from typing import Any
 import grpc
 import httpx
 
-from bench.soak_cluster import SERVED, SoakCluster
+from bench.soak_cluster import SERVED
 from kvrelay.common.rpc import CHANNEL_OPTIONS
+from kvrelay.local_cluster import Cluster
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc
 
@@ -31,7 +32,7 @@ KINDS = {  # kind: weight
 
 
 class Load:
-    def __init__(self, cluster: SoakCluster, concurrency: int, seed: int, vocab: int):
+    def __init__(self, cluster: Cluster, concurrency: int, seed: int, vocab: int):
         self.cluster = cluster
         self.concurrency = concurrency
         self.rng = random.Random(seed)
@@ -53,7 +54,7 @@ class Load:
 
     async def run(self, seconds: float) -> None:
         async with httpx.AsyncClient(base_url=self.cluster.http_url, timeout=120) as http, \
-                grpc.aio.insecure_channel(self.cluster.grpc_address,
+                grpc.aio.insecure_channel(self.cluster.address,
                                           options=CHANNEL_OPTIONS) as ch:
             stub = generate_pb2_grpc.GenerationStub(ch)
             until = time.monotonic() + seconds

@@ -12,8 +12,8 @@ from typing import Any
 
 import grpc
 
-from bench.soak_cluster import SoakCluster
 from bench.soak_load import Load
+from kvrelay.local_cluster import Cluster
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 
@@ -85,7 +85,7 @@ async def worker_status(address: str) -> dict[str, int] | None:
             "waiting": ld.waiting, "waiting_for_kv": ld.waiting_for_kv}
 
 
-async def sample(cluster: SoakCluster, t0: float, load: Load | None, phase: str) -> dict[str, Any]:
+async def sample(cluster: Cluster, t0: float, load: Load | None, phase: str) -> dict[str, Any]:
     procs = {p.name: p for p in cluster.procs}
     procs_rss = {name: rss_bytes(p.popen.pid) if p.alive() else None
                  for name, p in procs.items()}
