@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import re
 import statistics
@@ -32,29 +31,11 @@ from pathlib import Path
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from kvrelay.client import Client, sampling
+from kvrelay.client import sampling
+from kvrelay.local_cluster import Cluster as LocalCluster
 
 KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
 MARK_RE = re.compile(r"mark (\S+) (\S+) ([0-9.]+)$")
-
-
-def start(cmd: list[str], workdir: Path, name: str, cores: str | None,
-          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
-    ready = workdir / f"{name}.ready"
-    log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (the child owns it)
-    if cores is not None:
-        cmd = ["taskset", "-c", cores, *cmd]
-    p = subprocess.Popen([*cmd, "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT,
-                         env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if ready.exists() and ready.stat().st_size:
-            return p, json.loads(ready.read_text())
-        if p.poll() is not None:
-            break
-        time.sleep(0.2)
-    p.kill()
-    raise SystemExit(f"{name} did not start; see {workdir / (name + '.log')}")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -86,26 +67,28 @@ def read_marks(workdir: Path) -> dict[str, dict[str, float]]:
 
 
 class Cluster:
-    """A router and its workers as real processes; ``close()`` stops them and reads the marks."""
+    """A router and its workers as real processes (the shared loopback harness, each worker
+    pinned to its cores); ``close()`` stops them and reads the marks."""
 
     def __init__(self, model: str, workers: list[tuple[str, str, int]], wd: Path,
                  router_args: tuple[str, ...] = ()) -> None:
-        kv = [*KVRELAY, "worker", "--model", model, "--kv-cache-memory", "512MiB", "--port", "0"]
-        env = {**os.environ, "KVRELAY_DEBUG_LOGGERS": "kvrelay.timeline"}
         self.wd = wd
-        self.procs: list[subprocess.Popen] = []
+        self.cluster = LocalCluster(model, wd, prefill=0, decode=0, router_args=router_args,
+                                    env={"KVRELAY_DEBUG_LOGGERS": "kvrelay.timeline"},
+                                    heartbeat_s=1.0, ready_timeout_s=120.0)
         try:
-            r, info = start([*KVRELAY, "router", "--model", model, "--port", "0",
-                             "--control-port", "0", *router_args], wd, "router", None, env)
-            self.procs.append(r)
-            for role, cores, threads in workers:
-                p, _ = start([*kv, "--role", role, "--num-threads", str(threads), "--router",
-                              f"127.0.0.1:{info['control_port']}"], wd, role, cores, env)
-                self.procs.append(p)
+            self.cluster.start()
+            procs = [self.cluster.add_worker(
+                role, wait=False, cores=cores,
+                extra=("--kv-cache-memory", "512MiB", "--port", "0", "--num-threads",
+                       str(threads))) for role, cores, threads in workers]
+            for p in procs:
+                self.cluster.wait_ready(p)
+            self.cluster.wait_registered()
         except BaseException:
-            self.close()
+            self.cluster.stop()
             raise
-        self.client = Client(f"127.0.0.1:{info['port']}")
+        self.client = self.cluster.client()
         self.samples: dict[int, list[Sample]] = {}
         self.ids: dict[int, list[str]] = {}
 
@@ -134,13 +117,7 @@ class Cluster:
     def close(self) -> None:
         if hasattr(self, "client"):
             self.client.close()
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        self.cluster.stop()
         marks = read_marks(self.wd)
         for n, samples in self.samples.items():
             for rid, s in zip(self.ids[n], samples, strict=True):

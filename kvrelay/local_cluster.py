@@ -79,19 +79,22 @@ class Cluster:
         self._n = 0
 
     # -- processes -----------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
+               cores: str | None = None) -> Proc:
         self._n += 1
         log = self.workdir / f"{self._n:02d}-{name}.log"
         ready = self.workdir / f"{self._n:02d}-{name}.ready"
         ready.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "kvrelay.cli", *args, "--ready-file", str(ready)]
+        if cores is not None:  # pinned to these CPUs (taskset's list syntax, e.g. "0" or "0,1")
+            cmd = ["taskset", "-c", cores, *cmd]
         f = open(log, "w")  # noqa: SIM115 (the child owns it for its life)
         popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                  env={**self.env, **(env or {})}, start_new_session=True)
         f.close()
         return Proc(name, popen, log, ready)
 
-    def _wait_ready(self, proc: Proc) -> None:
+    def wait_ready(self, proc: Proc) -> None:
         timeout = self.ready_timeout_s
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -108,16 +111,17 @@ class Cluster:
         self.router = self._spawn("router", ["router", "--model", self.model_dir, "--port", "0",
                                              "--control-port", "0", "--heartbeat-interval",
                                              self.heartbeat, *self.router_args])
-        self._wait_ready(self.router)
+        self.wait_ready(self.router)
         procs = [self.add_worker(role, wait=False)
                  for role, n in self.counts.items() for _ in range(n)]
         for p in procs:
-            self._wait_ready(p)
+            self.wait_ready(p)
         self.wait_registered()
         return self
 
     def add_worker(self, role: str, *, extra: tuple[str, ...] = (), wait: bool = True,
-                   worker_id: str | None = None, env: dict[str, str] | None = None) -> Proc:
+                   worker_id: str | None = None, env: dict[str, str] | None = None,
+                   cores: str | None = None) -> Proc:
         assert self.router is not None
         idx = sum(1 for w in self.workers if w.name.startswith(role)) + 1
         wid = worker_id or f"{role}-{idx}"
@@ -126,10 +130,10 @@ class Cluster:
                               "--model", self.model_dir, "--worker-id", wid,
                               "--heartbeat-interval", self.heartbeat, *self.worker_args,
                               *extra],
-                        env)
+                        env, cores)
         self.workers.append(p)
         if wait:
-            self._wait_ready(p)
+            self.wait_ready(p)
             self.wait_registered()
         return p
 

@@ -69,7 +69,7 @@ def routers(demo_model_dir, tmp_path_factory):
             self.auto = self._spawn("router-auto", [
                 "router", "--model", self.model_dir, "--port", "0", "--control-port", "0",
                 "--http-port", "0", "--heartbeat-interval", "0.3", "--routing-policy", "auto"])
-            self._wait_ready(self.auto)
+            self.wait_ready(self.auto)
             self.worker_args = (*self.worker_args, "--router",
                                 f"127.0.0.1:{self.auto.ready['control_port']}")
             super().start()

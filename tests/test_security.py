@@ -261,7 +261,7 @@ def test_worker_with_a_wrong_token_never_joins(cluster) -> None:
     rogue = cluster.add_worker("decode", worker_id="rogue-decode", wait=False,
                                env={"KVRELAY_CLUSTER_TOKEN": WRONG_TOKEN})
     try:
-        cluster._wait_ready(rogue)
+        cluster.wait_ready(rogue)
         deadline = time.monotonic() + 3.0  # ten heartbeat intervals
         while time.monotonic() < deadline:
             assert "rogue-decode" not in {w.info.worker_id for w in cluster.registered()}
