@@ -284,3 +284,85 @@ def test_run_replays_only_decode_only_steps(cores: dict[str, Any],
         runner.decode_graphs = None
         for s in seqs:
             core.block_manager.free(s)
+
+
+def test_flags_reach_the_model_config(demo_model_dir: str) -> None:
+    import argparse
+
+    from kvrelay.common.options import add_engine_options, engine_config_from_args
+    from kvrelay.engine.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    mc = engine_config_from_args(p.parse_args(["--model", demo_model_dir])).model
+    assert (mc.enforce_eager, mc.cuda_graph_max_batch) == (False, 64)
+    mc = engine_config_from_args(p.parse_args(
+        ["--model", demo_model_dir, "--enforce-eager", "--cuda-graph-max-batch", "8"])).model
+    assert (mc.enforce_eager, mc.cuda_graph_max_batch) == (True, 8)
+    with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+        EngineConfig.from_kwargs(demo_model_dir, cuda_graph_max_batch=-1)
+
+
+def test_connector_wants_layer_hooks_only_for_sending_steps() -> None:
+    pytest.importorskip("nixl")
+    from kvrelay.engine.kv_cache import KVCacheSpec
+    from kvrelay.kv_transfer.connector import NixlConnector, NixlConnectorConfig
+    from kvrelay.kv_transfer.messages import KVDestination, PendingDestination
+
+    c = NixlConnector(NixlConnectorConfig("prefill-graphs", "model"))
+    plain, sending, pending = _seq("a", 10, 9), _seq("b", 10, 9), _seq("c", 10, 9)
+    sending.kv_transfer_params = KVDestination("decode-1", [4], notif=b"b")
+    pending.kv_transfer_params = PendingDestination()
+    step = [ScheduledSeq(plain, 1)]
+    assert not c.wants_layer_hooks(step + [ScheduledSeq(sending, 1)])  # no cache registered
+    c._spec = KVCacheSpec(1, 1, 16, BS, 8)  # as register_kv_cache leaves it, without NIXL
+    assert not c.wants_layer_hooks(step)  # a decode worker's decodes
+    assert c.wants_layer_hooks(step + [ScheduledSeq(sending, 1)])
+    assert c.wants_layer_hooks(step + [ScheduledSeq(pending, 1)])  # may be named mid-step
+
+
+def test_engine_takes_the_graph_path_end_to_end(demo_model_dir: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's wiring as on CUDA, with the capture left out (the static path then runs
+    eagerly on the CPU): the scratch block is withheld from the block manager, decode steps
+    go through the static buffers, and greedy outputs equal a plain CPU engine's."""
+    from kvrelay.engine import model_runner
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.cuda_graphs import DecodeGraphRunner
+    from kvrelay.engine.engine_core import EngineCore
+
+    def run(graphs: bool) -> tuple[EngineCore, dict[str, list[int]], list[int]]:
+        used: list[int] = []
+        with monkeypatch.context() as m:
+            if graphs:
+                m.setattr(model_runner, "graphs_off_reason", lambda *a, **k: None)
+                m.setattr(DecodeGraphRunner, "capture", lambda self: None)
+            core = EngineCore(EngineConfig.from_kwargs(
+                demo_model_dir, block_size=BS, num_blocks=NUM_BLOCKS, attention_backend="sdpa",
+                max_model_len=512, cuda_graph_max_batch=4, max_num_batched_tokens=64))
+        if graphs:
+            real = DecodeGraphRunner.logits
+
+            def spy(self: DecodeGraphRunner, sched: Any) -> torch.Tensor:
+                used.append(len(sched))
+                return real(self, sched)
+
+            monkeypatch.setattr(DecodeGraphRunner, "logits", spy)
+        greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        rng = random.Random(3)
+        for i, n in enumerate((4, 30, 70, 9, 18, 50)):
+            core.add_request(f"r{i}", [rng.randrange(3, 250) for _ in range(n)], greedy)
+        out: dict[str, list[int]] = {}
+        while core.has_unfinished():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return core, out, used
+
+    plain, want, _ = run(graphs=False)
+    graphed, got, used = run(graphs=True)
+    assert plain.runner.decode_graphs is None
+    assert graphed.runner.decode_graphs is not None
+    assert graphed.runner.num_usable_blocks == graphed.block_manager.num_blocks == NUM_BLOCKS - 1
+    assert graphed.runner.decode_graphs.scratch_block == NUM_BLOCKS - 1
+    assert used and max(used) <= 4  # 6 requests: the larger decode steps ran eagerly
+    assert got == want
