@@ -162,7 +162,7 @@ class _Captured:
     logits: torch.Tensor  # the graph's static output, [B, vocab]
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodeGraphRunner:
     """Decode steps from static buffers: captured as CUDA graphs (:meth:`capture`, CUDA only)
     and replayed, or run eagerly from the same buffers where nothing was captured (the CPU,

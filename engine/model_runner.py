@@ -127,8 +127,9 @@ class ModelRunner:
         self.max_model_len = min(max_len, self.num_usable_blocks * block_size)
         self.block_size = block_size
         self.decode_graphs: DecodeGraphRunner | None = None
-        if off is None:
-            self.decode_graphs = self.static_decode(mc.cuda_graph_max_batch)
+        if off is None:  # no step holds more sequences than the scheduler runs at once
+            self.decode_graphs = self.static_decode(
+                min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs))
             self.decode_graphs.capture()
         self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
