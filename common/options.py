@@ -68,6 +68,11 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--linear-kernel", default="auto", choices=["auto", "panels", "onednn", "mixed"],
         help="CPU fp32 linears: the native panel GEMM, oneDNN, or both (panels up to 64 rows); "
              "auto times them at load and keeps the faster")
+    opt(g, "--enforce-eager", action="store_true",
+        help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+    opt(g, "--cuda-graph-max-batch", type=int, default=64,
+        help="CUDA: decode-only steps of up to this many sequences replay CUDA graphs captured "
+             "at start (batch sizes 1, 2, 4, 8, 16, 24, ...); 0 turns graphs off")
     opt(g, "--seed", type=int, default=0)
 
 
@@ -88,6 +93,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         linear_kernel=args.linear_kernel,
         tensor_parallel_size=int(args.tensor_parallel_size),
         tp_timeout_s=float(args.tp_timeout_s),
+        enforce_eager=bool(getattr(args, "enforce_eager", False)),
+        cuda_graph_max_batch=int(getattr(args, "cuda_graph_max_batch", 64)),
         seed=int(args.seed), role=role)
     for k in ("max_model_len", "num_blocks", "long_prefill_threshold", "num_threads"):
         if kw[k] is not None:

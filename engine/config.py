@@ -44,6 +44,10 @@ class ModelConfig:
     # their collectives may wait before the replica fails with TensorParallelError.
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 60.0
+    # CUDA graphs for decode-only steps (engine.cuda_graphs): batches up to this many sequences
+    # replay graphs captured at start; enforce_eager (or 0) keeps every step eager. CUDA only.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 64
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -63,6 +67,8 @@ class ModelConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got "
                              f"{self.tensor_parallel_size}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
 

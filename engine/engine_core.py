@@ -98,7 +98,7 @@ class EngineCore:
             config = replace(config, cache=replace(config.cache,
                                                    block_size=self.runner.block_size))
         self.config = config
-        self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
+        self.block_manager = BlockManager(self.runner.num_usable_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         sc = config.scheduler
         # Fitted on every step (its coefficients are exported as metrics); it caps a step's

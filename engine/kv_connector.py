@@ -20,6 +20,8 @@ Worker side (moves bytes, called by the model runner around the forward pass):
   - ``save_layer(layer)``: right after ``layer``'s new K/V were written to the cache, while later
     layers still compute: the place to start streaming that layer.
   - ``end_step()``: after the forward.
+  - ``wants_layer_hooks(scheduled) -> bool``: whether that step needs ``save_layer`` (a decode
+    step replayed as a CUDA graph calls none; it runs eagerly when this says True).
 
 Lifecycle: ``close()`` releases the transport.
 """
@@ -62,6 +64,12 @@ class KVConnector(ABC):
 
     def save_layer(self, layer: int) -> None:  # noqa: B027
         """Default: nothing to send."""
+
+    def wants_layer_hooks(self, scheduled: Seq[ScheduledSeq]) -> bool:
+        """Whether a step of ``scheduled`` needs ``save_layer`` called from inside the forward
+        (a step replayed as a CUDA graph runs no Python between layers, so it runs eagerly
+        then). Default: no per-layer work."""
+        return False
 
     def end_step(self) -> None:  # noqa: B027
         """Default: nothing to send."""

@@ -20,6 +20,7 @@ from kvrelay.engine.attention import (
     select_backend,
 )
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.cuda_graphs import DecodeGraphRunner, graphs_off_reason
 from kvrelay.engine.device import kv_budget_for, paged_flash_block_size, resolve_device
 from kvrelay.engine.heap import bound_onednn_caches
 from kvrelay.engine.kv_cache import (
@@ -115,9 +116,22 @@ class ModelRunner:
         # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.
         # oneDNN compiles a primitive per row count (see padded_rows); the panel GEMM does not
         self.pad_rows = self.model.lm_head.packed is not None
+        # CUDA graphs for decode steps (decided once, here): they take the last block as the
+        # padding rows' scratch, so the block manager gets one block fewer.
+        off = graphs_off_reason(self.device, enforce_eager=mc.enforce_eager,
+                                max_batch=mc.cuda_graph_max_batch, paged_flash=self.paged_flash,
+                                tensor_parallel=shard is not None, num_blocks=num_blocks)
+        if off is not None and self.device.type == "cuda":
+            logger.info("CUDA graphs off: %s", off)
+        self.num_usable_blocks = num_blocks if off is not None else num_blocks - 1
         # A sequence can never hold more tokens than the cache has slots.
-        self.max_model_len = min(max_len, num_blocks * block_size)
+        self.max_model_len = min(max_len, self.num_usable_blocks * block_size)
         self.block_size = block_size
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if off is None:  # no step holds more sequences than the scheduler runs at once
+            self.decode_graphs = self.static_decode(
+                min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs))
+            self.decode_graphs.capture()
         self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -125,6 +139,17 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
                     num_blocks, block_size, self.kv_spec.total_bytes / 2**20, self.backend,
                     self.max_model_len)
+
+    def static_decode(self, max_batch: int, scratch_block: int | None = None) \
+            -> DecodeGraphRunner:
+        """Decode steps from static buffers over this runner's model and cache (captured as
+        CUDA graphs by the caller on CUDA; run eagerly by tests on the CPU). ``scratch_block``
+        (default: the last) must be a block the block manager never hands out."""
+        return DecodeGraphRunner(
+            model=self.model, backend=self.backend, device=self.device,
+            block_size=self.block_size, width=-(-self.max_model_len // self.block_size),
+            scratch_block=self.kv_spec.num_blocks - 1 if scratch_block is None else scratch_block,
+            max_batch=max_batch)
 
     @staticmethod
     def device_for(config: EngineConfig, rank: int) -> torch.device:
@@ -288,6 +313,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
+        graphs = self.decode_graphs  # None on the CPU: one attribute test per step
+        if graphs is not None and graphs.handles(scheduled) and (
+                connector is None or not connector.wants_layer_hooks(scheduled)):
+            return self._run_graphed(graphs, scheduled, connector)
         inputs = self.prepare(scheduled)
         meta = inputs.meta
         if connector is not None:
@@ -297,15 +326,38 @@ class ModelRunner:
             hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         if connector is not None:
             connector.end_step()
+        if not inputs.sampled_order:
+            return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
+        rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
+        logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
+        return self._sample(scheduled, logits, inputs.sampled_order)
+
+    def _run_graphed(self, graphs: DecodeGraphRunner, scheduled: Seq[ScheduledSeq],
+                     connector: KVConnector | None) -> SampledTokens:
+        """A decode-only step through the captured graphs (the connector has no per-layer
+        work in it: ``save_layer`` cannot be called from inside a replay)."""
+        if connector is not None:
+            connector.start_step(scheduled)
+        logits = graphs.logits(scheduled)
+        if connector is not None:
+            connector.end_step()
+        # A one-token chunk of a prompt that continues samples nothing.
+        order = [i for i, (seq, _) in enumerate(scheduled)
+                 if seq.num_computed_tokens + 1 == seq.num_tokens]
+        if not order:
+            return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
+        if len(order) < len(scheduled):
+            logits = logits[torch.tensor(order, device=logits.device)]
+        return self._sample(scheduled, logits, order)
+
+    def _sample(self, scheduled: Seq[ScheduledSeq], logits: torch.Tensor,
+                sampled_order: list[int]) -> SampledTokens:
         tokens: list[int | None] = [None] * len(scheduled)
         logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
-        if inputs.sampled_order:
-            rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
-            logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
-            seqs = [scheduled[i].seq for i in inputs.sampled_order]
-            sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids)
-            for i, tok, lp in zip(inputs.sampled_order, sampled, lps, strict=True):
-                tokens[i], logprobs[i] = tok, lp
+        seqs = [scheduled[i].seq for i in sampled_order]
+        sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids)
+        for i, tok, lp in zip(sampled_order, sampled, lps, strict=True):
+            tokens[i], logprobs[i] = tok, lp
         return SampledTokens(tokens, logprobs)
 
     @torch.inference_mode()

@@ -192,6 +192,17 @@ class NixlConnector(KVConnector):
                 self._io().submit(WriteJob(dest.peer, done, pw.local, pw.remote, (rid,),
                                            pw.incarnation, self._ready_event()))
 
+    def wants_layer_hooks(self, scheduled: Seq[ScheduledSeq]) -> bool:
+        """A step that sends KV streams it layer by layer from ``save_layer``; one that sends
+        nothing (a decode worker's decodes) may run as a CUDA graph."""
+        if self._spec is None:
+            return False
+        for seq, _ in scheduled:
+            params = seq.kv_transfer_params
+            if destination_of(params) is not None or isinstance(params, PendingDestination):
+                return True
+        return False
+
     def save_layer(self, layer: int) -> None:
         if self._unnamed:
             self._adopt_named()
