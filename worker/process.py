@@ -93,16 +93,23 @@ class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
         return wpb.DrainResponse(in_flight=in_flight)
 
 
+def _on_cuda(device: str) -> bool:
+    from kvrelay.engine.device import resolve_device
+
+    return resolve_device(device).type == "cuda"
+
+
 class Worker:
     """Assembles and runs one worker; ``start()`` then ``wait()`` (or ``stop()``)."""
 
     def __init__(self, settings: WorkerSettings, engine_config: EngineConfig):
         if engine_config.role != settings.role:
             raise ValueError("engine role and worker role differ")
-        if settings.role != "both" and engine_config.model.tensor_parallel_size > 1:
-            raise ValueError(f"--tensor-parallel-size {engine_config.model.tensor_parallel_size}"
-                             f" needs --role both: KV transfer between prefill and decode "
-                             f"workers does not support tensor parallelism yet")
+        tp = engine_config.model.tensor_parallel_size
+        if settings.role != "both" and tp > 1 and _on_cuda(engine_config.model.device):
+            raise ValueError(f"--tensor-parallel-size {tp} with --role {settings.role}: KV "
+                             f"transfer under tensor parallelism needs CPU KV caches (use "
+                             f"--role both on GPUs)")
         self.settings = settings
         self.engine_config = engine_config
         self.worker_id = settings.resolved_worker_id()
