@@ -7,7 +7,11 @@ prompts within one block, across blocks and chunked; every KV block of both work
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
+import time
 
 import pytest
 from cluster import Cluster
@@ -65,3 +69,72 @@ def test_greedy_identical_across_tp_sizes(demo_model_dir, tmp_path, want, p_tp: 
                 names = [e.name for e in got.trace]
                 assert "received" in names and "prefill_end" in names, names
         assert c.wait_free_blocks(baseline) == baseline
+
+
+def _rank_pids(worker_pid: int) -> list[int]:
+    """The tensor-parallel rank processes a worker spawned (multiprocessing ``spawn_main``)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == worker_pid and b"spawn_main" in cmd:
+            out.append(int(d))
+    return out
+
+
+def test_a_killed_rank_of_a_tp_decode_worker_migrates_its_requests(demo_model_dir,
+                                                                    tmp_path) -> None:
+    """Rank 1 of a TP=2 decode worker dies mid-stream: the worker exits (its engine can never
+    step again), the router migrates its requests to the other decode worker, and every output
+    equals the engine alone's, token for token."""
+    max_tokens = 160
+    prompts = [prompt_ids(n, 50 + i) for i, n in enumerate((12, 40, 9, 70))]
+    llm = LLM(demo_model_dir, num_blocks=256)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    want = [llm.generate(p, sp)[0].token_ids for p in prompts]
+    with Cluster(demo_model_dir, tmp_path, prefill=0, decode=0) as c:
+        c.add_worker("prefill", wait=False)
+        tp_decode = c.add_worker("decode", extra=_tp(2), wait=False)
+        c.add_worker("decode", wait=False)
+        for p in c.workers:
+            c._wait_ready(p)
+        c.wait_registered()
+        ranks = _rank_pids(tp_decode.popen.pid)
+        assert len(ranks) == 1, ranks
+        got: dict[int, tuple[list[int], list[str]]] = {}
+        errors: list[BaseException] = []
+
+        def client(i: int) -> None:
+            try:
+                with c.client() as cl:
+                    r = cl.generate(prompts[i], sampling(max_tokens, 0.0, ignore_eos=True))
+                    got[i] = (list(r.token_ids), [e.name for e in r.trace])
+            except BaseException as e:  # asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True)
+                   for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while c.status(tp_decode).load.running < 1:
+            assert time.monotonic() < deadline, "the TP decode worker never streamed"
+            assert all(t.is_alive() for t in threads), "requests ended before the kill"
+            time.sleep(0.02)
+        os.kill(ranks[0], signal.SIGKILL)
+        for t in threads:
+            t.join(150)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        assert not errors, errors
+        assert c.wait_exit(tp_decode, 60) == 70
+        migrated = [i for i, (_, trace) in got.items() if "migrate" in trace]
+        assert migrated, "no request was on the TP decode worker"
+        for i, (tokens, _) in got.items():
+            assert tokens == want[i], f"request {i} (migrated: {i in migrated})"

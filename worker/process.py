@@ -93,6 +93,9 @@ class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
         return wpb.DrainResponse(in_flight=in_flight)
 
 
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine failed for good (a tensor-parallel rank died)
+
+
 def _on_cuda(device: str) -> bool:
     from kvrelay.engine.device import resolve_device
 
@@ -143,9 +146,22 @@ class Worker:
         connector = self.kv.connector if self.kv else None
         # Loaded on the engine thread itself (see AsyncEngine.spawn: one OpenMP pool).
         self.engine = await AsyncEngine.spawn(
-            lambda: EngineCore(self.engine_config, connector, eos), on_step=self._on_step)
+            lambda: EngineCore(self.engine_config, connector, eos), on_step=self._on_step,
+            on_fatal=self._on_fatal)
         if self.kv is not None:
             self.kv.bind(self.engine.core.runner.kv_spec)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine can never step again (a tensor-parallel rank died or hung). Exit now, as a
+        crash would: the router sees this worker's streams break and migrates its requests
+        (their output so far is kept), and the registry drops it; its supervisor restarts it.
+        Failing the requests instead would end them with an error the client sees."""
+        logger.critical("worker %s exits: its engine is unusable (%s)", self.worker_id, error)
+        close = getattr(self.engine.core.runner, "close", None)
+        if close is not None:
+            close()  # stop the surviving ranks
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_FAILED)
 
     def _on_step(self, seconds: float, tokens: int) -> None:
         self._step_tokens += tokens
