@@ -107,6 +107,11 @@ class EngineCore:
         self.connector = connector
         if connector is not None:
             rank_kv = getattr(self.runner, "rank_kv", None)
+            if config.model.tensor_parallel_size > 1 and rank_kv is None:
+                self.runner.close()  # type: ignore[attr-defined]
+                raise ValueError("KV transfer under tensor parallelism needs CPU KV caches "
+                                 "(every rank's KV shared with rank 0); on GPUs serve TP "
+                                 "replicas with role both")
             if rank_kv is not None:
                 connector.register_kv_cache(self.runner.kv, self.runner.kv_spec, rank_kv)
             else:

@@ -3,6 +3,7 @@ its prompt KV to a decode worker of TP=B (real router, worker and rank processes
 
 For (A, B) in (2, 1), (1, 2), (2, 2): greedy tokens equal the engine alone and transformers, for
 prompts within one block, across blocks and chunked; every KV block of both workers comes back.
+A rank of a TP=2 decode worker killed mid-stream: its requests migrate, output identical.
 """
 
 from __future__ import annotations
