@@ -20,6 +20,7 @@ from kvrelay.engine.kv_cache import KVCacheSpec
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.tensor_parallel import kv_head_range
 from kvrelay.kv_transfer.layout import IncompatibleKVLayout, KVLayout, head_runs
+from kvrelay.kv_transfer.messages import PeerInfo
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
 
 MODEL_ID = "tp-model-0001"
@@ -77,7 +78,9 @@ def test_each_receiving_rank_gets_exactly_its_heads(kv_heads: int, p_tp: int, d_
     src, _ = _engine(f"tp-src-{tag}", src_layout, full)
     dst, dst_kv = _engine(f"tp-dst-{tag}", dst_layout, None)
     try:
-        src.add_peer(dst.peer_info())
+        info = PeerInfo.from_bytes(dst.peer_info().to_bytes())  # as it crosses the wire
+        assert info.layout == dst_layout and len(info.rank_addresses) == d_tp
+        src.add_peer(info)
         local, remote = [1, 2, 7], [9, 3, 4]
         nbytes = _write_and_wait(src, dst, local, remote)
         # Every head of every receiving rank, each block once: per rank a whole block's bytes.
