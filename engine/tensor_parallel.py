@@ -109,7 +109,17 @@ def shared_kv_cache(prefix: str, rank: int, shape: tuple[int, ...],
     numel = 1
     for d in shape:
         numel *= d
-    t = torch.from_file(kv_shm_path(prefix, rank), shared=True, size=numel, dtype=dtype)
+    path = kv_shm_path(prefix, rank)
+    need = numel * torch.empty((), dtype=dtype).element_size()
+    st = os.statvfs(os.path.dirname(path))
+    if not os.path.exists(path) and st.f_bavail * st.f_frsize < need:
+        # Past a tmpfs's size the first touch of a page kills the process (SIGBUS): refuse.
+        raise ValueError(f"tensor-parallel rank {rank} needs {need / 2**20:.0f} MiB of KV cache "
+                         f"in {os.path.dirname(path)}, which has "
+                         f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free: lower "
+                         f"--kv-cache-memory or give /dev/shm more room (k8s: the dshm volume's "
+                         f"sizeLimit)")
+    t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     return t.view(shape)
 
 

@@ -10,6 +10,7 @@ equal transformers'; every block comes back.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -120,3 +121,21 @@ def test_a_split_that_cannot_be_mapped_is_refused_at_the_handshake() -> None:
     finally:
         src.close()
         dst.close()
+
+
+def test_rank_kv_in_shared_memory_is_shared_and_refused_when_it_cannot_fit() -> None:
+    from kvrelay.engine.tensor_parallel import kv_shm_path, shared_kv_cache, unlink_kv_shm
+
+    prefix = f"kvrelay-test-{uuid.uuid4().hex[:8]}"
+    try:
+        a = shared_kv_cache(prefix, 1, (2, 3), torch.float32)
+        b = shared_kv_cache(prefix, 1, (2, 3), torch.float32)  # as rank 0 maps rank 1's
+        a[1, 2] = 7.0
+        assert b[1, 2].item() == 7.0 and not a.sum().item() - 7.0
+        free = os.statvfs("/dev/shm")
+        too_big = (free.f_bavail * free.f_frsize // 4 + 1,)
+        with pytest.raises(ValueError, match="give /dev/shm more room"):
+            shared_kv_cache(prefix, 2, too_big, torch.float32)
+    finally:
+        unlink_kv_shm(prefix, 3)
+    assert not os.path.exists(kv_shm_path(prefix, 1))
