@@ -131,7 +131,7 @@ def test_rank_kv_in_shared_memory_is_shared_and_refused_when_it_cannot_fit() -> 
         a = shared_kv_cache(prefix, 1, (2, 3), torch.float32)
         b = shared_kv_cache(prefix, 1, (2, 3), torch.float32)  # as rank 0 maps rank 1's
         a[1, 2] = 7.0
-        assert b[1, 2].item() == 7.0 and not a.sum().item() - 7.0
+        assert b[1, 2].item() == 7.0 and a.sum().item() == 7.0
         free = os.statvfs("/dev/shm")
         too_big = (free.f_bavail * free.f_frsize // 4 + 1,)
         with pytest.raises(ValueError, match="give /dev/shm more room"):
