@@ -12,6 +12,11 @@ Then a layer-wise overlap stand-in (per layer a cache-resident matmul, then a 16
 inline or handed to the I/O thread as ``save_layer`` does), and the CPU seconds an idle agent
 burns over ``--idle-seconds``: ours (NIXL progress thread off) vs NIXL's default (thread on).
 Numbers on a shared machine move with its load; the load average is printed beside them.
+
+``--tp`` (or ``--tp-only``): the same payload (every layer's K and V of consecutive blocks of the
+model's 8 KV heads) between engines whose heads are split over tensor-parallel ranks: P=1->D=1,
+P=2->D=2 (whole blocks rank to rank), P=2->D=1 (each token's heads gathered from two ranks) and
+P=1->D=2 (split over two ranks). Every rank's KV is registered by one agent per engine.
 """
 
 from __future__ import annotations
@@ -55,6 +60,87 @@ def _receiver(conn: Connection) -> None:
             break
         conn.send(kv[0, :, cmd].double().sum().item())  # checksum of those blocks
     tr.close()
+
+
+def _tp_spec(tp: int) -> tuple[KVCacheSpec, KVLayout]:
+    n = SPEC.num_kv_heads // tp
+    spec = KVCacheSpec(SPEC.num_layers, n, SPEC.head_dim, SPEC.block_size, SPEC.num_blocks // 2)
+    ranges = tuple((r * n, (r + 1) * n) for r in range(tp))
+    return spec, KVLayout.from_spec(spec, MODEL_ID, head_ranges=ranges,
+                                    model_kv_heads=SPEC.num_kv_heads)
+
+
+def _tp_receiver(conn: Connection, tp: int) -> None:
+    torch.set_num_threads(1)
+    from kvrelay.kv_transfer.nixl_transport import NixlTransport
+
+    spec, layout = _tp_spec(tp)
+    kvs = [allocate_kv_cache(spec) for _ in range(tp)]
+    tr = NixlTransport(f"bench-tp-recv-{tp}", kvs[0], layout, rank_kvs=kvs[1:])
+    conn.send(tr.peer_info().to_bytes())
+    while True:
+        while not conn.poll(0.002):
+            tr.progress()
+        cmd = conn.recv()
+        if cmd == "exit":
+            break
+        conn.send(sum(kv[:, :, cmd].double().sum().item() for kv in kvs))
+    tr.close()
+
+
+def _tp_rows(reps: int) -> None:
+    from kvrelay.kv_transfer.nixl_transport import NixlTransport
+
+    ctx = mp.get_context("spawn")
+    print(f"\nKV transfer between tensor-parallel sizes ({SPEC.num_kv_heads} KV heads, all "
+          f"{SPEC.num_layers} layers, K and V), median of {reps}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'P -> D':<10}{'payload MiB':>12}{'regions':>9}{'GB/s':>8}{'vs same TP':>12}")
+    same: dict[int, float] = {}
+    for p_tp, d_tp in ((1, 1), (2, 2), (2, 1), (1, 2)):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_tp_receiver, args=(child, d_tp), daemon=True)
+        proc.start()
+        spec, layout = _tp_spec(p_tp)
+        kvs = [allocate_kv_cache(spec) for _ in range(p_tp)]
+        for kv in kvs:
+            kv.copy_(torch.rand(spec.shape))
+        tr = NixlTransport(f"bench-tp-send-{p_tp}-{d_tp}", kvs[0], layout, rank_kvs=kvs[1:],
+                           write_timeout_s=60)
+        if not parent.poll(60):
+            raise SystemExit("receiver did not start")
+        info = PeerInfo.from_bytes(parent.recv())
+        tr.add_peer(info)
+        # The same bytes of the model's KV in every row: 16 MiB of it.
+        blocks = list(range(16 * MiB // (SPEC.num_layers * 2 * SPEC.block_bytes)))
+        moved: list[int] = []
+
+        def write(blocks: list[int] = blocks, tr: NixlTransport = tr,
+                  peer: str = info.agent_name, moved: list[int] = moved) -> None:
+            h = tr.write(peer, None, blocks, blocks)
+            moved.append(h.nbytes)
+            while not tr.poll(h):
+                pass
+
+        t = _time(write, reps)
+        nbytes = len(blocks) * SPEC.num_layers * 2 * SPEC.block_bytes
+        assert set(moved) == {nbytes}, (moved, nbytes)
+        parent.send(blocks)
+        want = sum(kv[:, :, blocks].double().sum().item() for kv in kvs)
+        got = parent.recv() if parent.poll(30) else float("nan")
+        assert abs(got - want) <= 1e-9 * abs(want), (p_tp, d_tp)
+        gbs = nbytes / t / 1e9
+        if p_tp == d_tp:
+            same[p_tp] = gbs
+        base = same.get(1)
+        # Rank to rank: a row per block; across sizes: a row per token of each head run.
+        n_regions = len(blocks) * SPEC.num_layers * 2 * max(p_tp, d_tp) * (
+            SPEC.block_size if p_tp != d_tp else 1)
+        vs = f"{gbs / base:.0%}" if base and p_tp != d_tp else "-"
+        print(f"{f'{p_tp} -> {d_tp}':<10}{nbytes / MiB:>12.0f}{n_regions:>9}{gbs:>8.2f}{vs:>12}")
+        tr.close()
+        parent.send("exit")
+        proc.join(10)
 
 
 def _idle(conn: Connection, seconds: float, prog_thread: bool) -> None:
@@ -165,8 +251,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--idle-seconds", type=float, default=10.0)
+    ap.add_argument("--tp", action="store_true", help="also the tensor-parallel rows")
+    ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel rows")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.tp_only:
+        _tp_rows(args.reps)
+        return
     from nixl._api import nixl_agent
 
     from kvrelay.kv_transfer.nixl_transport import NixlTransport
@@ -245,6 +336,8 @@ def main() -> None:
         cpu = a.recv() if a.poll(args.idle_seconds + 60) else float("nan")
         p.join(10)
         print(f"  {label:<36}{cpu:>7.3f} s  ({cpu / args.idle_seconds:.1%} of a core)")
+    if args.tp:
+        _tp_rows(args.reps)
 
 
 if __name__ == "__main__":

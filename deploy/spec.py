@@ -63,8 +63,12 @@ class ServeSpec:
     def __post_init__(self) -> None:
         for pool in ("prefill", "decode"):
             ps = self.pools.get(pool)
-            if ps is not None and ps.tp > 1:
-                raise ValueError(f"--{pool}-tp {ps.tp}: prefill and decode replicas move KV "
-                                 f"between them, which does not support tensor parallelism "
-                                 f"yet; use tensor parallelism on aggregated replicas "
+            # KV transfer between TP replicas maps every rank's KV into rank 0's process
+            # through shared memory: CPU KV caches only (see kvrelay.engine.tp_runner).
+            gpu = ps is not None and (ps.gpus > 0
+                                      or str(self.engine.model.device).startswith("cuda"))
+            if ps is not None and ps.tp > 1 and gpu:
+                raise ValueError(f"--{pool}-tp {ps.tp}: KV transfer between prefill and decode "
+                                 f"replicas supports tensor parallelism with CPU KV caches "
+                                 f"only; on GPUs use tensor parallelism on aggregated replicas "
                                  f"(--both N --both-tp {ps.tp})")

@@ -31,6 +31,7 @@ from kvrelay.engine.engine_core import (
 )
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
+from kvrelay.engine.tensor_parallel import TensorParallelError
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,14 @@ IDLE_WAIT_S = 0.5  # longest block on the command queue (a backstop; wake-ups co
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, *, poll_interval: float = 0.002,
-                 on_step: Callable[[float, int], None] | None = None):
+                 on_step: Callable[[float, int], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.core = core
+        # Called (engine thread) instead of failing the requests when a step leaves the engine
+        # unusable (a tensor-parallel rank died): the owner ends the process so that the
+        # requests migrate elsewhere, as after any crash. The engine steps no more.
+        self.on_fatal = on_fatal
+        self.fatal: BaseException | None = None
         self.poll_interval = poll_interval
         self.on_step = on_step  # (seconds, tokens) after each step that ran the model
         self._cmds: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -286,8 +293,19 @@ class AsyncEngine:
     def _step(self) -> None:
         core = self.core
         t0 = time.perf_counter()
+        if self.fatal is not None:
+            return
         try:
             outputs = core.step()
+        except TensorParallelError as e:
+            if self.on_fatal is None:
+                logger.exception("engine step failed; failing every request in flight")
+                outputs = self._fail_all("engine step failed")
+            else:
+                logger.critical("the engine is unusable: %s", e)
+                self.fatal = e
+                self.on_fatal(e)
+                return
         except Exception:
             logger.exception("engine step failed; failing every request in flight")
             outputs = self._fail_all("engine step failed")

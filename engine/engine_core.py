@@ -85,9 +85,6 @@ class EngineCore:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
                  eos_token_ids: frozenset[int] = frozenset()):
         if config.model.tensor_parallel_size > 1:
-            if connector is not None:
-                raise ValueError("KV transfer (prefill/decode roles with a connector) is not "
-                                 "supported under tensor parallelism yet")
             from kvrelay.engine.tp_runner import TPModelRunner
 
             self.runner: ModelRunner = TPModelRunner(config)
@@ -109,7 +106,16 @@ class EngineCore:
                                    eos_token_ids, self.step_cost)
         self.connector = connector
         if connector is not None:
-            connector.register_kv_cache(self.runner.kv, self.runner.kv_spec)
+            rank_kv = getattr(self.runner, "rank_kv", None)
+            if config.model.tensor_parallel_size > 1 and rank_kv is None:
+                self.runner.close()  # type: ignore[attr-defined]
+                raise ValueError("KV transfer under tensor parallelism needs CPU KV caches "
+                                 "(every rank's KV shared with rank 0); on GPUs serve TP "
+                                 "replicas with role both")
+            if rank_kv is not None:
+                connector.register_kv_cache(self.runner.kv, self.runner.kv_spec, rank_kv)
+            else:
+                connector.register_kv_cache(self.runner.kv, self.runner.kv_spec)
         self.seqs: dict[str, Sequence] = {}
         # Finished requests whose blocks the connector still reads, with the output to report
         # once they are delivered (None when nobody waits for one).

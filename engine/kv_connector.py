@@ -14,7 +14,8 @@ Scheduler side (bookkeeping only, no I/O):
     (the default: all of them, while any is pending).
 
 Worker side (moves bytes, called by the model runner around the forward pass):
-  - ``register_kv_cache(kv, spec)``: once, with the engine's single KV tensor.
+  - ``register_kv_cache(kv, spec, ranks)``: once, with the engine's KV tensor (under tensor
+    parallelism rank 0's, ``ranks`` naming the others and which heads each holds).
   - ``start_step(scheduled)``: before the forward; ``scheduled`` says which tokens each sequence
     computes this step (counters not yet advanced).
   - ``save_layer(layer)``: right after ``layer``'s new K/V were written to the cache, while later
@@ -31,6 +32,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -48,6 +50,16 @@ class ScheduledSeq(NamedTuple):
     num_new_tokens: int
 
 
+@dataclass(frozen=True)
+class RankKV:
+    """Under tensor parallelism: the KV tensors of ranks 1..N-1 (rank 0's is ``kv``), mapped into
+    rank 0's process, and the model's KV heads each rank holds (``[start, stop)``, rank order)."""
+
+    others: list[torch.Tensor]
+    head_ranges: tuple[tuple[int, int], ...]
+    model_kv_heads: int
+
+
 class TransferEvents(NamedTuple):
     sent: list[str]  # request ids whose blocks the connector no longer reads
     received: list[str]  # request ids whose KV has fully arrived
@@ -57,7 +69,8 @@ class TransferEvents(NamedTuple):
 class KVConnector(ABC):
     # -- lifecycle / worker side -------------------------------------------------------------
     @abstractmethod
-    def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None: ...
+    def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec,
+                          ranks: RankKV | None = None) -> None: ...
 
     def start_step(self, scheduled: Seq[ScheduledSeq]) -> None:  # noqa: B027
         """Default: nothing to send."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ from kvrelay.engine.kv_cache import (
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq
 from kvrelay.engine.loader import load_model
 from kvrelay.engine.sampler import TokenLogprob, sample
-from kvrelay.engine.tensor_parallel import TPShard, local_kv_heads
+from kvrelay.engine.tensor_parallel import TPShard, local_kv_heads, shared_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,11 @@ class ModelRunner:
             head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.dtype))
         self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads, arch.head_dim,
                                    block_size, num_blocks, dtype_name(self.dtype))
-        self.kv = allocate_kv_cache(self.kv_spec, self.device)
+        if shard is not None and shard.kv_shm:
+            self.kv = shared_kv_cache(shard.kv_shm, shard.rank, self.kv_spec.shape,
+                                      self.kv_spec.torch_dtype)
+        else:
+            self.kv = allocate_kv_cache(self.kv_spec, self.device)
         self.model.bind_kv_cache(self.kv)
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
@@ -321,7 +326,7 @@ class ModelRunner:
         meta = inputs.meta
         if connector is not None:
             connector.start_step(scheduled)
-            meta.on_kv_written = connector.save_layer
+            meta.on_kv_written = self._kv_written_hook(connector)
         with forward_context(meta):
             hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         if connector is not None:
@@ -359,6 +364,10 @@ class ModelRunner:
         for i, tok, lp in zip(sampled_order, sampled, lps, strict=True):
             tokens[i], logprobs[i] = tok, lp
         return SampledTokens(tokens, logprobs)
+
+    def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:
+        """What the attention calls once a layer's new K/V are in the cache."""
+        return connector.save_layer
 
     @torch.inference_mode()
     def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:

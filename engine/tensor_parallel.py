@@ -21,6 +21,8 @@ import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
+import os
+import secrets
 import struct
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -55,6 +57,9 @@ class TPShard:
     size: int
     group: dist.ProcessGroup
     timeout: datetime.timedelta
+    # CPU only: each rank's KV tensor lives in the shared-memory file ``kv_shm_path(kv_shm, r)``
+    # so rank 0's KV connector can register and move every rank's KV ("": private memory).
+    kv_shm: str = ""
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                    timeout: datetime.timedelta | None = None) -> None:
@@ -104,6 +109,38 @@ def kv_head_range(arch: ModelArch, rank: int, size: int) -> range:
     n = local_kv_heads(arch, size)
     first = rank * arch.num_kv_heads // size if arch.num_kv_heads < size else rank * n
     return range(first, first + n)
+
+
+def kv_shm_path(prefix: str, rank: int) -> str:
+    return f"/dev/shm/{prefix}-rank{rank}"
+
+
+def shared_kv_cache(prefix: str, rank: int, shape: tuple[int, ...],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s KV tensor in a shared-memory file (created zero-filled, or mapped when
+    it exists): the same bytes in the rank's process and in rank 0's."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    path = kv_shm_path(prefix, rank)
+    need = numel * torch.empty((), dtype=dtype).element_size()
+    st = os.statvfs(os.path.dirname(path))
+    if not os.path.exists(path) and st.f_bavail * st.f_frsize < need:
+        # Past a tmpfs's size the first touch of a page kills the process (SIGBUS): refuse.
+        raise ValueError(f"tensor-parallel rank {rank} needs {need / 2**20:.0f} MiB of KV cache "
+                         f"in {os.path.dirname(path)}, which has "
+                         f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free: lower "
+                         f"--kv-cache-memory or give /dev/shm more room (k8s: the dshm volume's "
+                         f"sizeLimit)")
+    t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    return t.view(shape)
+
+
+def unlink_kv_shm(prefix: str, size: int) -> None:
+    """Remove the files (the mappings stay valid until every process unmaps them)."""
+    for r in range(size):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(kv_shm_path(prefix, r))
 
 
 class RowParallelLinear(Linear):
@@ -225,7 +262,7 @@ def _make_group(store: dist.Store, rank: int, size: int,
 
 
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
-                 conn: Connection) -> None:
+                 conn: Connection, kv_shm: str = "") -> None:
     from kvrelay.engine.attention import forward_context
     from kvrelay.engine.model_runner import ModelRunner
 
@@ -233,7 +270,8 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
     startup = startup_timeout(config)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=startup)
     cuda = ModelRunner.device_for(config, rank).type == "cuda"
-    shard = TPShard(rank, size, _make_group(store, rank, size, startup, cuda), timeout)
+    shard = TPShard(rank, size, _make_group(store, rank, size, startup, cuda), timeout,
+                    "" if cuda else kv_shm)
     runner = ModelRunner(config, shard=shard)
     runner.check_blocks(startup)
     with torch.inference_mode():
@@ -266,23 +304,25 @@ class Ranks:
         # The step header (op, payload length) goes through a pipe, so an idle replica waits
         # without a collective that would time out; the payload goes by broadcast.
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
+        from kvrelay.engine.model_runner import ModelRunner
+
+        cuda = ModelRunner.device_for(config, 0).type == "cuda"
+        self.kv_shm = "" if cuda else f"kvrelay-kv-{os.getpid()}-{secrets.token_hex(6)}"
         self.procs = [ctx.Process(target=_worker_main, name=f"kvrelay-tp-rank{r}", daemon=True,
-                                  args=(config, r, size, self.store.port, pipes[r - 1][0]))
+                                  args=(config, r, size, self.store.port, pipes[r - 1][0],
+                                        self.kv_shm))
                       for r in range(1, size)]
         for p in self.procs:
             p.start()
         for recv, _ in pipes:
             recv.close()
         self.conns = [send for _, send in pipes]
-        from kvrelay.engine.model_runner import ModelRunner
-
-        cuda = ModelRunner.device_for(config, 0).type == "cuda"
         try:
             group = _make_group(self.store, 0, size, startup, cuda)
         except RuntimeError as e:
             self.close()
             raise self.error("joining the process group", e) from e
-        self.shard = TPShard(0, size, group, self.timeout)
+        self.shard = TPShard(0, size, group, self.timeout, self.kv_shm)
         self.closed = False
 
     @property
@@ -316,6 +356,8 @@ class Ranks:
                     c.send_bytes(struct.pack("<qq", _OP_STOP, 0))
         for c in getattr(self, "conns", []):
             c.close()
+        if getattr(self, "kv_shm", ""):
+            unlink_kv_shm(self.kv_shm, self.size)
         for p in self.procs:
             p.join(timeout=5)
             if p.is_alive():

@@ -1,6 +1,13 @@
 """Rank 0's model runner of a tensor-parallel replica: before each forward it sends the step to
 the other ranks (see :mod:`kvrelay.engine.tensor_parallel`), then runs its own shard and samples.
 
+KV transfer (CPU): every rank's KV tensor is a shared-memory file, which rank 0 maps too
+(:attr:`TPModelRunner.rank_kv`), so rank 0's KV connector registers and moves the KV of all
+ranks. Rank 0 learns that a layer's K/V are in *every* rank's cache one layer late: when it
+writes layer L, each other rank has passed the all-reduce after layer L-1 (so wrote L-1's K/V),
+not necessarily L's. So ``save_layer`` hears of layer L-1 then, and ``end_step`` (after the
+last all-reduce) sends the rest.
+
 A failure of any rank (dead, stuck past ``tp_timeout_s``, or an error in its step) surfaces here
 as :class:`TensorParallelError`; the replica is then unusable and its ranks are stopped.
 """
@@ -16,13 +23,16 @@ from typing import Any
 import torch
 
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq
+from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.model_runner import ModelRunner, SampledTokens
 from kvrelay.engine.tensor_parallel import (
     Ranks,
     TensorParallelError,
+    kv_head_range,
+    shared_kv_cache,
     startup_timeout,
     tp_model_config,
+    unlink_kv_shm,
     validate_tp,
 )
 
@@ -41,6 +51,7 @@ class TPModelRunner(ModelRunner):
         try:
             super().__init__(config, shard=self.ranks.shard)
             self.check_blocks(startup_timeout(config))
+            self.rank_kv = self._map_rank_kv()
         except ValueError:
             self.close()
             raise
@@ -66,11 +77,33 @@ class TPModelRunner(ModelRunner):
             self.close()
             raise self._failed from e
 
+    def _map_rank_kv(self) -> RankKV | None:
+        """The other ranks' KV tensors (they exist: ``check_blocks`` ran after every rank
+        allocated), then the files go (the mappings stay)."""
+        shm = self.ranks.kv_shm
+        if not shm:
+            return None
+        size = self.ranks.size
+        others = [shared_kv_cache(shm, r, self.kv_spec.shape, self.kv_spec.torch_dtype)
+                  for r in range(1, size)]
+        unlink_kv_shm(shm, size)
+        ranges = tuple((r.start, r.stop) for r in (kv_head_range(self.arch, i, size)
+                                                   for i in range(size)))
+        return RankKV(others, ranges, self.arch.num_kv_heads)
+
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
-        if connector is not None:
-            raise NotImplementedError("KV transfer is not supported under tensor parallelism yet")
-        return self._guarded(super().run, scheduled, None)
+        if connector is not None and self.rank_kv is None:
+            raise NotImplementedError("KV transfer under tensor parallelism needs CPU KV "
+                                      "caches (shared memory between the ranks)")
+        return self._guarded(super().run, scheduled, connector)
+
+    def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:
+        def lagged(layer: int) -> None:  # see the module docstring
+            if layer > 0:
+                connector.save_layer(layer - 1)
+
+        return lagged
 
     def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
         return self._guarded(super().logits_for, scheduled)

@@ -29,12 +29,12 @@ import logging
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrelay.common.timeline import mark
-from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
+from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq, TransferEvents
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.config import NixlConnectorConfig
 from kvrelay.kv_transfer.cuda_sync import bind_thread_to, record_ready_event
@@ -91,12 +91,17 @@ class NixlConnector(KVConnector):
         self._abandoned: list[str] = []  # awaiting ones given up: their blocks go back
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
+    def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec,
+                          ranks: RankKV | None = None) -> None:
         if self._transport is not None:
             raise RuntimeError("register_kv_cache may be called once")
-        layout = KVLayout.from_spec(spec, self.config.model_id, device_kind_of(kv.device))
+        tp: dict[str, Any] = {}
+        if ranks is not None:
+            tp = {"head_ranges": ranks.head_ranges, "model_kv_heads": ranks.model_kv_heads}
+        layout = KVLayout.from_spec(spec, self.config.model_id, device_kind_of(kv.device), **tp)
         self._transport = NixlTransport(self.config.agent_name, kv, layout,
-                                        write_timeout_s=self.config.write_timeout_s)
+                                        write_timeout_s=self.config.write_timeout_s,
+                                        rank_kvs=() if ranks is None else ranks.others)
         self._spec = spec
         self._cuda = kv.is_cuda
         self._device = kv.device

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvrelay.kv_transfer.layout import KVLayout
+from kvrelay.kv_transfer.layout import HeadRun, KVLayout
 
 _SMALL = 512  # below this many indices plain Python beats numpy's per-call overhead
 
@@ -48,3 +48,41 @@ def block_bounds(ids: Sequence[int]) -> tuple[int, int]:
         a = np.asarray(ids)
         return int(a.min()), int(a.max())
     return min(ids), max(ids)
+
+
+def split_descs(local: KVLayout, local_addrs: Sequence[int], remote: KVLayout,
+                remote_addrs: Sequence[int], runs: Sequence[HeadRun], planes: Sequence[int],
+                local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+                local_device: int = 0, remote_device: int = 0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination ``[n, 3]`` rows of a write between engines whose KV heads are split
+    over ranks differently (``runs`` from :func:`~kvrelay.kv_transfer.layout.head_runs`).
+
+    A block is ``[block_size, heads, head_dim]``: where a run is every head of both ranks' blocks,
+    a block is one contiguous row; otherwise each token's slice of the run's heads is one row
+    (strided by each side's heads per token)."""
+    bs, hd = local.block_size, local.head_dim
+    esz = local.block_bytes // (bs * local.num_kv_heads * hd)
+    tok_l, tok_r = local.num_kv_heads * hd * esz, remote.num_kv_heads * hd * esz
+    p = np.asarray(planes, dtype=np.uint64)[:, None]
+    lb = (p * np.uint64(local.num_blocks)
+          + np.asarray(local_block_ids, dtype=np.uint64)[None, :]).ravel()
+    rb = (p * np.uint64(remote.num_blocks)
+          + np.asarray(remote_block_ids, dtype=np.uint64)[None, :]).ravel()
+    src_parts, dst_parts = [], []
+    for run in runs:
+        whole = run.count == local.num_kv_heads == remote.num_kv_heads
+        toks = np.zeros(1, dtype=np.uint64) if whole else np.arange(bs, dtype=np.uint64)
+        length = local.block_bytes if whole else run.count * hd * esz
+        for parts, base, blocks, bb, tok, head, dev in (
+                (src_parts, local_addrs[run.src], lb, local.block_bytes, tok_l, run.src_head,
+                 local_device),
+                (dst_parts, remote_addrs[run.dst], rb, remote.block_bytes, tok_r, run.dst_head,
+                 remote_device)):
+            rows = np.empty((blocks.size * toks.size, 3), dtype=np.uint64)
+            rows[:, 0] = (np.uint64(base + head * hd * esz) + blocks[:, None] * np.uint64(bb)
+                          + toks[None, :] * np.uint64(tok)).ravel()
+            rows[:, 1] = length
+            rows[:, 2] = dev
+            parts.append(rows)
+    return np.concatenate(src_parts), np.concatenate(dst_parts)

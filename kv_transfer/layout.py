@@ -5,6 +5,13 @@ property that decides the bytes of one (layer, K|V, block) region is the same: t
 version (which also fixes the tensor's dimension order), the model (``model_id``), layers, KV
 heads, head size, block size, dtype, and the device kind. ``num_blocks`` may differ: each engine
 sizes its cache from its own memory budget, and block ids are always the owner's.
+
+Tensor parallelism: an engine of ``tp_size`` ranks has one KV tensor per rank, each holding the
+KV heads ``head_ranges[rank]`` (``[start, stop)`` of the model's ``model_kv_heads``), and
+``num_kv_heads`` is the count one rank holds (what sizes its blocks). The tensor-parallel sizes
+of the two sides may differ: the sender writes each receiving rank exactly the heads it holds,
+from whichever of its ranks holds them (:func:`head_runs`). Splits that do not tile the model's
+heads are refused at the handshake (:func:`check_compatible`).
 """
 
 from __future__ import annotations
@@ -13,14 +20,14 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvrelay.engine.kv_cache import KVCacheSpec
 from kvrelay.kv_transfer.errors import KVTransferError
 
 # Bump whenever the tensor layout ([layers, 2, blocks, block_size, kv_heads, head_dim]) or the
 # meaning of any field below changes.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: tp_size, head_ranges, model_kv_heads
 DEVICE_KINDS = ("cpu", "cuda")
 
 
@@ -42,9 +49,21 @@ class KVLayout:
     model_id: str
     device_kind: str = "cpu"
     version: int = PROTOCOL_VERSION
+    tp_size: int = 1
+    head_ranges: tuple[tuple[int, int], ...] = ()  # per rank; () means one rank with them all
+    model_kv_heads: int = 0  # 0 means num_kv_heads (no tensor parallelism)
 
     def __post_init__(self) -> None:
         self.spec  # noqa: B018 - validates the shape fields and the dtype
+        if not self.model_kv_heads:
+            object.__setattr__(self, "model_kv_heads", self.num_kv_heads)
+        if not self.head_ranges:
+            object.__setattr__(self, "head_ranges", ((0, self.num_kv_heads),) * self.tp_size)
+        object.__setattr__(self, "head_ranges",
+                           tuple((int(a), int(b)) for a, b in self.head_ranges))
+        if self.tp_size < 1 or len(self.head_ranges) != self.tp_size:
+            raise ValueError(f"KVLayout has tp_size {self.tp_size} but "
+                             f"{len(self.head_ranges)} head ranges")
         if not self.model_id:
             raise ValueError("KVLayout.model_id must identify the model (see model_identity)")
         if self.device_kind not in DEVICE_KINDS:
@@ -54,9 +73,13 @@ class KVLayout:
             raise ValueError(f"KVLayout.version must be a positive integer, got {self.version!r}")
 
     @classmethod
-    def from_spec(cls, spec: KVCacheSpec, model_id: str, device_kind: str = "cpu") -> KVLayout:
+    def from_spec(cls, spec: KVCacheSpec, model_id: str, device_kind: str = "cpu", *,
+                  head_ranges: tuple[tuple[int, int], ...] = (),
+                  model_kv_heads: int = 0) -> KVLayout:
         return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
-                   spec.num_blocks, spec.dtype, model_id, device_kind)
+                   spec.num_blocks, spec.dtype, model_id, device_kind,
+                   tp_size=max(1, len(head_ranges)), head_ranges=head_ranges,
+                   model_kv_heads=model_kv_heads)
 
     @property
     def spec(self) -> KVCacheSpec:
@@ -101,7 +124,7 @@ class KVLayout:
 _CHECKS: tuple[tuple[str, str, str], ...] = (
     ("model_id", "serves model", "--model (the same checkpoint)"),
     ("num_layers", "has num_layers", "--model (the same checkpoint)"),
-    ("num_kv_heads", "has num_kv_heads", "--model (the same checkpoint)"),
+    ("model_kv_heads", "has num_kv_heads", "--model (the same checkpoint)"),
     ("head_dim", "has head_dim", "--model (the same checkpoint)"),
     ("block_size", "has block_size", "--block-size"),
     ("dtype", "stores KV as", "--dtype"),
@@ -120,6 +143,57 @@ def layout_differences(local: KVLayout, remote: KVLayout) -> list[str]:
         if theirs != ours:
             out.append(f"peer {what} {theirs}, we have {ours}: start both pools with the "
                        f"same {flag}")
+    if not out:
+        out += [f"peer's {e}" for e in split_errors(remote)]
+        out += [f"our {e}" for e in split_errors(local)]
+    return out
+
+
+def split_errors(layout: KVLayout) -> list[str]:
+    """Why ``layout``'s split of KV heads over its ranks cannot be mapped onto another split
+    (empty when it can): every rank must hold ``num_kv_heads`` consecutive heads, and together
+    they must hold every head of the model."""
+    n, total = layout.num_kv_heads, layout.model_kv_heads
+    bad = [(a, b) for a, b in layout.head_ranges if b - a != n or a < 0 or b > total]
+    if bad:
+        return [f"tensor-parallel split of {total} KV heads over {layout.tp_size} ranks has "
+                f"ranges {list(bad)} that are not {n} heads within [0, {total}): the KV heads "
+                f"and --tensor-parallel-size must divide one another"]
+    held = set().union(*(range(a, b) for a, b in layout.head_ranges))
+    if len(held) != total:
+        return [f"tensor-parallel split over {layout.tp_size} ranks holds KV heads "
+                f"{sorted(held)} of {total}: the KV heads and --tensor-parallel-size must "
+                f"divide one another"]
+    return []
+
+
+class HeadRun(NamedTuple):
+    """Heads ``[src_head, src_head + count)`` of sending rank ``src`` go to heads
+    ``[dst_head, ...)`` (offsets within each rank's tensor) of receiving rank ``dst``."""
+
+    src: int
+    dst: int
+    src_head: int
+    dst_head: int
+    count: int
+
+
+def head_runs(local: KVLayout, remote: KVLayout) -> list[HeadRun]:
+    """Which of our ranks writes which heads of each of the peer's ranks: every head of every
+    receiving rank once, from the first of our ranks that holds it, in runs of consecutive
+    heads. Assumes :func:`check_compatible` passed."""
+    out: list[HeadRun] = []
+    for d, (da, db) in enumerate(remote.head_ranges):
+        for h in range(da, db):
+            s = next(r for r, (a, b) in enumerate(local.head_ranges) if a <= h < b)
+            sa = local.head_ranges[s][0]
+            last = out[-1] if out else None
+            if (last is not None and last.dst == d and last.src == s
+                    and last.src_head + last.count == h - sa
+                    and last.dst_head + last.count == h - da):
+                out[-1] = last._replace(count=last.count + 1)
+            else:
+                out.append(HeadRun(s, d, h - sa, h - da, 1))
     return out
 
 
@@ -168,10 +242,13 @@ def device_kind_of(device: Any) -> str:
 __all__ = [
     "DEVICE_KINDS",
     "PROTOCOL_VERSION",
+    "HeadRun",
     "IncompatibleKVLayout",
     "KVLayout",
     "check_compatible",
     "device_kind_of",
+    "head_runs",
     "layout_differences",
     "model_identity",
+    "split_errors",
 ]

@@ -134,6 +134,9 @@ class PeerInfo:
     base_address: int  # data_ptr() of the registered KV tensor
     device_id: int
     incarnation: str
+    # data_ptr() of every tensor-parallel rank's KV tensor (``layout.head_ranges`` order);
+    # () means ``(base_address,)``.
+    rank_addresses: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.agent_name:
@@ -147,11 +150,17 @@ class PeerInfo:
                              f"or device id {self.device_id}")
         if not self.incarnation:
             raise ValueError("PeerInfo.incarnation must be non-empty")
+        if not self.rank_addresses:
+            object.__setattr__(self, "rank_addresses", (self.base_address,))
+        object.__setattr__(self, "rank_addresses", tuple(int(a) for a in self.rank_addresses))
+        if len(self.rank_addresses) != self.layout.tp_size or min(self.rank_addresses) <= 0:
+            raise ValueError(f"PeerInfo has {len(self.rank_addresses)} rank addresses for "
+                             f"{self.layout.tp_size} tensor-parallel ranks")
 
     def _header(self) -> dict[str, Any]:
         return {"agent_name": self.agent_name, "layout": self.layout.to_dict(),
                 "base_address": self.base_address, "device_id": self.device_id,
-                "incarnation": self.incarnation}
+                "incarnation": self.incarnation, "rank_addresses": list(self.rank_addresses)}
 
     def to_bytes(self) -> bytes:
         """``KVRP`` + wire version + JSON header length, the JSON header, the NIXL metadata."""
@@ -174,4 +183,5 @@ class PeerInfo:
                    agent_metadata=data[_HEAD.size + n:],
                    layout=KVLayout.from_dict(head["layout"]),
                    base_address=int(head["base_address"]), device_id=int(head["device_id"]),
-                   incarnation=head["incarnation"])
+                   incarnation=head["incarnation"],
+                   rank_addresses=tuple(head.get("rank_addresses", ())))

@@ -31,9 +31,20 @@ from typing import NamedTuple
 
 import torch
 
-from kvrelay.kv_transfer.descriptors import block_bounds, plane_block_indices, region_descs
+from kvrelay.kv_transfer.descriptors import (
+    block_bounds,
+    plane_block_indices,
+    region_descs,
+    split_descs,
+)
 from kvrelay.kv_transfer.errors import KVTransferError
-from kvrelay.kv_transfer.layout import KVLayout, check_compatible, device_kind_of
+from kvrelay.kv_transfer.layout import (
+    HeadRun,
+    KVLayout,
+    check_compatible,
+    device_kind_of,
+    head_runs,
+)
 from kvrelay.kv_transfer.messages import PeerInfo
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -83,6 +94,7 @@ class WriteHandle:
 class _Peer(NamedTuple):
     info: PeerInfo
     dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, kv, block) regions
+    runs: list[HeadRun] | None  # None: one rank each side, whole blocks through ``dlist``
 
 
 def _mem_type(device_kind: str) -> str:
@@ -91,13 +103,23 @@ def _mem_type(device_kind: str) -> str:
 
 class NixlTransport:
     def __init__(self, agent_name: str, kv: torch.Tensor, layout: KVLayout, *,
-                 write_timeout_s: float = 10.0, num_threads: int = 0) -> None:
+                 write_timeout_s: float = 10.0, num_threads: int = 0,
+                 rank_kvs: Sequence[torch.Tensor] = ()) -> None:
+        """``kv`` is rank 0's tensor; under tensor parallelism ``rank_kvs`` are ranks 1..N-1's
+        (one host, shared memory: this agent registers and addresses every rank's KV)."""
         spec = layout.spec
-        if tuple(kv.shape) != spec.shape or kv.dtype != spec.torch_dtype:
-            raise ValueError(f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match the layout "
-                             f"{spec.shape} {spec.torch_dtype}")
-        if not kv.is_contiguous():
-            raise ValueError("the KV tensor must be contiguous to be registered as one region")
+        tensors = [kv, *rank_kvs]
+        if len(tensors) != layout.tp_size:
+            raise ValueError(f"{len(tensors)} KV tensors for {layout.tp_size} ranks")
+        if layout.tp_size > 1 and layout.device_kind != "cpu":
+            raise ValueError("KV transfer under tensor parallelism needs CPU KV caches (every "
+                             "rank's KV registered by rank 0's agent through shared memory)")
+        for t in tensors:
+            if tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype:
+                raise ValueError(f"KV tensor {tuple(t.shape)} {t.dtype} does not match the "
+                                 f"layout {spec.shape} {spec.torch_dtype}")
+            if not t.is_contiguous():
+                raise ValueError("a KV tensor must be contiguous to be registered as one region")
         if device_kind_of(kv.device) != layout.device_kind:
             raise ValueError(f"KV tensor is on {kv.device}, layout says {layout.device_kind}")
         if write_timeout_s <= 0:
@@ -108,6 +130,8 @@ class NixlTransport:
         self._block_bytes = layout.block_bytes
         self.incarnation = uuid.uuid4().hex
         self._kv = kv
+        self._rank_kvs = tensors
+        self._addrs = tuple(t.data_ptr() for t in tensors)
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
         # Written under the lock, read without it: the engine thread asks for incarnations
@@ -123,7 +147,7 @@ class NixlTransport:
         if "UCX" not in self._agent.backends:
             raise KVTransferError("NIXL has no UCX backend here (plugin missing): reinstall nixl",
                                   retriable=False)
-        self._reg = self._agent.register_memory(kv)
+        self._reg = self._agent.register_memory(tensors if len(tensors) > 1 else kv)
         self._local = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", region_descs(kv.data_ptr(), layout, self._device_id), self._mem)
         logger.info("NIXL agent %s up: %s KV, %d blocks x %d B x %d planes (incarnation %s)",
@@ -136,7 +160,7 @@ class NixlTransport:
             self._check_open()
             md = self._agent.get_agent_metadata()
         return PeerInfo(self.name, md, self.layout, self._kv.data_ptr(), self._device_id,
-                        self.incarnation)
+                        self.incarnation, self._addrs)
 
     # -- peers ---------------------------------------------------------------------------------
     def add_peer(self, info: PeerInfo) -> bool:
@@ -172,7 +196,10 @@ class NixlTransport:
             except _NIXL_ERRORS as e:
                 self._agent.remove_remote_agent(info.agent_name)
                 raise self._error(e, info.agent_name, "preparing descriptors of") from e
-            self._peers[info.agent_name] = _Peer(info, dlist)
+            runs = None
+            if self.layout.tp_size > 1 or info.layout.tp_size > 1:
+                runs = head_runs(self.layout, info.layout)
+            self._peers[info.agent_name] = _Peer(info, dlist, runs)
             self._incarnations[info.agent_name] = info.incarnation
         logger.info("added KV peer %s (%d blocks)", info.agent_name, info.layout.num_blocks)
         return True
@@ -237,11 +264,15 @@ class NixlTransport:
                 raise KVTransferError(
                     f"block ids out of range: local {lo}..{hi} of {nb_local}, "
                     f"remote {rlo}..{rhi} of {nb_remote} at {peer}", retriable=False, peer=peer)
-            lidx = plane_block_indices(planes, local_block_ids, nb_local)
-            ridx = plane_block_indices(planes, remote_block_ids, nb_remote)
-            nbytes = len(lidx) * self._block_bytes
             try:
-                xfer = self._agent.make_prepped_xfer("WRITE", self._local, lidx, p.dlist, ridx)
+                if p.runs is None:
+                    lidx = plane_block_indices(planes, local_block_ids, nb_local)
+                    ridx = plane_block_indices(planes, remote_block_ids, nb_remote)
+                    nbytes = len(lidx) * self._block_bytes
+                    xfer = self._agent.make_prepped_xfer("WRITE", self._local, lidx, p.dlist,
+                                                         ridx)
+                else:
+                    xfer, nbytes = self._split_xfer(p, planes, local_block_ids, remote_block_ids)
             except _NIXL_ERRORS as e:
                 raise self._failed(e, peer, "building a write to") from e
             try:
@@ -257,6 +288,20 @@ class NixlTransport:
                 self._release(xfer)
                 xfer = None
             return WriteHandle(peer, nbytes, xfer, time.monotonic() + self.write_timeout_s)
+
+    def _split_xfer(self, p: _Peer, planes: Sequence[int], local_block_ids: Sequence[int],
+                    remote_block_ids: Sequence[int]) -> tuple[object, int]:
+        """One transfer of every (sending rank -> receiving rank) head run: it completes only
+        when all of them landed."""
+        assert p.runs is not None
+        info = p.info
+        src, dst = split_descs(self.layout, self._addrs, info.layout, info.rank_addresses,
+                               p.runs, planes, local_block_ids, remote_block_ids,
+                               self._device_id, info.device_id)
+        local = self._agent.get_xfer_descs(src, self._mem)
+        remote = self._agent.get_xfer_descs(dst, _mem_type(info.layout.device_kind))
+        xfer = self._agent.initialize_xfer("WRITE", local, remote, info.agent_name)
+        return xfer, int(src[:, 1].sum())
 
     def poll(self, handle: WriteHandle) -> bool:
         """True once the data is at the peer (remote completion: NIXL flushes the endpoint)."""

@@ -93,16 +93,26 @@ class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
         return wpb.DrainResponse(in_flight=in_flight)
 
 
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine failed for good (a tensor-parallel rank died)
+
+
+def _on_cuda(device: str) -> bool:
+    from kvrelay.engine.device import resolve_device
+
+    return resolve_device(device).type == "cuda"
+
+
 class Worker:
     """Assembles and runs one worker; ``start()`` then ``wait()`` (or ``stop()``)."""
 
     def __init__(self, settings: WorkerSettings, engine_config: EngineConfig):
         if engine_config.role != settings.role:
             raise ValueError("engine role and worker role differ")
-        if settings.role != "both" and engine_config.model.tensor_parallel_size > 1:
-            raise ValueError(f"--tensor-parallel-size {engine_config.model.tensor_parallel_size}"
-                             f" needs --role both: KV transfer between prefill and decode "
-                             f"workers does not support tensor parallelism yet")
+        tp = engine_config.model.tensor_parallel_size
+        if settings.role != "both" and tp > 1 and _on_cuda(engine_config.model.device):
+            raise ValueError(f"--tensor-parallel-size {tp} with --role {settings.role}: KV "
+                             f"transfer under tensor parallelism needs CPU KV caches (use "
+                             f"--role both on GPUs)")
         self.settings = settings
         self.engine_config = engine_config
         self.worker_id = settings.resolved_worker_id()
@@ -136,9 +146,22 @@ class Worker:
         connector = self.kv.connector if self.kv else None
         # Loaded on the engine thread itself (see AsyncEngine.spawn: one OpenMP pool).
         self.engine = await AsyncEngine.spawn(
-            lambda: EngineCore(self.engine_config, connector, eos), on_step=self._on_step)
+            lambda: EngineCore(self.engine_config, connector, eos), on_step=self._on_step,
+            on_fatal=self._on_fatal)
         if self.kv is not None:
             self.kv.bind(self.engine.core.runner.kv_spec)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine can never step again (a tensor-parallel rank died or hung). Exit now, as a
+        crash would: the router sees this worker's streams break and migrates its requests
+        (their output so far is kept), and the registry drops it; its supervisor restarts it.
+        Failing the requests instead would end them with an error the client sees."""
+        logger.critical("worker %s exits: its engine is unusable (%s)", self.worker_id, error)
+        close = getattr(self.engine.core.runner, "close", None)
+        if close is not None:
+            close()  # stop the surviving ranks
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_FAILED)
 
     def _on_step(self, seconds: float, tokens: int) -> None:
         self._step_tokens += tokens

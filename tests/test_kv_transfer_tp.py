@@ -1,0 +1,141 @@
+"""KV transfer between engines whose KV heads are split over different tensor-parallel sizes.
+
+Transport level (two real NIXL agents, real bytes): a sender of TP=A writes a receiver of TP=B
+exactly the heads each receiving rank holds, gathered from the sending ranks that hold them, for
+(A, B) in (1, 2), (2, 1), (2, 2) and GQA with fewer KV heads than ranks; splits that cannot be
+mapped are refused at the handshake. Engine level (``test_engines_*``): a prefill engine of TP=A
+streams its prompt KV to a decode engine of TP=B (each rank a process) and the greedy tokens
+equal transformers'; every block comes back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvrelay.engine.kv_cache import KVCacheSpec
+from kvrelay.engine.models.arch import ModelArch
+from kvrelay.engine.tensor_parallel import kv_head_range
+from kvrelay.kv_transfer.layout import IncompatibleKVLayout, KVLayout, head_runs
+from kvrelay.kv_transfer.messages import PeerInfo
+from kvrelay.kv_transfer.nixl_transport import NixlTransport
+
+MODEL_ID = "tp-model-0001"
+LAYERS, HEAD_DIM, BLOCK, NB = 2, 8, 4, 12
+
+
+def _arch(kv_heads: int) -> ModelArch:
+    return ModelArch("LlamaForCausalLM", "llama", 10, 64, 128, 1, 4, kv_heads, HEAD_DIM, 1e-6,
+                     64, False, False, False, False, False, (None,), "x")
+
+
+def _ranges(kv_heads: int, tp: int) -> tuple[tuple[int, int], ...]:
+    rs = [kv_head_range(_arch(kv_heads), r, tp) for r in range(tp)]
+    return tuple((r.start, r.stop) for r in rs)
+
+
+def _layout(kv_heads: int, tp: int, num_blocks: int = NB) -> KVLayout:
+    per_rank = max(1, kv_heads // tp)
+    spec = KVCacheSpec(LAYERS, per_rank, HEAD_DIM, BLOCK, num_blocks)
+    return KVLayout.from_spec(spec, MODEL_ID, head_ranges=_ranges(kv_heads, tp),
+                              model_kv_heads=kv_heads)
+
+
+def _engine(name: str, layout: KVLayout, full: torch.Tensor | None
+            ) -> tuple[NixlTransport, list[torch.Tensor]]:
+    """A transport over one KV tensor per rank; ``full`` ([..., all heads, head_dim]) fills each
+    rank with its heads (None: zeros)."""
+    tensors = []
+    for a, b in layout.head_ranges:
+        t = torch.zeros(layout.spec.shape)
+        if full is not None:
+            t.copy_(full[..., a:b, :])
+        tensors.append(t)
+    return NixlTransport(name, tensors[0], layout, rank_kvs=tensors[1:]), tensors
+
+
+def _write_and_wait(src: NixlTransport, dst: NixlTransport, local: list[int],
+                    remote: list[int]) -> int:
+    h = src.write(dst.name, None, local, remote)
+    deadline = time.monotonic() + 20
+    while not src.poll(h):
+        dst.progress()  # the receiver answers the connection handshake
+        assert time.monotonic() < deadline, "write did not complete"
+        time.sleep(0.001)
+    return h.nbytes
+
+
+@pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"),
+                         [(4, 1, 2), (4, 2, 1), (4, 2, 2), (1, 1, 2), (1, 2, 1), (2, 2, 1)])
+def test_each_receiving_rank_gets_exactly_its_heads(kv_heads: int, p_tp: int, d_tp: int) -> None:
+    g = torch.Generator().manual_seed(kv_heads * 10 + p_tp * 3 + d_tp)
+    full = torch.rand(LAYERS, 2, NB, BLOCK, kv_heads, HEAD_DIM, generator=g)
+    tag = uuid.uuid4().hex[:6]
+    src_layout, dst_layout = _layout(kv_heads, p_tp), _layout(kv_heads, d_tp, NB + 4)
+    src, _ = _engine(f"tp-src-{tag}", src_layout, full)
+    dst, dst_kv = _engine(f"tp-dst-{tag}", dst_layout, None)
+    try:
+        info = PeerInfo.from_bytes(dst.peer_info().to_bytes())  # as it crosses the wire
+        assert info.layout == dst_layout and len(info.rank_addresses) == d_tp
+        src.add_peer(info)
+        local, remote = [1, 2, 7], [9, 3, 4]
+        nbytes = _write_and_wait(src, dst, local, remote)
+        # Every head of every receiving rank, each block once: per rank a whole block's bytes.
+        assert nbytes == len(local) * LAYERS * 2 * d_tp * dst_layout.block_bytes
+        for (a, b), t in zip(dst_layout.head_ranges, dst_kv, strict=True):
+            assert torch.equal(t[:, :, remote], full[:, :, local, :, a:b, :])
+            untouched = [i for i in range(NB + 4) if i not in remote]
+            assert not t[:, :, untouched].any(), "a block nobody asked for was written"
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_head_runs_gather_and_split() -> None:
+    # P=2 -> D=1: the receiving rank's 4 heads come from both sending ranks.
+    assert [tuple(r) for r in head_runs(_layout(4, 2), _layout(4, 1))] == [
+        (0, 0, 0, 0, 2), (1, 0, 0, 2, 2)]
+    # P=1 -> D=2: each receiving rank gets its half.
+    assert [tuple(r) for r in head_runs(_layout(4, 1), _layout(4, 2))] == [
+        (0, 0, 0, 0, 2), (0, 1, 2, 0, 2)]
+    # One KV head replicated on both receiving ranks: each still gets it.
+    assert [tuple(r) for r in head_runs(_layout(1, 1), _layout(1, 2))] == [
+        (0, 0, 0, 0, 1), (0, 1, 0, 0, 1)]
+
+
+def test_a_split_that_cannot_be_mapped_is_refused_at_the_handshake() -> None:
+    tag = uuid.uuid4().hex[:6]
+    src, _ = _engine(f"tp-src-{tag}", _layout(4, 2), None)
+    # 4 KV heads over 3 ranks: one head each, and head 3 held by nobody.
+    bad = KVLayout.from_spec(KVCacheSpec(LAYERS, 1, HEAD_DIM, BLOCK, NB), MODEL_ID,
+                             head_ranges=((0, 1), (1, 2), (2, 3)), model_kv_heads=4)
+    dst, _ = _engine(f"tp-dst-{tag}", bad, None)
+    try:
+        with pytest.raises(IncompatibleKVLayout, match="must divide one another"):
+            src.add_peer(dst.peer_info())
+        assert not src.has_peer(dst.name)
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_rank_kv_in_shared_memory_is_shared_and_refused_when_it_cannot_fit() -> None:
+    from kvrelay.engine.tensor_parallel import kv_shm_path, shared_kv_cache, unlink_kv_shm
+
+    prefix = f"kvrelay-test-{uuid.uuid4().hex[:8]}"
+    try:
+        a = shared_kv_cache(prefix, 1, (2, 3), torch.float32)
+        b = shared_kv_cache(prefix, 1, (2, 3), torch.float32)  # as rank 0 maps rank 1's
+        a[1, 2] = 7.0
+        assert b[1, 2].item() == 7.0 and a.sum().item() == 7.0
+        free = os.statvfs("/dev/shm")
+        too_big = (free.f_bavail * free.f_frsize // 4 + 1,)
+        with pytest.raises(ValueError, match="give /dev/shm more room"):
+            shared_kv_cache(prefix, 2, too_big, torch.float32)
+    finally:
+        unlink_kv_shm(prefix, 3)
+    assert not os.path.exists(kv_shm_path(prefix, 1))
