@@ -58,7 +58,7 @@ def test_greedy_identical_across_tp_sizes(demo_model_dir, tmp_path, want, p_tp: 
         c.add_worker("prefill", extra=_tp(p_tp), wait=False)
         c.add_worker("decode", extra=_tp(d_tp), wait=False)
         for p in c.workers:
-            c._wait_ready(p)
+            c.wait_ready(p)
         c.wait_registered()
         baseline = c.free_blocks()
         with c.client() as cl:
@@ -105,7 +105,7 @@ def test_a_killed_rank_of_a_tp_decode_worker_migrates_its_requests(demo_model_di
         tp_decode = c.add_worker("decode", extra=_tp(2), wait=False)
         c.add_worker("decode", wait=False)
         for p in c.workers:
-            c._wait_ready(p)
+            c.wait_ready(p)
         c.wait_registered()
         ranks = _rank_pids(tp_decode.popen.pid)
         assert len(ranks) == 1, ranks
