@@ -20,6 +20,7 @@ from kvrelay.engine.attention import (
 )
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.device import kv_budget_for, paged_flash_block_size, resolve_device
+from kvrelay.engine.grammar_mask import MaskFiller
 from kvrelay.engine.heap import bound_onednn_caches
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
@@ -120,6 +121,8 @@ class ModelRunner:
         self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.eos_token_ids: frozenset[int] = frozenset()
+        # Grammar masks of constrained rows, filled on a thread while the forward runs.
+        self.masks = MaskFiller(self.arch.vocab_size)
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
                     num_blocks, block_size, self.kv_spec.total_bytes / 2**20, self.backend,
@@ -289,6 +292,8 @@ class ModelRunner:
             -> SampledTokens:
         inputs = self.prepare(scheduled)
         meta = inputs.meta
+        seqs = [scheduled[i].seq for i in inputs.sampled_order]
+        masks = self.masks.start(seqs)
         if connector is not None:
             connector.start_step(scheduled)
             meta.on_kv_written = connector.save_layer
@@ -301,8 +306,7 @@ class ModelRunner:
         if inputs.sampled_order:
             rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
             logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
-            seqs = [scheduled[i].seq for i in inputs.sampled_order]
-            sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids)
+            sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids, masks)
             for i, tok, lp in zip(inputs.sampled_order, sampled, lps, strict=True):
                 tokens[i], logprobs[i] = tok, lp
         return SampledTokens(tokens, logprobs)
