@@ -65,11 +65,15 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); fewer than the cores leaves one "
+                    "for the mask thread, and keeps OpenMP from spinning on a shared machine")
     args = ap.parse_args()
 
     tok = load_tokenizer(args.model)
     core = EngineCore(EngineConfig.from_kwargs(args.model, num_blocks=2048, seed=0,
-                                               max_num_seqs=max(args.batch, 64)),
+                                               max_num_seqs=max(args.batch, 64),
+                                               num_threads=args.threads),
                       eos_token_ids=eos_token_ids(args.model, tok))
     n = args.max_tokens
     schema = {"type": "object", "properties": {"xs": {
