@@ -191,3 +191,35 @@ def test_apply_masks_only_touches_constrained_rows() -> None:
     assert out[1].argmax().item() == 35 and torch.isinf(out[1]).sum().item() == 69
     seqs = [Sequence("a", [1], SamplingParams())]
     assert MaskFiller(70).start(seqs) is None  # no grammar: nothing to compute
+
+
+def test_openai_fields_map_to_one_spec() -> None:
+    from kvrelay.router.openai_models import CompletionRequest
+
+    def so(**body: object) -> StructuredOutput | None:
+        return CompletionRequest(prompt="x", **body).structured_output()
+
+    assert so() is None and so(response_format={"type": "text"}) is None
+    assert so(response_format={"type": "json_object"}) == StructuredOutput("json_object")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    by_format = so(response_format={"type": "json_schema",
+                                    "json_schema": {"name": "n", "schema": schema}})
+    assert by_format == so(guided_json=schema) == so(guided_json=json.dumps(schema, indent=2))
+    assert so(guided_regex="a+") == StructuredOutput("regex", "a+")
+    assert so(guided_choice=["x", "y"]) == StructuredOutput("choice", choices=("x", "y"))
+    for body, word in [({"guided_regex": "a", "guided_choice": ["a"]}, "at most one"),
+                       ({"response_format": {"type": "json_schema"}}, "schema"),
+                       ({"guided_grammar": "start: 'a'"}, "not supported")]:
+        with pytest.raises(ValueError, match=word):
+            so(**body)
+
+
+def test_specs_cross_the_wire_unchanged() -> None:
+    from kvrelay.common.convert import sampling_from_proto, sampling_to_proto
+
+    for spec in (StructuredOutput("json_object"), StructuredOutput.json_schema({"type": "null"}),
+                 StructuredOutput("regex", "[a-z]+"),
+                 StructuredOutput("choice", choices=("é", "b"))):
+        sp = SamplingParams(structured=spec)
+        assert sampling_from_proto(sampling_to_proto(sp)).structured == spec
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).structured is None
