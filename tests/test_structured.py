@@ -32,6 +32,8 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPTS = [f"Record {i}: the weather today is" for i in range(12)]
+# The longest output SCHEMA admits is 55 characters: even one token per character ends in time.
+MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def _prefix_ok(llm: LLM, so: StructuredOutput, token_ids: list[int]) -> bool:
 
 def test_json_schema_outputs_validate(llm: LLM) -> None:
     so = StructuredOutput.json_schema(SCHEMA)
-    outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=48, temperature=1.0, seed=i,
+    outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i,
                                                  structured=so) for i in range(len(PROMPTS))])
     for o in outs:
         assert o.finish_reason == FinishReason.STOP, o.text
@@ -58,7 +60,7 @@ def test_json_schema_outputs_validate(llm: LLM) -> None:
 
 def test_greedy_and_ignore_eos_still_end_when_the_grammar_does(llm: LLM) -> None:
     so = StructuredOutput.json_schema(SCHEMA)
-    o = llm.generate(PROMPTS[0], SamplingParams(max_tokens=48, temperature=0.0,
+    o = llm.generate(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                 ignore_eos=True, structured=so))[0]
     assert o.finish_reason == FinishReason.STOP
     jsonschema.validate(json.loads(o.text), SCHEMA)
