@@ -124,10 +124,11 @@ class ModelRunner:
         self.eos_token_ids: frozenset[int] = frozenset()
         # Grammar masks of constrained rows: filled on a thread while the forward runs when the
         # forward leaves a CPU core free (a GPU forward; a CPU one on fewer threads than cores),
-        # else inline before sampling. A mask thread beside a CPU forward that already uses
-        # every core oversubscribes them and stalls the OpenMP barriers: measured on 2 cores
-        # (bench/structured.py), batch 32 decoded at 0.68x of free text with the thread and
-        # 0.87x inline.
+        # else inline before sampling: a mask thread beside a CPU forward that already uses
+        # every core oversubscribes them, and OpenMP barriers stall on a descheduled thread
+        # (see AsyncEngine.spawn). bench/structured.py on 2 shared cores could not settle it:
+        # thread vs inline 0.68x vs 0.87x of free text over 2 rounds, 1.01x vs 0.93x over 5
+        # (bench/results/structured.txt); the load of other sessions dominated both.
         self.masks = MaskFiller(self.arch.vocab_size, overlap=self.device.type != "cpu"
                                 or torch.get_num_threads() < len(os.sched_getaffinity(0)))
         self.generator.manual_seed(mc.seed)
