@@ -7,6 +7,7 @@ from kvrelay.common.limits import MAX_ATTEMPT_ID, MAX_STOP_STRINGS, MAX_STOP_TOK
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.structured import StructuredOutput
 from kvrelay.proto import generate_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
@@ -65,7 +66,28 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kw["allowed_token_ids"] = msg.allowed_token_ids
     if kw.get("top_k") == -1:
         kw["top_k"] = 0
+    if msg.HasField("structured"):
+        kw["structured"] = structured_from_proto(msg.structured)
     return SamplingParams(**kw)
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("kind")
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind in ("json_schema", "regex"):
+        return StructuredOutput(kind, getattr(msg, kind))
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(msg.choice.choices))
+    raise ValueError("structured output needs one of json_object, json_schema, regex, choice")
+
+
+def structured_to_proto(so: StructuredOutput) -> pb.StructuredOutput:
+    if so.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if so.kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(so.choices)))
+    return pb.StructuredOutput(**{so.kind: so.spec})
 
 
 def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
@@ -91,6 +113,8 @@ def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         msg.allowed_token_ids.extend(sorted(sp.allowed_token_ids))
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
+    if sp.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(sp.structured))
     return msg
 
 

@@ -142,6 +142,7 @@ class AsyncEngine:
                        arrival_time: float | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Prefill here and stream outputs until the request finishes."""
+        await self.compile_grammar(sampling)
         stream = self._open(request_id)
         await self._admit(request_id, self.core.add_request, request_id, prompt_token_ids,
                           sampling, kv_transfer_params=kv_transfer_params,
@@ -162,9 +163,23 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is None:
             raise KeyError(f"no reservation for request {request_id!r}")
+        await self.compile_grammar(sampling)
         await self.call(self.core.start_decode, request_id, first_token_id, sampling)
         async for out in self._drain(request_id, stream):
             yield out
+
+    async def compile_grammar(self, sampling: SamplingParams) -> None:
+        """Compile a structured-output request's grammar on a thread (the engine thread then
+        finds it cached): a compile, up to seconds for a large schema, must not stall the
+        steps of every other request. ValueError if it does not compile."""
+        so = sampling.structured
+        if so is None:
+            return
+        core = self.core
+        if core._grammar is None or not core._grammar.is_cached(so):
+            await asyncio.to_thread(lambda: core.grammar.check(so))
+        else:
+            core._grammar.check(so)  # a cached failure raises its reason again
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; a consumer still reading its stream gets a final ABORT output."""

@@ -9,6 +9,7 @@ drives an engine (see ``AsyncEngine``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -23,6 +24,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrelay.engine.step_cost import StepCostFit, StepCostModel
+from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,9 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
         self.num_preemptions = 0
         self.heap = HeapTrimmer()
+        self.eos_token_ids = eos_token_ids
+        self._grammar: GrammarCompiler | None = None  # built on the first structured request
+        self._grammar_lock = threading.Lock()
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -178,6 +183,28 @@ class EngineCore:
         if top >= self.vocab_size:
             raise ValueError(f"token id {top} in logit_bias/allowed_token_ids is outside the "
                              f"vocabulary [0, {self.vocab_size})")
+        if sampling.structured is not None:
+            self.grammar.check(sampling.structured)
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The structured-output compiler over the checkpoint's tokenizer (thread-safe: async
+        callers compile on other threads ahead of admission, see ``AsyncEngine``)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from kvrelay.engine.tokenizer import load_tokenizer
+
+                tok = load_tokenizer(self.config.model.model)
+                self._grammar = GrammarCompiler.from_hf(tok, self.vocab_size,
+                                                        self.eos_token_ids)
+            return self._grammar
+
+    def _attach_grammar(self, seq: Sequence, so: StructuredOutput | None) -> None:
+        """Give ``seq`` a matcher for ``so`` that has consumed the output the request made
+        before it came here (``resumed_output_tokens`` at the prompt's end, and any output)."""
+        seq.grammar = None
+        if so is not None:
+            seq.grammar = self.grammar.matcher(so, seq.penalized_output_token_ids)
 
     def _new_seq(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  kv_transfer_params: object | None, arrival_time: float | None,
@@ -186,9 +213,13 @@ class EngineCore:
             raise RequestIdInUse(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
         self.validate_sampling(sampling)
-        return Sequence(request_id, prompt_token_ids, sampling,
-                        kv_transfer_params=kv_transfer_params, arrival_time=arrival_time,
-                        cache_salt=cache_salt)
+        seq = Sequence(request_id, prompt_token_ids, sampling,
+                       kv_transfer_params=kv_transfer_params, arrival_time=arrival_time,
+                       cache_salt=cache_salt)
+        self._attach_grammar(seq, sampling.structured)
+        if seq.grammar is not None and seq.grammar.is_stopped:
+            raise ValueError("the resumed output already completes the request's grammar")
+        return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     *, kv_transfer_params: object | None = None,
@@ -238,10 +269,18 @@ class EngineCore:
             raise ValueError(f"first token {first_token_id} is outside the vocabulary")
         self.validate_sampling(sampling)
         seq.sampling = sampling
+        # The matcher replays the resumed output, then takes the first token here (not in
+        # append_token), so a token that breaks the grammar is refused before anything changes.
+        self._attach_grammar(seq, sampling.structured)
+        grammar, seq.grammar = seq.grammar, None
+        if grammar is not None and not grammar.accept(first_token_id):
+            raise ValueError(f"first token {first_token_id} does not match the request's "
+                             f"grammar: {grammar.error()}")
         if not sampling.greedy and sampling.seed is not None:
             seq.generator = seeded_generator(sampling.seed, self.runner.device)
             skip_draw(seq.generator, self.runner.device)
         seq.append_token(first_token_id)
+        seq.grammar = grammar
         reason = self.scheduler.check_stop(seq)
         if reason is not None:
             self._finish(seq, reason)

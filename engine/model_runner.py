@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
@@ -23,6 +24,7 @@ from kvrelay.engine.attention import (
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.cuda_graphs import DecodeGraphRunner, graphs_off_reason
 from kvrelay.engine.device import kv_budget_for, paged_flash_block_size, resolve_device
+from kvrelay.engine.grammar_mask import MaskFiller, StepMasks
 from kvrelay.engine.heap import bound_onednn_caches
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
@@ -140,6 +142,15 @@ class ModelRunner:
         self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.eos_token_ids: frozenset[int] = frozenset()
+        # Grammar masks of constrained rows: filled on a thread while the forward runs when the
+        # forward leaves a CPU core free (a GPU forward; a CPU one on fewer threads than cores),
+        # else inline before sampling: a mask thread beside a CPU forward that already uses
+        # every core oversubscribes them, and OpenMP barriers stall on a descheduled thread
+        # (see AsyncEngine.spawn). bench/structured.py on 2 shared cores could not settle it:
+        # thread vs inline 0.68x vs 0.87x of free text over 2 rounds, 1.01x vs 0.93x over 5
+        # (bench/results/structured.txt); the load of other sessions dominated both.
+        self.masks = MaskFiller(self.arch.vocab_size, overlap=self.device.type != "cpu"
+                                or torch.get_num_threads() < len(os.sched_getaffinity(0)))
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
                     num_blocks, block_size, self.kv_spec.total_bytes / 2**20, self.backend,
@@ -324,6 +335,8 @@ class ModelRunner:
             return self._run_graphed(graphs, scheduled, connector)
         inputs = self.prepare(scheduled)
         meta = inputs.meta
+        seqs = [scheduled[i].seq for i in inputs.sampled_order]
+        masks = self.masks.start(seqs)
         if connector is not None:
             connector.start_step(scheduled)
             meta.on_kv_written = self._kv_written_hook(connector)
@@ -335,32 +348,33 @@ class ModelRunner:
             return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
         rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
         logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
-        return self._sample(scheduled, logits, inputs.sampled_order)
+        return self._sample(scheduled, logits, inputs.sampled_order, masks)
 
     def _run_graphed(self, graphs: DecodeGraphRunner, scheduled: Seq[ScheduledSeq],
                      connector: KVConnector | None) -> SampledTokens:
         """A decode-only step through the captured graphs (the connector has no per-layer
         work in it: ``save_layer`` cannot be called from inside a replay)."""
+        # A one-token chunk of a prompt that continues samples nothing.
+        order = [i for i, (seq, _) in enumerate(scheduled)
+                 if seq.num_computed_tokens + 1 == seq.num_tokens]
+        masks = self.masks.start([scheduled[i].seq for i in order])
         if connector is not None:
             connector.start_step(scheduled)
         logits = graphs.logits(scheduled)
         if connector is not None:
             connector.end_step()
-        # A one-token chunk of a prompt that continues samples nothing.
-        order = [i for i, (seq, _) in enumerate(scheduled)
-                 if seq.num_computed_tokens + 1 == seq.num_tokens]
         if not order:
             return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
         if len(order) < len(scheduled):
             logits = logits[torch.tensor(order, device=logits.device)]
-        return self._sample(scheduled, logits, order)
+        return self._sample(scheduled, logits, order, masks)
 
     def _sample(self, scheduled: Seq[ScheduledSeq], logits: torch.Tensor,
-                sampled_order: list[int]) -> SampledTokens:
+                sampled_order: list[int], masks: StepMasks | None) -> SampledTokens:
         tokens: list[int | None] = [None] * len(scheduled)
         logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
         seqs = [scheduled[i].seq for i in sampled_order]
-        sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids)
+        sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids, masks)
         for i, tok, lp in zip(sampled_order, sampled, lps, strict=True):
             tokens[i], logprobs[i] = tok, lp
         return SampledTokens(tokens, logprobs)

@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from kvrelay.engine.grammar_mask import StepMasks, apply_masks
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sequence import Sequence
 
@@ -116,14 +117,17 @@ def apply_logits_processors(logits: torch.Tensor, seqs: Seq[Sequence],
 
 
 def sample(logits: torch.Tensor, seqs: Seq[Sequence], default_generator: torch.Generator,
-           eos_token_ids: frozenset[int] = frozenset()) \
+           eos_token_ids: frozenset[int] = frozenset(), masks: StepMasks | None = None) \
         -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of ``logits [N, vocab]`` (row i belongs to ``seqs[i]``).
 
-    Logprobs are those of the model's raw distribution (vLLM's default), before penalties,
-    ``logit_bias`` and temperature."""
+    ``masks``: the grammar bitmasks of the constrained rows, applied after the logits
+    processors. Logprobs are those of the model's raw distribution (vLLM's default), before
+    penalties, ``logit_bias``, grammar and temperature."""
     raw = logits.float()
     logits = apply_logits_processors(raw, seqs, eos_token_ids)
+    if masks is not None:
+        logits = apply_masks(logits, raw, masks)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     if random_rows:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrelay.engine.structured import StructuredOutput
+
 _INT32_MAX = 2**31 - 1
 _UINT32_MAX = 2**32 - 1
 
@@ -43,8 +45,12 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: frozenset[int] | None = None
     resumed_output_tokens: int = 0
+    structured: StructuredOutput | None = None
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
+    # ``structured``: a grammar the output must match (JSON schema, regex, choice); the engine
+    # masks every token it forbids, allows EOS only where the grammar may end, and finishes the
+    # request once the grammar admits nothing more.
     # ``resumed_output_tokens``: a request resumed on another worker (a migration) arrives with
     # its output so far appended to the prompt; those last tokens still count as output for the
     # presence and frequency penalties, so the resumed stream equals an uninterrupted one.
@@ -89,6 +95,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be integers in [0, 2**32), got {t!r}")
 
         self._validate_processors()
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError("structured must be a StructuredOutput")
 
     def _validate_processors(self) -> None:
         # Ranges as vLLM's: presence/frequency in [-2, 2], repetition > 0; OpenAI's logit_bias.

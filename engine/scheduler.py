@@ -237,6 +237,15 @@ class Scheduler:
     def check_stop(self, seq: Sequence) -> FinishReason | None:
         sp = seq.sampling
         last = seq.last_token_id
+        if seq.grammar is not None:
+            if seq.grammar.is_error:
+                return FinishReason.ERROR
+            # A complete grammar admits only EOS next (its mask), and ends on it, even under
+            # ignore_eos. Not on the token that completed it: that one is output text, and a
+            # STOP finish tells the detokenizer its last token is a stop token.
+            if seq.grammar.is_stopped and (last in self.eos_token_ids
+                                           or last in sp.stop_token_ids):
+                return FinishReason.STOP
         if seq.num_output_tokens > sp.min_tokens or not sp.min_tokens:
             if not sp.ignore_eos and last in self.eos_token_ids:
                 return FinishReason.STOP

@@ -34,6 +34,7 @@ class Sequence:
         "finish_reason",
         "first_scheduled_time",
         "generator",
+        "grammar",
         "hash_root",
         "kv_ready",
         "kv_transfer_params",
@@ -75,6 +76,9 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: Any | None = None  # per-request torch.Generator when seeded
         self.logprobs: list[Any] = []
+        # A GrammarMatcher under structured output (built by the engine that samples), fed
+        # every token appended.
+        self.grammar: Any | None = None
         self.hash_root = salt_root(cache_salt)  # its prefix-cache namespace
 
     def __repr__(self) -> str:
@@ -119,3 +123,5 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # a refused token leaves it in error: check_stop

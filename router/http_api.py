@@ -91,6 +91,7 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
     kw["min_tokens"] = req.min_tokens
     if req.allowed_token_ids is not None:
         kw["allowed_token_ids"] = req.allowed_token_ids
+    kw["structured"] = req.structured_output()
     return SamplingParams(**kw)
 
 

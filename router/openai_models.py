@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvrelay.common.limits import INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
+from kvrelay.engine.structured import StructuredOutput
 
 MAX_HTTP_LOGPROBS = 20
 
@@ -53,6 +54,45 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     # kvrelay extension: include the per-request trace in the final response/chunk.
     return_trace: bool = False
+    # Structured output: OpenAI's response_format, or vLLM's guided_* (at most one of them).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: the backend is fixed
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar this request asks for; ValueError (a 400) for a malformed or refused
+        one. Whether the grammar compiles is checked later, against the tokenizer."""
+        if self.guided_grammar is not None:
+            raise ValueError("guided_grammar is not supported (use response_format, "
+                             "guided_json, guided_regex or guided_choice)")
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(StructuredOutput("json_object"))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or "schema" not in js:
+                    raise ValueError("response_format.json_schema must be an object with a "
+                                     "'schema'")
+                found.append(StructuredOutput.json_schema(js["schema"]))
+            elif kind != "text":
+                raise ValueError(f"response_format.type must be text, json_object or "
+                                 f"json_schema, got {kind!r}")
+        if self.guided_json is not None:
+            found.append(StructuredOutput.json_schema(self.guided_json))
+        if self.guided_regex is not None:
+            found.append(StructuredOutput("regex", self.guided_regex))
+        if self.guided_choice is not None:
+            found.append(StructuredOutput("choice", choices=tuple(self.guided_choice)))
+        if len(found) > 1:
+            raise ValueError("give at most one of response_format (json_object/json_schema), "
+                             "guided_json, guided_regex and guided_choice")
+        return found[0] if found else None
 
     @field_validator("n")
     @classmethod

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import re
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from kvrelay.common.limits import (
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
 from kvrelay.engine.tokenizer import OutputProcessor, apply_chat_template
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
@@ -118,9 +120,26 @@ class RouterService:
         # (time, ttft_ms) and (time, mean itl ms) of recently finished requests (autoscaling)
         self._recent: deque[tuple[float, float, float | None]] = deque(maxlen=4096)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        # Structured-output grammars are compiled here too, so one the workers could not compile
+        # is refused with a 400 before anything is routed (built on first use, on the pool).
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler.from_hf(self.tokenizer, self.vocab_size,
+                                                        self.eos_token_ids)
+            return self._grammar
+
+    async def check_structured(self, so: StructuredOutput) -> None:
+        """ValueError with the reason when the workers could not compile ``so`` (compiled on
+        the tokenizer threads unless cached)."""
+        cached = self._grammar is not None and self._grammar.is_cached(so)
+        await self._run(not cached, lambda: self._grammar_compiler().check(so))
 
     # -- text <-> ids, off the loop when large -------------------------------------------------
     async def _run(self, large: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
@@ -220,6 +239,11 @@ class RouterService:
                       f"[0, {self.vocab_size})")
         if sampling.resumed_output_tokens:
             raise bad("resumed_output_tokens is set by the router only")
+        if sampling.structured is not None:
+            try:
+                await self.check_structured(sampling.structured)
+            except ValueError as e:
+                raise bad(str(e)) from None
         max_len = self.effective_max_model_len()
         if sampling.max_tokens >= max_len:  # more than any prompt leaves room for
             raise bad(f"max_tokens is {sampling.max_tokens}; this model's context holds "
