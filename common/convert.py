@@ -61,6 +61,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kw["logit_bias"] = dict(msg.logit_bias)
     kw["min_tokens"] = msg.min_tokens
     kw["resumed_output_tokens"] = msg.resumed_output_tokens
+    if msg.HasField("n"):
+        kw["n"] = msg.n
     if msg.allowed_token_ids:
         kw["allowed_token_ids"] = msg.allowed_token_ids
     if kw.get("top_k") == -1:
@@ -87,6 +89,8 @@ def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         msg.logit_bias[tok] = bias
     msg.min_tokens = sp.min_tokens
     msg.resumed_output_tokens = sp.resumed_output_tokens
+    if sp.n != 1:
+        msg.n = sp.n
     if sp.allowed_token_ids is not None:
         msg.allowed_token_ids.extend(sorted(sp.allowed_token_ids))
     if sp.logprobs is not None:

@@ -283,6 +283,14 @@ class ModelRunner:
                 setattr(meta, name, h2d(t))
         return meta
 
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` on every layer, both planes (copy-on-write of a
+        block forked sequences shared)."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
     # -- the forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \

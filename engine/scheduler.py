@@ -172,7 +172,7 @@ class Scheduler:
         else:
             n = 0
         if n > 0:
-            need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
+            need = self.bm.write_blocks_needed(seq, seq.num_computed_tokens + n)
             reserve = self.watermark_blocks if admitting else 0
             if not self.bm.can_allocate(need + reserve):
                 n = 0
@@ -181,7 +181,7 @@ class Scheduler:
                 self.bm.free(seq)  # give matched prefix blocks back; match again next time
                 seq.num_computed_tokens = 0
             return 0
-        assert self.bm.allocate(seq, seq.num_computed_tokens + n)
+        assert self.bm.prepare_write(seq, seq.num_computed_tokens + n)
         if admitting:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -191,9 +191,10 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[Sequence],
                    scheduled: list[ScheduledSeq]) -> bool:
-        """Allocate for ``seq`` up to ``num_tokens``, preempting the newest running sequences
-        (never one already scheduled this step). False if ``seq`` itself had to go."""
-        while not self.bm.allocate(seq, num_tokens):
+        """Allocate for ``seq`` up to ``num_tokens`` (copying the shared blocks it writes to),
+        preempting the newest running sequences (never one already scheduled this step). False
+        if ``seq`` itself had to go."""
+        while not self.bm.prepare_write(seq, num_tokens):
             taken = {s.seq.request_id for s in scheduled}
             victims = [s for s in self.running if s.request_id not in taken]
             victim = victims[-1]

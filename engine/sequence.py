@@ -33,6 +33,7 @@ class Sequence:
         "block_table",
         "finish_reason",
         "first_scheduled_time",
+        "fork_firsts",
         "generator",
         "hash_root",
         "kv_ready",
@@ -75,6 +76,8 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: Any | None = None  # per-request torch.Generator when seeded
         self.logprobs: list[Any] = []
+        # n > 1 on a prefill: the first tokens (with logprobs) of choices 1..n-1.
+        self.fork_firsts: list[tuple[int, Any]] = []
         self.hash_root = salt_root(cache_salt)  # its prefix-cache namespace
 
     def __repr__(self) -> str:
