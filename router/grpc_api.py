@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def delta_to_proto(d: Delta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids)
+    msg = pb.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids,
+                              index=d.index)
     if any(lp is not None for lp in d.logprobs):
         msg.logprobs.extend(logprob_to_proto(lp) for lp in d.logprobs)
     if d.finished:

@@ -76,7 +76,7 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos, "seed": req.seed, "logprobs": logprobs,
         "skip_special_tokens": req.skip_special_tokens,
-        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "include_stop_str_in_output": req.include_stop_str_in_output, "n": req.n,
     }
     if req.temperature is not None:
         kw["temperature"] = req.temperature
@@ -275,14 +275,13 @@ class HttpServer:
                           req.return_trace),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": spec.request_id})
-        text, lps, last = first.text, [first], first
+        deltas, last = [first], first
 
         async def collect() -> Delta:
-            nonlocal text, last
-            while not last.finished:
+            nonlocal last
+            while not last.done:
                 last = await anext(stream)
-                text += last.text
-                lps.append(last)
+                deltas.append(last)
             return last
 
         with request_context(spec.request_id):
@@ -304,23 +303,33 @@ class HttpServer:
             finally:
                 left.cancel()
                 await stream.aclose()
-        merged = Delta(spec.request_id, text, [t for d in lps for t in d.token_ids],
-                       [x for d in lps for x in d.logprobs])
-        logprobs = lp.block(merged)
-        reason = last.finish_reason.value if last.finish_reason else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
+        choices = [self._choice(spec, [d for d in deltas if d.index == i], lp, chat)
+                   for i in range(spec.sampling.n)]
+        body: dict[str, Any] = {"id": rid, "object": "chat.completion" if chat else
+                                "text_completion", "created": created, "model": model,
+                                "choices": choices, "usage": _usage(last)}
+        if req.return_trace:
+            body["kvrelay_trace"] = _trace(last)
+        return JSONResponse(body, headers={"X-Request-Id": spec.request_id})
+
+    @staticmethod
+    def _choice(spec: GenerateSpec, deltas: list[Delta], lp: _Logprobs,
+                chat: bool) -> dict[str, Any]:
+        """One choice of a non-streamed answer from its deltas (the last one finished)."""
+        end = deltas[-1]
+        text = "".join(d.text for d in deltas)
+        merged = Delta(spec.request_id, text, [t for d in deltas for t in d.token_ids],
+                       [x for d in deltas for x in d.logprobs])
+        reason = end.finish_reason.value if end.finish_reason else None
+        choice: dict[str, Any] = {"index": end.index, "finish_reason": reason,
+                                  "logprobs": lp.block(merged)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        if last.stop_reason is not None:
-            choice["stop_reason"] = last.stop_reason
-        body: dict[str, Any] = {"id": rid, "object": "chat.completion" if chat else
-                                "text_completion", "created": created, "model": model,
-                                "choices": [choice], "usage": _usage(last)}
-        if req.return_trace:
-            body["kvrelay_trace"] = _trace(last)
-        return JSONResponse(body, headers={"X-Request-Id": spec.request_id})
+        if end.stop_reason is not None:
+            choice["stop_reason"] = end.stop_reason
+        return choice
 
     async def _sse(self, spec: GenerateSpec, first: Delta, stream: AsyncIterator[Delta],
                    rid: str, created: int, model: str, chat: bool, lp: _Logprobs,
@@ -337,23 +346,25 @@ class HttpServer:
         with request_context(spec.request_id):
             try:
                 if chat:
-                    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
+                    for i in range(spec.sampling.n):
+                        yield event([{"index": i,
+                                      "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
                 d: Delta | None = first
                 while d is not None:
                     reason = d.finish_reason.value if d.finished and d.finish_reason else None
                     if d.text or d.finished or d.token_ids:
-                        choice: dict[str, Any] = {"index": 0, "logprobs": lp.block(d),
+                        choice: dict[str, Any] = {"index": d.index, "logprobs": lp.block(d),
                                                   "finish_reason": reason}
                         if chat:
                             choice["delta"] = {"content": d.text} if d.text else {}
                         else:
                             choice["text"] = d.text
                         extra: dict[str, Any] = {}
-                        if d.finished and return_trace:
+                        if d.done and return_trace:
                             extra["kvrelay_trace"] = _trace(d)
                         yield event([choice], **extra)
-                    if d.finished:
+                    if d.done:
                         if include_usage:
                             yield event([], usage=_usage(d))
                         break

@@ -65,6 +65,7 @@ class TokenChunk:
     logprobs: list[TokenLogprob | None]
     finish_reason: FinishReason | None = None
     cached_prompt_tokens: int = 0
+    index: int = 0  # the choice of an n > 1 request
 
 
 class WorkerLost(Exception):
