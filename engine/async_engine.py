@@ -339,7 +339,10 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """``a`` then ``b`` as one output (``b`` is later: its state wins)."""
     return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids,
                    logprobs=a.logprobs + b.logprobs,
-                   scheduled_at=a.scheduled_at if a.scheduled_at is not None else b.scheduled_at)
+                   scheduled_at=a.scheduled_at if a.scheduled_at is not None else b.scheduled_at,
+                   fork_firsts=a.fork_firsts or b.fork_firsts,
+                   prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None
+                   else b.prompt_logprobs)
 
 
 def _nothing() -> None:

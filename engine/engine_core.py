@@ -53,6 +53,9 @@ class RequestOutput:
     computed_at: float | None = None  # time.monotonic() when these tokens were sampled
     # n > 1 on a prefill: the first tokens (and logprobs) of choices 1..n-1.
     fork_firsts: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    # sampling.prompt_logprobs, on the output with the first token: prompt tokens 1.. (the
+    # first prompt token has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Reservation(NamedTuple):
@@ -316,6 +319,8 @@ class EngineCore:
                               num_cached_tokens=seq.num_cached_tokens,
                               scheduled_at=seq.first_scheduled_time, computed_at=done,
                               fork_firsts=seq.fork_firsts)
+            if seq.sampling.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                o.prompt_logprobs = list(seq.prompt_logprobs)
             if seq.request_id in finished:
                 o.finished, o.finish_reason = True, seq.finish_reason
                 if self._release(seq, o):

@@ -44,6 +44,7 @@ class SamplingParams:
     allowed_token_ids: frozenset[int] | None = None
     resumed_output_tokens: int = 0
     n: int = 1
+    prompt_logprobs: int | None = None
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     # ``resumed_output_tokens``: a request resumed on another worker (a migration) arrives with
@@ -53,6 +54,10 @@ class SamplingParams:
     # ``n``: choices of one prompt. The prompt is prefilled once; the decode engine forks the
     # sequence (sharing its KV blocks). Choice ``i`` samples as a request of seed ``seed + i``
     # would (vLLM's convention), so each choice equals that single request.
+
+    # ``prompt_logprobs``: return the logprob of every prompt token after the first (and this
+    # many alternatives each), as the prefill computes them; such a prompt skips the prefix
+    # cache (a cached position has no logits).
 
     MAX_LOGPROBS = 20
     MAX_N = 16
@@ -86,6 +91,11 @@ class SamplingParams:
         if not isinstance(self.n, int) or isinstance(self.n, bool) \
                 or not (1 <= self.n <= self.MAX_N):
             raise ValueError(f"n must be an integer in [1, {self.MAX_N}], got {self.n!r}")
+        if self.prompt_logprobs is not None and not (
+                isinstance(self.prompt_logprobs, int)
+                and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs!r}")
         if self.seed is not None and not (0 <= int(self.seed) < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):

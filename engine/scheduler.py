@@ -159,7 +159,10 @@ class Scheduler:
         admitting = seq.status == SequenceStatus.WAITING
         if admitting and not seq.block_table:
             # Keep at least one token to compute: its logits give the next token.
-            match = self.bm.match_prefix(seq.token_ids, seq.num_tokens - 1, seq.hash_root)
+            # Prompt logprobs need every prompt position's logits: no cached prefix then.
+            usable = (seq.num_tokens - 1 if seq.sampling.prompt_logprobs is None
+                      or seq.num_output_tokens else 0)
+            match = self.bm.match_prefix(seq.token_ids, usable, seq.hash_root)
             self.bm.allocate_prefix(seq, match)
             seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
         remaining = seq.num_uncomputed_tokens

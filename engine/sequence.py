@@ -43,6 +43,7 @@ class Sequence:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "prompt_logprobs",
         "request_id",
         "sampling",
         "status",
@@ -78,6 +79,8 @@ class Sequence:
         self.logprobs: list[Any] = []
         # n > 1 on a prefill: the first tokens (with logprobs) of choices 1..n-1.
         self.fork_firsts: list[tuple[int, Any]] = []
+        # sampling.prompt_logprobs: entry p is the logprob of prompt token p + 1.
+        self.prompt_logprobs: list[Any] = []
         self.hash_root = salt_root(cache_salt)  # its prefix-cache namespace
 
     def __repr__(self) -> str:
