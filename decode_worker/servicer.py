@@ -63,6 +63,13 @@ def fork_id(request_id: str, index: int) -> str:
 
 
 def decode_response(out: RequestOutput) -> wpb.DecodeResponse:
+    msg = _decode_response(out)
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
+    return msg
+
+
+def _decode_response(out: RequestOutput) -> wpb.DecodeResponse:
     return wpb.DecodeResponse(
         token_ids=out.new_token_ids,
         logprobs=[logprob_to_proto(lp) for lp in out.logprobs] if any(out.logprobs) else [],

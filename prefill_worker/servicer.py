@@ -359,5 +359,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             resp.fork_token_ids.append(tok)
             if lp is not None:
                 resp.fork_logprobs.append(logprob_to_proto(lp))
+        if out.prompt_logprobs:
+            resp.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
         mark("prefill_rpc_out", rid)
         return resp

@@ -29,6 +29,8 @@ def delta_to_proto(d: Delta) -> pb.GenerateResponse:
                               index=d.index)
     if any(lp is not None for lp in d.logprobs):
         msg.logprobs.extend(logprob_to_proto(lp) for lp in d.logprobs)
+    if d.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in d.prompt_logprobs)
     if d.finished:
         msg.finish_reason = finish_to_proto(d.finish_reason)
         if d.stop_reason is not None:

@@ -79,6 +79,9 @@ class Lifecycle(Handoff):
             # Output so far rides at the prompt's end: the penalties still count it as output,
             # and min_tokens counts down by it.
             sampling = replace(spec.sampling, max_tokens=remaining,
+                               # delivered with the first token: never again
+                               prompt_logprobs=None if produced
+                               else spec.sampling.prompt_logprobs,
                                min_tokens=max(0, spec.sampling.min_tokens - len(produced)),
                                resumed_output_tokens=spec.sampling.resumed_output_tokens
                                + len(produced))
@@ -274,6 +277,8 @@ class Lifecycle(Handoff):
             firsts += zip(forks, fork_lps or [None] * len(forks), strict=True)
             chunks = [TokenChunk([t], [lp], self._first_token_stop(sampling, t, len(prompt), d),
                                  cached, i) for i, (t, lp) in enumerate(firsts)]
+            if sampling.prompt_logprobs is not None:
+                chunks[0].prompt_logprobs = [logprob_from_proto(x) for x in first.prompt_logprobs]
             if all(c.finish_reason is not None for c in chunks):
                 self._expect_sequence(d, ctx, [])
             for chunk in chunks:
@@ -362,10 +367,13 @@ class Lifecycle(Handoff):
                 raise WorkerLost(f"{w.worker_id}: {resp.error}")
             if reason == FinishReason.ABORT:
                 raise WorkerLost(f"{w.worker_id} aborted the request: {resp.error}")
-            yield TokenChunk(list(resp.token_ids),
-                             [logprob_from_proto(lp) for lp in resp.logprobs]
-                             or [None] * len(resp.token_ids),
-                             reason, resp.cached_prompt_tokens, resp.index)
+            chunk = TokenChunk(list(resp.token_ids),
+                               [logprob_from_proto(lp) for lp in resp.logprobs]
+                               or [None] * len(resp.token_ids),
+                               reason, resp.cached_prompt_tokens, resp.index)
+            if resp.prompt_logprobs:
+                chunk.prompt_logprobs = [logprob_from_proto(x) for x in resp.prompt_logprobs]
+            yield chunk
 
     # -- measurements (the cost model's fits) and cache expectations ------------------------------
 

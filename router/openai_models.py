@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their checks.
 
-Fields kvrelay cannot honour (n > 16, echo, best_of, suffix) are refused with a 400 that says
+Fields kvrelay cannot honour (n > 16, best_of, suffix) are refused with a 400 that says
 so, instead of being silently ignored. Penalties, logit_bias, min_tokens and allowed_token_ids are
 range-checked here and again by SamplingParams (whose message the 400 carries).
 """
@@ -93,13 +93,6 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
     @field_validator("best_of")
     @classmethod

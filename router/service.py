@@ -90,6 +90,9 @@ class Delta:
     trace: Trace | None = None
     index: int = 0  # the choice (n > 1): each one ends with a ``finished`` delta of its own
     done: bool = False  # the request's last delta: every choice has finished; has the usage
+    # sampling.prompt_logprobs: on the request's first delta, prompt tokens 1.. (the first
+    # prompt token has none); the same for every choice.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RouterService:
@@ -303,6 +306,7 @@ class RouterService:
         trace.add("received")
         procs: dict[int, OutputProcessor] = {}
         ended: set[int] = set()  # choices finished (a stop string may end one before its worker)
+        prompt_sent = False
         n_out = 0
         cached = 0
         first_at: float | None = None
@@ -335,6 +339,9 @@ class RouterService:
                     stop_reason = chunk.token_ids[-1]
                 delta = Delta(spec.request_id, step.text, chunk.token_ids, chunk.logprobs,
                               index=i)
+                if spec.sampling.prompt_logprobs is not None and not prompt_sent:
+                    prompt_sent = True
+                    delta.prompt_logprobs = chunk.prompt_logprobs or []
                 if finish is not None:
                     delta.finished, delta.finish_reason, delta.stop_reason = True, finish, \
                         stop_reason

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 from cluster import Cluster
+from hf_models import hf_forward_logits
 
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +85,34 @@ def test_streamed_choices_carry_their_index(cluster, oai, baseline) -> None:
     assert finished == ["length"] * 3
     assert usage is not None and usage.completion_tokens == 30
     assert cluster.wait_free_blocks(baseline) == baseline
+
+
+def test_echo_with_logprobs_matches_transformers(oai, hf_ref) -> None:
+    r = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0,
+                               echo=True, logprobs=2, n=2, extra_body={"ignore_eos": True})
+    plain = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0,
+                                   logprobs=2, extra_body={"ignore_eos": True})
+    ids, ref = hf_ref
+    for c in r.choices:
+        assert c.text == PROMPT + plain.choices[0].text
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        n = len(ids)
+        want = ref[torch.arange(n - 1), torch.tensor(ids[1:])].tolist()
+        assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-4)
+        assert [len(t) for t in lp.top_logprobs[1:n]] == [2] * (n - 1)
+        assert lp.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs
+        assert len(lp.tokens) == n + 4
+    echo_only = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=3,
+                                       temperature=0, echo=True)
+    assert echo_only.choices[0].text.startswith(PROMPT) and echo_only.choices[0].logprobs is None
+
+
+@pytest.fixture(scope="module")
+def hf_ref(demo_model_dir):
+    """The prompt's token ids and transformers' log-softmax over its positions."""
+    ids = load_tokenizer(demo_model_dir).encode(PROMPT)
+    return ids, hf_forward_logits(demo_model_dir, ids).log_softmax(-1)
 
 
 def test_choices_survive_a_decode_worker_kill(cluster, oai, baseline, demo_model_dir) -> None:
