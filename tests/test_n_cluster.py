@@ -87,6 +87,17 @@ def test_streamed_choices_carry_their_index(cluster, oai, baseline) -> None:
     assert cluster.wait_free_blocks(baseline) == baseline
 
 
+def test_a_client_leaving_mid_stream_returns_every_block(cluster, oai, baseline) -> None:
+    events = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=400, n=3,
+                                    temperature=1.0, seed=3, stream=True,
+                                    extra_body={"ignore_eos": True})
+    for chunks, _ in enumerate(events, start=1):
+        if chunks >= 6:
+            break
+    events.close()
+    assert cluster.wait_free_blocks(baseline, timeout=30) == baseline
+
+
 def test_echo_with_logprobs_matches_transformers(oai, hf_ref) -> None:
     r = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0,
                                echo=True, logprobs=2, n=2, extra_body={"ignore_eos": True})
