@@ -336,6 +336,12 @@ class EngineCore:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._release(seq, None)
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
+            # Forks still waiting for this reservation's KV would wait for a transfer given up.
+            for cid in self._fork_waiting.pop(seq.request_id, []):
+                child = self.seqs.get(cid)
+                if child is not None and child.status == SequenceStatus.WAITING_FOR_KV:
+                    self._finish(child, reason, emit=emit, error=error)
         if emit:
             self._pending.append(RequestOutput(seq.request_id, [], True, reason, error=error,
                                                num_prompt_tokens=seq.num_prompt_tokens,

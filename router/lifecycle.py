@@ -297,8 +297,10 @@ class Lifecycle(Handoff):
             trace.add("decode_start", d.worker_id)
             try:
                 produced = [tok]
+                first_seen = False
                 async for c in self._read_stream(spec, call, d, trace):
-                    if len(produced) == 1:
+                    if not first_seen:
+                        first_seen = True
                         trace.add("decode_first", d.worker_id)
                     if c.index == 0:
                         produced.extend(c.token_ids)

@@ -191,3 +191,17 @@ def test_aborting_one_fork_leaves_the_others_and_returns_every_block(engines) ->
     want = _run_to_end(ref)
     assert choices[1:] == [want["ref1"], want["ref2"]]
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_aborting_a_reservation_before_its_kv_ends_its_waiting_forks(engines) -> None:
+    core = engines[0]
+    prompt = list(range(3, 24))
+    core.reserve("r", prompt)
+    core.start_decode("r", 5, SamplingParams(n=3, max_tokens=8), [("r#1", 6), ("r#2", 7)])
+    assert core.seqs["r#1"].status.value == "waiting_for_kv"
+    core.abort("r")
+    outs = {o.request_id: o for o in core.step()}
+    assert {rid: o.finish_reason.value for rid, o in outs.items()} == {
+        "r": "abort", "r#1": "abort", "r#2": "abort"}
+    assert not core.has_unfinished()
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks

@@ -12,6 +12,7 @@ import torch
 from cluster import Cluster
 from hf_models import hf_forward_logits
 
+from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.tokenizer import load_tokenizer
@@ -85,6 +86,20 @@ def test_streamed_choices_carry_their_index(cluster, oai, baseline) -> None:
     assert finished == ["length"] * 3
     assert usage is not None and usage.completion_tokens == 30
     assert cluster.wait_free_blocks(baseline) == baseline
+
+
+def test_grpc_messages_carry_the_choice_index(cluster, oai) -> None:
+    single = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    texts, finished, usage = ["", ""], [0, 0], None
+    with cluster.client() as c:
+        for msg in c.stream(PROMPT, sampling(6, 0.0, ignore_eos=True, n=2), timeout=120):
+            texts[msg.index] += msg.text
+            finished[msg.index] += bool(msg.finish_reason)
+            if msg.HasField("usage"):
+                usage = msg.usage
+    assert texts == [single, single] and finished == [1, 1]
+    assert usage is not None and usage.completion_tokens == 12
 
 
 def test_a_client_leaving_mid_stream_returns_every_block(cluster, oai, baseline) -> None:
