@@ -62,6 +62,10 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kw["logit_bias"] = dict(msg.logit_bias)
     kw["min_tokens"] = msg.min_tokens
     kw["resumed_output_tokens"] = msg.resumed_output_tokens
+    if msg.HasField("n"):
+        kw["n"] = msg.n
+    if msg.HasField("prompt_logprobs"):
+        kw["prompt_logprobs"] = msg.prompt_logprobs
     if msg.allowed_token_ids:
         kw["allowed_token_ids"] = msg.allowed_token_ids
     if kw.get("top_k") == -1:
@@ -109,6 +113,10 @@ def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         msg.logit_bias[tok] = bias
     msg.min_tokens = sp.min_tokens
     msg.resumed_output_tokens = sp.resumed_output_tokens
+    if sp.n != 1:
+        msg.n = sp.n
+    if sp.prompt_logprobs is not None:
+        msg.prompt_logprobs = sp.prompt_logprobs
     if sp.allowed_token_ids is not None:
         msg.allowed_token_ids.extend(sorted(sp.allowed_token_ids))
     if sp.logprobs is not None:

@@ -57,7 +57,19 @@ class KVReceiver(Protocol):
 FLUSH_WAIT_S = 5.0  # for the engine to pass on a request's last output (a step or two)
 
 
+def fork_id(request_id: str, index: int) -> str:
+    """The engine's id of choice ``index`` (from 1) of an ``n > 1`` request."""
+    return f"{request_id}#{index}"
+
+
 def decode_response(out: RequestOutput) -> wpb.DecodeResponse:
+    msg = _decode_response(out)
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
+    return msg
+
+
+def _decode_response(out: RequestOutput) -> wpb.DecodeResponse:
     return wpb.DecodeResponse(
         token_ids=out.new_token_ids,
         logprobs=[logprob_to_proto(lp) for lp in out.logprobs] if any(out.logprobs) else [],
@@ -179,10 +191,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             done = self._busy[rid] = asyncio.get_running_loop().create_future()
             stream = None
             finished = False
+            index = {rid: 0}  # engine request id -> choice index
             try:
                 try:
                     sampling = sampling_from_proto(request.sampling)
-                    stream = self.engine.decode(rid, request.first_token_id, sampling)
+                    forks = [(fork_id(rid, k), t)
+                             for k, t in enumerate(request.fork_token_ids, start=1)]
+                    index = {rid: 0} | {cid: k for k, (cid, _) in enumerate(forks, start=1)}
+                    stream = (self.engine.decode_forks(rid, request.first_token_id, sampling,
+                                                       forks) if forks else
+                              self.engine.decode(rid, request.first_token_id, sampling))
                     kv_timeout = (request.kv_timeout_ms / 1000.0 if request.kv_timeout_ms
                                   else DEFAULT_KV_TIMEOUT_S)
                     t0 = time.monotonic()
@@ -196,6 +214,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 out: RequestOutput | None = first
                 kv_wait_ms = (time.monotonic() - t0) * 1000.0
                 marked = False
+                running = set(index)
                 while out is not None:
                     if not out.kv_arrived:
                         if not marked:
@@ -203,16 +222,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             marked = True
                         msg = decode_response(out)
                         msg.kv_wait_ms = kv_wait_ms
+                        msg.index = index.get(out.request_id, 0)
                         yield msg
                     if out.finished:
-                        finished = True
-                        break
+                        running.discard(out.request_id)
+                        if not running:
+                            finished = True
+                            break
                     out = await anext(stream, None)
             finally:
                 # Every way out (finished, failed, or cancelled by the router at any await,
                 # the KV wait included) frees the request, its lease and its engine stream;
                 # shielded, so that a second cancel cannot cut it short.
-                end = asyncio.ensure_future(self._end_decode(rid, stream, finished, lease, done))
+                end = asyncio.ensure_future(self._end_decode(rid, stream, finished, lease, done,
+                                                          list(index)[1:]))
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(end)
 
@@ -245,9 +268,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await stream.aclose()
 
     async def _end_decode(self, rid: str, stream: AsyncIterator[RequestOutput] | None,
-                          finished: bool, lease: object, done: asyncio.Future[None]) -> None:
+                          finished: bool, lease: object, done: asyncio.Future[None],
+                          forks: list[str]) -> None:
         try:
             if not finished:
+                for cid in forks:  # choices of an n > 1 request, before the reservation's
+                    await self.engine.abort(cid)
                 await self.engine.abort(rid)  # its last output (ABORT) ends the stream
             if stream is not None:
                 # Read the engine's stream to its end rather than only closing it: closing leaves

@@ -181,6 +181,36 @@ class AsyncEngine:
         else:
             core._grammar.check(so)  # a cached failure raises its reason again
 
+    async def decode_forks(self, request_id: str, first_token_id: int, sampling: SamplingParams,
+                           forks: list[tuple[str, int]]) -> AsyncIterator[RequestOutput]:
+        """``decode`` of an ``n > 1`` request: the reservation plus its forks (``(child id,
+        first token)`` each, see ``EngineCore.start_decode``), their outputs interleaved on one
+        stream (each carries its request id) until every one has finished. Leaving early
+        aborts those still running."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        ids = [request_id] + [cid for cid, _ in forks]
+        for cid in ids[1:]:
+            if cid in self._streams:
+                raise RequestIdInUse(f"request id {cid!r} is already in use")
+        for cid in ids[1:]:
+            self._streams[cid] = stream
+        running = set(ids)
+        try:
+            await self.call(self.core.start_decode, request_id, first_token_id, sampling, forks)
+            while running:
+                out = await stream.get()
+                if out.finished:
+                    running.discard(out.request_id)
+                yield out
+        finally:
+            for rid in ids:
+                if self._streams.get(rid) is stream:
+                    del self._streams[rid]
+            for rid in running:  # the caller went away: give the blocks back
+                self._cmds.put(lambda rid=rid: self.core.abort(rid))
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request; a consumer still reading its stream gets a final ABORT output."""
         return await self.call(self.core.abort, request_id)
@@ -342,7 +372,10 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """``a`` then ``b`` as one output (``b`` is later: its state wins)."""
     return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids,
                    logprobs=a.logprobs + b.logprobs,
-                   scheduled_at=a.scheduled_at if a.scheduled_at is not None else b.scheduled_at)
+                   scheduled_at=a.scheduled_at if a.scheduled_at is not None else b.scheduled_at,
+                   fork_firsts=a.fork_firsts or b.fork_firsts,
+                   prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None
+                   else b.prompt_logprobs)
 
 
 def _nothing() -> None:

@@ -5,6 +5,13 @@ prefix (its hash stays in the index) until it is handed out again: free blocks a
 least-recently-freed first, so hot prefixes survive longest. A block's hash is published only
 after its KV has been written (``publish``), and reuse compares stored token ids, so a hash
 collision can never serve wrong KV.
+
+Sequences may share blocks beyond the prefix cache: ``fork`` gives a child sequence (one more
+choice of an ``n > 1`` request) its parent's blocks, one more reference each. Before a sequence
+writes KV into a block someone else also references (the prompt's last, partial block, once two
+forks append to it), ``prepare_write`` gives it a private copy: a fresh block, and a
+``(src, dst)`` pair in ``pending_copies`` that the engine applies to the KV tensor before the
+step that writes runs (copy-on-write).
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class BlockManager:
         # index only when it changed (heartbeats export it once a beat).
         self.cache_version = 0
         self._hash_snapshot: tuple[int, frozenset[int]] = (0, frozenset())
+        # Copy-on-write block copies (src, dst) the engine applies before the next model run.
+        self.pending_copies: list[tuple[int, int]] = []
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -65,6 +74,18 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks ``seq`` needs to hold KV for its first ``num_tokens`` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def shared_in_range(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Indices into ``seq.block_table`` of the blocks ``seq`` writes to compute up to
+        ``num_tokens`` tokens that another sequence also references."""
+        bs = self.block_size
+        first = seq.num_computed_tokens // bs
+        last = min(-(-num_tokens // bs), len(seq.block_table))
+        return [i for i in range(first, last) if self.blocks[seq.block_table[i]].ref_count > 1]
+
+    def write_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Free blocks ``prepare_write(seq, num_tokens)`` takes: new ones plus private copies."""
+        return self.blocks_needed(seq, num_tokens) + len(self.shared_in_range(seq, num_tokens))
 
     def cached_block_hashes(self) -> list[int]:
         """Hashes of every block whose KV is held (used or free-but-cached)."""
@@ -134,17 +155,50 @@ class BlockManager:
         if need > len(self._free):
             return False
         for _ in range(need):
-            bid, _ = self._free.popitem(last=False)
-            block = self.blocks[bid]
-            if block.hash is not None:  # evict the cached prefix this block held
-                if self._cached.get(block.hash) == bid:
-                    del self._cached[block.hash]
-                    self.cache_version += 1
-                block.hash = None
-                block.token_ids = ()
-            block.ref_count = 1
-            seq.block_table.append(bid)
+            seq.block_table.append(self._take_free())
         return True
+
+    def prepare_write(self, seq: Sequence, num_tokens: int) -> bool:
+        """``allocate`` plus copy-on-write: every block ``seq`` will write to compute up to
+        ``num_tokens`` tokens is its own afterwards. False (and no change) without the room."""
+        shared = self.shared_in_range(seq, num_tokens)
+        if self.blocks_needed(seq, num_tokens) + len(shared) > len(self._free):
+            return False
+        for i in shared:
+            src = seq.block_table[i]
+            dst = self._take_free()
+            self.blocks[src].ref_count -= 1  # > 0: another sequence still holds it
+            seq.block_table[i] = dst
+            self.pending_copies.append((src, dst))
+        assert self.allocate(seq, num_tokens)
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give a block-less ``child`` every block of ``parent`` (shared: one more reference
+        each) and its prefix hashes; the blocks' KV counts as computed for it too."""
+        assert not child.block_table
+        for bid in parent.block_table:
+            self._ref(bid)
+        child.block_table = list(parent.block_table)
+        hashes = self._seq_hashes.get(parent.request_id)
+        if hashes is not None:
+            self._seq_hashes[child.request_id] = list(hashes)
+
+    def _take_free(self) -> int:
+        bid, _ = self._free.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None:  # evict the cached prefix this block held
+            if self._cached.get(block.hash) == bid:
+                del self._cached[block.hash]
+                self.cache_version += 1
+            block.hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return bid
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""

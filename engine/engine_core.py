@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -52,6 +53,11 @@ class RequestOutput:
     kv_arrived: bool = False  # a reserved request's KV is complete (no tokens in this output)
     scheduled_at: float | None = None  # time.monotonic() of the request's first step
     computed_at: float | None = None  # time.monotonic() when these tokens were sampled
+    # n > 1 on a prefill: the first tokens (and logprobs) of choices 1..n-1.
+    fork_firsts: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    # sampling.prompt_logprobs, on the output with the first token: prompt tokens 1.. (the
+    # first prompt token has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Reservation(NamedTuple):
@@ -123,6 +129,8 @@ class EngineCore:
         # once they are delivered (None when nobody waits for one).
         self._sending: dict[str, tuple[Sequence, RequestOutput | None]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        # Forks waiting for their parent's KV to arrive: parent request id -> child ids.
+        self._fork_waiting: dict[str, list[str]] = {}
         self.num_preemptions = 0
         self.heap = HeapTrimmer()
         self.eos_token_ids = eos_token_ids
@@ -258,8 +266,13 @@ class EngineCore:
         return Reservation(list(seq.block_table), seq.num_computed_tokens)
 
     def start_decode(self, request_id: str, first_token_id: int,
-                     sampling: SamplingParams) -> None:
-        """Give a reserved request its first token (sampled by the prefill engine)."""
+                     sampling: SamplingParams,
+                     forks: Sequence_[tuple[str, int]] = ()) -> None:
+        """Give a reserved request its first token (sampled by the prefill engine).
+
+        ``forks``: more choices of the same prompt, ``(child request id, its first token)``
+        each; child ``k`` (from 1) shares the reservation's blocks and samples with
+        ``sampling.choice(k)``. A child is a request of its own from then on (abort, outputs)."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status != SequenceStatus.WAITING_FOR_KV:
             raise KeyError(f"no reservation for request {request_id!r}")
@@ -268,6 +281,33 @@ class EngineCore:
         if not (0 <= first_token_id < self.vocab_size):
             raise ValueError(f"first token {first_token_id} is outside the vocabulary")
         self.validate_sampling(sampling)
+        for cid, tok in forks:
+            if cid in self.seqs or cid in self._sending:
+                raise RequestIdInUse(f"request id {cid!r} is already in use")
+            if not (0 <= tok < self.vocab_size):
+                raise ValueError(f"first token {tok} is outside the vocabulary")
+        children = [self._fork(seq, cid, sampling.choice(k)) for k, (cid, _) in
+                    enumerate(forks, start=1)]
+        self._begin(seq, first_token_id, sampling.choice(0) if forks else sampling)
+        if children and not all(c.kv_ready for c in children):
+            self._fork_waiting[request_id] = [c.request_id for c in children]
+        for child, (_, tok) in zip(children, forks, strict=True):
+            self._begin(child, tok, child.sampling)
+
+    def _fork(self, parent: Sequence, child_id: str, sampling: SamplingParams) -> Sequence:
+        """A reserved child of ``parent``: same prompt, shared blocks, same KV state."""
+        child = Sequence(child_id, parent.token_ids[:parent.num_prompt_tokens], sampling,
+                         arrival_time=parent.arrival_time)
+        child.hash_root = parent.hash_root
+        self.block_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.kv_ready = parent.kv_ready
+        self.seqs[child_id] = child
+        self.scheduler.add_waiting_for_kv(child)
+        return child
+
+    def _begin(self, seq: Sequence, first_token_id: int, sampling: SamplingParams) -> None:
         seq.sampling = sampling
         # The matcher replays the resumed output, then takes the first token here (not in
         # append_token), so a token that breaks the grammar is refused before anything changes.
@@ -307,6 +347,9 @@ class EngineCore:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
         shape = out.shape
+        copies = self.block_manager.take_copies()
+        if copies:  # copy-on-write of blocks forks shared, before this step writes them
+            self.runner.copy_blocks(copies)
         sampled = self.runner.run(out.scheduled, self.connector)
         done = time.monotonic()
         self.step_cost.observe(shape, done - now)
@@ -319,7 +362,10 @@ class EngineCore:
             o = RequestOutput(seq.request_id, [tok], logprobs=[lp],
                               num_prompt_tokens=seq.num_prompt_tokens,
                               num_cached_tokens=seq.num_cached_tokens,
-                              scheduled_at=seq.first_scheduled_time, computed_at=done)
+                              scheduled_at=seq.first_scheduled_time, computed_at=done,
+                              fork_firsts=seq.fork_firsts)
+            if seq.sampling.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                o.prompt_logprobs = list(seq.prompt_logprobs)
             if seq.request_id in finished:
                 o.finished, o.finish_reason = True, seq.finish_reason
                 if self._release(seq, o):
@@ -335,6 +381,12 @@ class EngineCore:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._release(seq, None)
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
+            # Forks still waiting for this reservation's KV would wait for a transfer given up.
+            for cid in self._fork_waiting.pop(seq.request_id, []):
+                child = self.seqs.get(cid)
+                if child is not None and child.status == SequenceStatus.WAITING_FOR_KV:
+                    self._finish(child, reason, emit=emit, error=error)
         if emit:
             self._pending.append(RequestOutput(seq.request_id, [], True, reason, error=error,
                                                num_prompt_tokens=seq.num_prompt_tokens,
@@ -361,6 +413,10 @@ class EngineCore:
             elif rid in self._sending and self._sending[rid][1] is not None:
                 o = self._sending[rid][1]
                 o.finish_reason, o.error = FinishReason.ERROR, f"KV transfer failed: {reason}"
+            for cid in self._fork_waiting.pop(rid, []):
+                child = self.seqs.get(cid)
+                if child is not None and child.status == SequenceStatus.WAITING_FOR_KV:
+                    self._finish(child, FinishReason.ERROR, error=f"KV transfer failed: {reason}")
         for rid in ev.sent:
             held = self._sending.pop(rid, None)
             if held is not None:
@@ -369,13 +425,21 @@ class EngineCore:
                     self._pending.append(held[1])
         for rid in ev.received:
             seq = self.seqs.get(rid)
-            if seq is None or seq.status != SequenceStatus.WAITING_FOR_KV:
-                continue
-            self._kv_arrived(seq)
+            if seq is not None and seq.status == SequenceStatus.WAITING_FOR_KV:
+                self._kv_arrived(seq)
+            self._forks_ready(rid)  # even when the parent itself has finished already
+
+    def _forks_ready(self, parent_id: str) -> None:
+        for cid in self._fork_waiting.pop(parent_id, []):
+            child = self.seqs.get(cid)
+            if child is not None and child.status == SequenceStatus.WAITING_FOR_KV:
+                child.kv_ready = True
+                child.num_computed_tokens = child.num_prompt_tokens
 
     def _kv_arrived(self, seq: Sequence) -> None:
         seq.kv_ready = True
         seq.num_computed_tokens = seq.num_prompt_tokens
+        self._forks_ready(seq.request_id)
         self.block_manager.publish(seq)
         self._pending.append(RequestOutput(seq.request_id, [], kv_arrived=True,
                                            num_prompt_tokens=seq.num_prompt_tokens,

@@ -325,6 +325,14 @@ class ModelRunner:
                 setattr(meta, name, h2d(t))
         return meta
 
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` on every layer, both planes (copy-on-write of a
+        block forked sequences shared)."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
     # -- the forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
@@ -344,6 +352,7 @@ class ModelRunner:
             hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         if connector is not None:
             connector.end_step()
+        self._prompt_logprobs(scheduled, hidden)
         if not inputs.sampled_order:
             return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
         rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
@@ -382,6 +391,37 @@ class ModelRunner:
     def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:
         """What the attention calls once a layer's new K/V are in the cache."""
         return connector.save_layer
+
+    def _prompt_logprobs(self, scheduled: Seq[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """For sequences that ask for prompt logprobs: the logits of this step's prompt rows
+        (only theirs), scored against the next prompt token, into ``seq.prompt_logprobs``."""
+        if not any(s.seq.sampling.prompt_logprobs is not None for s in scheduled):
+            return
+        # The rows in ``prepare``'s order: prefill chunks, then decodes by context length.
+        order = [i for i, s in enumerate(scheduled) if s.num_new_tokens > 1]
+        order += sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens == 1),
+                        key=lambda i: scheduled[i].seq.num_computed_tokens)
+        off = 0
+        for i in order:
+            seq, n = scheduled[i]
+            c = seq.num_computed_tokens
+            k = seq.sampling.prompt_logprobs
+            end = min(c + n, seq.num_prompt_tokens - 1)  # row p scores prompt token p + 1
+            if k is not None and end > c:
+                lp = self.model.compute_logits(hidden[off:off + end - c]).float().log_softmax(-1)
+                target = torch.tensor(seq.token_ids[c + 1:end + 1], dtype=torch.long,
+                                      device=lp.device)
+                chosen = lp.gather(1, target[:, None])[:, 0].tolist()
+                tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+                if k:
+                    vals, ids = lp.topk(k, dim=-1)
+                    tops = [list(zip(r_ids, r_vals, strict=True))
+                            for r_ids, r_vals in zip(ids.tolist(), vals.tolist(), strict=True)]
+                del seq.prompt_logprobs[c:]  # a recompute (preemption) starts over
+                seq.prompt_logprobs.extend(
+                    TokenLogprob(t, v, top) for t, v, top in
+                    zip(seq.token_ids[c + 1:end + 1], chosen, tops, strict=True))
+            off += n
 
     @torch.inference_mode()
     def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:

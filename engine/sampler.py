@@ -130,6 +130,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], default_generator: torch.G
         logits = apply_masks(logits, raw, masks)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+    cum: torch.Tensor | None = None
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         params = [seqs[i].sampling for i in random_rows]
@@ -164,4 +165,42 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], default_generator: torch.G
                 vals, ids = lp[j].topk(n)
                 top = list(zip(ids.tolist(), vals.tolist(), strict=True))
             logprobs[i] = TokenLogprob(tok, float(lp[j, tok]), top)
+    forking = [i for i, s in enumerate(seqs) if s.sampling.n > 1 and s.num_output_tokens == 0]
+    if forking:
+        _sample_fork_firsts(raw, cum, random_rows, forking, seqs, token_list, default_generator)
     return token_list, logprobs
+
+
+def _sample_fork_firsts(raw: torch.Tensor, cum: torch.Tensor | None, random_rows: list[int],
+                        forking: list[int], seqs: Seq[Sequence], token_list: list[int],
+                        default_generator: torch.Generator) -> None:
+    """The first tokens of choices 1..n-1 of an ``n > 1`` request, from the same distribution
+    as choice 0's: choice ``k`` draws what a request of seed ``seed + k`` draws first (the
+    unseeded draw from the engine's generator). Stored in ``seq.fork_firsts``."""
+    dev = raw.device
+    for i in forking:
+        seq = seqs[i]
+        sp = seq.sampling
+        picks: list[int] = []
+        for k in range(1, sp.n):
+            if sp.greedy:
+                picks.append(token_list[i])
+                continue
+            assert cum is not None
+            row = cum[random_rows.index(i)]
+            if sp.seed is not None:
+                g = seeded_generator(sp.choice(k).seed or 0, dev)
+                u = torch.rand(1, device=dev, generator=g)
+            else:
+                u = torch.rand(1, device=dev, generator=default_generator)
+            t = torch.searchsorted(row, (u * row[-1]), right=True)
+            picks.append(int(t.clamp_(max=row.shape[-1] - 1)[0]))
+        lps: list[TokenLogprob | None] = [None] * len(picks)
+        if sp.logprobs is not None:
+            lp = raw[i].log_softmax(-1)
+            top: list[tuple[int, float]] = []
+            if sp.logprobs:
+                vals, ids = lp.topk(sp.logprobs)
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            lps = [TokenLogprob(t, float(lp[t]), top) for t in picks]
+        seq.fork_firsts = list(zip(picks, lps, strict=True))

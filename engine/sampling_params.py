@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvrelay.engine.structured import StructuredOutput
 
@@ -46,6 +46,8 @@ class SamplingParams:
     allowed_token_ids: frozenset[int] | None = None
     resumed_output_tokens: int = 0
     structured: StructuredOutput | None = None
+    n: int = 1
+    prompt_logprobs: int | None = None
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     # ``structured``: a grammar the output must match (JSON schema, regex, choice); the engine
@@ -55,7 +57,16 @@ class SamplingParams:
     # its output so far appended to the prompt; those last tokens still count as output for the
     # presence and frequency penalties, so the resumed stream equals an uninterrupted one.
 
+    # ``n``: choices of one prompt. The prompt is prefilled once; the decode engine forks the
+    # sequence (sharing its KV blocks). Choice ``i`` samples as a request of seed ``seed + i``
+    # would (vLLM's convention), so each choice equals that single request.
+
+    # ``prompt_logprobs``: return the logprob of every prompt token after the first (and this
+    # many alternatives each), as the prefill computes them; such a prompt skips the prefix
+    # cache (a cached position has no logits).
+
     MAX_LOGPROBS = 20
+    MAX_N = 16
     MAX_LOGIT_BIAS = 1024
     MAX_ALLOWED_TOKEN_IDS = 1 << 17
     MIN_TEMPERATURE = 1e-2
@@ -83,6 +94,14 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or not (-1 <= self.top_k <= _INT32_MAX):
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer up to "
                              f"{_INT32_MAX}, got {self.top_k}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) \
+                or not (1 <= self.n <= self.MAX_N):
+            raise ValueError(f"n must be an integer in [1, {self.MAX_N}], got {self.n!r}")
+        if self.prompt_logprobs is not None and not (
+                isinstance(self.prompt_logprobs, int)
+                and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs!r}")
         if self.seed is not None and not (0 <= int(self.seed) < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
@@ -149,6 +168,12 @@ class SamplingParams:
                 or not (0 <= self.resumed_output_tokens <= _UINT32_MAX)):
             raise ValueError(f"resumed_output_tokens must be a non-negative integer, got "
                              f"{self.resumed_output_tokens!r}")
+
+    def choice(self, index: int) -> SamplingParams:
+        """The single-choice parameters of choice ``index`` of an ``n > 1`` request: ``n=1``
+        and seed ``seed + index`` (unseeded stays unseeded)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return replace(self, n=1, seed=seed)
 
     def max_token_id(self) -> int:
         """The largest token id these parameters name (-1 if none): the engine checks it

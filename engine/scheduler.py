@@ -159,7 +159,10 @@ class Scheduler:
         admitting = seq.status == SequenceStatus.WAITING
         if admitting and not seq.block_table:
             # Keep at least one token to compute: its logits give the next token.
-            match = self.bm.match_prefix(seq.token_ids, seq.num_tokens - 1, seq.hash_root)
+            # Prompt logprobs need every prompt position's logits: no cached prefix then.
+            usable = (seq.num_tokens - 1 if seq.sampling.prompt_logprobs is None
+                      or seq.num_output_tokens else 0)
+            match = self.bm.match_prefix(seq.token_ids, usable, seq.hash_root)
             self.bm.allocate_prefix(seq, match)
             seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
         remaining = seq.num_uncomputed_tokens
@@ -172,7 +175,7 @@ class Scheduler:
         else:
             n = 0
         if n > 0:
-            need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
+            need = self.bm.write_blocks_needed(seq, seq.num_computed_tokens + n)
             reserve = self.watermark_blocks if admitting else 0
             if not self.bm.can_allocate(need + reserve):
                 n = 0
@@ -181,7 +184,7 @@ class Scheduler:
                 self.bm.free(seq)  # give matched prefix blocks back; match again next time
                 seq.num_computed_tokens = 0
             return 0
-        assert self.bm.allocate(seq, seq.num_computed_tokens + n)
+        assert self.bm.prepare_write(seq, seq.num_computed_tokens + n)
         if admitting:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -191,9 +194,10 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[Sequence],
                    scheduled: list[ScheduledSeq]) -> bool:
-        """Allocate for ``seq`` up to ``num_tokens``, preempting the newest running sequences
-        (never one already scheduled this step). False if ``seq`` itself had to go."""
-        while not self.bm.allocate(seq, num_tokens):
+        """Allocate for ``seq`` up to ``num_tokens`` (copying the shared blocks it writes to),
+        preempting the newest running sequences (never one already scheduled this step). False
+        if ``seq`` itself had to go."""
+        while not self.bm.prepare_write(seq, num_tokens):
             taken = {s.seq.request_id for s in scheduled}
             victims = [s for s in self.running if s.request_id not in taken]
             victim = victims[-1]

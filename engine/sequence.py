@@ -33,6 +33,7 @@ class Sequence:
         "block_table",
         "finish_reason",
         "first_scheduled_time",
+        "fork_firsts",
         "generator",
         "grammar",
         "hash_root",
@@ -43,6 +44,7 @@ class Sequence:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "prompt_logprobs",
         "request_id",
         "sampling",
         "status",
@@ -79,6 +81,10 @@ class Sequence:
         # A GrammarMatcher under structured output (built by the engine that samples), fed
         # every token appended.
         self.grammar: Any | None = None
+        # n > 1 on a prefill: the first tokens (with logprobs) of choices 1..n-1.
+        self.fork_firsts: list[tuple[int, Any]] = []
+        # sampling.prompt_logprobs: entry p is the logprob of prompt token p + 1.
+        self.prompt_logprobs: list[Any] = []
         self.hash_root = salt_root(cache_salt)  # its prefix-cache namespace
 
     def __repr__(self) -> str:

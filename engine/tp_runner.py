@@ -105,6 +105,10 @@ class TPModelRunner(ModelRunner):
 
         return lagged
 
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        # Forks exist only on a decode engine (a KV connector), which TP does not run yet.
+        raise NotImplementedError("copy-on-write of KV blocks under tensor parallelism")
+
     def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
         return self._guarded(super().logits_for, scheduled)
 

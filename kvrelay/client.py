@@ -72,13 +72,16 @@ class Client:
         for msg in self.stream(prompt, params, **kw):  # type: ignore[arg-type]
             out.num_messages += 1
             out.request_id = msg.request_id
+            if msg.HasField("usage"):  # the request's last message (of any choice)
+                out.usage, out.timing = msg.usage, msg.timing
+                out.trace = list(msg.trace)
+            if msg.index:  # n > 1: this joins choice 0; ``stream`` has them all
+                continue
             out.text += msg.text
             out.token_ids.extend(msg.token_ids)
             if msg.finish_reason:
                 out.finish_reason = FINISH_NAMES.get(msg.finish_reason)
                 out.stop_reason = msg.stop_reason
-                out.usage, out.timing = msg.usage, msg.timing
-                out.trace = list(msg.trace)
         return out
 
 

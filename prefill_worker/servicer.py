@@ -355,5 +355,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
         if first_lp is not None:  # set only when asked for: HasField tells the router
             resp.logprob.CopyFrom(logprob_to_proto(first_lp))
+        for tok, lp in out.fork_firsts:  # n > 1: the other choices' first tokens
+            resp.fork_token_ids.append(tok)
+            if lp is not None:
+                resp.fork_logprobs.append(logprob_to_proto(lp))
+        if out.prompt_logprobs:
+            resp.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
         mark("prefill_rpc_out", rid)
         return resp

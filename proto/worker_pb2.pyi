@@ -186,18 +186,20 @@ class LeaseResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id", "first_token_id", "sampling", "kv_timeout_ms")
+    __slots__ = ("request_id", "lease_id", "first_token_id", "sampling", "kv_timeout_ms", "fork_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    FORK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     first_token_id: int
     sampling: _generate_pb2.SamplingParams
     kv_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_ms: _Optional[int] = ...) -> None: ...
+    fork_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_ms: _Optional[int] = ..., fork_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LocalGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt")
@@ -212,20 +214,24 @@ class LocalGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "error", "cached_prompt_tokens", "kv_wait_ms")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "error", "cached_prompt_tokens", "kv_wait_ms", "index", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     finish_reason: _generate_pb2.FinishReason
     error: str
     cached_prompt_tokens: int
     kv_wait_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_wait_ms: _Optional[float] = ...) -> None: ...
+    index: int
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_wait_ms: _Optional[float] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class FenceRequest(_message.Message):
     __slots__ = ("request_id", "lease_id")
@@ -286,7 +292,7 @@ class SetDestinationResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "logprob", "cached_prompt_tokens", "queue_ms", "prefill_ms", "transfer_ms", "kv_bytes", "worker_id")
+    __slots__ = ("first_token_id", "logprob", "cached_prompt_tokens", "queue_ms", "prefill_ms", "transfer_ms", "kv_bytes", "worker_id", "fork_token_ids", "fork_logprobs", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +301,9 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FORK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FORK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     logprob: _generate_pb2.TokenLogprob
     cached_prompt_tokens: int
@@ -303,4 +312,7 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     kv_bytes: int
     worker_id: str
-    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    fork_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    fork_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., fork_token_ids: _Optional[_Iterable[int]] = ..., fork_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

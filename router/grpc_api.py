@@ -25,9 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 def delta_to_proto(d: Delta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids)
+    msg = pb.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids,
+                              index=d.index)
     if any(lp is not None for lp in d.logprobs):
         msg.logprobs.extend(logprob_to_proto(lp) for lp in d.logprobs)
+    if d.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in d.prompt_logprobs)
     if d.finished:
         msg.finish_reason = finish_to_proto(d.finish_reason)
         if d.stop_reason is not None:

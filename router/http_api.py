@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvrelay.common.limits import MAX_HTTP_BODY_BYTES
 from kvrelay.common.logs import request_context
 from kvrelay.common.rpc import SecretSet, TLSFiles
+from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.router.errors import RouterError
 from kvrelay.router.http_extras import extras
@@ -76,7 +78,7 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos, "seed": req.seed, "logprobs": logprobs,
         "skip_special_tokens": req.skip_special_tokens,
-        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "include_stop_str_in_output": req.include_stop_str_in_output, "n": req.n,
     }
     if req.temperature is not None:
         kw["temperature"] = req.temperature
@@ -112,6 +114,22 @@ def _trace(d: Delta) -> list[dict[str, Any]]:
             for e in d.trace.events]
 
 
+@dataclass
+class _Echo:
+    """An echoed prompt: its text, token ids and (when asked for) tokens 1..'s logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None
+
+
+def _echoed(spec: GenerateSpec, first: Delta, echo: str | None) -> _Echo | None:
+    if echo is None:
+        return None
+    plps = first.prompt_logprobs
+    return _Echo(echo, spec.prompt_token_ids, list(plps) if plps is not None else None)
+
+
 class _Logprobs:
     """Accumulates OpenAI-style logprobs (completions: token strings + top dicts)."""
 
@@ -122,8 +140,18 @@ class _Logprobs:
     def _s(self, tid: int) -> str:
         return self.tok.decode([tid])
 
-    def block(self, d: Delta) -> dict[str, Any] | None:
+    def block(self, d: Delta, prompt: _Echo | None = None) -> dict[str, Any] | None:
+        """``prompt``: an echoed prompt's tokens come first (completions; the first prompt
+        token's logprob and alternatives are None, as OpenAI and vLLM give them)."""
         lps = [lp for lp in d.logprobs if lp is not None]
+        if prompt is not None and prompt.logprobs is not None and not self.chat:
+            head = self.block(Delta(d.request_id, "", [], prompt.logprobs)) or {
+                "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            tail = self.block(d) or {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+            return {"tokens": [self._s(prompt.token_ids[0])] + head["tokens"] + tail["tokens"],
+                    "token_logprobs": [None] + head["token_logprobs"] + tail["token_logprobs"],
+                    "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
+                    "text_offset": []}
         if not lps:
             return None
         if self.chat:
@@ -224,6 +252,8 @@ class HttpServer:
             try:
                 prompt = req.single_prompt()
                 sp = _sampling(req, req.max_tokens, req.logprobs)
+                if req.echo and req.logprobs is not None:  # the prompt's logprobs too
+                    sp = replace(sp, prompt_logprobs=req.logprobs)
                 spec = await service.build_spec(
                     request_id=req.request_id, text=prompt if isinstance(prompt, str) else None,
                     token_ids=prompt if isinstance(prompt, list) else None, sampling=sp,
@@ -233,7 +263,10 @@ class HttpServer:
                 return error_response(400, str(e))
             except RouterError as e:
                 return _router_error(e)
-            return await self._respond(spec, req, request, chat=False)
+            echo = None
+            if req.echo:
+                echo = prompt if isinstance(prompt, str) else await service.decode(prompt)
+            return await self._respond(spec, req, request, chat=False, echo=echo)
 
         @app.post("/v1/chat/completions")
         async def chat(req: ChatCompletionRequest, request: Request) -> Response:
@@ -257,7 +290,8 @@ class HttpServer:
 
     # -- responses -----------------------------------------------------------------------------
     async def _respond(self, spec: GenerateSpec, req: _Common, request: Request, *,
-                       chat: bool) -> Response:
+                       chat: bool, echo: str | None = None) -> Response:
+        """``echo``: the prompt's text, put before each choice's (completions)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
         created = int(time.time())
         model = self.service.model_name
@@ -273,17 +307,16 @@ class HttpServer:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 self._sse(spec, first, stream, rid, created, model, chat, lp, include_usage,
-                          req.return_trace),
+                          req.return_trace, echo),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": spec.request_id})
-        text, lps, last = first.text, [first], first
+        deltas, last = [first], first
 
         async def collect() -> Delta:
-            nonlocal text, last
-            while not last.finished:
+            nonlocal last
+            while not last.done:
                 last = await anext(stream)
-                text += last.text
-                lps.append(last)
+                deltas.append(last)
             return last
 
         with request_context(spec.request_id):
@@ -305,27 +338,41 @@ class HttpServer:
             finally:
                 left.cancel()
                 await stream.aclose()
-        merged = Delta(spec.request_id, text, [t for d in lps for t in d.token_ids],
-                       [x for d in lps for x in d.logprobs])
-        logprobs = lp.block(merged)
-        reason = last.finish_reason.value if last.finish_reason else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if last.stop_reason is not None:
-            choice["stop_reason"] = last.stop_reason
+        prompt = _echoed(spec, first, echo)
+        choices = [self._choice(spec, [d for d in deltas if d.index == i], lp, chat, prompt)
+                   for i in range(spec.sampling.n)]
         body: dict[str, Any] = {"id": rid, "object": "chat.completion" if chat else
                                 "text_completion", "created": created, "model": model,
-                                "choices": [choice], "usage": _usage(last)}
+                                "choices": choices, "usage": _usage(last)}
         if req.return_trace:
             body["kvrelay_trace"] = _trace(last)
         return JSONResponse(body, headers={"X-Request-Id": spec.request_id})
 
+    @staticmethod
+    def _choice(spec: GenerateSpec, deltas: list[Delta], lp: _Logprobs, chat: bool,
+                prompt: _Echo | None = None) -> dict[str, Any]:
+        """One choice of a non-streamed answer from its deltas (the last one finished)."""
+        end = deltas[-1]
+        text = "".join(d.text for d in deltas)
+        merged = Delta(spec.request_id, text, [t for d in deltas for t in d.token_ids],
+                       [x for d in deltas for x in d.logprobs])
+        reason = end.finish_reason.value if end.finish_reason else None
+        choice: dict[str, Any] = {"index": end.index, "finish_reason": reason,
+                                  "logprobs": lp.block(merged, prompt)}
+        if prompt is not None:
+            text = prompt.text + text
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if end.stop_reason is not None:
+            choice["stop_reason"] = end.stop_reason
+        return choice
+
     async def _sse(self, spec: GenerateSpec, first: Delta, stream: AsyncIterator[Delta],
                    rid: str, created: int, model: str, chat: bool, lp: _Logprobs,
-                   include_usage: bool, return_trace: bool) -> AsyncIterator[bytes]:
+                   include_usage: bool, return_trace: bool,
+                   echo: str | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -338,23 +385,32 @@ class HttpServer:
         with request_context(spec.request_id):
             try:
                 if chat:
-                    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
+                    for i in range(spec.sampling.n):
+                        yield event([{"index": i,
+                                      "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                prompt = _echoed(spec, first, echo)
+                echoed: set[int] = set()  # choices whose first chunk carried the prompt
                 d: Delta | None = first
                 while d is not None:
                     reason = d.finish_reason.value if d.finished and d.finish_reason else None
                     if d.text or d.finished or d.token_ids:
-                        choice: dict[str, Any] = {"index": 0, "logprobs": lp.block(d),
+                        head = None
+                        if prompt is not None and d.index not in echoed:
+                            echoed.add(d.index)
+                            head = prompt
+                        choice: dict[str, Any] = {"index": d.index,
+                                                  "logprobs": lp.block(d, head),
                                                   "finish_reason": reason}
                         if chat:
                             choice["delta"] = {"content": d.text} if d.text else {}
                         else:
-                            choice["text"] = d.text
+                            choice["text"] = (head.text if head else "") + d.text
                         extra: dict[str, Any] = {}
-                        if d.finished and return_trace:
+                        if d.done and return_trace:
                             extra["kvrelay_trace"] = _trace(d)
                         yield event([choice], **extra)
-                    if d.finished:
+                    if d.done:
                         if include_usage:
                             yield event([], usage=_usage(d))
                         break

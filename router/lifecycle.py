@@ -57,16 +57,31 @@ class Lifecycle(Handoff):
         self.probes: dict[str, bool] = {}
 
     # -- entry ---------------------------------------------------------------------------------
-    async def tokens(self, spec: GenerateSpec, trace: Trace) -> AsyncIterator[TokenChunk]:
-        """Yield the request's tokens in order until a worker reports it finished."""
-        produced: list[int] = []
-        migrations = 0
+    async def tokens(self, spec: GenerateSpec, trace: Trace, *,
+                     produced: list[int] | None = None,
+                     migrations: int = 0) -> AsyncIterator[TokenChunk]:
+        """Yield the request's tokens in order until a worker reports it finished; an ``n > 1``
+        request's chunks carry their choice's ``index``, each choice ends with a chunk of its
+        own that has a finish reason. ``produced``, ``migrations``: resume a request that
+        already produced these tokens (and moved that many times)."""
+        if spec.sampling.n > 1:
+            async for chunk in self._tokens_n(spec, trace):
+                yield chunk
+            return
+        produced = list(produced or [])
+        if migrations > self.config.max_migrations:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              f"request failed after {migrations - 1} migrations",
+                              retry_after_s=1.0)
         while True:
             prompt = spec.prompt_token_ids + produced
             remaining = spec.sampling.max_tokens - len(produced)
             # Output so far rides at the prompt's end: the penalties still count it as output,
             # and min_tokens counts down by it.
             sampling = replace(spec.sampling, max_tokens=remaining,
+                               # delivered with the first token: never again
+                               prompt_logprobs=None if produced
+                               else spec.sampling.prompt_logprobs,
                                min_tokens=max(0, spec.sampling.min_tokens - len(produced)),
                                resumed_output_tokens=spec.sampling.resumed_output_tokens
                                + len(produced))
@@ -94,6 +109,39 @@ class Lifecycle(Handoff):
                 logger.warning("resuming after %d tokens (migration %d): %s", len(produced),
                                migrations, e)
 
+    async def _tokens_n(self, spec: GenerateSpec, trace: Trace) -> AsyncIterator[TokenChunk]:
+        """``n > 1``: one prefill, the decode worker forks the choices. A pass that fails (or a
+        cluster without a prefill/decode pair) continues each unfinished choice as a request
+        of its own (``SamplingParams.choice``: seed + index), resumed after its tokens so far."""
+        n = spec.sampling.n
+        produced: list[list[int]] = [[] for _ in range(n)]
+        done = [False] * n
+        migrations = 0
+        if await self._disaggregate():
+            attempt = replace(spec, request_id=f"{spec.request_id}.0{secrets.token_hex(3)}")
+            try:
+                async for chunk in self.disaggregated_pass(attempt, spec.prompt_token_ids,
+                                                           spec.sampling, trace):
+                    i = chunk.index
+                    if done[i]:
+                        continue  # a choice whose first token ended it: the router knew first
+                    produced[i].extend(chunk.token_ids)
+                    done[i] = chunk.finish_reason is not None
+                    yield chunk
+                    if all(done):
+                        return
+                raise WorkerLost("stream ended before every choice finished")
+            except WorkerLost as e:
+                migrations = 1
+                trace.add("migrate", detail=str(e))
+                logger.warning("resuming %d of %d choices on their own: %s",
+                               n - sum(done), n, e)
+        streams = {i: self.tokens(replace(spec, sampling=spec.sampling.choice(i)), trace,
+                                  produced=produced[i], migrations=migrations)
+                   for i in range(n) if not done[i]}
+        async for chunk in _merge_choices(streams):
+            yield chunk
+
     async def _one_pass(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
                         trace: Trace) -> AsyncIterator[TokenChunk]:
         if not await self._disaggregate():
@@ -106,7 +154,7 @@ class Lifecycle(Handoff):
                                   self.registry.alive("prefill"))
         ctx.reason = route.reason
         logger.debug("route: %s", route.describe())
-        if route.local is not None:  # the fast lane: wholly on a decode worker
+        if route.local is not None and sampling.n == 1:  # the fast lane: on a decode worker
             started = False
             try:
                 async for c in self.local_pass(spec, prompt, sampling, trace, route.local, ctx):
@@ -218,19 +266,30 @@ class Lifecycle(Handoff):
             first, cached_p = await self._prefill(spec, prompt, sampling, d, lease, trace, ctx)
             renew.cancel()
             tok = first.first_token_id
-            chunk = TokenChunk([tok], [logprob_from_proto(first.logprob)
-                                       if first.HasField("logprob") else None],
-                               cached_prompt_tokens=max(cached_p, lease.cached_prefix_tokens))
-            chunk.finish_reason = self._first_token_stop(sampling, tok, len(prompt), d)
-            if chunk.finish_reason is not None:
+            cached = max(cached_p, lease.cached_prefix_tokens)
+            firsts = [(tok, logprob_from_proto(first.logprob)
+                       if first.HasField("logprob") else None)]
+            forks = list(first.fork_token_ids)
+            if len(forks) != sampling.n - 1:
+                raise WorkerLost(f"prefill sampled {len(forks) + 1} first tokens, not "
+                                 f"{sampling.n}")
+            fork_lps = [logprob_from_proto(lp) for lp in first.fork_logprobs]
+            firsts += zip(forks, fork_lps or [None] * len(forks), strict=True)
+            chunks = [TokenChunk([t], [lp], self._first_token_stop(sampling, t, len(prompt), d),
+                                 cached, i) for i, (t, lp) in enumerate(firsts)]
+            if sampling.prompt_logprobs is not None:
+                chunks[0].prompt_logprobs = [logprob_from_proto(x) for x in first.prompt_logprobs]
+            if all(c.finish_reason is not None for c in chunks):
                 self._expect_sequence(d, ctx, [])
-            yield chunk
-            if chunk.finish_reason is not None:
+            for chunk in chunks:
+                yield chunk
+            if all(c.finish_reason is not None for c in chunks):
                 return
             decode_started = True
             req = wpb.DecodeRequest(request_id=spec.request_id, lease_id=lease.lease_id,
                                     first_token_id=tok, sampling=sampling_to_proto(sampling),
-                                    kv_timeout_ms=int(self.config.kv_timeout_s * 1000))
+                                    kv_timeout_ms=int(self.config.kv_timeout_s * 1000),
+                                    fork_token_ids=forks)
             try:
                 call = d.decode.Decode(req, metadata=self.md)
             except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
@@ -238,12 +297,15 @@ class Lifecycle(Handoff):
             trace.add("decode_start", d.worker_id)
             try:
                 produced = [tok]
+                first_seen = False
                 async for c in self._read_stream(spec, call, d, trace):
-                    if len(produced) == 1:
+                    if not first_seen:
+                        first_seen = True
                         trace.add("decode_first", d.worker_id)
-                    produced.extend(c.token_ids)
-                    if c.finish_reason is not None:
-                        self._expect_sequence(d, ctx, produced)
+                    if c.index == 0:
+                        produced.extend(c.token_ids)
+                        if c.finish_reason is not None:
+                            self._expect_sequence(d, ctx, produced)
                     yield c
             finally:
                 call.cancel()
@@ -307,10 +369,13 @@ class Lifecycle(Handoff):
                 raise WorkerLost(f"{w.worker_id}: {resp.error}")
             if reason == FinishReason.ABORT:
                 raise WorkerLost(f"{w.worker_id} aborted the request: {resp.error}")
-            yield TokenChunk(list(resp.token_ids),
-                             [logprob_from_proto(lp) for lp in resp.logprobs]
-                             or [None] * len(resp.token_ids),
-                             reason, resp.cached_prompt_tokens)
+            chunk = TokenChunk(list(resp.token_ids),
+                               [logprob_from_proto(lp) for lp in resp.logprobs]
+                               or [None] * len(resp.token_ids),
+                               reason, resp.cached_prompt_tokens, resp.index)
+            if resp.prompt_logprobs:
+                chunk.prompt_logprobs = [logprob_from_proto(x) for x in resp.prompt_logprobs]
+            yield chunk
 
     # -- measurements (the cost model's fits) and cache expectations ------------------------------
 
@@ -336,3 +401,33 @@ class Lifecycle(Handoff):
         w.expect(hashes, time.monotonic() + self.registry.expect_s)
 
 
+async def _merge_choices(streams: dict[int, AsyncIterator[TokenChunk]]
+                         ) -> AsyncIterator[TokenChunk]:
+    """The chunks of several single-choice streams as they come, each marked with its choice
+    index; ends when every stream has finished. Leaving early closes them all."""
+    pending: dict[asyncio.Future[TokenChunk], int] = {}
+
+    def arm(i: int) -> None:
+        pending[asyncio.ensure_future(anext(streams[i]))] = i
+
+    for i in streams:
+        arm(i)
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    chunk = task.result()
+                except StopAsyncIteration:
+                    continue
+                chunk.index = i
+                yield chunk
+                if chunk.finish_reason is None:
+                    arm(i)
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams.values():
+            await stream.aclose()  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their checks.
 
-Fields kvrelay cannot honour (n > 1, echo, best_of, suffix) are refused with a 400 that says
+Fields kvrelay cannot honour (n > 16, best_of, suffix) are refused with a 400 that says
 so, instead of being silently ignored. Penalties, logit_bias, min_tokens and allowed_token_ids are
 range-checked here and again by SamplingParams (whose message the 400 carries).
 """
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvrelay.common.limits import INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
+from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured import StructuredOutput
 
 MAX_HTTP_LOGPROBS = 20
@@ -97,8 +98,8 @@ class _Common(BaseModel):
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+        if not 1 <= v <= SamplingParams.MAX_N:
+            raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}]")
         return v
 
     def logit_bias_ids(self) -> dict[int, float]:
@@ -132,13 +133,6 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
     @field_validator("best_of")
     @classmethod

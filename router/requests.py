@@ -65,6 +65,9 @@ class TokenChunk:
     logprobs: list[TokenLogprob | None]
     finish_reason: FinishReason | None = None
     cached_prompt_tokens: int = 0
+    index: int = 0  # the choice of an n > 1 request
+    # sampling.prompt_logprobs: with the first token, prompt tokens 1.. (the first has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class WorkerLost(Exception):

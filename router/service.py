@@ -90,6 +90,11 @@ class Delta:
     usage: Usage | None = None
     timing: Timing | None = None
     trace: Trace | None = None
+    index: int = 0  # the choice (n > 1): each one ends with a ``finished`` delta of its own
+    done: bool = False  # the request's last delta: every choice has finished; has the usage
+    # sampling.prompt_logprobs: on the request's first delta, prompt tokens 1.. (the first
+    # prompt token has none); the same for every choice.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RouterService:
@@ -323,7 +328,9 @@ class RouterService:
     async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
         trace = Trace(spec.arrival)
         trace.add("received")
-        proc = OutputProcessor(self.tokenizer, spec.prompt_token_ids, spec.sampling)
+        procs: dict[int, OutputProcessor] = {}
+        ended: set[int] = set()  # choices finished (a stop string may end one before its worker)
+        prompt_sent = False
         n_out = 0
         cached = 0
         first_at: float | None = None
@@ -332,6 +339,13 @@ class RouterService:
         tokens = self.lifecycle.tokens(spec, trace)
         try:
             async for chunk in tokens:
+                i = chunk.index
+                if i in ended:
+                    continue
+                proc = procs.get(i)
+                if proc is None:
+                    proc = procs[i] = OutputProcessor(self.tokenizer, spec.prompt_token_ids,
+                                                      spec.sampling)
                 now = time.monotonic()
                 if first_at is None:
                     first_at = now
@@ -347,10 +361,19 @@ class RouterService:
                 stop_reason: str | int | None = step.stop_string
                 if stop_reason is None and finish == FinishReason.STOP and chunk.token_ids:
                     stop_reason = chunk.token_ids[-1]
-                delta = Delta(spec.request_id, step.text, chunk.token_ids, chunk.logprobs)
+                delta = Delta(spec.request_id, step.text, chunk.token_ids, chunk.logprobs,
+                              index=i)
+                if spec.sampling.prompt_logprobs is not None and not prompt_sent:
+                    prompt_sent = True
+                    delta.prompt_logprobs = chunk.prompt_logprobs or []
                 if finish is not None:
                     delta.finished, delta.finish_reason, delta.stop_reason = True, finish, \
                         stop_reason
+                    ended.add(i)
+                    if len(ended) < spec.sampling.n:
+                        yield delta
+                        continue
+                    delta.done = True
                     delta.usage = Usage(len(spec.prompt_token_ids), n_out, cached)
                     delta.timing = self._timing(spec, trace, first_at, now, gaps)
                     trace.add("finished", detail=finish.value)

@@ -319,7 +319,7 @@ def _h_unsupported(d, body, chat):
             ("messages", [{"content": "no role"}]),
             ("messages", "hi")]))
     else:
-        k, v = d.draw(st.sampled_from([("echo", True), ("best_of", 3), ("suffix", "tail"),
+        k, v = d.draw(st.sampled_from([("n", 17), ("best_of", 3), ("suffix", "tail"),
                                        ("prompt", ["a", "b"])]))
     body[k] = v
 

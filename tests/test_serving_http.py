@@ -111,7 +111,7 @@ def test_http_errors_are_openai_objects(cluster) -> None:
     cases = [
         {"model": "demo", "prompt": "x", "max_tokens": 0},
         {"model": "demo", "prompt": "x", "temperature": -1},
-        {"model": "demo", "prompt": "x", "n": 2},
+        {"model": "demo", "prompt": "x", "n": 17},
         {"model": "demo", "prompt": ""},
         {"model": "demo", "prompt": [999999]},
         {"model": "demo", "prompt": "x" * 20000},

@@ -163,3 +163,18 @@ def test_grpc_refuses_a_bad_grammar_with_invalid_argument(cluster) -> None:
         list(c.stream("Hi", params, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "regex" in e.value.details()
+
+
+def test_each_of_n_choices_follows_the_grammar_on_its_own(oai) -> None:
+    """n > 1: the prefill samples every choice's first token under the grammar, and each fork
+    on the decode worker carries a matcher of its own."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    r = oai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Who?"}],
+                                    max_tokens=40, temperature=1.0, seed=5, n=4,
+                                    response_format=fmt)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    texts = [c.message.content for c in r.choices]
+    for c, t in zip(r.choices, texts, strict=True):
+        assert c.finish_reason == "stop", t
+        jsonschema.validate(json.loads(t), SCHEMA)
+    assert len(set(texts)) > 1
