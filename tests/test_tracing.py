@@ -157,7 +157,8 @@ def test_grpc_metadata_traceparent_and_no_parent(traced, collector) -> None:
         rid = "otel-no-parent"
         req = pb.GenerateRequest(text="Hello again", request_id=rid,
                                  sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
-        assert list(generate_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))[-1].finish_reason
+        out = list(generate_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
+        assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
     deadline = time.monotonic() + 30
     root = None
     while root is None and time.monotonic() < deadline:
