@@ -39,6 +39,8 @@ def setup(service: str, endpoint: str | None) -> bool:
     global _tracer, _provider
     if not endpoint:
         return False
+    if _tracer is not None:  # one provider per process (a test may run router and worker here)
+        return True
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
@@ -169,5 +171,7 @@ def from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> Any:
 def with_parent(metadata: tuple[tuple[str, str], ...], span: Any
                 ) -> tuple[tuple[str, str], ...]:
     """``metadata`` plus the ``traceparent`` entry naming ``span`` (unchanged when None)."""
+    if span is None:
+        return metadata
     tp = traceparent(span)
     return metadata if tp is None else (*metadata, (TRACEPARENT, tp))

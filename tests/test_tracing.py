@@ -8,6 +8,8 @@ TraceService), so what is checked is what a real collector would receive.
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from concurrent import futures
@@ -169,6 +171,44 @@ def test_grpc_metadata_traceparent_and_no_parent(traced, collector) -> None:
         time.sleep(0.05)
     assert root is not None and root.parent_span_id == b""
     _check_tree(collector.wait_for(root.trace_id.hex(), set(TREE)), "")
+
+
+def test_prefill_ahead_keeps_the_tree(demo_model_dir, tmp_path, collector) -> None:
+    """With the Prefill sent beside the Reserve (``--prefill-ahead``) the spans are the same
+    tree: the early Prefill call carries its own span's traceparent."""
+    trace_id, span_id, tp = _client_span()
+    with Cluster(demo_model_dir, tmp_path, prefill=1, decode=1,
+                 router_args=("--http-port", "0", "--prefill-ahead"),
+                 env={"KVRELAY_OTLP_TRACES_ENDPOINT": collector.endpoint}) as c:
+        port = c.router.ready["http_port"]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                             "ignore_eos": True, "stream": True},
+                       headers={"traceparent": tp}, timeout=60)
+        assert r.status_code == 200 and "data: [DONE]" in r.text, r.text
+        _check_tree(collector.wait_for(trace_id, set(TREE)), span_id)
+
+
+def test_without_opentelemetry_tracing_stays_off(tmp_path) -> None:
+    """opentelemetry is optional: with it absent an endpoint only warns, and spans stay no-ops."""
+    code = (
+        "import logging, sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'opentelemetry':\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from kvrelay.common import tracing\n"
+        "assert not tracing.setup('kvrelay-router', '127.0.0.1:4317')\n"
+        "assert not tracing.enabled() and tracing.start('x') is None\n"
+        "assert tracing.from_metadata([('traceparent', '00-' + '1' * 32 + '-' + '2' * 16 + "
+        "'-01')]) is None\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok" and "not installed" in out.stderr
 
 
 def test_tracing_off_is_inert() -> None:
