@@ -253,8 +253,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             context: grpc.aio.ServicerContext) \
             -> AsyncIterator[wpb.DecodeResponse]:
         rid = request.request_id
+        span = None
+        if tracing.enabled():  # the whole request here: prefill and decode alike
+            span = tracing.start("worker.generate_local",
+                                 tracing.from_metadata(context.invocation_metadata()),
+                                 **{"kvrelay.request_id": rid})
         with request_context(rid):
             if self.draining:
+                tracing.end(span, error="draining")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
                                     WORKER_DRAINING)
             try:
@@ -264,8 +270,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                               cache_salt=cache_salt_of(request.cache_salt))
                 first = await anext(stream)
             except EngineOverloaded as e:
+                tracing.end(span, error=e)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except ValueError as e:
+                tracing.end(span, error=e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out: RequestOutput | None = first
             try:
@@ -275,6 +283,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         break
                     out = await anext(stream, None)
             finally:
+                tracing.end(span)
                 await stream.aclose()
 
     async def _end_decode(self, rid: str, stream: AsyncIterator[RequestOutput] | None,

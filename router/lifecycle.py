@@ -92,6 +92,7 @@ class Lifecycle(Handoff):
                                       f"request failed after {migrations - 1} migrations: {e}",
                                       retry_after_s=1.0) from e
                 trace.add("migrate", detail=str(e))
+                tracing.event(trace.span, "migrate", reason=str(e)[:200], after=len(produced))
                 logger.warning("resuming after %d tokens (migration %d): %s", len(produced),
                                migrations, e)
 
@@ -256,6 +257,10 @@ class Lifecycle(Handoff):
                     if c.finish_reason is not None:
                         self._expect_sequence(d, ctx, produced)
                     yield c
+            except Exception as e:  # the worker lost, a deadline: the span says so
+                tracing.end(span, error=e)
+                span = None
+                raise
             finally:
                 call.cancel()
                 tracing.end(span)

@@ -317,6 +317,7 @@ class RouterService:
                 if first_at is None:
                     first_at = now
                     trace.add("first_token")
+                    tracing.event(trace.span, "first_token")
                 else:
                     gaps.append(now - last_at)
                 last_at = now
