@@ -107,5 +107,8 @@ def add_common_process_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--log-format", default="text", choices=["text", "json"])
     opt(p, "--cluster-token", default=None,
         help="shared secret required on internal ports (prefer the env var)")
+    opt(p, "--otlp-traces-endpoint", default=None,
+        help="OpenTelemetry collector (OTLP/gRPC, e.g. 127.0.0.1:4317) that receives this "
+             "process's spans; needs pip install 'kvrelay[otel]' (unset: no spans)")
     opt(p, "--ready-file", default=None,
         help="write a JSON file with the bound ports once serving (for supervisors)")

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import grpc
 
+from kvrelay.common import tracing
 from kvrelay.common.convert import (
     ID_REUSE_WAIT_S,
     cache_salt_of,
@@ -98,6 +99,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Reserve(self, request: wpb.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> wpb.ReserveResponse:
+        if not tracing.enabled():
+            return await self._reserve(request, context)
+        with tracing.span("decode.reserve", tracing.from_metadata(context.invocation_metadata()),
+                          **{"kvrelay.request_id": request.request_id}) as span:
+            resp = await self._reserve(request, context)
+            span.set_attribute("kvrelay.blocks", len(resp.block_ids))
+            span.set_attribute("kvrelay.cached_prefix_tokens", resp.cached_prefix_tokens)
+            return resp
+
+    async def _reserve(self, request: wpb.ReserveRequest,
+                       context: grpc.aio.ServicerContext) -> wpb.ReserveResponse:
         rid = request.request_id
         with request_context(rid):
             if self.kv is None:
@@ -182,10 +194,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.DecodeResponse]:
         rid = request.request_id
         mark("decode_rpc_in", rid)
+        span = decoding = None
+        if tracing.enabled():
+            span = tracing.start("decode.request",
+                                 tracing.from_metadata(context.invocation_metadata()),
+                                 **{"kvrelay.request_id": rid})
         with request_context(rid):
             try:
                 lease = self.leases.start_decoding(rid, request.lease_id)
             except LeaseError as e:
+                tracing.end(span, error=e)
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             # Until this stream is wholly torn down, a new Reserve of the same id waits.
             done = self._busy[rid] = asyncio.get_running_loop().create_future()
@@ -206,13 +224,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     t0 = time.monotonic()
                     first = await asyncio.wait_for(anext(stream), kv_timeout)
                 except (ValueError, KeyError) as e:
+                    tracing.end(span, error=e)
+                    span = None
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 except TimeoutError:
                     logger.warning("KV did not arrive within %.1fs", kv_timeout)
+                    tracing.end(span, error="KV did not arrive")
+                    span = None
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"KV for {rid} did not arrive within {kv_timeout:.1f}s")
                 out: RequestOutput | None = first
-                kv_wait_ms = (time.monotonic() - t0) * 1000.0
+                t_kv = time.monotonic()
+                kv_wait_ms = (t_kv - t0) * 1000.0
+                n_out = 0
+                if span is not None:
+                    tracing.record("decode.kv_wait", span, t0, t_kv)
+                    decoding = tracing.start("decode.decode", span, start_s=t_kv)
                 marked = False
                 running = set(index)
                 while out is not None:
@@ -223,6 +250,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         msg = decode_response(out)
                         msg.kv_wait_ms = kv_wait_ms
                         msg.index = index.get(out.request_id, 0)
+                        n_out += len(out.new_token_ids)
                         yield msg
                     if out.finished:
                         running.discard(out.request_id)
@@ -231,6 +259,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             break
                     out = await anext(stream, None)
             finally:
+                if decoding is not None:
+                    decoding.set_attribute("kvrelay.tokens", n_out)
+                    decoding.set_attribute("kvrelay.finished", finished)
+                tracing.end(decoding)
+                tracing.end(span)
                 # Every way out (finished, failed, or cancelled by the router at any await,
                 # the KV wait included) frees the request, its lease and its engine stream;
                 # shielded, so that a second cancel cannot cut it short.
@@ -243,8 +276,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             context: grpc.aio.ServicerContext) \
             -> AsyncIterator[wpb.DecodeResponse]:
         rid = request.request_id
+        span = None
+        if tracing.enabled():  # the whole request here: prefill and decode alike
+            span = tracing.start("worker.generate_local",
+                                 tracing.from_metadata(context.invocation_metadata()),
+                                 **{"kvrelay.request_id": rid})
         with request_context(rid):
             if self.draining:
+                tracing.end(span, error="draining")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
                                     WORKER_DRAINING)
             try:
@@ -254,8 +293,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                               cache_salt=cache_salt_of(request.cache_salt))
                 first = await anext(stream)
             except EngineOverloaded as e:
+                tracing.end(span, error=e)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except ValueError as e:
+                tracing.end(span, error=e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out: RequestOutput | None = first
             try:
@@ -265,6 +306,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         break
                     out = await anext(stream, None)
             finally:
+                tracing.end(span)
                 await stream.aclose()
 
     async def _end_decode(self, rid: str, stream: AsyncIterator[RequestOutput] | None,

@@ -72,6 +72,11 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--served-model-name", default=None,
         help="model name of the OpenAI API (default: the model directory's name)")
     opt(p, "--api-keys", default=None)
+    opt(p, "--chat-template", default=None,
+        help="Jinja chat template (a file or the template itself) for checkpoints without one")
+    opt(p, "--otlp-traces-endpoint", default=None,
+        help="OpenTelemetry collector (OTLP/gRPC HOST:PORT) for the spans of every process "
+             "(needs pip install 'kvrelay[otel]')")
     opt(p, "--cluster-token", default=None,
         help="secret of the internal ports (router control, workers); default: a fresh random "
         "one handed to the actors, so nothing outside this launch can join")
@@ -119,6 +124,7 @@ def build_spec(args: argparse.Namespace, loopback: bool,
     from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
     from kvrelay.deploy.gpu_request import gpu_request
     from kvrelay.deploy.spec import PoolSpec, ServeSpec
+    from kvrelay.engine.tokenizer import read_chat_template
     from kvrelay.router.lifecycle import RouterConfig
     from kvrelay.router.server import RouterSettings
     from kvrelay.worker.process import WorkerSettings
@@ -133,7 +139,9 @@ def build_spec(args: argparse.Namespace, loopback: bool,
         control_host="127.0.0.1" if loopback else "0.0.0.0",
         control_port=int(args.control_port), http_host=host, http_port=http,
         api_keys=keys, cluster_token=token,
-        served_model_name=args.served_model_name, config=RouterConfig(policy=args.policy))
+        served_model_name=args.served_model_name, config=RouterConfig(policy=args.policy),
+        chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None)
     try:
         req = gpu_request(args.device, _opt_float(args.gpus_per_replica),
                           cluster_resources or {})
@@ -169,6 +177,7 @@ def build_spec(args: argparse.Namespace, loopback: bool,
     return ServeSpec(
         router=replace(router, heartbeat_interval_s=hb),
         worker=WorkerSettings(role="both", cluster_token=token,
+                              otlp_traces_endpoint=args.otlp_traces_endpoint or None,
                               heartbeat_interval_s=hb,
                               drain_timeout_s=float(args.drain_timeout)),
         engine=engine_config_from_args(argparse.Namespace(**{**vars(args),

@@ -74,7 +74,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         cluster_token=args.cluster_token,
         heartbeat_interval_s=float(args.heartbeat_interval),
         lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout),
-        metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port))
+        metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None)
     config = engine_config_from_args(args, role=args.role)
     asyncio.run(run_worker(settings, config, on_ready=lambda w: _write_ready(
         args.ready_file, {"port": w.port, "metrics_port": w.metrics_port,
@@ -107,6 +108,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         cache_salt_by_api_key=bool(args.cache_salt_by_api_key),
         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
         cluster_token=args.cluster_token, tls=tls,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
         heartbeat_interval_s=float(args.heartbeat_interval),
         config=RouterConfig(policy=args.policy, lease_ttl_s=float(args.lease_ttl),
                             kv_timeout_s=float(args.kv_timeout),

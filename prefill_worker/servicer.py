@@ -13,11 +13,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
+from kvrelay.common import tracing
 from kvrelay.common.convert import (
     ID_REUSE_WAIT_S,
     cache_salt_of,
@@ -42,6 +44,9 @@ from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+# The Prefill call's span (common.tracing) while tracing is on: each call runs in a task of its own.
+_SPAN: ContextVar[Any] = ContextVar("kvrelay_prefill_span", default=None)
 
 KV_TRANSFER_FAILED = "KV transfer failed"  # EngineCore's error prefix for a failed send
 
@@ -169,6 +174,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: wpb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
+        if not tracing.enabled():
+            return await self._prefill_rpc(request, context)
+        span = tracing.start("prefill.request",
+                             tracing.from_metadata(context.invocation_metadata()),
+                             **{"kvrelay.request_id": request.request_id,
+                                "kvrelay.worker": self.worker_id,
+                                "kvrelay.prompt_tokens": len(request.prompt_token_ids)})
+        token = _SPAN.set(span)
+        try:
+            return await self._prefill_rpc(request, context)
+        except BaseException as e:  # an abort raises too
+            tracing.end(span, error=e if isinstance(e, Exception) else None)
+            span = None
+            raise
+        finally:
+            _SPAN.reset(token)
+            tracing.end(span)
+
+    async def _prefill_rpc(self, request: wpb.PrefillRequest,
+                           context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
         rid = request.request_id
         mark("prefill_rpc_in", rid)
         with request_context(rid):
@@ -361,5 +386,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 resp.fork_logprobs.append(logprob_to_proto(lp))
         if out.prompt_logprobs:
             resp.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
+        span = _SPAN.get()
+        if span is not None:  # the engine's time points, as spans under the request's
+            span.set_attribute("kvrelay.cached_prompt_tokens", out.num_cached_tokens)
+            span.set_attribute("kvrelay.kv_bytes", resp.kv_bytes)
+            tracing.record("prefill.queue", span, t0, scheduled)
+            tracing.record("prefill.compute", span, scheduled, computed)
+            tracing.record("prefill.kv_send", span, computed, done,
+                           **{"kvrelay.kv_bytes": resp.kv_bytes, "kvrelay.blocks": sent_blocks})
         mark("prefill_rpc_out", rid)
         return resp

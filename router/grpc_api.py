@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvrelay.common import tracing
 from kvrelay.common.convert import finish_to_proto, logprob_to_proto, sampling_from_proto
 from kvrelay.common.limits import MAX_TIMEOUT_MS
 from kvrelay.common.logs import request_context
@@ -85,6 +86,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RouterError as e:
             await abort_with(context, e)
+        if tracing.enabled():
+            spec.trace_parent = tracing.from_metadata(context.invocation_metadata())
         with request_context(spec.request_id):
             try:
                 async for delta in self.service.generate(spec):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import grpc
 
+from kvrelay.common import tracing
 from kvrelay.common.convert import sampling_to_proto
 from kvrelay.common.logs import request_context
 from kvrelay.common.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN, WORKER_DRAINING
@@ -55,9 +56,13 @@ class Handoff:
                                    sampling=sampling_to_proto(sampling), destination_follows=True)
         ctx.ahead_t0 = time.monotonic()
         trace.add("prefill_start", ctx.prefill.worker_id, detail=ctx.reason or "ahead")
+        span = tracing.start("router.prefill", trace.span, **{
+            "kvrelay.worker": ctx.prefill.worker_id, "kvrelay.ahead": True})
         ctx.ahead = asyncio.ensure_future(ctx.prefill.prefill.Prefill(
-            ahead, metadata=self.md,
+            ahead, metadata=tracing.with_parent(self.md, span),
             timeout=self._remaining(spec, self.config.prefill_timeout_s)))
+        if span is not None:
+            ctx.ahead.add_done_callback(lambda _: tracing.end(span))
 
     async def _reserve(self, spec: GenerateSpec, prompt: list[int], trace: Trace,
                        ctx: Pass | None = None) -> tuple[WorkerState, wpb.ReserveResponse]:
@@ -65,21 +70,28 @@ class Handoff:
         if spec.deadline is not None:
             give_up = min(give_up, spec.deadline)
         pause = 0.02
-        while True:
-            got = await self._reserve_once(spec, prompt, trace, ctx)
-            if got is not None:
-                return got
-            if time.monotonic() + pause > give_up:
-                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  "no decode worker has KV room for this request now",
-                                  retry_after_s=1.0)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.25)
+        with tracing.span("router.reserve", trace.span) as span:
+            md = tracing.with_parent(self.md, span)
+            while True:
+                got = await self._reserve_once(spec, prompt, trace, ctx, md)
+                if got is not None:
+                    if span is not None:
+                        span.set_attribute("kvrelay.worker", got[0].worker_id)
+                    return got
+                if time.monotonic() + pause > give_up:
+                    raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      "no decode worker has KV room for this request now",
+                                      retry_after_s=1.0)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.25)
 
     async def _reserve_once(self, spec: GenerateSpec, prompt: list[int], trace: Trace,
-                            ctx: Pass | None = None
+                            ctx: Pass | None = None,
+                            md: tuple[tuple[str, str], ...] | None = None
                             ) -> tuple[WorkerState, wpb.ReserveResponse] | None:
-        """Reserve on the best decode worker that has room; None when all are full."""
+        """Reserve on the best decode worker that has room; None when all are full. ``md``:
+        the calls' metadata (default the cluster token's)."""
+        md = self.md if md is None else md
         decoders = self.registry.alive("decode")
         if not decoders:
             raise WorkerLost("no decode worker")
@@ -99,7 +111,7 @@ class Handoff:
             t_rpc = time.monotonic()
             try:
                 resp = await d.decode.Reserve(
-                    req, metadata=self.md,
+                    req, metadata=md,
                     timeout=self._remaining(spec, self.config.reserve_timeout_s))
             except BaseException as e:
                 d.inflight -= 1
@@ -171,15 +183,20 @@ class Handoff:
                               ctx.reason if len(tried) == 1 else "retry")))
             t_rpc = time.monotonic()
             ctx.writes_unsettled = True
+            span = None
             try:
                 if ctx.ahead is not None:  # already computing: name its destination
                     t_rpc = ctx.ahead_t0
                     resp = await self._join_ahead(spec, p, dest, ctx)
                 else:
+                    span = tracing.start("router.prefill", trace.span,
+                                         **{"kvrelay.worker": p.worker_id})
                     resp = await p.prefill.Prefill(
-                        req, metadata=self.md,
+                        req, metadata=tracing.with_parent(self.md, span),
                         timeout=self._remaining(spec, self.config.prefill_timeout_s))
             except grpc.aio.AioRpcError as e:
+                tracing.end(span, error=f"{e.code().name} {e.details()}")
+                span = None
                 last = self._prefill_refused(e, spec, p, d, trace)
                 exhausted = exhausted or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 ctx.writes_unsettled = False
@@ -193,6 +210,7 @@ class Handoff:
                                  f"a new lease") from None
             finally:
                 uncharge()
+                tracing.end(span)
             ctx.writes_unsettled = False  # answered: every write landed and was notified
             trace.add_prefill_end(p.worker_id, resp)
             self._observe_prefill(p, d, lease, ctx, resp, time.monotonic() - t_rpc,

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvrelay.common import tracing
 from kvrelay.common.limits import MAX_HTTP_BODY_BYTES
 from kvrelay.common.logs import request_context
 from kvrelay.common.rpc import SecretSet, TLSFiles
@@ -292,6 +293,8 @@ class HttpServer:
     async def _respond(self, spec: GenerateSpec, req: _Common, request: Request, *,
                        chat: bool, echo: str | None = None) -> Response:
         """``echo``: the prompt's text, put before each choice's (completions)."""
+        if tracing.enabled():
+            spec.trace_parent = tracing.from_traceparent(request.headers.get("traceparent"))
         rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
         created = int(time.time())
         model = self.service.model_name

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import grpc
 
+from kvrelay.common import tracing
 from kvrelay.common.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
 from kvrelay.engine.outputs import FinishReason
 from kvrelay.engine.sampling_params import SamplingParams
@@ -106,6 +107,7 @@ class Lifecycle(Handoff):
                                       f"request failed after {migrations - 1} migrations: {e}",
                                       retry_after_s=1.0) from e
                 trace.add("migrate", detail=str(e))
+                tracing.event(trace.span, "migrate", reason=str(e)[:200], after=len(produced))
                 logger.warning("resuming after %d tokens (migration %d): %s", len(produced),
                                migrations, e)
 
@@ -150,9 +152,14 @@ class Lifecycle(Handoff):
             return
         ctx = new_pass(spec, prompt, sampling.max_tokens)
         ctx.count = spec.request_id not in self.probes
+        t_route = time.monotonic()
         route = self.policy.route(ctx.req, self.registry.alive("decode"),
                                   self.registry.alive("prefill"))
         ctx.reason = route.reason
+        if trace.span is not None:
+            tracing.record("router.route", trace.span, t_route, time.monotonic(),
+                           **{"kvrelay.route": route.reason,
+                              "kvrelay.local": route.local is not None})
         logger.debug("route: %s", route.describe())
         if route.local is not None and sampling.n == 1:  # the fast lane: on a decode worker
             started = False
@@ -216,10 +223,12 @@ class Lifecycle(Handoff):
         prefilling = True
         produced: list[int] = []
         call = None
+        span = tracing.start("router.stream", trace.span,
+                             **{"kvrelay.worker": w.worker_id, "kvrelay.local": True})
         try:
             t0 = time.monotonic()
             try:
-                call = w.decode.GenerateLocal(req, metadata=self.md)
+                call = w.decode.GenerateLocal(req, metadata=tracing.with_parent(self.md, span))
             except grpc.aio.UsageError as e:  # the registry dropped w (and closed its channel)
                 raise WorkerLost(f"{w.worker_id} left the registry: {e}") from e
             async for chunk in self._read_stream(spec, call, w, trace):
@@ -241,6 +250,7 @@ class Lifecycle(Handoff):
             w.inflight -= 1
             if call is not None:
                 call.cancel()
+            tracing.end(span)
 
     # -- disaggregated ----------------------------------------------------------------------------
     async def disaggregated_pass(self, spec: GenerateSpec, prompt: list[int],
@@ -290,9 +300,11 @@ class Lifecycle(Handoff):
                                     first_token_id=tok, sampling=sampling_to_proto(sampling),
                                     kv_timeout_ms=int(self.config.kv_timeout_s * 1000),
                                     fork_token_ids=forks)
+            span = tracing.start("router.stream", trace.span, **{"kvrelay.worker": d.worker_id})
             try:
-                call = d.decode.Decode(req, metadata=self.md)
+                call = d.decode.Decode(req, metadata=tracing.with_parent(self.md, span))
             except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
+                tracing.end(span, error=e)
                 raise WorkerLost(f"{d.worker_id} left the registry: {e}") from e
             trace.add("decode_start", d.worker_id)
             try:
@@ -307,8 +319,13 @@ class Lifecycle(Handoff):
                         if c.finish_reason is not None:
                             self._expect_sequence(d, ctx, produced)
                     yield c
+            except Exception as e:  # the worker lost, a deadline: the span says so
+                tracing.end(span, error=e)
+                span = None
+                raise
             finally:
                 call.cancel()
+                tracing.end(span)
         finally:
             d.inflight -= 1
             renew.cancel()

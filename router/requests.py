@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.prefix_hash import salt_root
@@ -55,6 +56,9 @@ class GenerateSpec:
     deadline: float | None = None  # time.monotonic() by which the request must end
     arrival: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # prefix-cache namespace (engine.prefix_hash.salt_root)
+    # The client's span (common.tracing.from_traceparent), parent of the router's; None: a
+    # trace of its own (or tracing is off).
+    trace_parent: Any = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvrelay.common import tracing
 from kvrelay.common.limits import MAX_GRPC_REQUEST_BYTES
 from kvrelay.common.rpc import (
     SecretSet,
@@ -52,6 +53,7 @@ class RouterSettings:
     # Each API key gets its own prefix-cache namespace (cache_salt derived from the key).
     cache_salt_by_api_key: bool = False
     chat_template: str | None = None  # Jinja; None: the tokenizer's own
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
     cluster_token: str | None = None
     tls: TLSFiles | None = None
     heartbeat_interval_s: float = 1.0
@@ -100,6 +102,8 @@ class Router:
         from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
 
         st = self.settings
+        if st.otlp_traces_endpoint:
+            tracing.setup("kvrelay-router", st.otlp_traces_endpoint)
         arch = arch_from_hf_config(load_hf_config(st.model))
         tokenizer = load_tokenizer(st.model)
         self.registry = WorkerRegistry(heartbeat_interval_s=st.heartbeat_interval_s,
@@ -189,6 +193,8 @@ class Router:
         await self.control.stop(grace=1.0)
         await self.registry.stop()
         self.service.close()
+        if self.settings.otlp_traces_endpoint:
+            await asyncio.to_thread(tracing.shutdown)  # flushes the spans still queued
         self._stopped.set()
 
     async def wait(self) -> None:

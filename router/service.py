@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvrelay.common import tracing
 from kvrelay.common.limits import (
     MAX_PROMPT_CHARS,
     MAX_REQUEST_ID,
@@ -328,6 +329,10 @@ class RouterService:
     async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
         trace = Trace(spec.arrival)
         trace.add("received")
+        if tracing.enabled():  # "receive": the request from arrival to its last token
+            trace.span = tracing.start("router.request", spec.trace_parent, start_s=spec.arrival,
+                                       **{"kvrelay.request_id": spec.request_id,
+                                          "kvrelay.prompt_tokens": len(spec.prompt_token_ids)})
         procs: dict[int, OutputProcessor] = {}
         ended: set[int] = set()  # choices finished (a stop string may end one before its worker)
         prompt_sent = False
@@ -350,6 +355,7 @@ class RouterService:
                 if first_at is None:
                     first_at = now
                     trace.add("first_token")
+                    tracing.event(trace.span, "first_token")
                 else:
                     gaps.append(now - last_at)
                 last_at = now
@@ -384,11 +390,21 @@ class RouterService:
                     logger.info("finished %s: %d+%d tokens ttft=%.1fms e2e=%.1fms | %s",
                                 finish.value, len(spec.prompt_token_ids), n_out,
                                 delta.timing.ttft_ms, delta.timing.e2e_ms, trace.summary())
+                    if trace.span is not None:
+                        trace.span.set_attribute("kvrelay.completion_tokens", n_out)
+                        trace.span.set_attribute("kvrelay.finish_reason", finish.value)
                     yield delta
                     return
                 yield delta
+        except BaseException as e:
+            if trace.span is not None:
+                # A client that left (GeneratorExit, cancelled) is no failure of the request.
+                tracing.end(trace.span, error=e if isinstance(e, Exception) else None)
+                trace.span = None
+            raise
         finally:
             await tokens.aclose()
+            tracing.end(trace.span)
 
     def recent_latency(self, window_s: float) -> tuple[float | None, float | None]:
         """p90 TTFT and p90 mean inter-token latency (ms) of requests finished lately."""

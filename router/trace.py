@@ -25,6 +25,7 @@ class Trace:
     prefill: Any = None  # the PrefillResponse, for its timings
     reserve_ms: float = 0.0  # the last Reserve round trip
     decode_kv_wait_ms: float = 0.0  # the decode worker's wait for the KV, as it reported it
+    span: Any = None  # the request's OpenTelemetry span (common.tracing), None when off
 
     def add(self, name: str, worker: str = "", detail: str = "") -> TraceEvent:
         ev = TraceEvent(name, (time.monotonic() - self.t0) * 1000.0, worker, detail)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvrelay.common import tracing
 from kvrelay.common.rpc import (
     SecretSet,
     add_health,
@@ -55,6 +56,7 @@ class WorkerSettings:
     lease_ttl_s: float = 10.0
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics over HTTP when set (0 = any free)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
 
     def __post_init__(self) -> None:
         if self.role not in _ROLE:
@@ -186,6 +188,8 @@ class Worker:
 
     async def start(self) -> None:
         st = self.settings
+        if st.otlp_traces_endpoint:
+            tracing.setup(f"kvrelay-{st.role}-worker", st.otlp_traces_endpoint)
         self.metrics = None
         self.metrics_port: int | None = None
         await self._build_engine()
@@ -283,6 +287,8 @@ class Worker:
         self.engine.shutdown()
         if self.metrics is not None:
             self.metrics.close()
+        if self.settings.otlp_traces_endpoint:
+            await asyncio.to_thread(tracing.shutdown)  # flushes the spans still queued
         self._stopped.set()
         logger.info("worker %s stopped", self.worker_id)
 
