@@ -17,6 +17,8 @@ import os
 import statistics
 import time
 
+import torch
+
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.grammar_mask import MaskFiller
@@ -26,10 +28,11 @@ from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
 
 
 class _TimedFiller(MaskFiller):
-    """Inline filling, timed."""
+    """Inline filling (on as many llguidance workers as torch threads, as the engine does),
+    timed."""
 
     def __init__(self, vocab_size: int):
-        super().__init__(vocab_size, overlap=False)
+        super().__init__(vocab_size, overlap=False, threads=torch.get_num_threads())
         self.seconds: list[float] = []
 
     def start(self, seqs):  # type: ignore[no-untyped-def]

@@ -19,8 +19,6 @@ from kvrelay.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
 
 @dataclass
 class StepMasks:
@@ -39,11 +37,13 @@ class StepMasks:
 
 
 class MaskFiller:
-    """Starts the mask computation of a step's constrained rows (``overlap``: on a thread)."""
+    """Starts the mask computation of a step's constrained rows (``overlap``: on a thread;
+    ``threads``: llguidance's own workers for the rows, e.g. every core when filled inline)."""
 
-    def __init__(self, vocab_size: int, overlap: bool = True):
+    def __init__(self, vocab_size: int, overlap: bool = True, threads: int = 1):
         self.vocab_size = vocab_size
         self.overlap = overlap
+        self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
         self._executor: object | None = None
 
@@ -54,7 +54,7 @@ class MaskFiller:
         import llguidance as llg
 
         if self._executor is None:
-            self._executor = llg.LLExecutor(num_threads=1)
+            self._executor = llg.LLExecutor(num_threads=self.threads)
         width = (self.vocab_size + 31) // 32
         bitmask = torch.zeros((len(rows), width), dtype=torch.int32)
         matchers = [(seqs[i].grammar.handle, j) for j, i in enumerate(rows)]  # type: ignore[union-attr]
@@ -77,17 +77,34 @@ def apply_masks(logits: torch.Tensor, raw: torch.Tensor, masks: StepMasks) -> to
     """``logits`` with every token a row's grammar forbids at -inf (a new tensor). A row the
     request's own logits processors had already wholly masked within the grammar's tokens
     (``allowed_token_ids`` or ``min_tokens`` against the only tokens the grammar allows) falls
-    back to its ``raw`` logits: the grammar is the hard constraint."""
+    back to its ``raw`` logits: the grammar is the hard constraint.
+
+    The bitmask becomes an additive 0/-inf bias through a 256-entry table (one gather of 8
+    values per mask byte, then one add): a boolean ``masked_fill`` over the same rows costs
+    ~8x more on the CPU (1.0 vs 0.11 ms for 32 x 4096)."""
     masks.wait()
-    idx = torch.tensor(masks.rows, dtype=torch.long, device=logits.device)
-    vocab = logits.shape[-1]
-    bits = masks.bitmask.to(logits.device)
-    allowed = ((bits[:, :, None] >> _BITS.to(logits.device)) & 1).bool()
-    allowed = allowed.view(len(masks.rows), -1)[:, :vocab]
-    neg_inf = float("-inf")
-    sub = logits.index_select(0, idx).masked_fill_(~allowed, neg_inf)
-    dead = torch.isneginf(sub).all(dim=-1)
+    n, vocab, dev = len(masks.rows), logits.shape[-1], logits.device
+    # Byte k of the (little-endian) int32 words holds tokens 8k..8k+7, lowest bit first.
+    mask_bytes = masks.bitmask.to(dev).view(torch.uint8).reshape(-1).long()
+    add = _forbid_table(dev, logits.dtype).index_select(0, mask_bytes).view(n, -1)[:, :vocab]
+    every_row = n == logits.shape[0]
+    idx = None if every_row else torch.tensor(masks.rows, dtype=torch.long, device=dev)
+    sub = logits + add if idx is None else logits.index_select(0, idx) + add
+    dead = sub.amax(dim=-1) == float("-inf")
     if bool(dead.any()):
-        fallback = raw.index_select(0, idx).masked_fill_(~allowed, neg_inf)
+        fallback = (raw if idx is None else raw.index_select(0, idx)) + add
         sub = torch.where(dead[:, None], fallback, sub)
-    return logits.index_copy(0, idx, sub)
+    return sub if idx is None else logits.index_copy(0, idx, sub)
+
+
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _forbid_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 8]``: for each mask byte, 0 where its bit allows the token, -inf where not."""
+    table = _TABLES.get((device, dtype))
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = torch.zeros((256, 8), dtype=dtype).masked_fill_(bits == 0, float("-inf"))
+        table = _TABLES[(device, dtype)] = table.to(device)
+    return table

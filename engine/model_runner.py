@@ -144,13 +144,15 @@ class ModelRunner:
         self.eos_token_ids: frozenset[int] = frozenset()
         # Grammar masks of constrained rows: filled on a thread while the forward runs when the
         # forward leaves a CPU core free (a GPU forward; a CPU one on fewer threads than cores),
-        # else inline before sampling: a mask thread beside a CPU forward that already uses
-        # every core oversubscribes them, and OpenMP barriers stall on a descheduled thread
-        # (see AsyncEngine.spawn). bench/structured.py on 2 shared cores could not settle it:
-        # thread vs inline 0.68x vs 0.87x of free text over 2 rounds, 1.01x vs 0.93x over 5
-        # (bench/results/structured.txt); the load of other sessions dominated both.
-        self.masks = MaskFiller(self.arch.vocab_size, overlap=self.device.type != "cpu"
-                                or torch.get_num_threads() < len(os.sched_getaffinity(0)))
+        # else inline before sampling, on as many llguidance workers as torch has threads: a
+        # mask thread beside a CPU forward that already uses every core oversubscribes them
+        # (OpenMP barriers stall on a descheduled thread, see AsyncEngine.spawn), and one
+        # llguidance worker beside OpenMP threads still spinning after the forward took 0.4 ms
+        # median but 7 ms p90 for 32 rows on an idle 2-core machine; two took 0.36 / 0.40 ms.
+        overlap = self.device.type != "cpu" or \
+            torch.get_num_threads() < len(os.sched_getaffinity(0))
+        self.masks = MaskFiller(self.arch.vocab_size, overlap=overlap,
+                                threads=1 if overlap else torch.get_num_threads())
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
                     num_blocks, block_size, self.kv_spec.total_bytes / 2**20, self.backend,
