@@ -65,7 +65,7 @@ def _serve(port: int, tokens: int, ready: Any, done: Any, cpu: Any) -> None:
                 last = i == n - 1
                 yield Delta(spec.request_id, " tok", [7], [None], finished=last,
                             finish_reason=FinishReason.LENGTH if last else None,
-                            usage=Usage(3, n) if last else None)
+                            usage=Usage(3, n) if last else None, done=last)
                 await asyncio.sleep(0)
 
     async def main() -> None:
