@@ -68,6 +68,10 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kw["prompt_logprobs"] = msg.prompt_logprobs
     if msg.allowed_token_ids:
         kw["allowed_token_ids"] = msg.allowed_token_ids
+    if len(msg.bad_words) > SamplingParams.MAX_BAD_WORDS:
+        raise ValueError(f"at most {SamplingParams.MAX_BAD_WORDS} bad words (token sequences)")
+    if msg.bad_words:
+        kw["bad_words_token_ids"] = tuple(tuple(w.ids) for w in msg.bad_words)
     if kw.get("top_k") == -1:
         kw["top_k"] = 0
     if msg.HasField("structured"):
@@ -119,6 +123,8 @@ def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         msg.prompt_logprobs = sp.prompt_logprobs
     if sp.allowed_token_ids is not None:
         msg.allowed_token_ids.extend(sorted(sp.allowed_token_ids))
+    for w in sp.bad_words_token_ids:
+        msg.bad_words.add(ids=w)
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
     if sp.structured is not None:

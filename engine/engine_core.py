@@ -189,8 +189,8 @@ class EngineCore:
     def validate_sampling(self, sampling: SamplingParams) -> None:
         top = sampling.max_token_id()
         if top >= self.vocab_size:
-            raise ValueError(f"token id {top} in logit_bias/allowed_token_ids is outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"token id {top} in logit_bias/allowed_token_ids/bad_words is "
+                             f"outside the vocabulary [0, {self.vocab_size})")
         if sampling.structured is not None:
             self.grammar.check(sampling.structured)
 

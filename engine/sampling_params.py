@@ -44,6 +44,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     allowed_token_ids: frozenset[int] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     resumed_output_tokens: int = 0
     structured: StructuredOutput | None = None
     n: int = 1
@@ -53,6 +54,9 @@ class SamplingParams:
     # ``structured``: a grammar the output must match (JSON schema, regex, choice); the engine
     # masks every token it forbids, allows EOS only where the grammar may end, and finishes the
     # request once the grammar admits nothing more.
+    # ``bad_words_token_ids``: token sequences the output must not contain (vLLM's bad_words,
+    # tokenized by the router): a sequence's last token is masked whenever the output so far
+    # ends with the rest of it (a one-token word: always).
     # ``resumed_output_tokens``: a request resumed on another worker (a migration) arrives with
     # its output so far appended to the prompt; those last tokens still count as output for the
     # presence and frequency penalties, so the resumed stream equals an uninterrupted one.
@@ -69,6 +73,8 @@ class SamplingParams:
     MAX_N = 16
     MAX_LOGIT_BIAS = 1024
     MAX_ALLOWED_TOKEN_IDS = 1 << 17
+    MAX_BAD_WORDS = 256  # sequences (the router makes up to two of each word)
+    MAX_BAD_WORD_TOKENS = 64
     MIN_TEMPERATURE = 1e-2
     MIN_TOP_P = 1e-6
 
@@ -164,10 +170,25 @@ class SamplingParams:
                     raise ValueError(f"allowed_token_ids must be integers in [0, 2**32), "
                                      f"got {t!r}")
             object.__setattr__(self, "allowed_token_ids", ids)
+        self._check_bad_words()
         if (not isinstance(self.resumed_output_tokens, int)
                 or not (0 <= self.resumed_output_tokens <= _UINT32_MAX)):
             raise ValueError(f"resumed_output_tokens must be a non-negative integer, got "
                              f"{self.resumed_output_tokens!r}")
+
+    def _check_bad_words(self) -> None:
+        words = tuple(tuple(w) for w in self.bad_words_token_ids)
+        if len(words) > self.MAX_BAD_WORDS:
+            raise ValueError(f"at most {self.MAX_BAD_WORDS} bad words (token sequences)")
+        for w in words:
+            if not (1 <= len(w) <= self.MAX_BAD_WORD_TOKENS):
+                raise ValueError(f"a bad word is 1 to {self.MAX_BAD_WORD_TOKENS} tokens, got "
+                                 f"{len(w)}")
+            for t in w:
+                if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t <= _UINT32_MAX):
+                    raise ValueError(f"bad word token ids must be integers in [0, 2**32), "
+                                     f"got {t!r}")
+        object.__setattr__(self, "bad_words_token_ids", words)
 
     def choice(self, index: int) -> SamplingParams:
         """The single-choice parameters of choice ``index`` of an ``n > 1`` request: ``n=1``
@@ -181,6 +202,7 @@ class SamplingParams:
         ids = [t for t, _ in self.logit_bias]
         if self.allowed_token_ids:
             ids.append(max(self.allowed_token_ids))
+        ids.extend(max(w) for w in self.bad_words_token_ids)
         return max(ids, default=-1)
 
     @property
@@ -188,7 +210,7 @@ class SamplingParams:
         """True when anything beyond temperature/top-k/top-p touches this request's logits."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
-                    or self.allowed_token_ids is not None)
+                    or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
 
     @property
     def greedy(self) -> bool:

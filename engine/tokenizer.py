@@ -119,6 +119,22 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     return text
 
 
+def bad_words_token_ids(tokenizer: Any, words: Iterable[str]) -> tuple[tuple[int, ...], ...]:
+    """Token sequences for vLLM's ``bad_words``: each word as the start of a text and after a
+    space (BPE vocabularies spell the two differently), without special tokens, duplicates
+    dropped. A word that encodes to nothing is refused (ValueError)."""
+    out: dict[tuple[int, ...], None] = {}
+    for word in words:
+        bare = word.lstrip()
+        if not bare:
+            raise ValueError("bad_words entries must not be empty")
+        for text in (bare, " " + bare):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                out[ids] = None
+    return tuple(out)
+
+
 class IncrementalDetokenizer:
     """Turns output token ids into text deltas whose concatenation is the decoded output.
 

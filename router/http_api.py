@@ -27,6 +27,7 @@ from kvrelay.common.logs import request_context
 from kvrelay.common.rpc import SecretSet, TLSFiles
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import bad_words_token_ids
 from kvrelay.router.errors import RouterError
 from kvrelay.router.http_extras import extras
 from kvrelay.router.http_middleware import ApiKeyAuth, BodyLimit, presented_key
@@ -72,7 +73,8 @@ def _router_error(e: RouterError) -> JSONResponse:
     return error_response(e.http_status, e.message, retry_after_s=e.retry_after_s)
 
 
-def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None,
+              tokenizer: Any) -> SamplingParams:
     kw: dict[str, Any] = {
         "max_tokens": max_tokens or 16,
         "stop": tuple(req.stop_list()),
@@ -95,6 +97,8 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
     if req.allowed_token_ids is not None:
         kw["allowed_token_ids"] = req.allowed_token_ids
     kw["structured"] = req.structured_output()
+    if req.bad_words:  # a few short words: tokenized here, not worth a thread hop
+        kw["bad_words_token_ids"] = bad_words_token_ids(tokenizer, req.bad_words)
     return SamplingParams(**kw)
 
 
@@ -252,7 +256,7 @@ class HttpServer:
         async def completions(req: CompletionRequest, request: Request) -> Response:
             try:
                 prompt = req.single_prompt()
-                sp = _sampling(req, req.max_tokens, req.logprobs)
+                sp = _sampling(req, req.max_tokens, req.logprobs, service.tokenizer)
                 if req.echo and req.logprobs is not None:  # the prompt's logprobs too
                     sp = replace(sp, prompt_logprobs=req.logprobs)
                 spec = await service.build_spec(
@@ -275,7 +279,8 @@ class HttpServer:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
                 ids = await service.encode_chat(messages)
                 n_top = (req.top_logprobs or 0) if req.logprobs else None
-                sp = _sampling(req, req.max_completion_tokens or req.max_tokens, n_top)
+                sp = _sampling(req, req.max_completion_tokens or req.max_tokens, n_top,
+                               service.tokenizer)
                 spec = await service.build_spec(request_id=req.request_id, text=None,
                                                 token_ids=ids, sampling=sp,
                                                 timeout_ms=req.timeout_ms, model=req.model,

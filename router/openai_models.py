@@ -17,6 +17,8 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured import StructuredOutput
 
 MAX_HTTP_LOGPROBS = 20
+MAX_BAD_WORDS = 128  # words; each becomes up to two token sequences (SamplingParams: 256)
+MAX_BAD_WORD_CHARS = 256
 
 
 class StreamOptions(BaseModel):
@@ -48,6 +50,8 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
     allowed_token_ids: list[int] | None = None
+    # vLLM's extension: words the output must not contain (tokenized by the router).
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     user: str | None = None
     request_id: str | None = None
     timeout_ms: int | None = Field(default=None, gt=0)
@@ -100,6 +104,15 @@ class _Common(BaseModel):
     def _n(cls, v: int) -> int:
         if not 1 <= v <= SamplingParams.MAX_N:
             raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}]")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str] | None) -> list[str] | None:
+        for w in v or []:
+            if not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words entries must be 1 to {MAX_BAD_WORD_CHARS} "
+                                 f"characters, not only spaces")
         return v
 
     def logit_bias_ids(self) -> dict[int, float]:

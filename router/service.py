@@ -241,8 +241,8 @@ class RouterService:
             raise bad(f"stop token id {bad_stop} is outside the vocabulary")
         top = sampling.max_token_id()
         if top >= self.vocab_size:
-            raise bad(f"token id {top} in logit_bias/allowed_token_ids is outside the vocabulary "
-                      f"[0, {self.vocab_size})")
+            raise bad(f"token id {top} in logit_bias/allowed_token_ids/bad_words is outside the "
+                      f"vocabulary [0, {self.vocab_size})")
         if sampling.resumed_output_tokens:
             raise bad("resumed_output_tokens is set by the router only")
         if sampling.structured is not None:

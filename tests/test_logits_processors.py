@@ -1,5 +1,6 @@
-"""Penalties, logit_bias, min_tokens and allowed_token_ids: the engine's vectorized edits equal a
-plain per-token reference, on random logits and through greedy decoding against transformers."""
+"""Penalties, logit_bias, bad words, min_tokens and allowed_token_ids: the engine's vectorized
+edits equal a plain per-token reference, on random logits and through greedy decoding against
+transformers."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def reference(logits: torch.Tensor, prompt: list[int], output: list[int], sp: Sa
                 x[t] = float("-inf")
     for t, b in sp.logit_bias:
         x[t] += b
+    for word in sp.bad_words_token_ids:  # vLLM: ban the last token once the rest was output
+        *head, last = word
+        if not head or output[-len(head):] == head:
+            x[last] = float("-inf")
     if len(output) < sp.min_tokens:
         for t in set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos)):
             x[t] = float("-inf")
@@ -54,11 +59,14 @@ def test_batch_edits_equal_the_reference_row_by_row() -> None:
         SamplingParams(min_tokens=5, stop_token_ids=[11]),
         SamplingParams(min_tokens=2, stop_token_ids=[11], ignore_eos=True),
         SamplingParams(allowed_token_ids=[1, 4, 9, 30], logit_bias={4: -3}),
+        SamplingParams(bad_words_token_ids=[[5], [6, 7], [8, 9, 10], [12, 13]]),
     ]
     seqs, prompts, outputs = [], [], []
     for sp in cases:
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]
         output = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        if sp.bad_words_token_ids:
+            output = [1, 8, 9, 12]  # [8, 9, 10]'s head was output, [12, 13]'s, [6, 7]'s not
         seqs.append(_seq(prompt, output, sp))
         prompts.append(prompt)
         outputs.append(output)
@@ -71,6 +79,8 @@ def test_batch_edits_equal_the_reference_row_by_row() -> None:
     assert got[0].equal(logits[0])
     # min_tokens masked EOS and the stop token while short of them
     assert got[5, 2] == float("-inf") and got[5, 11] == float("-inf")
+    bad = got[len(cases) - 1].isneginf().nonzero().flatten().tolist()
+    assert bad == [5, 13], bad  # [8, 9, 10]: the output ends with 9, 12, not 8, 9
     plain = [_seq([1, 2], [3], SamplingParams()) for _ in range(4)]
     x = torch.randn(4, vocab)
     assert apply_logits_processors(x, plain, eos) is x  # nothing asked: no copy, no work
@@ -80,14 +90,19 @@ def test_batch_edits_equal_the_reference_row_by_row() -> None:
     SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, repetition_penalty=1.8),
     SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, presence_penalty=1.5,
                    frequency_penalty=1.0, logit_bias={5: 4.0, 9: -100}),
-], ids=["repetition", "presence-frequency-bias"])
+    None,  # bad words: built from the plain output below
+], ids=["repetition", "presence-frequency-bias", "bad-words"])
 def test_greedy_with_penalties_matches_a_transformers_reference_loop(hf_model_dir, sp) -> None:
     model_dir = hf_model_dir(sorted(ARCHS)[0])
     rng = random.Random(5)
     prompt = [rng.randrange(3, 60) for _ in range(30)]  # repeats: the penalty has work to do
     core = make_core(model_dir)
-    got = run(core, {"p": (prompt, sp), "plain": (prompt, SamplingParams(
-        max_tokens=14, temperature=0.0, ignore_eos=True))})
+    plain_sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    if sp is None:  # ban a token pair greedy decoding outputs, and one of its single tokens
+        plain = run(core, {"plain": (prompt, plain_sp)})["plain"]
+        sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True,
+                            bad_words_token_ids=[plain[3:5], plain[8:9]])
+    got = run(core, {"p": (prompt, sp), "plain": (prompt, plain_sp)})
     out: list[int] = []
     for _ in range(sp.max_tokens):
         last = hf_forward_logits(model_dir, prompt + out)[-1]
@@ -120,6 +135,9 @@ def test_min_tokens_holds_off_eos(hf_model_dir) -> None:
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words_token_ids": [[]]}, "bad word"),
+    ({"bad_words_token_ids": [[1]] * 257}, "bad words"),
+    ({"bad_words_token_ids": [[-1]]}, "bad word token ids"),
 ])
 def test_bad_values_are_refused(kw, msg) -> None:
     with pytest.raises(ValueError, match=msg):
@@ -130,3 +148,13 @@ def test_token_ids_outside_the_vocabulary_are_refused(hf_model_dir) -> None:
     core = make_core(hf_model_dir(sorted(ARCHS)[0]))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         core.add_request("x", [1, 2], SamplingParams(logit_bias={core.vocab_size: 1.0}))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        core.add_request("y", [1, 2], SamplingParams(bad_words_token_ids=[[1, core.vocab_size]]))
+
+
+def test_bad_words_cross_the_wire() -> None:
+    from kvrelay.common.convert import sampling_from_proto, sampling_to_proto
+
+    sp = SamplingParams(bad_words_token_ids=[[3], [4, 5, 6]])
+    assert sampling_from_proto(sampling_to_proto(sp)) == sp
+    assert sp.bad_words_token_ids == ((3,), (4, 5, 6))

@@ -1,6 +1,7 @@
-"""Penalties, logit_bias and logprobs through the disaggregated cluster (1 prefill, 2 decode):
-the OpenAI SDK's requests give the engine-alone reference's tokens, and a request with penalties
-whose decode worker is killed mid-stream resumes on the other with identical output."""
+"""Penalties, logit_bias, bad words and logprobs through the disaggregated cluster (1 prefill,
+2 decode): the OpenAI SDK's requests give the engine-alone reference's tokens, and a request with
+penalties and bad words whose decode worker is killed mid-stream resumes on the other with
+identical output."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from cluster import Cluster
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import bad_words_token_ids, load_tokenizer
+from kvrelay.proto import generate_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +58,24 @@ def test_penalties_and_logit_bias_give_the_reference_tokens(oai, llm) -> None:
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
 
 
+def test_bad_words_give_the_reference_tokens(oai, llm, demo_model_dir) -> None:
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0,
+                                                  ignore_eos=True))[0]
+    word = next(w for w in plain.text.split() if len(w) > 2)
+    ids = bad_words_token_ids(load_tokenizer(demo_model_dir), [word])
+    ref = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                bad_words_token_ids=ids))[0]
+    assert ref.token_ids != plain.token_ids, "the ban changed nothing: a vacuous test"
+    for w in ids:
+        assert not any(tuple(ref.token_ids[i:i + len(w)]) == w for i in range(len(ref.token_ids)))
+    r = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0,
+                               extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert r.choices[0].text == ref.text
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        oai.completions.create(model="demo", prompt=PROMPT, max_tokens=4,
+                               extra_body={"bad_words": ["   "]})
+
+
 def test_bad_values_are_400s_with_a_message(oai) -> None:
     for extra, word in [({"presence_penalty": 3}, "presence_penalty"),
                         ({"logit_bias": {"5": 101}}, "logit_bias"),
@@ -76,17 +97,25 @@ def test_chat_top_logprobs(oai) -> None:
         assert len(item.top_logprobs) == 3 and item.logprob <= 0.0
 
 
-def test_penalties_survive_a_decode_worker_migration(cluster, llm) -> None:
+def test_penalties_and_bad_words_survive_a_decode_worker_migration(cluster, llm) -> None:
     n = 300
     sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **PENALTIES)
+    free = llm.generate([PROMPT], sp)[0].token_ids
+    # A pair the penalized output holds well after the kill point: only the resumed worker
+    # can ban it, from the output it was handed.
+    bad = (free[150], free[151])
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **PENALTIES,
+                        bad_words_token_ids=[bad])
     ref = llm.generate([PROMPT], sp)[0]
+    assert ref.token_ids != free
     decodes = [p for p in cluster.workers if p.name.startswith("decode")]
     got: list[int] = []
     trace: list[str] = []
     killed = False
     with cluster.client() as c:
-        for msg in c.stream(PROMPT, sampling(n, 0.0, ignore_eos=True, **PENALTIES),
-                            timeout=180):
+        params = sampling(n, 0.0, ignore_eos=True, **PENALTIES,
+                          bad_words=[pb.TokenIds(ids=bad)])
+        for msg in c.stream(PROMPT, params, timeout=180):
             got.extend(msg.token_ids)
             if not killed and len(got) >= 8:
                 victim = next((p for p in decodes if cluster.status(p).load.running >= 1), None)
@@ -98,3 +127,4 @@ def test_penalties_survive_a_decode_worker_migration(cluster, llm) -> None:
     assert killed and "migrate" in trace, trace
     assert len(got) == n
     assert got == ref.token_ids
+    assert not any(tuple(got[i:i + 2]) == bad for i in range(n - 1))
