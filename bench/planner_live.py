@@ -7,7 +7,10 @@ trace in the simulator.
         --duration 60 --out bench/results/planner/live_static
 
 ``planner``: ``kvrelay serve --planner`` from 1P1D, at most ``--max-replicas`` (2+2 here);
-``static``: fixed ``--prefill``/``--decode``. Requests are token ids; a request's hash ids
+``static``: fixed ``--prefill``/``--decode``. ``--calibrate-rate R`` first replays a steady
+low-load trace (``--calibrate-duration`` s at R req/s) on the same cluster and corrects the
+profile from it (``deploy/planner/calibrate.py``) before the main trace is compared with the
+simulator. Requests are token ids; a request's hash ids
 become its leading token blocks, so shared prefixes really share prefix-cache blocks. Writes
 ``live.json`` (requests, replica counts and planner decisions over time, live vs simulated
 TTFT/ITL p90) and ``timeline.png``.
@@ -24,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvrelay.deploy.planner.calibrate import calibrate
 from kvrelay.deploy.planner.planner import Planner
 from kvrelay.deploy.planner.profile import Profile
 from kvrelay.deploy.planner.simulator import SimConfig, simulate
@@ -89,6 +93,9 @@ def main() -> None:
     ap.add_argument("--itl-slo-ms", type=float, default=30)
     ap.add_argument("--startup", type=float, default=6.0, help="replica start-up (s)")
     ap.add_argument("--burst-memory", type=float, default=30.0)
+    ap.add_argument("--calibrate-rate", type=float, default=0.0,
+                    help="req/s of a steady low-load run before the trace (0: none)")
+    ap.add_argument("--calibrate-duration", type=float, default=30.0)
     ap.add_argument("--out", default=str(HERE / "results/planner/live"))
     a = ap.parse_args()
     out = Path(a.out)
@@ -121,12 +128,21 @@ def main() -> None:
     wall0 = time.time() + 1.0  # the trace's time zero (replay starts 1 s after this)
 
     def poll() -> None:
-        t0 = time.monotonic()
         while not stop.wait(1.0):
-            counts.append({"t": time.monotonic() - t0 - 1.0, **handle.status()["counts"]})
+            counts.append({"t": time.monotonic(), **handle.status()["counts"]})
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
+    # The steady shape runs at 0.6x its peak: ask for the peak that gives --calibrate-rate.
+    cal_trace = generate(shapes(a.calibrate_rate / 0.6, a.calibrate_duration, a.prompt,
+                                a.output)["steady"], seed=8, max_len=1800) \
+        if a.calibrate_rate > 0 else []
+    cal_rows: list[dict[str, Any]] = []
     try:
+        if cal_trace:
+            cal_rows = replay(f"127.0.0.1:{info['port']}", cal_trace)
+            time.sleep(2)
+            wall0 = time.time() + 1.0
+        mono0 = time.monotonic() + 1.0  # the main trace's time zero
         rows = replay(f"127.0.0.1:{info['port']}", trace)
         time.sleep(2)
         decisions = handle.status()["decisions"]
@@ -139,6 +155,16 @@ def main() -> None:
     profile = Profile.load(a.profile)
     sim_cfg = SimConfig(a.ttft_slo_ms, a.itl_slo_ms, prefill=a.prefill, decode=a.decode,
                         interval_s=1.0, startup_s=a.startup)
+    cal = None
+    if cal_rows:
+        cal_ok = [r for r in cal_rows if r["ok"]]
+        cal = calibrate(profile, cal_trace, sim_cfg,
+                        live_ttft_p90_ms=p90([r["ttft_ms"] for r in cal_ok]),
+                        live_itl_p90_ms=p90([r["itl_ms"] for r in cal_ok if r["output"] > 1]))
+        uncorrected = simulate(profile, trace, sim_cfg,
+                               Planner(profile, spec.planner.config)
+                               if a.mode == "planner" else None)
+        profile = cal.apply(profile)
     policy = None
     if a.mode == "planner":
         policy = Planner(profile, spec.planner.config)
@@ -149,12 +175,19 @@ def main() -> None:
     simd = {"ttft_p90_ms": sim.ttft_p90_ms, "itl_p90_ms": sim.itl_p90_ms,
             "attainment": sim.attainment, "failed": sim.failed}
     err = {k: (simd[k] - live[k]) / live[k] for k in ("ttft_p90_ms", "itl_p90_ms") if live[k]}
+    if cal is not None:
+        simd["uncorrected_ttft_p90_ms"] = uncorrected.ttft_p90_ms
+        simd["uncorrected_itl_p90_ms"] = uncorrected.itl_p90_ms
     for d in decisions:
         d["t_run"] = d["t"] - wall0
-    doc = {"args": vars(a), "live": live, "sim": simd, "sim_rel_error": err, "counts": counts,
+    for c in counts:
+        c["t"] -= mono0
+    doc = {"args": vars(a), "live": live, "sim": simd, "sim_rel_error": err,
+           "calibration": None if cal is None else vars(cal), "counts": counts,
            "decisions": decisions, "requests": rows, "sim_timeline": sim.timeline}
     (out / "live.json").write_text(json.dumps(doc, indent=1, default=str))
-    print(json.dumps({"live": live, "sim": simd, "sim_rel_error": err}, indent=1))
+    print(json.dumps({"live": live, "sim": simd, "sim_rel_error": err,
+                      "calibration": doc["calibration"]}, indent=1))
     plot(doc, out / "timeline.png")
 
 

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
 from kvrelay.deploy.planner.baseline import ThresholdPolicy
+from kvrelay.deploy.planner.calibrate import calibrate
 from kvrelay.deploy.planner.k8s import run_loop
 from kvrelay.deploy.planner.metrics import PlannerMetrics
 from kvrelay.deploy.planner.observer import bucket_p90, observe, parse
@@ -258,3 +259,27 @@ def test_kubernetes_loop_scales_deployments_and_exports_metrics() -> None:
     text = generate_latest(out).decode()
     assert 'kvrelay:planner_desired_replicas{pool="prefill"}' in text
     assert "kvrelay:planner_slo_margin" in text
+
+
+def test_a_low_load_live_run_calibrates_the_profile_for_higher_loads() -> None:
+    """The 'live' cluster here is the simulator run with a slower engine and a fixed hand-off:
+    from a low-load run alone, the calibration recovers both, and the corrected profile then
+    predicts the cluster at a 4x higher rate, where the profile alone is far off."""
+    truth = replace(PROFILE.scaled(3.0, 3.0), transfer_s=0.05)
+    cfg = SimConfig(2000.0, 50.0, prefill=1, decode=1)
+    low = generate(shapes(10 / 0.6, duration_s=60)["steady"], seed=3)
+    live_low = simulate(truth, low, cfg)
+    cal = calibrate(PROFILE, low, cfg, live_ttft_p90_ms=live_low.ttft_p90_ms,
+                    live_itl_p90_ms=live_low.itl_p90_ms)
+    assert cal.engine_scale == pytest.approx(3.0, rel=0.1)
+    assert cal.extra_ttft_s == pytest.approx(0.05, rel=0.25)
+    high = generate(shapes(40 / 0.6, duration_s=60)["steady"], seed=4)
+    live_high = simulate(truth, high, cfg)
+    raw = simulate(PROFILE, high, cfg)
+    fixed = simulate(cal.apply(PROFILE), high, cfg)
+    for name in ("ttft_p90_ms", "itl_p90_ms"):
+        want = getattr(live_high, name)
+        assert abs(getattr(raw, name) - want) / want > 0.5  # the profile alone: way off
+        assert getattr(fixed, name) == pytest.approx(want, rel=0.15), name
+    with pytest.raises(ValueError):
+        calibrate(PROFILE, low, cfg, live_ttft_p90_ms=0.0, live_itl_p90_ms=1.0)
