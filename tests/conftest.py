@@ -47,3 +47,17 @@ def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def api_cluster(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """One disaggregated cluster (1 prefill, 2 decode, the OpenAI HTTP API as model "demo")
+    shared by the API feature modules (n > 1, sampling, structured output): one start-up
+    instead of one per module. Modules take it through a fixture that calls
+    ``ensure_workers(prefill=1, decode=2)``, which replaces a worker an earlier module killed."""
+    from cluster import Cluster
+
+    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("api"), prefill=1, decode=2,
+                router_args=("--http-port", "0", "--served-model-name", "demo"))
+    with c:
+        yield c

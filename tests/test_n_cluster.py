@@ -6,10 +6,8 @@ back afterwards."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
-from cluster import Cluster
 from hf_models import hf_forward_logits
 
 from kvrelay.client import sampling
@@ -23,18 +21,14 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def cluster(demo_model_dir, tmp_path_factory):
-    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("n"), prefill=1, decode=2,
-                router_args=("--http-port", "0", "--served-model-name", "demo"))
-    with c:
-        yield c
+def cluster(api_cluster):
+    api_cluster.ensure_workers(prefill=1, decode=2)
+    return api_cluster
 
 
 @pytest.fixture(scope="module")
 def oai(cluster):
-    port = cluster.router.ready["http_port"]
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                         max_retries=0, timeout=180)
+    return cluster.openai(timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +139,7 @@ def test_choices_survive_a_decode_worker_kill(cluster, oai, baseline, demo_model
     n = 200
     ref = LLM(demo_model_dir, num_blocks=256).generate(
         [PROMPT], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
-    decodes = [p for p in cluster.workers if p.name.startswith("decode")]
+    decodes = cluster.live("decode")
     texts = ["", ""]
     killed = False
     events = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=n, temperature=0,

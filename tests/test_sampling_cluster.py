@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-from cluster import Cluster
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
@@ -22,11 +21,9 @@ PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.7, "repetition_pena
 
 
 @pytest.fixture(scope="module")
-def cluster(demo_model_dir, tmp_path_factory):
-    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("sampling"), prefill=1, decode=2,
-                router_args=("--http-port", "0", "--served-model-name", "demo"))
-    with c:
-        yield c
+def cluster(api_cluster):
+    api_cluster.ensure_workers(prefill=1, decode=2)
+    return api_cluster
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +33,7 @@ def llm(demo_model_dir):
 
 @pytest.fixture(scope="module")
 def oai(cluster):
-    port = cluster.router.ready["http_port"]
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                         max_retries=0, timeout=120)
+    return cluster.openai(timeout=120)
 
 
 def test_penalties_and_logit_bias_give_the_reference_tokens(oai, llm) -> None:
@@ -108,7 +103,7 @@ def test_penalties_and_bad_words_survive_a_decode_worker_migration(cluster, llm)
                         bad_words_token_ids=[bad])
     ref = llm.generate([PROMPT], sp)[0]
     assert ref.token_ids != free
-    decodes = [p for p in cluster.workers if p.name.startswith("decode")]
+    decodes = cluster.live("decode")
     got: list[int] = []
     trace: list[str] = []
     killed = False

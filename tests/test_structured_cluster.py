@@ -15,7 +15,6 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from cluster import Cluster
 
 from kvrelay.client import sampling
 from kvrelay.common.convert import structured_to_proto
@@ -49,18 +48,14 @@ WORDS = ["the", "a", "fox", "dog", "sky", "blue", "runs", "over", "under", "quic
 
 
 @pytest.fixture(scope="module")
-def cluster(demo_model_dir, tmp_path_factory):
-    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("structured"), prefill=1, decode=2,
-                router_args=("--http-port", "0", "--served-model-name", "demo"))
-    with c:
-        yield c
+def cluster(api_cluster):
+    api_cluster.ensure_workers(prefill=1, decode=2)
+    return api_cluster
 
 
 @pytest.fixture(scope="module")
 def oai(cluster):
-    port = cluster.router.ready["http_port"]
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                         max_retries=0, timeout=120)
+    return cluster.openai(timeout=120)
 
 
 def test_json_schema_output_validates_for_50_random_prompts(oai) -> None:
@@ -111,7 +106,7 @@ def test_json_schema_survives_a_decode_worker_migration(cluster, oai, demo_model
     ref = LLM(demo_model_dir, num_blocks=256).generate(prompt, SamplingParams(
         max_tokens=400, temperature=0.0, structured=StructuredOutput.json_schema(LONG_SCHEMA)))[0]
     assert ref.finish_reason.value == "stop"
-    decodes = [p for p in cluster.workers if p.name.startswith("decode")]
+    decodes = cluster.live("decode")
     chunks: list[str] = []
     killed = False
     stream = oai.completions.create(model="demo", prompt=prompt, max_tokens=400,
