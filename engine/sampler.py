@@ -174,19 +174,32 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], default_generator: torch.G
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     if want:
-        lp = raw.index_select(0, torch.tensor(want, device=logits.device)).log_softmax(-1)
-        for j, i in enumerate(want):
-            n = seqs[i].sampling.logprobs or 0
-            tok = token_list[i]
-            top: list[tuple[int, float]] = []
-            if n:
-                vals, ids = lp[j].topk(n)
-                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-            logprobs[i] = TokenLogprob(tok, float(lp[j, tok]), top)
+        _fill_logprobs(raw, want, seqs, tokens, token_list, logprobs)
     forking = [i for i, s in enumerate(seqs) if s.sampling.n > 1 and s.num_output_tokens == 0]
     if forking:
         _sample_fork_firsts(raw, cum, random_rows, forking, seqs, token_list, default_generator)
     return token_list, logprobs
+
+
+def _fill_logprobs(raw: torch.Tensor, want: list[int], seqs: Seq[Sequence], tokens: torch.Tensor,
+                   token_list: list[int], logprobs: list[TokenLogprob | None]) -> None:
+    """The sampled tokens' logprobs and top alternatives of the rows ``want``, batched: one
+    log-softmax, one gather and one top-k (at the largest k asked) for all of them, read back
+    in one transfer (per-row reads would each wait for the device)."""
+    dev = raw.device
+    idx = torch.tensor(want, device=dev)
+    lp = raw.index_select(0, idx).log_softmax(-1)
+    chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0].tolist()
+    k = max(seqs[i].sampling.logprobs or 0 for i in want)
+    vals: list[list[float]] = [[] for _ in want]
+    ids: list[list[int]] = [[] for _ in want]
+    if k:
+        top_v, top_i = lp.topk(k, dim=-1)
+        vals, ids = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(want):
+        n = seqs[i].sampling.logprobs or 0
+        logprobs[i] = TokenLogprob(token_list[i], chosen[j],
+                                   list(zip(ids[j][:n], vals[j][:n], strict=True)))
 
 
 def _sample_fork_firsts(raw: torch.Tensor, cum: torch.Tensor | None, random_rows: list[int],
