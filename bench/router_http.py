@@ -37,7 +37,7 @@ def _serve(port: int, tokens: int, ready: Any, done: Any, cpu: Any) -> None:
     from kvrelay.engine.sampling_params import SamplingParams
     from kvrelay.router.http_api import HttpServer
     from kvrelay.router.lifecycle import GenerateSpec
-    from kvrelay.router.service import Delta, Usage
+    from kvrelay.router.outputs import Delta, Usage
 
     class Registry:
         def can_serve(self) -> bool:

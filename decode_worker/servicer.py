@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -78,6 +78,52 @@ def _decode_response(out: RequestOutput) -> wpb.DecodeResponse:
         error=out.error or "",
         cached_prompt_tokens=out.num_cached_tokens,
     )
+
+
+class _DecodeCall:
+    """One Decode call's state: its engine stream, the choices it carries, its spans, and how
+    far it got (its teardown and its spans need to know)."""
+
+    def __init__(self, rid: str):
+        self.rid = rid
+        self.span: Any = None  # decode.request: the whole call
+        self.decoding: Any = None  # decode.decode: from the KV's arrival on
+        self.stream: AsyncIterator[RequestOutput] | None = None
+        self.index = {rid: 0}  # engine request id -> choice index
+        self.running: set[str] = set()  # engine request ids not finished yet
+        self.finished = False  # every choice finished
+        self.kv_wait_ms = 0.0
+        self.n_out = 0
+        self._marked = False
+
+    def message(self, out: RequestOutput) -> wpb.DecodeResponse | None:
+        """The stream message of one engine output; None for the KV's arrival itself."""
+        if out.kv_arrived:
+            return None
+        if not self._marked:
+            mark("decode_first_out", self.rid)
+            self._marked = True
+        msg = decode_response(out)
+        msg.kv_wait_ms = self.kv_wait_ms
+        msg.index = self.index.get(out.request_id, 0)
+        self.n_out += len(out.new_token_ids)
+        return msg
+
+    def ended(self, out: RequestOutput) -> bool:
+        """Whether ``out`` finished the last choice still running: the call is done."""
+        if out.finished:
+            self.running.discard(out.request_id)
+            if not self.running:
+                self.finished = True
+                return True
+        return False
+
+    def end_spans(self) -> None:
+        if self.decoding is not None:
+            self.decoding.set_attribute("kvrelay.tokens", self.n_out)
+            self.decoding.set_attribute("kvrelay.finished", self.finished)
+        tracing.end(self.decoding)
+        tracing.end(self.span)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -194,83 +240,72 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.DecodeResponse]:
         rid = request.request_id
         mark("decode_rpc_in", rid)
-        span = decoding = None
+        call = _DecodeCall(rid)
         if tracing.enabled():
-            span = tracing.start("decode.request",
-                                 tracing.from_metadata(context.invocation_metadata()),
-                                 **{"kvrelay.request_id": rid})
+            call.span = tracing.start("decode.request",
+                                      tracing.from_metadata(context.invocation_metadata()),
+                                      **{"kvrelay.request_id": rid})
         with request_context(rid):
             try:
                 lease = self.leases.start_decoding(rid, request.lease_id)
             except LeaseError as e:
-                tracing.end(span, error=e)
+                tracing.end(call.span, error=e)
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             # Until this stream is wholly torn down, a new Reserve of the same id waits.
             done = self._busy[rid] = asyncio.get_running_loop().create_future()
-            stream = None
-            finished = False
-            index = {rid: 0}  # engine request id -> choice index
             try:
-                try:
-                    sampling = sampling_from_proto(request.sampling)
-                    forks = [(fork_id(rid, k), t)
-                             for k, t in enumerate(request.fork_token_ids, start=1)]
-                    index = {rid: 0} | {cid: k for k, (cid, _) in enumerate(forks, start=1)}
-                    stream = (self.engine.decode_forks(rid, request.first_token_id, sampling,
-                                                       forks) if forks else
-                              self.engine.decode(rid, request.first_token_id, sampling))
-                    kv_timeout = (request.kv_timeout_ms / 1000.0 if request.kv_timeout_ms
-                                  else DEFAULT_KV_TIMEOUT_S)
-                    t0 = time.monotonic()
-                    first = await asyncio.wait_for(anext(stream), kv_timeout)
-                except (ValueError, KeyError) as e:
-                    tracing.end(span, error=e)
-                    span = None
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                except TimeoutError:
-                    logger.warning("KV did not arrive within %.1fs", kv_timeout)
-                    tracing.end(span, error="KV did not arrive")
-                    span = None
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"KV for {rid} did not arrive within {kv_timeout:.1f}s")
-                out: RequestOutput | None = first
-                t_kv = time.monotonic()
-                kv_wait_ms = (t_kv - t0) * 1000.0
-                n_out = 0
-                if span is not None:
-                    tracing.record("decode.kv_wait", span, t0, t_kv)
-                    decoding = tracing.start("decode.decode", span, start_s=t_kv)
-                marked = False
-                running = set(index)
+                out: RequestOutput | None = await self._await_kv(request, context, call)
                 while out is not None:
-                    if not out.kv_arrived:
-                        if not marked:
-                            mark("decode_first_out", rid)
-                            marked = True
-                        msg = decode_response(out)
-                        msg.kv_wait_ms = kv_wait_ms
-                        msg.index = index.get(out.request_id, 0)
-                        n_out += len(out.new_token_ids)
+                    msg = call.message(out)
+                    if msg is not None:
                         yield msg
-                    if out.finished:
-                        running.discard(out.request_id)
-                        if not running:
-                            finished = True
-                            break
-                    out = await anext(stream, None)
+                    if call.ended(out):
+                        break
+                    out = await anext(call.stream, None)  # type: ignore[arg-type]
             finally:
-                if decoding is not None:
-                    decoding.set_attribute("kvrelay.tokens", n_out)
-                    decoding.set_attribute("kvrelay.finished", finished)
-                tracing.end(decoding)
-                tracing.end(span)
+                call.end_spans()
                 # Every way out (finished, failed, or cancelled by the router at any await,
                 # the KV wait included) frees the request, its lease and its engine stream;
                 # shielded, so that a second cancel cannot cut it short.
-                end = asyncio.ensure_future(self._end_decode(rid, stream, finished, lease, done,
-                                                          list(index)[1:]))
+                end = asyncio.ensure_future(self._end_decode(rid, call.stream, call.finished,
+                                                          lease, done, list(call.index)[1:]))
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(end)
+
+    async def _await_kv(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext,
+                        call: _DecodeCall) -> RequestOutput:
+        """Open the engine's stream of the request (and its forks) and wait, bounded, for its
+        first output: the KV has landed then. Aborts the call when it does not."""
+        rid = call.rid
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            forks = [(fork_id(rid, k), t)
+                     for k, t in enumerate(request.fork_token_ids, start=1)]
+            call.index = {rid: 0} | {cid: k for k, (cid, _) in enumerate(forks, start=1)}
+            call.stream = (self.engine.decode_forks(rid, request.first_token_id, sampling,
+                                                    forks) if forks else
+                           self.engine.decode(rid, request.first_token_id, sampling))
+            kv_timeout = (request.kv_timeout_ms / 1000.0 if request.kv_timeout_ms
+                          else DEFAULT_KV_TIMEOUT_S)
+            t0 = time.monotonic()
+            first = await asyncio.wait_for(anext(call.stream), kv_timeout)
+        except (ValueError, KeyError) as e:
+            tracing.end(call.span, error=e)
+            call.span = None
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TimeoutError:
+            logger.warning("KV did not arrive within %.1fs", kv_timeout)
+            tracing.end(call.span, error="KV did not arrive")
+            call.span = None
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"KV for {rid} did not arrive within {kv_timeout:.1f}s")
+        t_kv = time.monotonic()
+        call.kv_wait_ms = (t_kv - t0) * 1000.0
+        if call.span is not None:
+            tracing.record("decode.kv_wait", call.span, t0, t_kv)
+            call.decoding = tracing.start("decode.decode", call.span, start_s=t_kv)
+        call.running = set(call.index)
+        return first
 
     async def GenerateLocal(self, request: wpb.LocalGenerateRequest,
                             context: grpc.aio.ServicerContext) \

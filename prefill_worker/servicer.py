@@ -31,7 +31,6 @@ from kvrelay.common.rpc import (
     KV_DESTINATION_FAILED,
     KV_NOTHING_WRITTEN,
     WORKER_DRAINING,
-    insecure_channel,
     token_metadata,
 )
 from kvrelay.common.timeline import mark
@@ -40,6 +39,7 @@ from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, Request
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
+from kvrelay.prefill_worker.peers import DecodePeers, PeerTransport
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 
@@ -51,19 +51,13 @@ _SPAN: ContextVar[Any] = ContextVar("kvrelay_prefill_span", default=None)
 KV_TRANSFER_FAILED = "KV transfer failed"  # EngineCore's error prefix for a failed send
 
 
-class KVSender(Protocol):
+class KVSender(PeerTransport, Protocol):
     """What the servicer needs of the KV transport on the sending side."""
-
-    def has_peer(self, agent_name: str, incarnation: str) -> bool: ...
-
-    def add_peer(self, peer_info: bytes) -> None: ...
 
     def destination(self, request_id: str, agent_name: str, block_ids: list[int],
                     skip_blocks: int, lease_id: str, incarnation: str) -> KVDestination: ...
 
     def block_bytes(self) -> int: ...
-
-    def evict_peer(self, agent_name: str) -> bool: ...
 
     def fence(self, request_id: str, lease_id: str) -> bytes: ...
 
@@ -87,59 +81,20 @@ class _Pending:
     peer: str | None = None  # the decode worker, once named
 
 
-# A decode worker no request has gone to for this long is forgotten (its NIXL remote agent,
-# prepared descriptors and connection lock): decode pods come and go, and each one held here
-# forever would grow this worker's memory. One that comes back is reconnected on first use.
-PEER_IDLE_S = 300.0
 PREFILL_ARRIVAL_WAIT_S = 1.0  # a SetDestination waits this long for its Prefill to arrive
 
 
-class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: AsyncEngine, kv: KVSender, worker_id: str, *,
                  cluster_token: str | None = None):
+        super().__init__()
         self.engine = engine
         self.kv = kv
         self.worker_id = worker_id
         self.draining = False
         self._md = token_metadata(cluster_token)
-        self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._peer_used: dict[str, float] = {}  # agent name -> last request's start
-        self._peer_inflight: dict[str, int] = {}  # agent name -> Prefill calls under way
         self._pending: dict[str, _Pending] = {}  # request id -> prefill awaiting SetDestination
         self._arrivals: dict[str, asyncio.Event] = {}  # SetDestinations that came first
-
-    async def _ensure_peer(self, dest: wpb.KVDestination) -> None:
-        """Fetch a decode worker's transfer info once per incarnation."""
-        lock = self._peer_locks.setdefault(dest.agent_name, asyncio.Lock())
-        async with lock:
-            if self.kv.has_peer(dest.agent_name, dest.incarnation):
-                return
-            async with insecure_channel(dest.decode_address) as ch:
-                stub = worker_pb2_grpc.DecodeWorkerStub(ch)
-                info = await stub.GetTransferInfo(wpb.TransferInfoRequest(), metadata=self._md,
-                                                  timeout=10.0)
-            if info.incarnation != dest.incarnation:
-                raise ConnectionError(f"decode worker {dest.agent_name} restarted "
-                                      f"(incarnation {info.incarnation}, lease from "
-                                      f"{dest.incarnation})")
-            await self.engine.call(self.kv.add_peer, info.peer_info)
-            logger.info("connected to decode worker %s at %s", dest.agent_name,
-                        dest.decode_address)
-
-    async def evict_idle_peers(self, now: float | None = None) -> list[str]:
-        """Forget decode workers unused for ``PEER_IDLE_S`` with nothing under way to them."""
-        now = time.monotonic() if now is None else now
-        idle = [name for name, t in self._peer_used.items()
-                if now - t > PEER_IDLE_S and not self._peer_inflight.get(name)
-                and not (name in self._peer_locks and self._peer_locks[name].locked())]
-        for name in idle:
-            del self._peer_used[name]
-            self._peer_locks.pop(name, None)
-            self._peer_inflight.pop(name, None)
-            await self.engine.call(self.kv.evict_peer, name)
-        if idle:
-            logger.info("forgot %d idle decode worker(s): %s", len(idle), ", ".join(idle))
-        return idle
 
     def _validate(self, request: wpb.PrefillRequest) -> None:
         if not request.request_id or len(request.request_id) > 256:
@@ -162,15 +117,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise ValueError(f"skip_prefix_tokens {dest.skip_prefix_tokens} must be a multiple "
                              f"of the block size {bs} and at most the prompt length")
         return dest.skip_prefix_tokens // bs
-
-    def _use_peer(self, name: str, delta: int) -> None:
-        """Count Prefill calls under way to a decode worker (an idle one may be evicted)."""
-        self._peer_used[name] = time.monotonic()
-        n = self._peer_inflight.get(name, 0) + delta
-        if n > 0:
-            self._peer_inflight[name] = n
-        else:
-            self._peer_inflight.pop(name, None)
 
     async def Prefill(self, request: wpb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
@@ -291,18 +237,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             mark("prefill_destination", rid)
             return wpb.SetDestinationResponse()
 
-    async def _connect(self, dest: wpb.KVDestination, context: grpc.aio.ServicerContext) -> None:
-        try:
-            await self._ensure_peer(dest)
-        except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
-            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"cannot reach decode worker {dest.agent_name}: {detail}",
-                                KV_DESTINATION_FAILED)
-        except ValueError as e:  # incompatible KV layouts: a deployment error
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e),
-                                KV_NOTHING_WRITTEN)
-
     async def Fence(self, request: wpb.FenceRequest,
                     context: grpc.aio.ServicerContext) -> wpb.FenceResponse:
         rid = request.request_id
@@ -329,6 +263,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def _prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext,
                        sampling: SamplingParams,
                        params: KVDestination | PendingDestination) -> wpb.PrefillResponse:
+        """Prefill on the engine until the KV has been sent. A refusal or failure aborts the
+        call, saying whether anything was written and whose failure it was."""
         rid = request.request_id
         salt = request.cache_salt or None  # checked in _validate
         t0 = time.monotonic()
@@ -363,6 +299,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             side = (KV_DESTINATION_FAILED if reason.startswith(KV_TRANSFER_FAILED)
                     or (dest is not None and self.kv.is_fenced_notif(dest.notif)) else ())
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason, side)
+        return self._response(rid, out, params, t0)
+
+    def _response(self, rid: str, out: RequestOutput,
+                  params: KVDestination | PendingDestination,
+                  t0: float) -> wpb.PrefillResponse:
+        """The first token(s) and the engine's time points of a delivered prefill (as spans
+        too, under the call's, when tracing is on)."""
         done = time.monotonic()
         scheduled = out.scheduled_at or t0
         computed = out.computed_at or done

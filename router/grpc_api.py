@@ -19,8 +19,9 @@ from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.errors import RouterError
+from kvrelay.router.outputs import Delta
 from kvrelay.router.registry import WorkerIdTaken, WorkerRegistry
-from kvrelay.router.service import Delta, RouterService
+from kvrelay.router.service import RouterService
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,16 @@ import grpc
 from kvrelay.common import tracing
 from kvrelay.common.convert import sampling_to_proto
 from kvrelay.common.logs import request_context
-from kvrelay.common.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN, WORKER_DRAINING
+from kvrelay.common.rpc import WORKER_DRAINING
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.calls import (
+    call_cancelled,
+    cancel,
+    dest_failed,
+    nothing_written,
+    trailer_says,
+)
 from kvrelay.router.errors import RouterError
 from kvrelay.router.policy import Policy
 from kvrelay.router.registry import WorkerRegistry, WorkerState
@@ -117,7 +124,7 @@ class Handoff:
                 d.inflight -= 1
                 if isinstance(e, grpc.aio.UsageError):  # d left the registry meanwhile
                     continue
-                if isinstance(e, asyncio.CancelledError) and _call_cancelled(self, d):
+                if isinstance(e, asyncio.CancelledError) and call_cancelled(self.registry, d):
                     continue
                 if not isinstance(e, grpc.aio.AioRpcError):
                     raise
@@ -127,7 +134,7 @@ class Handoff:
                     continue
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise RouterError(code, e.details() or "invalid request") from e
-                if _trailer_says(e, WORKER_DRAINING):
+                if trailer_says(e, WORKER_DRAINING):
                     continue  # leaving as planned; its heartbeat says so too
                 self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
                 continue
@@ -181,28 +188,16 @@ class Handoff:
             trace.add(*(("destination", p.worker_id, d.worker_id) if ctx.ahead is not None
                         else ("prefill_start", p.worker_id,
                               ctx.reason if len(tried) == 1 else "retry")))
-            t_rpc = time.monotonic()
             ctx.writes_unsettled = True
-            span = None
             try:
-                if ctx.ahead is not None:  # already computing: name its destination
-                    t_rpc = ctx.ahead_t0
-                    resp = await self._join_ahead(spec, p, dest, ctx)
-                else:
-                    span = tracing.start("router.prefill", trace.span,
-                                         **{"kvrelay.worker": p.worker_id})
-                    resp = await p.prefill.Prefill(
-                        req, metadata=tracing.with_parent(self.md, span),
-                        timeout=self._remaining(spec, self.config.prefill_timeout_s))
+                resp, t_rpc = await self._call_prefill(spec, p, req, dest, trace, ctx)
             except grpc.aio.AioRpcError as e:
-                tracing.end(span, error=f"{e.code().name} {e.details()}")
-                span = None
                 last = self._prefill_refused(e, spec, p, d, trace)
                 exhausted = exhausted or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 ctx.writes_unsettled = False
                 continue
             except asyncio.CancelledError:
-                if not _call_cancelled(self, p):
+                if not call_cancelled(self.registry, p):
                     raise
                 last = f"{p.worker_id}: dropped from the registry during the call"
                 trace.add("prefill_failed", p.worker_id, detail=last)
@@ -210,7 +205,6 @@ class Handoff:
                                  f"a new lease") from None
             finally:
                 uncharge()
-                tracing.end(span)
             ctx.writes_unsettled = False  # answered: every write landed and was notified
             trace.add_prefill_end(p.worker_id, resp)
             self._observe_prefill(p, d, lease, ctx, resp, time.monotonic() - t_rpc,
@@ -220,6 +214,28 @@ class Handoff:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               "prefill workers are saturated", retry_after_s=1.0)
         raise WorkerLost(f"prefill failed on every worker tried ({last})")
+
+    async def _call_prefill(self, spec: GenerateSpec, p: WorkerState, req: wpb.PrefillRequest,
+                            dest: wpb.KVDestination, trace: Trace,
+                            ctx: Pass) -> tuple[wpb.PrefillResponse, float]:
+        """The Prefill on ``p``: the one sent ahead, named its destination, or a call made now;
+        its answer and when it left."""
+        if ctx.ahead is not None:  # already computing: name its destination
+            t_rpc = ctx.ahead_t0
+            return await self._join_ahead(spec, p, dest, ctx), t_rpc
+        t_rpc = time.monotonic()
+        span = tracing.start("router.prefill", trace.span, **{"kvrelay.worker": p.worker_id})
+        try:
+            resp = await p.prefill.Prefill(
+                req, metadata=tracing.with_parent(self.md, span),
+                timeout=self._remaining(spec, self.config.prefill_timeout_s))
+        except grpc.aio.AioRpcError as e:
+            tracing.end(span, error=f"{e.code().name} {e.details()}")
+            span = None
+            raise
+        finally:
+            tracing.end(span)
+        return resp, t_rpc
 
     def _next_prefill_worker(self, ctx: Pass, tried: set[str]) -> WorkerState | None:
         """The pass's chosen worker first, then the best one not tried yet."""
@@ -241,12 +257,12 @@ class Handoff:
                 and time.monotonic() >= spec.deadline:
             raise RouterError(code, "request deadline exceeded") from e
         trace.add("prefill_failed", p.worker_id, detail=last)
-        if _dest_failed(e):  # the decode worker holding the lease failed, not p
+        if dest_failed(e):  # the decode worker holding the lease failed, not p
             self.registry.mark_suspect(d.worker_id, f"KV destination: {last}")
             raise WorkerLost(f"KV destination {d.worker_id} failed: {last}") from e
-        if code != grpc.StatusCode.RESOURCE_EXHAUSTED and not _trailer_says(e, WORKER_DRAINING):
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED and not trailer_says(e, WORKER_DRAINING):
             self.registry.mark_suspect(p.worker_id, f"Prefill: {last}")  # (draining: planned)
-        if not _nothing_written(e):
+        if not nothing_written(e):
             # p may still write into the lease's blocks (it stalled, or only its connection
             # broke): a rerun there could be overwritten by p's late writes. Take fresh blocks
             # instead; d holds these until p is known to be done.
@@ -274,7 +290,7 @@ class Handoff:
                     raise
             return await ahead
         except BaseException:
-            _cancel(ahead)  # a no-op once it has ended
+            cancel(ahead)  # a no-op once it has ended
             raise
 
     def _claim(self, p: WorkerState, ctx: Pass) -> Callable[[], None]:
@@ -350,49 +366,3 @@ def _destination(d: WorkerState, lease: wpb.ReserveResponse) -> wpb.KVDestinatio
                              incarnation=lease.incarnation, block_ids=lease.block_ids,
                              skip_prefix_tokens=lease.cached_prefix_tokens,
                              lease_id=lease.lease_id)
-
-
-def _cancel(task: asyncio.Future[object] | None) -> None:
-    """Cancel a call we no longer want, and retrieve its outcome (an exception of a call that
-    ended on its own would otherwise be logged as never retrieved). Does not wait for it."""
-    if task is None:
-        return
-    task.cancel()
-    task.add_done_callback(_retrieve)
-
-
-def _retrieve(task: asyncio.Future[object]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-def _trailer_says(e: grpc.aio.AioRpcError, pairs: tuple[tuple[str, str], ...]) -> bool:
-    try:
-        md = tuple(e.trailing_metadata() or ())
-    except Exception:
-        return False
-    return any((k, v) in pairs for k, v in md)
-
-
-def _nothing_written(e: grpc.aio.AioRpcError) -> bool:
-    """True when a Prefill was refused before it wrote any KV (see ``KV_NOTHING_WRITTEN``)."""
-    return _trailer_says(e, KV_NOTHING_WRITTEN)
-
-
-def _dest_failed(e: grpc.aio.AioRpcError) -> bool:
-    """True when a Prefill failed because of its KV destination (see ``KV_DESTINATION_FAILED``)."""
-    return _trailer_says(e, KV_DESTINATION_FAILED)
-
-
-def _call_cancelled(lc: Handoff, w: WorkerState) -> bool:
-    """Whether a CancelledError out of a call to ``w`` is the call's, not this request's.
-
-    The registry closes the channel of a worker it drops (missed heartbeats), which cancels the
-    calls in flight on it: they raise CancelledError although nobody cancelled the request.
-    Left alone, that ends the request's handler without a status, and the client waits until
-    its deadline (forever without one). Such a call counts as a lost worker instead.
-    """
-    task = asyncio.current_task()
-    if task is not None and hasattr(task, "cancelling"):  # Python >= 3.11
-        return task.cancelling() == 0
-    return lc.registry.workers.get(w.worker_id) is not w

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 import kvrelay
 from kvrelay.common.limits import MAX_PROMPT_CHARS
 from kvrelay.router.openai_models import ChatMessage
-from kvrelay.router.service import RouterService, first_bad_id
+from kvrelay.router.service import RouterService
+from kvrelay.router.validation import first_bad_id
 
 MAX_DETOKENIZE_IDS = 1 << 20
 

@@ -2,9 +2,9 @@
 
   prefill on P beside reserve on D  ->  KV streams P -> D  ->  first token  ->  decode on D
 
-The hand-off itself (reserve, prefill, rebind, release) is ``router.handoff``; this module
-routes a pass (the fast lane, or disaggregated), relays the decode stream, and resumes the
-request on worker failure. A decode worker lost
+The hand-off itself (reserve, prefill, rebind, release) is ``router.handoff``, the first tokens
+and the decode stream ``router.relay``; this module routes a pass (the fast lane, or
+disaggregated) and resumes the request on worker failure. A decode worker lost
 mid-stream is replaced by re-prefilling prompt + tokens already produced onto a new pair,
 continuing the same stream (greedy output is unchanged). Every wait is bounded; leaving the
 iterator (client cancel, stop string, deadline) ends the lease on both sides.
@@ -13,6 +13,7 @@ iterator (client cancel, stop string, deadline) ends the lease on both sides.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -22,14 +23,14 @@ from dataclasses import replace
 import grpc
 
 from kvrelay.common import tracing
-from kvrelay.common.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
-from kvrelay.engine.outputs import FinishReason
+from kvrelay.common.convert import sampling_to_proto
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.calls import cancel
 from kvrelay.router.errors import RouterError
-from kvrelay.router.handoff import Handoff, _call_cancelled, _cancel
 from kvrelay.router.policy import Policy
 from kvrelay.router.registry import WorkerRegistry, WorkerState
+from kvrelay.router.relay import Relay
 from kvrelay.router.requests import (
     GenerateSpec,
     Pass,
@@ -44,7 +45,7 @@ __all__ = ["GenerateSpec", "Lifecycle", "RouterConfig", "TokenChunk", "WorkerLos
 
 logger = logging.getLogger(__name__)
 
-class Lifecycle(Handoff):
+class Lifecycle(Relay):
     """Produces a request's tokens from the cluster, resuming on worker failure."""
 
     def __init__(self, registry: WorkerRegistry, policy: Policy, config: RouterConfig,
@@ -268,27 +269,15 @@ class Lifecycle(Handoff):
             d, lease = await self._reserve(spec, prompt, trace, ctx)
         except BaseException:
             ctx.drop_claim()
-            _cancel(ctx.ahead)  # it had no destination: nothing was written
+            cancel(ctx.ahead)  # it had no destination: nothing was written
             raise
         decode_started = False
         renew = asyncio.get_running_loop().create_task(self._renew(d, spec.request_id, lease))
         try:
             first, cached_p = await self._prefill(spec, prompt, sampling, d, lease, trace, ctx)
             renew.cancel()
-            tok = first.first_token_id
-            cached = max(cached_p, lease.cached_prefix_tokens)
-            firsts = [(tok, logprob_from_proto(first.logprob)
-                       if first.HasField("logprob") else None)]
-            forks = list(first.fork_token_ids)
-            if len(forks) != sampling.n - 1:
-                raise WorkerLost(f"prefill sampled {len(forks) + 1} first tokens, not "
-                                 f"{sampling.n}")
-            fork_lps = [logprob_from_proto(lp) for lp in first.fork_logprobs]
-            firsts += zip(forks, fork_lps or [None] * len(forks), strict=True)
-            chunks = [TokenChunk([t], [lp], self._first_token_stop(sampling, t, len(prompt), d),
-                                 cached, i) for i, (t, lp) in enumerate(firsts)]
-            if sampling.prompt_logprobs is not None:
-                chunks[0].prompt_logprobs = [logprob_from_proto(x) for x in first.prompt_logprobs]
+            chunks = self._first_chunks(first, max(cached_p, lease.cached_prefix_tokens),
+                                        sampling, len(prompt), d)
             if all(c.finish_reason is not None for c in chunks):
                 self._expect_sequence(d, ctx, [])
             for chunk in chunks:
@@ -296,106 +285,20 @@ class Lifecycle(Handoff):
             if all(c.finish_reason is not None for c in chunks):
                 return
             decode_started = True
-            req = wpb.DecodeRequest(request_id=spec.request_id, lease_id=lease.lease_id,
-                                    first_token_id=tok, sampling=sampling_to_proto(sampling),
-                                    kv_timeout_ms=int(self.config.kv_timeout_s * 1000),
-                                    fork_token_ids=forks)
-            span = tracing.start("router.stream", trace.span, **{"kvrelay.worker": d.worker_id})
-            try:
-                call = d.decode.Decode(req, metadata=tracing.with_parent(self.md, span))
-            except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
-                tracing.end(span, error=e)
-                raise WorkerLost(f"{d.worker_id} left the registry: {e}") from e
-            trace.add("decode_start", d.worker_id)
-            try:
-                produced = [tok]
-                first_seen = False
-                async for c in self._read_stream(spec, call, d, trace):
-                    if not first_seen:
-                        first_seen = True
-                        trace.add("decode_first", d.worker_id)
-                    if c.index == 0:
-                        produced.extend(c.token_ids)
-                        if c.finish_reason is not None:
-                            self._expect_sequence(d, ctx, produced)
+            async with contextlib.aclosing(self._decode(spec, sampling, d, lease, first, trace,
+                                                        ctx)) as stream:
+                async for c in stream:
                     yield c
-            except Exception as e:  # the worker lost, a deadline: the span says so
-                tracing.end(span, error=e)
-                span = None
-                raise
-            finally:
-                call.cancel()
-                tracing.end(span)
         finally:
             d.inflight -= 1
             renew.cancel()
             ctx.drop_claim()
-            _cancel(ctx.ahead)
+            cancel(ctx.ahead)
             if not decode_started:
                 self._release_soon(d, spec.request_id, lease.lease_id,
                                    settled=not ctx.writes_unsettled)
 
-    def _first_token_stop(self, sampling: SamplingParams, token: int, prompt_len: int,
-                          d: WorkerState) -> FinishReason | None:
-        if not sampling.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in sampling.stop_token_ids:
-            return FinishReason.STOP
-        if sampling.max_tokens <= 1 or prompt_len + 1 >= d.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    eos_token_ids: frozenset[int] = frozenset()
-
-
-    async def _read_stream(self, spec: GenerateSpec, call: grpc.aio.UnaryStreamCall,
-                           w: WorkerState, trace: Trace) -> AsyncIterator[TokenChunk]:
-        """Relay a DecodeResponse stream; a broken stream becomes WorkerLost."""
-        last: float | None = None  # gaps between streamed tokens measure w's decode steps
-        record = self.probes.get(spec.request_id, True)
-        while True:
-            try:
-                resp = await asyncio.wait_for(call.read(), self._remaining(spec, 3600.0))
-            except TimeoutError:
-                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  "request deadline exceeded") from None
-            except asyncio.CancelledError:
-                if not _call_cancelled(self, w):
-                    raise
-                raise WorkerLost(f"{w.worker_id}: dropped from the registry mid-stream") \
-                    from None
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise RouterError(code, e.details() or "invalid request") from e
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise RouterError(code, e.details() or "overloaded", retry_after_s=1.0) \
-                        from e
-                self.registry.mark_suspect(w.worker_id, f"stream: {code.name} {e.details()}")
-                raise WorkerLost(f"{w.worker_id}: {code.name} {e.details()}") from e
-            if resp is grpc.aio.EOF:
-                return
-            now = time.monotonic()
-            if resp.kv_wait_ms:
-                trace.decode_kv_wait_ms = resp.kv_wait_ms
-            if last is not None and record and resp.token_ids:
-                w.step_fit.observe(w.batch_estimate, now - last)
-            last = now
-            reason = finish_from_proto(resp.finish_reason)
-            if reason == FinishReason.ERROR:
-                raise WorkerLost(f"{w.worker_id}: {resp.error}")
-            if reason == FinishReason.ABORT:
-                raise WorkerLost(f"{w.worker_id} aborted the request: {resp.error}")
-            chunk = TokenChunk(list(resp.token_ids),
-                               [logprob_from_proto(lp) for lp in resp.logprobs]
-                               or [None] * len(resp.token_ids),
-                               reason, resp.cached_prompt_tokens, resp.index)
-            if resp.prompt_logprobs:
-                chunk.prompt_logprobs = [logprob_from_proto(x) for x in resp.prompt_logprobs]
-            yield chunk
-
-    # -- measurements (the cost model's fits) and cache expectations ------------------------------
-
+    # -- measurements (the cost model's fits) ----------------------------------------------------
     def _observe_local(self, w: WorkerState, ctx: Pass, n: int, cached: int, ttft_s: float,
                        batch: int, clean: bool) -> None:
         """A local generation's first token: the tokens w computed and how long it took, less
@@ -408,14 +311,6 @@ class Lifecycle(Handoff):
         if ctx.record and clean and ctx.fit:
             wait = w.step_fit.predict(batch) if batch > 0 else 0.0
             w.local_fit.observe(computed, ttft_s - wait)
-
-    def _expect_sequence(self, w: WorkerState, ctx: Pass, produced: list[int]) -> None:
-        """w now holds the KV of the prompt and the tokens produced (the last has none yet):
-        count on it for prefix routing until its beats can report it."""
-        toks = produced[:-1]
-        hashes = (ctx.req.extended_hashes(toks, w.block_size) if toks
-                  else ctx.req.hashes(w.block_size))
-        w.expect(hashes, time.monotonic() + self.registry.expect_s)
 
 
 async def _merge_choices(streams: dict[int, AsyncIterator[TokenChunk]]

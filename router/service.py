@@ -8,40 +8,40 @@ import contextlib
 import functools
 import hashlib
 import logging
-import re
 import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
 from kvrelay.common import tracing
-from kvrelay.common.limits import (
-    MAX_PROMPT_CHARS,
-    MAX_REQUEST_ID,
-    MAX_STOP_LEN,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TIMEOUT_MS,
-)
-from kvrelay.engine.outputs import FinishReason, TokenLogprob
+from kvrelay.common.limits import MAX_PROMPT_CHARS
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
-from kvrelay.engine.tokenizer import OutputProcessor, apply_chat_template
+from kvrelay.engine.tokenizer import apply_chat_template
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.outputs import ChoiceOutputs, Delta
 from kvrelay.router.trace import Trace
+from kvrelay.router.validation import (
+    check_prompt_length,
+    check_prompt_text,
+    check_request_id,
+    check_sampling_ids,
+    check_stop_strings,
+    deadline_of,
+    first_bad_id,
+    invalid,
+)
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_RE = re.compile(rf"^[A-Za-z0-9_.:\-]{{1,{MAX_REQUEST_ID}}}$")
 DUPLICATE_ID_WAIT_S = 1.0  # how long a request waits for an earlier one of its id to leave
 # Text longer than this (characters; token ids: a quarter of it) is tokenized, templated and
 # checked off the event loop, which also serves heartbeats and lease renewals. Smaller inputs
@@ -51,51 +51,6 @@ OFFLOAD_IDS = OFFLOAD_CHARS // 4
 TOKENIZER_THREADS = 2  # fast tokenizers release the GIL while they encode
 
 T = TypeVar("T")
-
-
-def first_bad_id(token_ids: Sequence[object], vocab_size: int) -> object | None:
-    return next((t for t in token_ids
-                 if not isinstance(t, int) or not (0 <= t < vocab_size)), None)
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0
-
-
-@dataclass
-class Timing:
-    queue_ms: float = 0.0
-    ttft_ms: float = 0.0
-    e2e_ms: float = 0.0
-    prefill_ms: float = 0.0
-    transfer_ms: float = 0.0
-    mean_itl_ms: float = 0.0
-    reserve_ms: float = 0.0
-    decode_kv_wait_ms: float = 0.0
-
-
-@dataclass
-class Delta:
-    """New output of one request; the last one has ``finished`` and the accounting."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    usage: Usage | None = None
-    timing: Timing | None = None
-    trace: Trace | None = None
-    index: int = 0  # the choice (n > 1): each one ends with a ``finished`` delta of its own
-    done: bool = False  # the request's last delta: every choice has finished; has the usage
-    # sampling.prompt_logprobs: on the request's first delta, prompt tokens 1.. (the first
-    # prompt token has none); the same for every choice.
-    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RouterService:
@@ -205,75 +160,36 @@ class RouterService:
         The cheap checks come first: sizes are checked before anything is scanned or tokenized.
         """
         t0 = time.monotonic()
-
-        def bad(msg: str) -> RouterError:
-            return RouterError(grpc.StatusCode.INVALID_ARGUMENT, msg)
-
         rid = request_id or self.new_request_id()
-        if not isinstance(rid, str) or not REQUEST_ID_RE.fullmatch(rid):  # '$' allows '\n'
-            raise bad(f"request_id must be 1-{MAX_REQUEST_ID} characters of letters, digits, "
-                      "'-', '_', '.', ':'")
+        check_request_id(rid)
         if model and model != self.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
                               f"model {model!r} is not served here; this router serves "
                               f"{self.model_name!r}")
         if (text is None) == (token_ids is None):
-            raise bad("give exactly one of a text prompt or prompt token ids")
-        deadline = None
-        if timeout_ms:
-            if not (0 < timeout_ms <= MAX_TIMEOUT_MS):
-                raise bad(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}]")
-            deadline = t0 + timeout_ms / 1000.0
-        if len(sampling.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN
-                                                        for s in sampling.stop):
-            raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} "
-                      f"characters")
-        for s in sampling.stop:
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad(f"stop string {s!r} is not valid Unicode (lone surrogate)") from None
+            raise invalid("give exactly one of a text prompt or prompt token ids")
+        deadline = deadline_of(timeout_ms, t0)
+        check_stop_strings(sampling)
         salt = self.cache_salt(cache_salt, api_key)
-        if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-        bad_stop = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
-        if bad_stop is not None:
-            raise bad(f"stop token id {bad_stop} is outside the vocabulary")
-        top = sampling.max_token_id()
-        if top >= self.vocab_size:
-            raise bad(f"token id {top} in logit_bias/allowed_token_ids/bad_words is outside the "
-                      f"vocabulary [0, {self.vocab_size})")
-        if sampling.resumed_output_tokens:
-            raise bad("resumed_output_tokens is set by the router only")
+        check_sampling_ids(sampling, self.vocab_size)
         if sampling.structured is not None:
             try:
                 await self.check_structured(sampling.structured)
             except ValueError as e:
-                raise bad(str(e)) from None
+                raise invalid(str(e)) from None
         max_len = self.effective_max_model_len()
         if sampling.max_tokens >= max_len:  # more than any prompt leaves room for
-            raise bad(f"max_tokens is {sampling.max_tokens}; this model's context holds "
-                      f"{max_len} tokens, prompt included")
+            raise invalid(f"max_tokens is {sampling.max_tokens}; this model's context holds "
+                          f"{max_len} tokens, prompt included")
         if text is not None:
-            if not isinstance(text, str):
-                raise bad("the prompt must be a string")
-            if len(text) > MAX_PROMPT_CHARS:
-                raise bad(f"the prompt has {len(text)} characters; at most {MAX_PROMPT_CHARS}")
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad("the prompt is not valid Unicode (lone surrogate)") from None
+            check_prompt_text(text)
             token_ids = await self.encode(text)
         assert token_ids is not None
-        if not token_ids:
-            raise bad("the prompt is empty: it needs at least one token")
-        if len(token_ids) >= max_len:
-            raise bad(f"the prompt has {len(token_ids)} tokens; this model takes at most "
-                      f"{max_len - 1} (context {max_len})")
+        check_prompt_length(token_ids, max_len)
         bad_id = await self._run(len(token_ids) > OFFLOAD_IDS, first_bad_id, token_ids,
                                  self.vocab_size)
         if bad_id is not None:
-            raise bad(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
+            raise invalid(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
         return GenerateSpec(rid, list(token_ids), sampling, deadline, arrival=t0,
                             cache_salt=salt)
 
@@ -333,66 +249,15 @@ class RouterService:
             trace.span = tracing.start("router.request", spec.trace_parent, start_s=spec.arrival,
                                        **{"kvrelay.request_id": spec.request_id,
                                           "kvrelay.prompt_tokens": len(spec.prompt_token_ids)})
-        procs: dict[int, OutputProcessor] = {}
-        ended: set[int] = set()  # choices finished (a stop string may end one before its worker)
-        prompt_sent = False
-        n_out = 0
-        cached = 0
-        first_at: float | None = None
-        last_at = spec.arrival
-        gaps: list[float] = []
+        outputs = ChoiceOutputs(spec, self.tokenizer, trace)
         tokens = self.lifecycle.tokens(spec, trace)
         try:
             async for chunk in tokens:
-                i = chunk.index
-                if i in ended:
+                delta = outputs.add(chunk)
+                if delta is None:
                     continue
-                proc = procs.get(i)
-                if proc is None:
-                    proc = procs[i] = OutputProcessor(self.tokenizer, spec.prompt_token_ids,
-                                                      spec.sampling)
-                now = time.monotonic()
-                if first_at is None:
-                    first_at = now
-                    trace.add("first_token")
-                    tracing.event(trace.span, "first_token")
-                else:
-                    gaps.append(now - last_at)
-                last_at = now
-                n_out += len(chunk.token_ids)
-                cached = max(cached, chunk.cached_prompt_tokens)
-                step = proc.add(chunk.token_ids, finished=chunk.finish_reason is not None,
-                                stopped_on_token=chunk.finish_reason == FinishReason.STOP)
-                finish = FinishReason.STOP if step.stop_string else chunk.finish_reason
-                stop_reason: str | int | None = step.stop_string
-                if stop_reason is None and finish == FinishReason.STOP and chunk.token_ids:
-                    stop_reason = chunk.token_ids[-1]
-                delta = Delta(spec.request_id, step.text, chunk.token_ids, chunk.logprobs,
-                              index=i)
-                if spec.sampling.prompt_logprobs is not None and not prompt_sent:
-                    prompt_sent = True
-                    delta.prompt_logprobs = chunk.prompt_logprobs or []
-                if finish is not None:
-                    delta.finished, delta.finish_reason, delta.stop_reason = True, finish, \
-                        stop_reason
-                    ended.add(i)
-                    if len(ended) < spec.sampling.n:
-                        yield delta
-                        continue
-                    delta.done = True
-                    delta.usage = Usage(len(spec.prompt_token_ids), n_out, cached)
-                    delta.timing = self._timing(spec, trace, first_at, now, gaps)
-                    trace.add("finished", detail=finish.value)
-                    delta.trace = trace
-                    self._observe(delta, gaps)
-                    self._recent.append((now, delta.timing.ttft_ms,
-                                         delta.timing.mean_itl_ms if gaps else None))
-                    logger.info("finished %s: %d+%d tokens ttft=%.1fms e2e=%.1fms | %s",
-                                finish.value, len(spec.prompt_token_ids), n_out,
-                                delta.timing.ttft_ms, delta.timing.e2e_ms, trace.summary())
-                    if trace.span is not None:
-                        trace.span.set_attribute("kvrelay.completion_tokens", n_out)
-                        trace.span.set_attribute("kvrelay.finish_reason", finish.value)
+                if delta.done:
+                    self._finished(spec, trace, outputs, delta)
                     yield delta
                     return
                 yield delta
@@ -405,6 +270,23 @@ class RouterService:
         finally:
             await tokens.aclose()
             tracing.end(trace.span)
+
+    def _finished(self, spec: GenerateSpec, trace: Trace, outputs: ChoiceOutputs,
+                  delta: Delta) -> None:
+        """Account a request's last delta: its trace, metrics, recent latencies, log line."""
+        finish, timing = delta.finish_reason, delta.timing
+        assert finish is not None and timing is not None
+        trace.add("finished", detail=finish.value)
+        delta.trace = trace
+        self._observe(delta, outputs.gaps)
+        self._recent.append((outputs.last_at, timing.ttft_ms,
+                             timing.mean_itl_ms if outputs.gaps else None))
+        logger.info("finished %s: %d+%d tokens ttft=%.1fms e2e=%.1fms | %s",
+                    finish.value, len(spec.prompt_token_ids), outputs.n_out,
+                    timing.ttft_ms, timing.e2e_ms, trace.summary())
+        if trace.span is not None:
+            trace.span.set_attribute("kvrelay.completion_tokens", outputs.n_out)
+            trace.span.set_attribute("kvrelay.finish_reason", finish.value)
 
     def recent_latency(self, window_s: float) -> tuple[float | None, float | None]:
         """p90 TTFT and p90 mean inter-token latency (ms) of requests finished lately."""
@@ -446,19 +328,3 @@ class RouterService:
             m.prefill.labels(model).observe(p.prefill_ms / 1000.0)
             m.transfer.labels(model).observe(p.transfer_ms / 1000.0)
             m.transfer_bytes.labels(model).inc(p.kv_bytes)
-
-    @staticmethod
-    def _timing(spec: GenerateSpec, trace: Trace, first_at: float | None, now: float,
-                gaps: list[float]) -> Timing:
-        t = Timing(e2e_ms=(now - spec.arrival) * 1000.0)
-        if first_at is not None:
-            t.ttft_ms = (first_at - spec.arrival) * 1000.0
-        if gaps:
-            t.mean_itl_ms = sum(gaps) / len(gaps) * 1000.0
-        t.reserve_ms, t.decode_kv_wait_ms = trace.reserve_ms, trace.decode_kv_wait_ms
-        p = trace.prefill
-        if p is not None:
-            t.prefill_ms, t.transfer_ms = p.prefill_ms, p.transfer_ms
-            start = trace.first("prefill_start")
-            t.queue_ms = (start.t_ms if start else 0.0) + p.queue_ms
-        return t

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrelay.prefill_worker import servicer as ps
+from kvrelay.prefill_worker.peers import PEER_IDLE_S
 
 
 class Engine:
@@ -35,7 +36,7 @@ def test_idle_decode_peers_are_evicted_busy_ones_kept() -> None:
         now = time.monotonic()
         for name in ("gone", "busy", "recent"):
             s._peer_locks[name] = asyncio.Lock()
-        s._peer_used.update(gone=now - ps.PEER_IDLE_S - 1, busy=now - ps.PEER_IDLE_S - 1,
+        s._peer_used.update(gone=now - PEER_IDLE_S - 1, busy=now - PEER_IDLE_S - 1,
                             recent=now - 1)
         s._peer_inflight["busy"] = 1  # a Prefill to it still under way
         assert await s.evict_idle_peers(now) == ["gone"]

@@ -202,6 +202,31 @@ class Worker:
         if st.cluster_token:
             interceptors.append(cluster_token_interceptor(SecretSet([st.cluster_token])))
         self.server = make_server(interceptors)
+        services = self._add_servicers()
+        self.health = add_health(self.server, services)
+        self._services = services
+        self.port = bind(self.server, st.host, st.port)
+        await self.server.start()
+        core = self.engine.core
+        self.info = info = wpb.WorkerInfo(
+            worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
+            incarnation=self.incarnation, model_identity=core.runner.arch.identity,
+            block_size=core.config.cache.block_size, max_model_len=core.max_model_len)
+        # The prefix cache's block hashes ride on the beats (deltas) for prefix-aware routing.
+        bm = core.block_manager
+        self.heartbeater = Heartbeater(list(st.routers), info, self._load,
+                                       bm.cached_hash_set if bm.enable_prefix_caching else None,
+                                       interval_s=st.heartbeat_interval_s,
+                                       cluster_token=st.cluster_token,
+                                       on_answer=self._on_beat_answer)
+        self.heartbeater.start()
+        logger.info("worker %s (%s) serving on %s:%d, routers %s", self.worker_id, st.role,
+                    st.host, self.port, ", ".join(st.routers) or "none")
+
+    def _add_servicers(self) -> list[str]:
+        """Put the role's servicers (and the control service) on ``self.server``; the names
+        of the services it now serves, for the health service."""
+        st = self.settings
         services: list[str] = []
         self.decode_servicer = None
         self.prefill_servicer = None
@@ -228,25 +253,7 @@ class Worker:
             services.append("kvrelay.v1.PrefillWorker")
         worker_pb2_grpc.add_WorkerControlServicer_to_server(ControlServicer(self), self.server)
         services.append("kvrelay.v1.WorkerControl")
-        self.health = add_health(self.server, services)
-        self._services = services
-        self.port = bind(self.server, st.host, st.port)
-        await self.server.start()
-        core = self.engine.core
-        self.info = info = wpb.WorkerInfo(
-            worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
-            incarnation=self.incarnation, model_identity=core.runner.arch.identity,
-            block_size=core.config.cache.block_size, max_model_len=core.max_model_len)
-        # The prefix cache's block hashes ride on the beats (deltas) for prefix-aware routing.
-        bm = core.block_manager
-        self.heartbeater = Heartbeater(list(st.routers), info, self._load,
-                                       bm.cached_hash_set if bm.enable_prefix_caching else None,
-                                       interval_s=st.heartbeat_interval_s,
-                                       cluster_token=st.cluster_token,
-                                       on_answer=self._on_beat_answer)
-        self.heartbeater.start()
-        logger.info("worker %s (%s) serving on %s:%d, routers %s", self.worker_id, st.role,
-                    st.host, self.port, ", ".join(st.routers) or "none")
+        return services
 
     def _on_beat_answer(self, router: str, resp: wpb.HeartbeatResponse) -> None:
         """A decode worker's held blocks wait on their senders: one gone from every router's

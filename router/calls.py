@@ -1,0 +1,59 @@
+"""What a worker call's ending means, and how to end one: the trailers by which a worker says
+that nothing was written, that the KV destination failed, or that it is draining; a
+CancelledError that is the dropped channel's rather than the request's; and cancelling a call
+without waiting for it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvrelay.common.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN
+from kvrelay.router.registry import WorkerRegistry, WorkerState
+
+
+def cancel(task: asyncio.Future[object] | None) -> None:
+    """Cancel a call we no longer want, and retrieve its outcome (an exception of a call that
+    ended on its own would otherwise be logged as never retrieved). Does not wait for it."""
+    if task is None:
+        return
+    task.cancel()
+    task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def trailer_says(e: grpc.aio.AioRpcError, pairs: tuple[tuple[str, str], ...]) -> bool:
+    try:
+        md = tuple(e.trailing_metadata() or ())
+    except Exception:
+        return False
+    return any((k, v) in pairs for k, v in md)
+
+
+def nothing_written(e: grpc.aio.AioRpcError) -> bool:
+    """True when a Prefill was refused before it wrote any KV (see ``KV_NOTHING_WRITTEN``)."""
+    return trailer_says(e, KV_NOTHING_WRITTEN)
+
+
+def dest_failed(e: grpc.aio.AioRpcError) -> bool:
+    """True when a Prefill failed because of its KV destination (see ``KV_DESTINATION_FAILED``)."""
+    return trailer_says(e, KV_DESTINATION_FAILED)
+
+
+def call_cancelled(registry: WorkerRegistry, w: WorkerState) -> bool:
+    """Whether a CancelledError out of a call to ``w`` is the call's, not this request's.
+
+    The registry closes the channel of a worker it drops (missed heartbeats), which cancels the
+    calls in flight on it: they raise CancelledError although nobody cancelled the request.
+    Left alone, that ends the request's handler without a status, and the client waits until
+    its deadline (forever without one). Such a call counts as a lost worker instead.
+    """
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "cancelling"):  # Python >= 3.11
+        return task.cancelling() == 0
+    return registry.workers.get(w.worker_id) is not w

@@ -1,0 +1,154 @@
+"""The decode side of a disaggregated pass, and the worker streams every pass reads.
+
+A pass's first tokens (one per choice) come in the prefill worker's answer; the decode worker's
+Decode stream carries the rest. ``_read_stream`` relays that stream (or a GenerateLocal one) as
+TokenChunks: a broken stream becomes WorkerLost, so that the lifecycle resumes the request on
+another worker, a refusal a RouterError. ``Lifecycle`` builds on this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvrelay.common import tracing
+from kvrelay.common.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
+from kvrelay.engine.outputs import FinishReason
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.calls import call_cancelled
+from kvrelay.router.errors import RouterError
+from kvrelay.router.handoff import Handoff
+from kvrelay.router.registry import WorkerState
+from kvrelay.router.requests import GenerateSpec, Pass, TokenChunk, WorkerLost
+from kvrelay.router.trace import Trace
+
+
+class Relay(Handoff):
+    """First tokens and decode streams of a pass, as TokenChunks."""
+
+    probes: dict[str, bool]  # warm-up probes in flight: request id -> measurements recorded
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def _first_chunks(self, first: wpb.PrefillResponse, cached: int, sampling: SamplingParams,
+                      prompt_len: int, d: WorkerState) -> list[TokenChunk]:
+        """Each choice's first token, from the prefill's answer (the prompt's logprobs ride on
+        choice 0's); a choice whose first token ends it has its finish reason already."""
+        tok = first.first_token_id
+        firsts = [(tok, logprob_from_proto(first.logprob)
+                   if first.HasField("logprob") else None)]
+        forks = list(first.fork_token_ids)
+        if len(forks) != sampling.n - 1:
+            raise WorkerLost(f"prefill sampled {len(forks) + 1} first tokens, not "
+                             f"{sampling.n}")
+        fork_lps = [logprob_from_proto(lp) for lp in first.fork_logprobs]
+        firsts += zip(forks, fork_lps or [None] * len(forks), strict=True)
+        chunks = [TokenChunk([t], [lp], self._first_token_stop(sampling, t, prompt_len, d),
+                             cached, i) for i, (t, lp) in enumerate(firsts)]
+        if sampling.prompt_logprobs is not None:
+            chunks[0].prompt_logprobs = [logprob_from_proto(x) for x in first.prompt_logprobs]
+        return chunks
+
+    def _first_token_stop(self, sampling: SamplingParams, token: int, prompt_len: int,
+                          d: WorkerState) -> FinishReason | None:
+        if not sampling.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in sampling.stop_token_ids:
+            return FinishReason.STOP
+        if sampling.max_tokens <= 1 or prompt_len + 1 >= d.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    async def _decode(self, spec: GenerateSpec, sampling: SamplingParams, d: WorkerState,
+                      lease: wpb.ReserveResponse, first: wpb.PrefillResponse, trace: Trace,
+                      ctx: Pass) -> AsyncIterator[TokenChunk]:
+        """The tokens after the first ones: a Decode call on ``d`` under ``lease``, relayed.
+        Leaving the iterator cancels the call."""
+        tok = first.first_token_id
+        req = wpb.DecodeRequest(request_id=spec.request_id, lease_id=lease.lease_id,
+                                first_token_id=tok, sampling=sampling_to_proto(sampling),
+                                kv_timeout_ms=int(self.config.kv_timeout_s * 1000),
+                                fork_token_ids=list(first.fork_token_ids))
+        span = tracing.start("router.stream", trace.span, **{"kvrelay.worker": d.worker_id})
+        try:
+            call = d.decode.Decode(req, metadata=tracing.with_parent(self.md, span))
+        except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
+            tracing.end(span, error=e)
+            raise WorkerLost(f"{d.worker_id} left the registry: {e}") from e
+        trace.add("decode_start", d.worker_id)
+        try:
+            produced = [tok]
+            first_seen = False
+            async for c in self._read_stream(spec, call, d, trace):
+                if not first_seen:
+                    first_seen = True
+                    trace.add("decode_first", d.worker_id)
+                if c.index == 0:
+                    produced.extend(c.token_ids)
+                    if c.finish_reason is not None:
+                        self._expect_sequence(d, ctx, produced)
+                yield c
+        except Exception as e:  # the worker lost, a deadline: the span says so
+            tracing.end(span, error=e)
+            span = None
+            raise
+        finally:
+            call.cancel()
+            tracing.end(span)
+
+    async def _read_stream(self, spec: GenerateSpec, call: grpc.aio.UnaryStreamCall,
+                           w: WorkerState, trace: Trace) -> AsyncIterator[TokenChunk]:
+        """Relay a DecodeResponse stream; a broken stream becomes WorkerLost."""
+        last: float | None = None  # gaps between streamed tokens measure w's decode steps
+        record = self.probes.get(spec.request_id, True)
+        while True:
+            try:
+                resp = await asyncio.wait_for(call.read(), self._remaining(spec, 3600.0))
+            except TimeoutError:
+                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  "request deadline exceeded") from None
+            except asyncio.CancelledError:
+                if not call_cancelled(self.registry, w):
+                    raise
+                raise WorkerLost(f"{w.worker_id}: dropped from the registry mid-stream") \
+                    from None
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise RouterError(code, e.details() or "invalid request") from e
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise RouterError(code, e.details() or "overloaded", retry_after_s=1.0) \
+                        from e
+                self.registry.mark_suspect(w.worker_id, f"stream: {code.name} {e.details()}")
+                raise WorkerLost(f"{w.worker_id}: {code.name} {e.details()}") from e
+            if resp is grpc.aio.EOF:
+                return
+            now = time.monotonic()
+            if resp.kv_wait_ms:
+                trace.decode_kv_wait_ms = resp.kv_wait_ms
+            if last is not None and record and resp.token_ids:
+                w.step_fit.observe(w.batch_estimate, now - last)
+            last = now
+            reason = finish_from_proto(resp.finish_reason)
+            if reason == FinishReason.ERROR:
+                raise WorkerLost(f"{w.worker_id}: {resp.error}")
+            if reason == FinishReason.ABORT:
+                raise WorkerLost(f"{w.worker_id} aborted the request: {resp.error}")
+            chunk = TokenChunk(list(resp.token_ids),
+                               [logprob_from_proto(lp) for lp in resp.logprobs]
+                               or [None] * len(resp.token_ids),
+                               reason, resp.cached_prompt_tokens, resp.index)
+            if resp.prompt_logprobs:
+                chunk.prompt_logprobs = [logprob_from_proto(x) for x in resp.prompt_logprobs]
+            yield chunk
+
+    def _expect_sequence(self, w: WorkerState, ctx: Pass, produced: list[int]) -> None:
+        """w now holds the KV of the prompt and the tokens produced (the last has none yet):
+        count on it for prefix routing until its beats can report it."""
+        toks = produced[:-1]
+        hashes = (ctx.req.extended_hashes(toks, w.block_size) if toks
+                  else ctx.req.hashes(w.block_size))
+        w.expect(hashes, time.monotonic() + self.registry.expect_s)
