@@ -283,3 +283,33 @@ def test_a_low_load_live_run_calibrates_the_profile_for_higher_loads() -> None:
         assert getattr(fixed, name) == pytest.approx(want, rel=0.15), name
     with pytest.raises(ValueError):
         calibrate(PROFILE, low, cfg, live_ttft_p90_ms=0.0, live_itl_p90_ms=1.0)
+
+
+def test_the_calibrated_simulator_reproduces_the_recorded_live_run() -> None:
+    """``bench/results/planner/live_calibrated``: a live 1P1D run of the demo cluster (6 req/s,
+    after a 2 req/s calibration phase). The simulator, corrected by that phase alone, must
+    reproduce the live ITL p90 within 25 % and the TTFT p90 within 50 % (on this machine the
+    two pools share two cores, so a busy decode pool slows the prefill more than a
+    low-load calibration sees); uncorrected it is off by far more."""
+    import json
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[1] / "bench/results/planner/live_calibrated"
+    doc = json.loads((run / "live.json").read_text())
+    a, cal, live = doc["args"], doc["calibration"], doc["live"]
+    profile = Profile.load(run.parent / "profile-demo-1thread.json")
+    cfg = SimConfig(a["ttft_slo_ms"], a["itl_slo_ms"], prefill=a["prefill"], decode=a["decode"],
+                    interval_s=1.0, startup_s=a["startup"])
+    cal_trace = generate(shapes(a["calibrate_rate"] / 0.6, a["calibrate_duration"], a["prompt"],
+                                a["output"])["steady"], seed=8, max_len=1800)
+    fit = calibrate(profile, cal_trace, cfg, live_ttft_p90_ms=cal["live_ttft_p90_ms"],
+                    live_itl_p90_ms=cal["live_itl_p90_ms"])
+    assert fit.engine_scale == pytest.approx(cal["engine_scale"], rel=1e-6)
+    trace = generate(shapes(a["peak_rate"], a["duration"], a["prompt"], a["output"])["steady"],
+                     seed=7, max_len=1800)
+    sim = simulate(fit.apply(profile), trace, cfg)
+    raw = simulate(profile, trace, cfg)
+    assert abs(sim.itl_p90_ms / live["itl_p90_ms"] - 1) <= 0.25
+    assert abs(sim.ttft_p90_ms / live["ttft_p90_ms"] - 1) <= 0.5
+    assert abs(raw.itl_p90_ms / live["itl_p90_ms"] - 1) > 0.5
+    assert abs(raw.ttft_p90_ms / live["ttft_p90_ms"] - 1) > 0.5
