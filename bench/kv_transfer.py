@@ -16,7 +16,9 @@ Numbers on a shared machine move with its load; the load average is printed besi
 ``--tp`` (or ``--tp-only``): the same payload (every layer's K and V of consecutive blocks of the
 model's 8 KV heads) between engines whose heads are split over tensor-parallel ranks: P=1->D=1,
 P=2->D=2 (whole blocks rank to rank), P=2->D=1 (each token's heads gathered from two ranks) and
-P=1->D=2 (split over two ranks). Every rank's KV is registered by one agent per engine.
+P=1->D=2 (split over two ranks; both packed by the sender into a staging buffer as the
+receiver lays its blocks out, then sent as whole blocks). Every rank's KV is registered by one
+agent per engine.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def _tp_rows(reps: int) -> None:
     print(f"\nKV transfer between tensor-parallel sizes ({SPEC.num_kv_heads} KV heads, all "
           f"{SPEC.num_layers} layers, K and V), median of {reps}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'P -> D':<10}{'payload MiB':>12}{'regions':>9}{'GB/s':>8}{'vs same TP':>12}")
+    print(f"{'P -> D':<10}{'payload MiB':>12}{'regions':>9}{'GB/s':>8}{'vs 1 -> 1':>12}"
+          f"{'vs 2 -> 2':>10}")
     same: dict[int, float] = {}
     for p_tp, d_tp in ((1, 1), (2, 2), (2, 1), (1, 2)):
         parent, child = ctx.Pipe()
@@ -133,11 +136,12 @@ def _tp_rows(reps: int) -> None:
         if p_tp == d_tp:
             same[p_tp] = gbs
         base = same.get(1)
-        # Rank to rank: a row per block; across sizes: a row per token of each head run.
-        n_regions = len(blocks) * SPEC.num_layers * 2 * max(p_tp, d_tp) * (
-            SPEC.block_size if p_tp != d_tp else 1)
+        # A row per receiving rank's block (across sizes, from the sender's staging buffer).
+        n_regions = len(blocks) * SPEC.num_layers * 2 * d_tp
         vs = f"{gbs / base:.0%}" if base and p_tp != d_tp else "-"
-        print(f"{f'{p_tp} -> {d_tp}':<10}{nbytes / MiB:>12.0f}{n_regions:>9}{gbs:>8.2f}{vs:>12}")
+        vs2 = f"{gbs / same[2]:.0%}" if 2 in same and p_tp != d_tp else "-"
+        print(f"{f'{p_tp} -> {d_tp}':<10}{nbytes / MiB:>12.0f}{n_regions:>9}{gbs:>8.2f}{vs:>12}"
+              f"{vs2:>10}")
         tr.close()
         parent.send("exit")
         proc.join(10)

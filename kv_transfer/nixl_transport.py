@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvrelay.kv_transfer.descriptors import (
@@ -46,6 +47,14 @@ from kvrelay.kv_transfer.layout import (
     head_runs,
 )
 from kvrelay.kv_transfer.messages import PeerInfo
+from kvrelay.kv_transfer.staging import (
+    StagingArea,
+    needs_staging,
+    stage,
+    staged_bytes,
+    staged_rows,
+    staging_descs,
+)
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 try:
@@ -77,10 +86,12 @@ class Notification(NamedTuple):
 class WriteHandle:
     """One posted write. ``poll`` it until it returns True (or raises)."""
 
-    __slots__ = ("_xfer", "deadline", "done", "nbytes", "peer", "posted_at")
+    __slots__ = ("_xfer", "deadline", "done", "nbytes", "peer", "posted_at", "staging")
 
-    def __init__(self, peer: str, nbytes: int, xfer: object | None, deadline: float) -> None:
+    def __init__(self, peer: str, nbytes: int, xfer: object | None, deadline: float,
+                 staging: int | None = None) -> None:
         self.peer = peer
+        self.staging = staging  # offset of its staged bytes, freed when it finishes
         self.nbytes = nbytes
         self._xfer = xfer
         self.posted_at = time.monotonic()
@@ -95,6 +106,9 @@ class _Peer(NamedTuple):
     info: PeerInfo
     dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, kv, block) regions
     runs: list[HeadRun] | None  # None: one rank each side, whole blocks through ``dlist``
+    # Another head split: every rank's (layer, kv, block) regions, rank after rank (the rows
+    # staged writes address); None when writes need no staging.
+    ranks_dlist: object | None = None
 
 
 def _mem_type(device_kind: str) -> str:
@@ -104,9 +118,11 @@ def _mem_type(device_kind: str) -> str:
 class NixlTransport:
     def __init__(self, agent_name: str, kv: torch.Tensor, layout: KVLayout, *,
                  write_timeout_s: float = 10.0, num_threads: int = 0,
-                 rank_kvs: Sequence[torch.Tensor] = ()) -> None:
+                 rank_kvs: Sequence[torch.Tensor] = (), staging_bytes: int = 64 << 20) -> None:
         """``kv`` is rank 0's tensor; under tensor parallelism ``rank_kvs`` are ranks 1..N-1's
-        (one host, shared memory: this agent registers and addresses every rank's KV)."""
+        (one host, shared memory: this agent registers and addresses every rank's KV).
+        ``staging_bytes``: the buffer writes to a peer of another head split are packed in
+        (allocated on the first such write; see ``staging``)."""
         spec = layout.spec
         tensors = [kv, *rank_kvs]
         if len(tensors) != layout.tp_size:
@@ -137,6 +153,10 @@ class NixlTransport:
         # Written under the lock, read without it: the engine thread asks for incarnations
         # while the I/O thread may hold the lock for a long copy.
         self._incarnations: dict[str, str] = {}
+        self._staging_bytes = staging_bytes
+        self._staging: StagingArea | None = None
+        self._staging_reg: object | None = None
+        self._staging_dlists: dict[int, object] = {}
         self._notifs: list[Notification] = []
         self._closed = False
         self._device_id = max(kv.get_device(), 0)
@@ -196,13 +216,25 @@ class NixlTransport:
             except _NIXL_ERRORS as e:
                 self._agent.remove_remote_agent(info.agent_name)
                 raise self._error(e, info.agent_name, "preparing descriptors of") from e
-            runs = None
+            runs, ranks_dlist = None, None
             if self.layout.tp_size > 1 or info.layout.tp_size > 1:
                 runs = head_runs(self.layout, info.layout)
-            self._peers[info.agent_name] = _Peer(info, dlist, runs)
+                if needs_staging(self.layout, info.layout, runs):
+                    ranks_dlist = self._prep_ranks(info)
+            self._peers[info.agent_name] = _Peer(info, dlist, runs, ranks_dlist)
             self._incarnations[info.agent_name] = info.incarnation
         logger.info("added KV peer %s (%d blocks)", info.agent_name, info.layout.num_blocks)
         return True
+
+    def _prep_ranks(self, info: PeerInfo) -> object:
+        rows = np.concatenate([region_descs(a, info.layout, info.device_id)
+                               for a in info.rank_addresses])
+        try:
+            return self._agent.prep_xfer_dlist(info.agent_name, rows,
+                                               _mem_type(info.layout.device_kind))
+        except _NIXL_ERRORS as e:
+            self._agent.remove_remote_agent(info.agent_name)
+            raise self._error(e, info.agent_name, "preparing descriptors of") from e
 
     def _load(self, info: PeerInfo) -> str:
         try:
@@ -231,10 +263,12 @@ class NixlTransport:
         p = self._peers.pop(name, None)
         if p is None:
             return
-        try:
-            p.dlist.release()
-        except _NIXL_ERRORS as e:
-            logger.debug("releasing descriptors of %s: %s", name, e)
+        for dl in (p.dlist, p.ranks_dlist):
+            try:
+                if dl is not None:
+                    dl.release()  # type: ignore[attr-defined]
+            except _NIXL_ERRORS as e:
+                logger.debug("releasing descriptors of %s: %s", name, e)
         self._agent.remove_remote_agent(name)  # returns a status, never raises
 
     # -- writes --------------------------------------------------------------------------------
@@ -264,6 +298,7 @@ class NixlTransport:
                 raise KVTransferError(
                     f"block ids out of range: local {lo}..{hi} of {nb_local}, "
                     f"remote {rlo}..{rhi} of {nb_remote} at {peer}", retriable=False, peer=peer)
+            staged: int | None = None
             try:
                 if p.runs is None:
                     lidx = plane_block_indices(planes, local_block_ids, nb_local)
@@ -272,36 +307,83 @@ class NixlTransport:
                     xfer = self._agent.make_prepped_xfer("WRITE", self._local, lidx, p.dlist,
                                                          ridx)
                 else:
-                    xfer, nbytes = self._split_xfer(p, planes, local_block_ids, remote_block_ids)
+                    xfer, nbytes, staged = self._split_xfer(p, planes, local_block_ids,
+                                                            remote_block_ids)
             except _NIXL_ERRORS as e:
                 raise self._failed(e, peer, "building a write to") from e
+            handle = WriteHandle(peer, nbytes, xfer, time.monotonic() + self.write_timeout_s,
+                                 staged)
             try:
                 state = self._agent.transfer(xfer)
             except _NIXL_ERRORS as e:
-                self._release(xfer)
+                self._finish(handle)
                 raise self._failed(e, peer, "posting a write to") from e
             if state == "ERR":
-                self._release(xfer)
+                self._finish(handle)
                 raise KVTransferError(f"NIXL refused a write to {peer}", retriable=True,
                                       peer=peer)
             if state == "DONE":
-                self._release(xfer)
-                xfer = None
-            return WriteHandle(peer, nbytes, xfer, time.monotonic() + self.write_timeout_s)
+                self._finish(handle)
+            return handle
 
     def _split_xfer(self, p: _Peer, planes: Sequence[int], local_block_ids: Sequence[int],
-                    remote_block_ids: Sequence[int]) -> tuple[object, int]:
+                    remote_block_ids: Sequence[int]) -> tuple[object, int, int | None]:
         """One transfer of every (sending rank -> receiving rank) head run: it completes only
-        when all of them landed."""
+        when all of them landed. Across different head splits the blocks are staged (packed
+        as the receiving ranks lay them out) when the staging buffer has room, and go as whole
+        blocks; the staging offset comes back with the transfer."""
         assert p.runs is not None
         info = p.info
-        src, dst = split_descs(self.layout, self._addrs, info.layout, info.rank_addresses,
-                               p.runs, planes, local_block_ids, remote_block_ids,
-                               self._device_id, info.device_id)
-        local = self._agent.get_xfer_descs(src, self._mem)
-        remote = self._agent.get_xfer_descs(dst, _mem_type(info.layout.device_kind))
+        offset = self._stage(p, planes, local_block_ids)
+        if offset is not None:
+            try:
+                src, dst = staged_rows(offset, info.layout, planes, remote_block_ids)
+                xfer = self._agent.make_prepped_xfer(
+                    "WRITE", self._staging_dlist(info.layout.block_bytes), src, p.ranks_dlist,
+                    dst)
+            except BaseException:
+                self._staging.free(offset)  # type: ignore[union-attr]
+                raise
+            return xfer, len(src) * info.layout.block_bytes, offset
+        rows_src, rows_dst = split_descs(self.layout, self._addrs, info.layout,
+                                         info.rank_addresses, p.runs, planes, local_block_ids,
+                                         remote_block_ids, self._device_id, info.device_id)
+        local = self._agent.get_xfer_descs(rows_src, self._mem)
+        remote = self._agent.get_xfer_descs(rows_dst, _mem_type(info.layout.device_kind))
         xfer = self._agent.initialize_xfer("WRITE", local, remote, info.agent_name)
-        return xfer, int(src[:, 1].sum())
+        return xfer, int(rows_src[:, 1].sum()), None
+
+    def _staging_dlist(self, block_bytes: int) -> object:
+        """The staging buffer's descriptor list in rows of ``block_bytes`` (one per receiving
+        block size: peers of different TP sizes have different blocks)."""
+        assert self._staging is not None
+        dl = self._staging_dlists.get(block_bytes)
+        if dl is None:
+            dl = self._staging_dlists[block_bytes] = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", staging_descs(self._staging, block_bytes, self._device_id),
+                self._mem)
+        return dl
+
+    def _stage(self, p: _Peer, planes: Sequence[int],
+               local_block_ids: Sequence[int]) -> int | None:
+        """Pack the write's blocks into the staging buffer; None where it needs none (equal
+        splits) or has no room (the write then goes token by token)."""
+        assert p.runs is not None
+        if p.ranks_dlist is None:
+            return None
+        if self._staging is None:
+            self._staging = StagingArea(self._staging_bytes, self._kv.dtype)
+            self._staging_reg = self._agent.register_memory(self._staging.buf)
+        offset = self._staging.alloc(staged_bytes(p.info.layout, len(planes),
+                                                  len(local_block_ids)),
+                                     align=p.info.layout.block_bytes)
+        if offset is None:
+            logger.debug("KV staging full (%d of %d B in use): a write goes token by token",
+                         self._staging.in_use, self._staging.nbytes)
+            return None
+        stage(self._staging, offset, self._rank_kvs, self.layout, p.info.layout, p.runs,
+              planes, local_block_ids)
+        return offset
 
     def poll(self, handle: WriteHandle) -> bool:
         """True once the data is at the peer (remote completion: NIXL flushes the endpoint)."""
@@ -348,6 +430,9 @@ class NixlTransport:
         if handle._xfer is not None:
             self._release(handle._xfer)
             handle._xfer = None
+        if handle.staging is not None and self._staging is not None:
+            self._staging.free(handle.staging)
+            handle.staging = None
         handle.done = True
 
     def _release(self, xfer: object) -> None:
@@ -429,6 +514,10 @@ class NixlTransport:
             try:
                 self._local.release()
                 self._agent.deregister_memory(self._reg)
+                for dl in self._staging_dlists.values():
+                    dl.release()  # type: ignore[attr-defined]
+                if self._staging_reg is not None:
+                    self._agent.deregister_memory(self._staging_reg)
             except _NIXL_ERRORS as e:
                 logger.warning("closing NIXL agent %s: %s", self.name, e)
         logger.info("NIXL agent %s closed", self.name)

@@ -23,6 +23,7 @@ from kvrelay.engine.tensor_parallel import kv_head_range
 from kvrelay.kv_transfer.layout import IncompatibleKVLayout, KVLayout, head_runs
 from kvrelay.kv_transfer.messages import PeerInfo
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
+from kvrelay.kv_transfer.staging import needs_staging
 
 MODEL_ID = "tp-model-0001"
 LAYERS, HEAD_DIM, BLOCK, NB = 2, 8, 4, 12
@@ -45,7 +46,7 @@ def _layout(kv_heads: int, tp: int, num_blocks: int = NB) -> KVLayout:
                               model_kv_heads=kv_heads)
 
 
-def _engine(name: str, layout: KVLayout, full: torch.Tensor | None
+def _engine(name: str, layout: KVLayout, full: torch.Tensor | None, staging_bytes: int = 1 << 20
             ) -> tuple[NixlTransport, list[torch.Tensor]]:
     """A transport over one KV tensor per rank; ``full`` ([..., all heads, head_dim]) fills each
     rank with its heads (None: zeros)."""
@@ -55,7 +56,8 @@ def _engine(name: str, layout: KVLayout, full: torch.Tensor | None
         if full is not None:
             t.copy_(full[..., a:b, :])
         tensors.append(t)
-    return NixlTransport(name, tensors[0], layout, rank_kvs=tensors[1:]), tensors
+    return NixlTransport(name, tensors[0], layout, rank_kvs=tensors[1:],
+                         staging_bytes=staging_bytes), tensors
 
 
 def _write_and_wait(src: NixlTransport, dst: NixlTransport, local: list[int],
@@ -69,30 +71,62 @@ def _write_and_wait(src: NixlTransport, dst: NixlTransport, local: list[int],
     return h.nbytes
 
 
+# staging: the default buffer (blocks packed as the receiver lays them out, whole blocks on the
+# wire), none that fits (token by token), and many scattered blocks (an indexed pack).
+STAGING = {"staged": (1 << 20, 12), "no-room": (1, 12), "scattered": (1 << 20, 120)}
+
+
+@pytest.mark.parametrize("staging", sorted(STAGING))
 @pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"),
                          [(4, 1, 2), (4, 2, 1), (4, 2, 2), (1, 1, 2), (1, 2, 1), (2, 2, 1)])
-def test_each_receiving_rank_gets_exactly_its_heads(kv_heads: int, p_tp: int, d_tp: int) -> None:
+def test_each_receiving_rank_gets_exactly_its_heads(kv_heads: int, p_tp: int, d_tp: int,
+                                                    staging: str) -> None:
+    staging_bytes, nb = STAGING[staging]
     g = torch.Generator().manual_seed(kv_heads * 10 + p_tp * 3 + d_tp)
-    full = torch.rand(LAYERS, 2, NB, BLOCK, kv_heads, HEAD_DIM, generator=g)
+    full = torch.rand(LAYERS, 2, nb, BLOCK, kv_heads, HEAD_DIM, generator=g)
     tag = uuid.uuid4().hex[:6]
-    src_layout, dst_layout = _layout(kv_heads, p_tp), _layout(kv_heads, d_tp, NB + 4)
-    src, _ = _engine(f"tp-src-{tag}", src_layout, full)
+    src_layout, dst_layout = _layout(kv_heads, p_tp, nb), _layout(kv_heads, d_tp, nb + 4)
+    src, _ = _engine(f"tp-src-{tag}", src_layout, full, staging_bytes)
     dst, dst_kv = _engine(f"tp-dst-{tag}", dst_layout, None)
     try:
         info = PeerInfo.from_bytes(dst.peer_info().to_bytes())  # as it crosses the wire
         assert info.layout == dst_layout and len(info.rank_addresses) == d_tp
         src.add_peer(info)
         local, remote = [1, 2, 7], [9, 3, 4]
+        if staging == "scattered":  # every other block: more runs than the pack slices
+            local = list(range(0, nb, 2))
+            remote = [nb + 3 - i for i in local]
         nbytes = _write_and_wait(src, dst, local, remote)
         # Every head of every receiving rank, each block once: per rank a whole block's bytes.
         assert nbytes == len(local) * LAYERS * 2 * d_tp * dst_layout.block_bytes
         for (a, b), t in zip(dst_layout.head_ranges, dst_kv, strict=True):
             assert torch.equal(t[:, :, remote], full[:, :, local, :, a:b, :])
-            untouched = [i for i in range(NB + 4) if i not in remote]
+            untouched = [i for i in range(nb + 4) if i not in remote]
             assert not t[:, :, untouched].any(), "a block nobody asked for was written"
+        area = src._staging
+        runs = head_runs(src_layout, dst_layout)
+        if needs_staging(src_layout, dst_layout, runs) and staging != "no-room":
+            assert area is not None and area.in_use == 0  # given back once the write landed
+        else:
+            assert area is None or area.in_use == 0
     finally:
         src.close()
         dst.close()
+
+
+def test_staging_allocator_aligns_and_reuses() -> None:
+    from kvrelay.kv_transfer.staging import StagingArea
+
+    area = StagingArea(1000, torch.float32)
+    a = area.alloc(100, align=64)
+    b = area.alloc(300, align=64)
+    assert (a, b) == (0, 128) and area.in_use == 400
+    assert area.alloc(600, align=64) is None  # 448 + 600 > 1000
+    area.free(a)
+    assert area.alloc(64, align=64) == 0  # the freed gap first
+    area.free(0)
+    area.free(b)
+    assert area.in_use == 0 and area.alloc(1000) == 0
 
 
 def test_head_runs_gather_and_split() -> None:
