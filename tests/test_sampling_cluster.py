@@ -92,15 +92,16 @@ def test_chat_top_logprobs(oai) -> None:
         assert len(item.top_logprobs) == 3 and item.logprob <= 0.0
 
 
-def test_penalties_and_bad_words_survive_a_decode_worker_migration(cluster, llm) -> None:
+def test_penalties_bias_and_bad_words_survive_a_decode_worker_migration(cluster, llm) -> None:
     n = 300
     sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **PENALTIES)
     free = llm.generate([PROMPT], sp)[0].token_ids
     # A pair the penalized output holds well after the kill point: only the resumed worker
     # can ban it, from the output it was handed.
     bad = (free[150], free[151])
+    bias = {free[200]: -100.0, free[3]: 2.5}
     sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **PENALTIES,
-                        bad_words_token_ids=[bad])
+                        bad_words_token_ids=[bad], logit_bias=bias)
     ref = llm.generate([PROMPT], sp)[0]
     assert ref.token_ids != free
     decodes = cluster.live("decode")
@@ -109,7 +110,7 @@ def test_penalties_and_bad_words_survive_a_decode_worker_migration(cluster, llm)
     killed = False
     with cluster.client() as c:
         params = sampling(n, 0.0, ignore_eos=True, **PENALTIES,
-                          bad_words=[pb.TokenIds(ids=bad)])
+                          bad_words=[pb.TokenIds(ids=bad)], logit_bias=bias)
         for msg in c.stream(PROMPT, params, timeout=180):
             got.extend(msg.token_ids)
             if not killed and len(got) >= 8:
