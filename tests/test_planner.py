@@ -145,6 +145,10 @@ def test_a_burst_is_remembered_a_gradual_decline_is_not() -> None:
     ramp = [100.0] * 10 + [100.0 - 2 * i for i in range(1, 36)]
     assert planned_for(burst) >= 95.0
     assert planned_for(ramp) < 60.0
+    # A decline whose last step is abrupt (40 -> 20): held at the level it fell from within
+    # the drop's 5 intervals (~52), not at the 100 req/s still in the window.
+    ramp_then_step = [100.0] * 10 + [100.0 - 3 * i for i in range(1, 21)] + [20.0] * 6
+    assert 35.0 <= planned_for(ramp_then_step) <= 60.0
 
 
 def test_observed_correction_fixes_a_wrong_profile() -> None:

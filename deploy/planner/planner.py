@@ -99,12 +99,13 @@ class Planner:
                 self._rates.popleft()
             xs = [r for _, r in self._rates]
             m3 = [sum(xs[i:i + 3]) / len(xs[i:i + 3]) for i in range(len(xs))]
-            # Only load that vanished abruptly (a burst) is expected back: a gradual decline
-            # (a ramp or a day ending) is followed, not held at its peak.
+            # Only load that vanished abruptly (a burst) is expected back, at the level it fell
+            # from: a gradual decline (a ramp or a day ending) is followed, not held at its
+            # peak, even when its last step is abrupt.
             k = SPIKE_INTERVALS
-            spiked = any(min(m3[i + 1:i + 1 + k]) <= (1 - SPIKE_DROP) * m3[i]
-                         for i in range(len(m3) - 1))
-            self._peak = max(m3) if spiked else 0.0
+            self._peak = max((m3[i] for i in range(len(m3) - 1)
+                              if min(m3[i + 1:i + 1 + k]) <= (1 - SPIKE_DROP) * m3[i]),
+                             default=0.0)
         self._rate = obs.rate if self._rate == 0 else self._rate + 0.5 * (obs.rate - self._rate)
         if obs.finished:
             for name, x in (("prompt_len", obs.mean_prompt), ("output_len", obs.mean_output)):
