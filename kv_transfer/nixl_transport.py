@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -39,13 +38,18 @@ from kvrelay.kv_transfer.descriptors import (
 )
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import (
-    HeadRun,
     KVLayout,
     check_compatible,
-    device_kind_of,
+    check_kv_tensors,
     head_runs,
 )
 from kvrelay.kv_transfer.messages import PeerInfo
+from kvrelay.kv_transfer.transport_types import (  # WriteHandle, Notification: from here too
+    Notification,
+    PreparedPeer,
+    WriteHandle,
+    mem_type,
+)
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 try:
@@ -69,59 +73,14 @@ _NIXL_ERRORS = tuple(getattr(_nb, n) for n in dir(_nb)
 _DISCONNECT = getattr(_nb, "nixlRemoteDisconnectError", ())
 
 
-class Notification(NamedTuple):
-    peer: str
-    msg: bytes
-
-
-class WriteHandle:
-    """One posted write. ``poll`` it until it returns True (or raises)."""
-
-    __slots__ = ("_xfer", "deadline", "done", "nbytes", "peer", "posted_at")
-
-    def __init__(self, peer: str, nbytes: int, xfer: object | None, deadline: float) -> None:
-        self.peer = peer
-        self.nbytes = nbytes
-        self._xfer = xfer
-        self.posted_at = time.monotonic()
-        self.deadline = deadline
-        self.done = xfer is None
-
-    def __repr__(self) -> str:
-        return f"WriteHandle({self.peer!r}, {self.nbytes} B, done={self.done})"
-
-
-class _Peer(NamedTuple):
-    info: PeerInfo
-    dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, kv, block) regions
-    runs: list[HeadRun] | None  # None: one rank each side, whole blocks through ``dlist``
-
-
-def _mem_type(device_kind: str) -> str:
-    return "VRAM" if device_kind == "cuda" else "DRAM"
-
-
 class NixlTransport:
     def __init__(self, agent_name: str, kv: torch.Tensor, layout: KVLayout, *,
                  write_timeout_s: float = 10.0, num_threads: int = 0,
                  rank_kvs: Sequence[torch.Tensor] = ()) -> None:
         """``kv`` is rank 0's tensor; under tensor parallelism ``rank_kvs`` are ranks 1..N-1's
         (one host, shared memory: this agent registers and addresses every rank's KV)."""
-        spec = layout.spec
         tensors = [kv, *rank_kvs]
-        if len(tensors) != layout.tp_size:
-            raise ValueError(f"{len(tensors)} KV tensors for {layout.tp_size} ranks")
-        if layout.tp_size > 1 and layout.device_kind != "cpu":
-            raise ValueError("KV transfer under tensor parallelism needs CPU KV caches (every "
-                             "rank's KV registered by rank 0's agent through shared memory)")
-        for t in tensors:
-            if tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype:
-                raise ValueError(f"KV tensor {tuple(t.shape)} {t.dtype} does not match the "
-                                 f"layout {spec.shape} {spec.torch_dtype}")
-            if not t.is_contiguous():
-                raise ValueError("a KV tensor must be contiguous to be registered as one region")
-        if device_kind_of(kv.device) != layout.device_kind:
-            raise ValueError(f"KV tensor is on {kv.device}, layout says {layout.device_kind}")
+        check_kv_tensors(layout, tensors)
         if write_timeout_s <= 0:
             raise ValueError(f"write_timeout_s must be positive, got {write_timeout_s}")
         self.name = agent_name
@@ -133,14 +92,14 @@ class NixlTransport:
         self._rank_kvs = tensors
         self._addrs = tuple(t.data_ptr() for t in tensors)
         self._lock = threading.RLock()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PreparedPeer] = {}
         # Written under the lock, read without it: the engine thread asks for incarnations
         # while the I/O thread may hold the lock for a long copy.
         self._incarnations: dict[str, str] = {}
         self._notifs: list[Notification] = []
         self._closed = False
         self._device_id = max(kv.get_device(), 0)
-        self._mem = _mem_type(layout.device_kind)
+        self._mem = mem_type(layout.device_kind)
         self._agent = nixl_agent(agent_name, nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
             num_threads=num_threads))
@@ -192,14 +151,14 @@ class NixlTransport:
             try:
                 dlist = self._agent.prep_xfer_dlist(
                     info.agent_name, region_descs(info.base_address, info.layout, info.device_id),
-                    _mem_type(info.layout.device_kind))
+                    mem_type(info.layout.device_kind))
             except _NIXL_ERRORS as e:
                 self._agent.remove_remote_agent(info.agent_name)
                 raise self._error(e, info.agent_name, "preparing descriptors of") from e
             runs = None
             if self.layout.tp_size > 1 or info.layout.tp_size > 1:
                 runs = head_runs(self.layout, info.layout)
-            self._peers[info.agent_name] = _Peer(info, dlist, runs)
+            self._peers[info.agent_name] = PreparedPeer(info, dlist, runs)
             self._incarnations[info.agent_name] = info.incarnation
         logger.info("added KV peer %s (%d blocks)", info.agent_name, info.layout.num_blocks)
         return True
@@ -289,7 +248,7 @@ class NixlTransport:
                 xfer = None
             return WriteHandle(peer, nbytes, xfer, time.monotonic() + self.write_timeout_s)
 
-    def _split_xfer(self, p: _Peer, planes: Sequence[int], local_block_ids: Sequence[int],
+    def _split_xfer(self, p: PreparedPeer, planes: Sequence[int], local_block_ids: Sequence[int],
                     remote_block_ids: Sequence[int]) -> tuple[object, int]:
         """One transfer of every (sending rank -> receiving rank) head run: it completes only
         when all of them landed."""
@@ -299,7 +258,7 @@ class NixlTransport:
                                p.runs, planes, local_block_ids, remote_block_ids,
                                self._device_id, info.device_id)
         local = self._agent.get_xfer_descs(src, self._mem)
-        remote = self._agent.get_xfer_descs(dst, _mem_type(info.layout.device_kind))
+        remote = self._agent.get_xfer_descs(dst, mem_type(info.layout.device_kind))
         xfer = self._agent.initialize_xfer("WRITE", local, remote, info.agent_name)
         return xfer, int(src[:, 1].sum())
 
@@ -386,7 +345,7 @@ class NixlTransport:
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
             self._notifs.extend(Notification(name, bytes(m)) for m in msgs)
 
-    def _peer(self, name: str, incarnation: str | None) -> _Peer:
+    def _peer(self, name: str, incarnation: str | None) -> PreparedPeer:
         self._check_open()
         p = self._peers.get(name)
         if p is None:
