@@ -12,81 +12,28 @@ import logging
 import threading
 import time
 from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from dataclasses import replace
 
 from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.engine_types import (  # the workers import these from here too
+    EngineOverloaded,
+    EngineStats,
+    RequestIdInUse,
+    RequestOutput,
+    Reservation,
+)
 from kvrelay.engine.heap import HeapTrimmer
 from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.model_runner import ModelRunner
-from kvrelay.engine.sampler import TokenLogprob, seeded_generator, skip_draw
+from kvrelay.engine.sampler import seeded_generator, skip_draw
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvrelay.engine.step_cost import StepCostFit, StepCostModel
+from kvrelay.engine.step_cost import StepCostModel
 from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
 
 logger = logging.getLogger(__name__)
-
-
-class EngineOverloaded(RuntimeError):
-    """The engine cannot take this request now (queue full or no KV blocks); retry later."""
-
-
-class RequestIdInUse(ValueError):
-    """An earlier request still holds this id here (it may be letting go of it: transient)."""
-
-
-@dataclass
-class RequestOutput:
-    """New tokens of one request since its last output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    kv_arrived: bool = False  # a reserved request's KV is complete (no tokens in this output)
-    scheduled_at: float | None = None  # time.monotonic() of the request's first step
-    computed_at: float | None = None  # time.monotonic() when these tokens were sampled
-    # n > 1 on a prefill: the first tokens (and logprobs) of choices 1..n-1.
-    fork_firsts: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
-    # sampling.prompt_logprobs, on the output with the first token: prompt tokens 1.. (the
-    # first prompt token has none).
-    prompt_logprobs: list[TokenLogprob] | None = None
-
-
-class Reservation(NamedTuple):
-    block_ids: list[int]
-    num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_blocks: int
-    num_free_blocks: int
-    num_running: int
-    num_waiting: int
-    num_waiting_for_kv: int
-    num_sending: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    waiting_prompt_tokens: int
-    # The online step-time fit (None until it has seen enough steps), the prefill budget of the
-    # latest step that carried decodes, and how many steps the TPOT target has capped.
-    step_cost: StepCostFit | None = None
-    prefill_budget: int = 0
-    num_capped_steps: int = 0
-    kv_transfer: dict[str, int] = field(default_factory=dict)  # the connector's counters
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
 
 
 class EngineCore:

@@ -18,7 +18,7 @@ entries by default, so under prompts of varied lengths a worker grows by hundred
 they fill (tiny model, engine alone, 480 prompts of 8-1500 tokens: +484 MiB; both capped at 64,
 +16 MiB over 1600 such prompts, in the same time). :data:`ONEDNN_CACHE_CAPACITY` bounds them at
 ~150 MiB, which holds a step's working set: the runner pads steps to a few row counts (see
-``padded_rows`` in :mod:`kvrelay.engine.model_runner`) and a decode loop's shapes are used every
+``padded_rows`` in :mod:`kvrelay.engine.step_inputs`) and a decode loop's shapes are used every
 step, so LRU keeps them.
 """
 

@@ -35,34 +35,18 @@ from kvrelay.engine.kv_cache import (
 )
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq
 from kvrelay.engine.loader import load_model
+from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.sampler import TokenLogprob, sample
+from kvrelay.engine.step_inputs import (  # padded_rows: imported from here by the tests too
+    StepInputs,
+    cache_slots,
+    padded_rows,
+    padded_tables,
+    row_order,
+)
 from kvrelay.engine.tensor_parallel import TPShard, local_kv_heads, shared_kv_cache
 
 logger = logging.getLogger(__name__)
-
-
-def padded_rows(n: int) -> int:
-    """The row count a CPU step of ``n`` tokens (or ``n`` sampled rows) is padded to: ``n`` up to
-    32, then the next multiple of an eighth of ``n``'s octave (36, 40, ... 64, 72, ... 128,
-    144, ...), so padding adds less than 1/8 and the distinct sizes stay few (80 up to 2048).
-
-    oneDNN compiles a primitive per GEMM shape, rows included: 0.4-2.4 ms for each of a model's
-    ~5 linear shapes (measured, 768-wide layers), every time a step has a row count it has not
-    seen. Prompts of varied lengths, chunks and batch sizes make almost every step new, and on a
-    small model that costs more than the step's matmuls. Bucketed, the shapes repeat, stay in
-    the (capped, see :mod:`kvrelay.engine.heap`) primitive caches and compile once."""
-    if n <= 32:
-        return n
-    step = 1 << ((n - 1).bit_length() - 4)
-    return -(-n // step) * step
-
-
-class StepInputs(NamedTuple):
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flat batch that sample
-    sampled_order: list[int]  # scheduled index of each sampling row
 
 
 class SampledTokens(NamedTuple):
@@ -188,29 +172,9 @@ class ModelRunner:
                              f"give every rank the same)")
 
     # -- inputs --------------------------------------------------------------------------------
-    @staticmethod
-    def _tables(block_tables: list[list[int]], width: int,
-                dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """``[N, width]`` block tables cut or padded to ``width`` (padding is block 0, which the
-        masks hide)."""
-        return torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables],
-                            dtype=dtype)
-
-    def _slots(self, block_tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        """``[N, max(lengths)]`` cache slots of positions ``0..len-1`` of each block table
-        (padding points at slot 0, which the masks hide)."""
-        bs = self.block_size
-        width = -(-max(lengths) // bs)
-        table = self._tables(block_tables, width)
-        slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(block_tables), width * bs)
-        return slots[:, :max(lengths)]
-
     def prepare(self, scheduled: Seq[ScheduledSeq]) -> StepInputs:
         bs = self.block_size
-        prefill = [i for i, s in enumerate(scheduled) if s.num_new_tokens > 1]
-        # Decodes by context length: consecutive ones form the attention's padded groups.
-        decode = sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens == 1),
-                        key=lambda i: scheduled[i].seq.num_computed_tokens)
+        prefill, decode = row_order(scheduled)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -226,7 +190,8 @@ class ModelRunner:
             bt = seq.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
             if n > 1:
-                ctx = None if c == 0 or self.native_prefill else self._slots([bt], [c + n])[0]
+                ctx = None if c == 0 or self.native_prefill else \
+                    cache_slots([bt], [c + n], bs)[0]
                 spans.append(PrefillSpan(start, n, c + n, ctx))
             if c + n == seq.num_tokens:
                 logits_rows.append(len(ids) - 1)
@@ -241,14 +206,14 @@ class ModelRunner:
             meta.prefill_spans = torch.tensor(
                 [[sp.q_start for sp in spans], [sp.q_len for sp in spans],
                  [sp.ctx_len for sp in spans]], dtype=torch.int32)
-            meta.prefill_tables = self._tables(
+            meta.prefill_tables = padded_tables(
                 [scheduled[i].seq.block_table for i in prefill],
                 max(-(-sp.ctx_len // bs) for sp in spans), torch.int32)
         lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
         if decode and self.backend == "native":  # one kernel call over every decode
             meta.decode_lens = torch.tensor(lens, dtype=torch.int32)
-            meta.decode_tables = self._tables([scheduled[i].seq.block_table for i in decode],
-                                              -(-lens[-1] // bs), torch.int32)
+            meta.decode_tables = padded_tables([scheduled[i].seq.block_table for i in decode],
+                                               -(-lens[-1] // bs), torch.int32)
         elif decode:
             start = 0
             for count in group_by_length(lens, bs):
@@ -256,7 +221,8 @@ class ModelRunner:
                 width = -(-run[-1] // bs)
                 tables = [scheduled[i].seq.block_table for i in decode[start:start + count]]
                 meta.decode_groups.append(DecodeGroup(
-                    start, count, torch.tensor(run, dtype=torch.long), self._tables(tables, width)))
+                    start, count, torch.tensor(run, dtype=torch.long),
+                    padded_tables(tables, width)))
                 start += count
         if self.backend == "flash":
             self._add_flash_metadata(meta, scheduled, prefill + decode)
@@ -293,10 +259,10 @@ class ModelRunner:
         tables = [scheduled[i].seq.block_table for i in order]
         i32 = torch.int32
         if self.paged_flash:
-            meta.flash_block_table = self._tables(tables, -(-max(k_lens) // self.block_size),
-                                                  dtype=i32)
+            meta.flash_block_table = padded_tables(tables, -(-max(k_lens) // self.block_size),
+                                                   dtype=i32)
         else:
-            slots = self._slots(tables, k_lens)
+            slots = cache_slots(tables, k_lens, self.block_size)
             meta.gather_slots = torch.cat([slots[j, :k] for j, k in enumerate(k_lens)])
         meta.cu_seqlens_q = torch.tensor([0, *q_lens], dtype=i32).cumsum(0, dtype=i32)
         meta.cu_seqlens_k = torch.tensor([0, *k_lens], dtype=i32).cumsum(0, dtype=i32)
@@ -354,7 +320,7 @@ class ModelRunner:
             hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         if connector is not None:
             connector.end_step()
-        self._prompt_logprobs(scheduled, hidden)
+        record_prompt_logprobs(self.model.compute_logits, scheduled, hidden)
         if not inputs.sampled_order:
             return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
         rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
@@ -393,37 +359,6 @@ class ModelRunner:
     def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:
         """What the attention calls once a layer's new K/V are in the cache."""
         return connector.save_layer
-
-    def _prompt_logprobs(self, scheduled: Seq[ScheduledSeq], hidden: torch.Tensor) -> None:
-        """For sequences that ask for prompt logprobs: the logits of this step's prompt rows
-        (only theirs), scored against the next prompt token, into ``seq.prompt_logprobs``."""
-        if not any(s.seq.sampling.prompt_logprobs is not None for s in scheduled):
-            return
-        # The rows in ``prepare``'s order: prefill chunks, then decodes by context length.
-        order = [i for i, s in enumerate(scheduled) if s.num_new_tokens > 1]
-        order += sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens == 1),
-                        key=lambda i: scheduled[i].seq.num_computed_tokens)
-        off = 0
-        for i in order:
-            seq, n = scheduled[i]
-            c = seq.num_computed_tokens
-            k = seq.sampling.prompt_logprobs
-            end = min(c + n, seq.num_prompt_tokens - 1)  # row p scores prompt token p + 1
-            if k is not None and end > c:
-                lp = self.model.compute_logits(hidden[off:off + end - c]).float().log_softmax(-1)
-                target = torch.tensor(seq.token_ids[c + 1:end + 1], dtype=torch.long,
-                                      device=lp.device)
-                chosen = lp.gather(1, target[:, None])[:, 0].tolist()
-                tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
-                if k:
-                    vals, ids = lp.topk(k, dim=-1)
-                    tops = [list(zip(r_ids, r_vals, strict=True))
-                            for r_ids, r_vals in zip(ids.tolist(), vals.tolist(), strict=True)]
-                del seq.prompt_logprobs[c:]  # a recompute (preemption) starts over
-                seq.prompt_logprobs.extend(
-                    TokenLogprob(t, v, top) for t, v, top in
-                    zip(seq.token_ids[c + 1:end + 1], chosen, tops, strict=True))
-            off += n
 
     @torch.inference_mode()
     def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """KV data plane: move an engine's KV blocks to a peer engine over NIXL.
 
-Importable without NIXL: ``errors``, ``layout``, ``messages``, ``send_plan``, ``tracker``.
-Needs NIXL (ImportError with install advice otherwise): ``nixl_transport``, ``transfer_thread``,
-``connector``.
+Importable without NIXL: ``errors``, ``layout``, ``messages``, ``send_plan``, ``tracker``,
+``transport_types``. Needs NIXL (ImportError with install advice otherwise): ``nixl_transport``,
+``transfer_thread``, ``sending``, ``connector``.
 
     from kvrelay.kv_transfer.connector import NixlConnector, NixlConnectorConfig
     from kvrelay.kv_transfer.messages import KVDestination, KVExpectation, PeerInfo

@@ -19,11 +19,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvrelay.engine.kv_cache import KVCacheSpec
 from kvrelay.kv_transfer.errors import KVTransferError
+
+if TYPE_CHECKING:
+    import torch
 
 # Bump whenever the tensor layout ([layers, 2, blocks, block_size, kv_heads, head_dim]) or the
 # meaning of any field below changes.
@@ -239,6 +243,26 @@ def device_kind_of(device: Any) -> str:
     return kind
 
 
+def check_kv_tensors(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError unless ``tensors`` (rank 0's KV tensor, then ranks 1..N-1's) are what
+    ``layout`` describes, and can be registered with NIXL as one region each."""
+    spec = layout.spec
+    if len(tensors) != layout.tp_size:
+        raise ValueError(f"{len(tensors)} KV tensors for {layout.tp_size} ranks")
+    if layout.tp_size > 1 and layout.device_kind != "cpu":
+        raise ValueError("KV transfer under tensor parallelism needs CPU KV caches (every "
+                         "rank's KV registered by rank 0's agent through shared memory)")
+    for t in tensors:
+        if tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype:
+            raise ValueError(f"KV tensor {tuple(t.shape)} {t.dtype} does not match the "
+                             f"layout {spec.shape} {spec.torch_dtype}")
+        if not t.is_contiguous():
+            raise ValueError("a KV tensor must be contiguous to be registered as one region")
+    kv = tensors[0]
+    if device_kind_of(kv.device) != layout.device_kind:
+        raise ValueError(f"KV tensor is on {kv.device}, layout says {layout.device_kind}")
+
+
 __all__ = [
     "DEVICE_KINDS",
     "PROTOCOL_VERSION",
@@ -246,9 +270,11 @@ __all__ = [
     "IncompatibleKVLayout",
     "KVLayout",
     "check_compatible",
+    "check_kv_tensors",
     "device_kind_of",
     "head_runs",
     "layout_differences",
     "model_identity",
     "split_errors",
 ]
+

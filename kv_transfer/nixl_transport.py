@@ -27,33 +27,28 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from kvrelay.kv_transfer.descriptors import (
     block_bounds,
     plane_block_indices,
     region_descs,
-    split_descs,
 )
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import (
-    HeadRun,
     KVLayout,
     check_compatible,
-    device_kind_of,
+    check_kv_tensors,
     head_runs,
 )
 from kvrelay.kv_transfer.messages import PeerInfo
-from kvrelay.kv_transfer.staging import (
-    StagingArea,
-    needs_staging,
-    stage,
-    staged_bytes,
-    staged_rows,
-    staging_descs,
+from kvrelay.kv_transfer.staging import Stager, needs_staging
+from kvrelay.kv_transfer.transport_types import (  # WriteHandle, Notification: from here too
+    Notification,
+    PreparedPeer,
+    WriteHandle,
+    mem_type,
 )
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -78,43 +73,6 @@ _NIXL_ERRORS = tuple(getattr(_nb, n) for n in dir(_nb)
 _DISCONNECT = getattr(_nb, "nixlRemoteDisconnectError", ())
 
 
-class Notification(NamedTuple):
-    peer: str
-    msg: bytes
-
-
-class WriteHandle:
-    """One posted write. ``poll`` it until it returns True (or raises)."""
-
-    __slots__ = ("_xfer", "deadline", "done", "nbytes", "peer", "posted_at", "staging")
-
-    def __init__(self, peer: str, nbytes: int, xfer: object | None, deadline: float,
-                 staging: int | None = None) -> None:
-        self.peer = peer
-        self.staging = staging  # offset of its staged bytes, freed when it finishes
-        self.nbytes = nbytes
-        self._xfer = xfer
-        self.posted_at = time.monotonic()
-        self.deadline = deadline
-        self.done = xfer is None
-
-    def __repr__(self) -> str:
-        return f"WriteHandle({self.peer!r}, {self.nbytes} B, done={self.done})"
-
-
-class _Peer(NamedTuple):
-    info: PeerInfo
-    dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, kv, block) regions
-    runs: list[HeadRun] | None  # None: one rank each side, whole blocks through ``dlist``
-    # Another head split: every rank's (layer, kv, block) regions, rank after rank (the rows
-    # staged writes address); None when writes need no staging.
-    ranks_dlist: object | None = None
-
-
-def _mem_type(device_kind: str) -> str:
-    return "VRAM" if device_kind == "cuda" else "DRAM"
-
-
 class NixlTransport:
     def __init__(self, agent_name: str, kv: torch.Tensor, layout: KVLayout, *,
                  write_timeout_s: float = 10.0, num_threads: int = 0,
@@ -123,21 +81,8 @@ class NixlTransport:
         (one host, shared memory: this agent registers and addresses every rank's KV).
         ``staging_bytes``: the buffer writes to a peer of another head split are packed in
         (allocated on the first such write; see ``staging``)."""
-        spec = layout.spec
         tensors = [kv, *rank_kvs]
-        if len(tensors) != layout.tp_size:
-            raise ValueError(f"{len(tensors)} KV tensors for {layout.tp_size} ranks")
-        if layout.tp_size > 1 and layout.device_kind != "cpu":
-            raise ValueError("KV transfer under tensor parallelism needs CPU KV caches (every "
-                             "rank's KV registered by rank 0's agent through shared memory)")
-        for t in tensors:
-            if tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype:
-                raise ValueError(f"KV tensor {tuple(t.shape)} {t.dtype} does not match the "
-                                 f"layout {spec.shape} {spec.torch_dtype}")
-            if not t.is_contiguous():
-                raise ValueError("a KV tensor must be contiguous to be registered as one region")
-        if device_kind_of(kv.device) != layout.device_kind:
-            raise ValueError(f"KV tensor is on {kv.device}, layout says {layout.device_kind}")
+        check_kv_tensors(layout, tensors)
         if write_timeout_s <= 0:
             raise ValueError(f"write_timeout_s must be positive, got {write_timeout_s}")
         self.name = agent_name
@@ -149,18 +94,14 @@ class NixlTransport:
         self._rank_kvs = tensors
         self._addrs = tuple(t.data_ptr() for t in tensors)
         self._lock = threading.RLock()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PreparedPeer] = {}
         # Written under the lock, read without it: the engine thread asks for incarnations
         # while the I/O thread may hold the lock for a long copy.
         self._incarnations: dict[str, str] = {}
-        self._staging_bytes = staging_bytes
-        self._staging: StagingArea | None = None
-        self._staging_reg: object | None = None
-        self._staging_dlists: dict[int, object] = {}
         self._notifs: list[Notification] = []
         self._closed = False
         self._device_id = max(kv.get_device(), 0)
-        self._mem = _mem_type(layout.device_kind)
+        self._mem = mem_type(layout.device_kind)
         self._agent = nixl_agent(agent_name, nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
             num_threads=num_threads))
@@ -168,6 +109,7 @@ class NixlTransport:
             raise KVTransferError("NIXL has no UCX backend here (plugin missing): reinstall nixl",
                                   retriable=False)
         self._reg = self._agent.register_memory(tensors if len(tensors) > 1 else kv)
+        self._stager = Stager(self._agent, staging_bytes, kv.dtype, self._device_id, self._mem)
         self._local = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", region_descs(kv.data_ptr(), layout, self._device_id), self._mem)
         logger.info("NIXL agent %s up: %s KV, %d blocks x %d B x %d planes (incarnation %s)",
@@ -212,7 +154,7 @@ class NixlTransport:
             try:
                 dlist = self._agent.prep_xfer_dlist(
                     info.agent_name, region_descs(info.base_address, info.layout, info.device_id),
-                    _mem_type(info.layout.device_kind))
+                    mem_type(info.layout.device_kind))
             except _NIXL_ERRORS as e:
                 self._agent.remove_remote_agent(info.agent_name)
                 raise self._error(e, info.agent_name, "preparing descriptors of") from e
@@ -220,21 +162,15 @@ class NixlTransport:
             if self.layout.tp_size > 1 or info.layout.tp_size > 1:
                 runs = head_runs(self.layout, info.layout)
                 if needs_staging(self.layout, info.layout, runs):
-                    ranks_dlist = self._prep_ranks(info)
-            self._peers[info.agent_name] = _Peer(info, dlist, runs, ranks_dlist)
+                    try:
+                        ranks_dlist = self._stager.prep_ranks(info)
+                    except _NIXL_ERRORS as e:
+                        self._agent.remove_remote_agent(info.agent_name)
+                        raise self._error(e, info.agent_name, "preparing descriptors of") from e
+            self._peers[info.agent_name] = PreparedPeer(info, dlist, runs, ranks_dlist)
             self._incarnations[info.agent_name] = info.incarnation
         logger.info("added KV peer %s (%d blocks)", info.agent_name, info.layout.num_blocks)
         return True
-
-    def _prep_ranks(self, info: PeerInfo) -> object:
-        rows = np.concatenate([region_descs(a, info.layout, info.device_id)
-                               for a in info.rank_addresses])
-        try:
-            return self._agent.prep_xfer_dlist(info.agent_name, rows,
-                                               _mem_type(info.layout.device_kind))
-        except _NIXL_ERRORS as e:
-            self._agent.remove_remote_agent(info.agent_name)
-            raise self._error(e, info.agent_name, "preparing descriptors of") from e
 
     def _load(self, info: PeerInfo) -> str:
         try:
@@ -307,8 +243,10 @@ class NixlTransport:
                     xfer = self._agent.make_prepped_xfer("WRITE", self._local, lidx, p.dlist,
                                                          ridx)
                 else:
-                    xfer, nbytes, staged = self._split_xfer(p, planes, local_block_ids,
-                                                            remote_block_ids)
+                    # Another head split: staged, or per token (see ``Stager.write``).
+                    xfer, nbytes, staged = self._stager.write(
+                        p, self._rank_kvs, self.layout, self._addrs, planes, local_block_ids,
+                        remote_block_ids)
             except _NIXL_ERRORS as e:
                 raise self._failed(e, peer, "building a write to") from e
             handle = WriteHandle(peer, nbytes, xfer, time.monotonic() + self.write_timeout_s,
@@ -325,65 +263,6 @@ class NixlTransport:
             if state == "DONE":
                 self._finish(handle)
             return handle
-
-    def _split_xfer(self, p: _Peer, planes: Sequence[int], local_block_ids: Sequence[int],
-                    remote_block_ids: Sequence[int]) -> tuple[object, int, int | None]:
-        """One transfer of every (sending rank -> receiving rank) head run: it completes only
-        when all of them landed. Across different head splits the blocks are staged (packed
-        as the receiving ranks lay them out) when the staging buffer has room, and go as whole
-        blocks; the staging offset comes back with the transfer."""
-        assert p.runs is not None
-        info = p.info
-        offset = self._stage(p, planes, local_block_ids)
-        if offset is not None:
-            try:
-                src, dst = staged_rows(offset, info.layout, planes, remote_block_ids)
-                xfer = self._agent.make_prepped_xfer(
-                    "WRITE", self._staging_dlist(info.layout.block_bytes), src, p.ranks_dlist,
-                    dst)
-            except BaseException:
-                self._staging.free(offset)  # type: ignore[union-attr]
-                raise
-            return xfer, len(src) * info.layout.block_bytes, offset
-        rows_src, rows_dst = split_descs(self.layout, self._addrs, info.layout,
-                                         info.rank_addresses, p.runs, planes, local_block_ids,
-                                         remote_block_ids, self._device_id, info.device_id)
-        local = self._agent.get_xfer_descs(rows_src, self._mem)
-        remote = self._agent.get_xfer_descs(rows_dst, _mem_type(info.layout.device_kind))
-        xfer = self._agent.initialize_xfer("WRITE", local, remote, info.agent_name)
-        return xfer, int(rows_src[:, 1].sum()), None
-
-    def _staging_dlist(self, block_bytes: int) -> object:
-        """The staging buffer's descriptor list in rows of ``block_bytes`` (one per receiving
-        block size: peers of different TP sizes have different blocks)."""
-        assert self._staging is not None
-        dl = self._staging_dlists.get(block_bytes)
-        if dl is None:
-            dl = self._staging_dlists[block_bytes] = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", staging_descs(self._staging, block_bytes, self._device_id),
-                self._mem)
-        return dl
-
-    def _stage(self, p: _Peer, planes: Sequence[int],
-               local_block_ids: Sequence[int]) -> int | None:
-        """Pack the write's blocks into the staging buffer; None where it needs none (equal
-        splits) or has no room (the write then goes token by token)."""
-        assert p.runs is not None
-        if p.ranks_dlist is None:
-            return None
-        if self._staging is None:
-            self._staging = StagingArea(self._staging_bytes, self._kv.dtype)
-            self._staging_reg = self._agent.register_memory(self._staging.buf)
-        offset = self._staging.alloc(staged_bytes(p.info.layout, len(planes),
-                                                  len(local_block_ids)),
-                                     align=p.info.layout.block_bytes)
-        if offset is None:
-            logger.debug("KV staging full (%d of %d B in use): a write goes token by token",
-                         self._staging.in_use, self._staging.nbytes)
-            return None
-        stage(self._staging, offset, self._rank_kvs, self.layout, p.info.layout, p.runs,
-              planes, local_block_ids)
-        return offset
 
     def poll(self, handle: WriteHandle) -> bool:
         """True once the data is at the peer (remote completion: NIXL flushes the endpoint)."""
@@ -430,8 +309,8 @@ class NixlTransport:
         if handle._xfer is not None:
             self._release(handle._xfer)
             handle._xfer = None
-        if handle.staging is not None and self._staging is not None:
-            self._staging.free(handle.staging)
+        if handle.staging is not None:
+            self._stager.free(handle.staging)
             handle.staging = None
         handle.done = True
 
@@ -471,7 +350,7 @@ class NixlTransport:
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
             self._notifs.extend(Notification(name, bytes(m)) for m in msgs)
 
-    def _peer(self, name: str, incarnation: str | None) -> _Peer:
+    def _peer(self, name: str, incarnation: str | None) -> PreparedPeer:
         self._check_open()
         p = self._peers.get(name)
         if p is None:
@@ -514,10 +393,7 @@ class NixlTransport:
             try:
                 self._local.release()
                 self._agent.deregister_memory(self._reg)
-                for dl in self._staging_dlists.values():
-                    dl.release()  # type: ignore[attr-defined]
-                if self._staging_reg is not None:
-                    self._agent.deregister_memory(self._staging_reg)
+                self._stager.close()
             except _NIXL_ERRORS as e:
                 logger.warning("closing NIXL agent %s: %s", self.name, e)
         logger.info("NIXL agent %s closed", self.name)

@@ -13,12 +13,18 @@ descriptors, so nothing waits for staging.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from kvrelay.kv_transfer.descriptors import region_descs, split_descs
 from kvrelay.kv_transfer.layout import HeadRun, KVLayout
+from kvrelay.kv_transfer.transport_types import PreparedPeer, mem_type
+
+logger = logging.getLogger(__name__)
 
 
 class StagingArea:
@@ -122,3 +128,94 @@ def staging_descs(area: StagingArea, block_bytes: int, device: int = 0) -> np.nd
     rows[:, 1] = block_bytes
     rows[:, 2] = device
     return rows
+
+
+class Stager:
+    """The staging buffer of one NIXL agent: allocated and registered on the first staged
+    write, one descriptor list per receiving block size (peers of different TP sizes have
+    different blocks), a slice per write in flight. Called under the transport's lock."""
+
+    def __init__(self, agent: Any, nbytes: int, dtype: torch.dtype, device_id: int, mem: str):
+        self._agent, self._nbytes, self._dtype = agent, nbytes, dtype
+        self._device_id, self._mem = device_id, mem
+        self.area: StagingArea | None = None
+        self._reg: object | None = None
+        self._dlists: dict[int, object] = {}
+
+    def prep_ranks(self, info: Any) -> object:
+        """The peer's every rank's (layer, K|V, block) regions, rank after rank, as one
+        prepared list (what staged writes address)."""
+        rows = np.concatenate([region_descs(a, info.layout, info.device_id)
+                               for a in info.rank_addresses])
+        return self._agent.prep_xfer_dlist(info.agent_name, rows,
+                                           mem_type(info.layout.device_kind))
+
+    def write(self, p: PreparedPeer, rank_kvs: Sequence[torch.Tensor], local: KVLayout,
+              local_addrs: Sequence[int], planes: Sequence[int], local_block_ids: Sequence[int],
+              remote_block_ids: Sequence[int]) -> tuple[object, int, int | None]:
+        """A write to a peer of another head split: staged and sent as whole blocks when the
+        buffer has room, else one descriptor per token of each head run. Returns the transfer,
+        its bytes and the staging offset (None: not staged) to free once it is done."""
+        assert p.runs is not None
+        info = p.info
+        offset = None
+        if p.ranks_dlist is not None:
+            offset = self.pack(rank_kvs, local, info.layout, p.runs, planes, local_block_ids)
+        if offset is not None:
+            try:
+                xfer, nbytes = self.xfer(offset, info.layout, p.ranks_dlist, planes,
+                                         remote_block_ids)
+            except BaseException:
+                self.free(offset)
+                raise
+            return xfer, nbytes, offset
+        src, dst = split_descs(local, local_addrs, info.layout, info.rank_addresses, p.runs,
+                               planes, local_block_ids, remote_block_ids, self._device_id,
+                               info.device_id)
+        xfer = self._agent.initialize_xfer(
+            "WRITE", self._agent.get_xfer_descs(src, self._mem),
+            self._agent.get_xfer_descs(dst, mem_type(info.layout.device_kind)),
+            info.agent_name)
+        return xfer, int(src[:, 1].sum()), None
+
+    def pack(self, rank_kvs: Sequence[torch.Tensor], local: KVLayout, remote: KVLayout,
+             runs: Sequence[HeadRun], planes: Sequence[int],
+             local_block_ids: Sequence[int]) -> int | None:
+        """Stage a write's blocks; the offset, or None when the buffer has no room (the write
+        then goes token by token)."""
+        if self.area is None:
+            self.area = StagingArea(self._nbytes, self._dtype)
+            self._reg = self._agent.register_memory(self.area.buf)
+        offset = self.area.alloc(staged_bytes(remote, len(planes), len(local_block_ids)),
+                                 align=remote.block_bytes)
+        if offset is None:
+            logger.debug("KV staging full (%d of %d B in use): a write goes token by token",
+                         self.area.in_use, self.area.nbytes)
+            return None
+        stage(self.area, offset, rank_kvs, local, remote, runs, planes, local_block_ids)
+        return offset
+
+    def xfer(self, offset: int, remote: KVLayout, ranks_dlist: object, planes: Sequence[int],
+             remote_block_ids: Sequence[int]) -> tuple[object, int]:
+        """The prepared WRITE of a staged write's whole blocks, and its bytes."""
+        src, dst = staged_rows(offset, remote, planes, remote_block_ids)
+        dl = self._dlists.get(remote.block_bytes)
+        if dl is None:
+            assert self.area is not None
+            dl = self._dlists[remote.block_bytes] = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", staging_descs(self.area, remote.block_bytes,
+                                                 self._device_id), self._mem)
+        xfer = self._agent.make_prepped_xfer("WRITE", dl, src, ranks_dlist, dst)
+        return xfer, len(src) * remote.block_bytes
+
+    def free(self, offset: int) -> None:
+        if self.area is not None:
+            self.area.free(offset)
+
+    def close(self) -> None:
+        for dl in self._dlists.values():
+            dl.release()  # type: ignore[attr-defined]
+        self._dlists.clear()
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
+            self._reg = None

@@ -55,7 +55,7 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 
 @pytest.fixture(scope="module")
 def ray_session():
     """One embedded Ray for the module, started as ``kvrelay serve`` starts it."""
-    from kvrelay.deploy.ray_cli import AUTH_MODE_ENV, init_ray
+    from kvrelay.deploy.ray_connect import AUTH_MODE_ENV, init_ray
 
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         pytest.skip("another Ray session is already attached to this process")

@@ -315,7 +315,7 @@ def test_connector_wants_layer_hooks_only_for_sending_steps() -> None:
     pending.kv_transfer_params = PendingDestination()
     step = [ScheduledSeq(plain, 1)]
     assert not c.wants_layer_hooks(step + [ScheduledSeq(sending, 1)])  # no cache registered
-    c._spec = KVCacheSpec(1, 1, 16, BS, 8)  # as register_kv_cache leaves it, without NIXL
+    c._tx._spec = KVCacheSpec(1, 1, 16, BS, 8)  # as register_kv_cache leaves it, no NIXL
     assert not c.wants_layer_hooks(step)  # a decode worker's decodes
     assert c.wants_layer_hooks(step + [ScheduledSeq(sending, 1)])
     assert c.wants_layer_hooks(step + [ScheduledSeq(pending, 1)])  # may be named mid-step

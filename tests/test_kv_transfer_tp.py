@@ -103,7 +103,7 @@ def test_each_receiving_rank_gets_exactly_its_heads(kv_heads: int, p_tp: int, d_
             assert torch.equal(t[:, :, remote], full[:, :, local, :, a:b, :])
             untouched = [i for i in range(nb + 4) if i not in remote]
             assert not t[:, :, untouched].any(), "a block nobody asked for was written"
-        area = src._staging
+        area = src._stager.area
         runs = head_runs(src_layout, dst_layout)
         if needs_staging(src_layout, dst_layout, runs) and staging != "no-room":
             assert area is not None and area.in_use == 0  # given back once the write landed

@@ -1,5 +1,5 @@
 """Request values at the edges of the types that carry them, checked where they enter (no
-cluster: the end-to-end checks are in test_fuzz.py)."""
+cluster: the end-to-end checks are in test_fuzz_limits.py)."""
 
 from __future__ import annotations
 

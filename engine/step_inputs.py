@@ -1,0 +1,68 @@
+"""How a step's tokens are laid out as rows: their order, the padding of their count, and the
+block tables and cache slots the attention reads, as tensors.
+
+``ModelRunner.prepare`` builds a step's inputs from these; whatever reads the step's hidden
+states by row (prompt logprobs) follows the same ``row_order``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import NamedTuple
+
+import torch
+
+from kvrelay.engine.attention import AttentionMetadata
+from kvrelay.engine.kv_connector import ScheduledSeq
+
+
+def padded_rows(n: int) -> int:
+    """The row count a CPU step of ``n`` tokens (or ``n`` sampled rows) is padded to: ``n`` up to
+    32, then the next multiple of an eighth of ``n``'s octave (36, 40, ... 64, 72, ... 128,
+    144, ...), so padding adds less than 1/8 and the distinct sizes stay few (80 up to 2048).
+
+    oneDNN compiles a primitive per GEMM shape, rows included: 0.4-2.4 ms for each of a model's
+    ~5 linear shapes (measured, 768-wide layers), every time a step has a row count it has not
+    seen. Prompts of varied lengths, chunks and batch sizes make almost every step new, and on a
+    small model that costs more than the step's matmuls. Bucketed, the shapes repeat, stay in
+    the (capped, see :mod:`kvrelay.engine.heap`) primitive caches and compile once."""
+    if n <= 32:
+        return n
+    step = 1 << ((n - 1).bit_length() - 4)
+    return -(-n // step) * step
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flat batch that sample
+    sampled_order: list[int]  # scheduled index of each sampling row
+
+
+def row_order(scheduled: Seq[ScheduledSeq]) -> tuple[list[int], list[int]]:
+    """The scheduled indices in the order of the step's rows: prefill chunks (as scheduled),
+    then decodes by context length (consecutive ones form the attention's padded groups)."""
+    prefill = [i for i, s in enumerate(scheduled) if s.num_new_tokens > 1]
+    decode = sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens == 1),
+                    key=lambda i: scheduled[i].seq.num_computed_tokens)
+    return prefill, decode
+
+
+def padded_tables(block_tables: list[list[int]], width: int,
+                  dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``[N, width]`` block tables cut or padded to ``width`` (padding is block 0, which the
+    masks hide)."""
+    return torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables],
+                        dtype=dtype)
+
+
+def cache_slots(block_tables: list[list[int]], lengths: list[int],
+                block_size: int) -> torch.Tensor:
+    """``[N, max(lengths)]`` cache slots of positions ``0..len-1`` of each block table
+    (padding points at slot 0, which the masks hide)."""
+    bs = block_size
+    width = -(-max(lengths) // bs)
+    table = padded_tables(block_tables, width)
+    slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(block_tables), width * bs)
+    return slots[:, :max(lengths)]

@@ -1,0 +1,55 @@
+"""What ``NixlTransport`` hands out and keeps: the handle of a posted write, an incoming
+notification, and the peer table's entries.
+
+Plain records, apart from the transport so that the NIXL calls read without them. A
+``WriteHandle``'s transfer handle (``_xfer``) belongs to the transport that posted it: only that
+transport polls and releases it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from kvrelay.kv_transfer.layout import HeadRun
+from kvrelay.kv_transfer.messages import PeerInfo
+
+
+class Notification(NamedTuple):
+    peer: str
+    msg: bytes
+
+
+class WriteHandle:
+    """One posted write. ``poll`` it until it returns True (or raises)."""
+
+    __slots__ = ("_xfer", "deadline", "done", "nbytes", "peer", "posted_at", "staging")
+
+    def __init__(self, peer: str, nbytes: int, xfer: object | None, deadline: float,
+                 staging: int | None = None) -> None:
+        self.peer = peer
+        self.staging = staging  # offset of its staged bytes, freed when it finishes
+        self.nbytes = nbytes
+        self._xfer = xfer
+        self.posted_at = time.monotonic()
+        self.deadline = deadline
+        self.done = xfer is None
+
+    def __repr__(self) -> str:
+        return f"WriteHandle({self.peer!r}, {self.nbytes} B, done={self.done})"
+
+
+class PreparedPeer(NamedTuple):
+    """A peer the transport may write to: its ``PeerInfo`` and its descriptors, prepared once."""
+
+    info: PeerInfo
+    dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, kv, block) regions
+    runs: list[HeadRun] | None  # None: one rank each side, whole blocks through ``dlist``
+    # Another head split: every rank's (layer, kv, block) regions, rank after rank (the rows
+    # staged writes address); None when writes need no staging.
+    ranks_dlist: object | None = None
+
+
+def mem_type(device_kind: str) -> str:
+    """NIXL's memory type of a KV tensor on ``device_kind``."""
+    return "VRAM" if device_kind == "cuda" else "DRAM"
