@@ -6,6 +6,7 @@ back afterwards."""
 
 from __future__ import annotations
 
+import api_fixtures
 import pytest
 import torch
 from hf_models import hf_forward_logits
@@ -20,15 +21,7 @@ pytestmark = pytest.mark.slow
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
-@pytest.fixture(scope="module")
-def cluster(api_cluster):
-    api_cluster.ensure_workers(prefill=1, decode=2)
-    return api_cluster
-
-
-@pytest.fixture(scope="module")
-def oai(cluster):
-    return cluster.openai(timeout=180)
+cluster, oai = api_fixtures.cluster, api_fixtures.oai
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ identical output."""
 
 from __future__ import annotations
 
+import api_fixtures
 import openai
 import pytest
 
@@ -20,20 +21,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.7, "repetition_penalty": 1.6}
 
 
-@pytest.fixture(scope="module")
-def cluster(api_cluster):
-    api_cluster.ensure_workers(prefill=1, decode=2)
-    return api_cluster
+cluster, oai = api_fixtures.cluster, api_fixtures.oai
 
 
 @pytest.fixture(scope="module")
 def llm(demo_model_dir):
     return LLM(demo_model_dir, num_blocks=512)
-
-
-@pytest.fixture(scope="module")
-def oai(cluster):
-    return cluster.openai(timeout=120)
 
 
 def test_penalties_and_logit_bias_give_the_reference_tokens(oai, llm) -> None:

@@ -11,6 +11,7 @@ import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import api_fixtures
 import grpc
 import jsonschema
 import openai
@@ -47,15 +48,7 @@ WORDS = ["the", "a", "fox", "dog", "sky", "blue", "runs", "over", "under", "quic
          "river", "stone", "light"]
 
 
-@pytest.fixture(scope="module")
-def cluster(api_cluster):
-    api_cluster.ensure_workers(prefill=1, decode=2)
-    return api_cluster
-
-
-@pytest.fixture(scope="module")
-def oai(cluster):
-    return cluster.openai(timeout=120)
+cluster, oai = api_fixtures.cluster, api_fixtures.oai
 
 
 def test_json_schema_output_validates_for_50_random_prompts(oai) -> None:
