@@ -19,11 +19,15 @@ _SMALL = 512  # below this many indices plain Python beats numpy's per-call over
 
 def region_descs(base_address: int, layout: KVLayout, device_id: int) -> np.ndarray:
     """``[n, 3]`` (address, length, device) rows in tensor order, for ``prep_xfer_dlist``."""
-    n = layout.num_layers * 2 * layout.num_blocks
-    bb = layout.block_bytes
+    return uniform_descs(base_address, layout.num_layers * 2 * layout.num_blocks,
+                         layout.block_bytes, device_id)
+
+
+def uniform_descs(base_address: int, n: int, nbytes: int, device_id: int) -> np.ndarray:
+    """``[n, 3]`` rows of ``n`` adjacent regions of ``nbytes`` each from ``base_address``."""
     descs = np.empty((n, 3), dtype=np.uint64)
-    descs[:, 0] = np.uint64(base_address) + np.arange(n, dtype=np.uint64) * np.uint64(bb)
-    descs[:, 1] = bb
+    descs[:, 0] = np.uint64(base_address) + np.arange(n, dtype=np.uint64) * np.uint64(nbytes)
+    descs[:, 1] = nbytes
     descs[:, 2] = device_id
     return descs
 

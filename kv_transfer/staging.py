@@ -20,7 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvrelay.kv_transfer.descriptors import region_descs, split_descs
+from kvrelay.kv_transfer.descriptors import (
+    plane_block_indices,
+    region_descs,
+    split_descs,
+    uniform_descs,
+)
 from kvrelay.kv_transfer.layout import HeadRun, KVLayout
 from kvrelay.kv_transfer.transport_types import PreparedPeer, mem_type
 
@@ -82,8 +87,8 @@ def stage(area: StagingArea, offset: int, rank_kvs: Sequence[torch.Tensor], loca
     start = offset // area.esz
     view = area.buf[start:start + remote.tp_size * n * bs * heads_r * hd].view(
         remote.tp_size, n, bs, heads_r, hd)
-    idx = (np.asarray(planes, dtype=np.int64)[:, None] * local.num_blocks
-           + np.asarray(local_block_ids, dtype=np.int64)[None, :]).ravel()
+    idx = np.asarray(plane_block_indices(planes, local_block_ids, local.num_blocks),
+                     dtype=np.int64)
     cuts = np.flatnonzero(np.diff(idx) != 1) + 1
     segments = list(zip(np.concatenate(([0], cuts)).tolist(),
                         np.concatenate((cuts, [idx.size])).tolist(), strict=True))
@@ -111,23 +116,12 @@ def staged_rows(offset: int, remote: KVLayout, planes: Sequence[int],
     buffer's descriptor list (rows of one receiving block, from 0) and into the peer's list of
     every rank's (layer, K|V, block) regions (rank ``d``'s rows after ranks ``0..d-1``'s)."""
     per_rank = remote.num_layers * 2 * remote.num_blocks
-    ridx = (np.asarray(planes, dtype=np.int64)[:, None] * remote.num_blocks
-            + np.asarray(remote_block_ids, dtype=np.int64)[None, :]).ravel()
+    ridx = np.asarray(plane_block_indices(planes, remote_block_ids, remote.num_blocks),
+                      dtype=np.int64)
     d = remote.tp_size
     dst = (np.arange(d, dtype=np.int64)[:, None] * per_rank + ridx[None, :]).ravel()
     src = offset // remote.block_bytes + np.arange(dst.size, dtype=np.int64)
     return src.astype(np.int32), dst.astype(np.int32)
-
-
-def staging_descs(area: StagingArea, block_bytes: int, device: int = 0) -> np.ndarray:
-    """``[n, 3]`` rows over the staging buffer in units of one receiving block."""
-    n = area.nbytes // block_bytes
-    rows = np.empty((n, 3), dtype=np.uint64)
-    rows[:, 0] = np.uint64(area.buf.data_ptr()) + np.arange(n, dtype=np.uint64) \
-        * np.uint64(block_bytes)
-    rows[:, 1] = block_bytes
-    rows[:, 2] = device
-    return rows
 
 
 class Stager:
@@ -203,8 +197,10 @@ class Stager:
         if dl is None:
             assert self.area is not None
             dl = self._dlists[remote.block_bytes] = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", staging_descs(self.area, remote.block_bytes,
-                                                 self._device_id), self._mem)
+                "NIXL_INIT_AGENT", uniform_descs(self.area.buf.data_ptr(),
+                                                 self.area.nbytes // remote.block_bytes,
+                                                 remote.block_bytes, self._device_id),
+                self._mem)
         xfer = self._agent.make_prepped_xfer("WRITE", dl, src, ranks_dlist, dst)
         return xfer, len(src) * remote.block_bytes
 
