@@ -42,7 +42,7 @@ def calibrate(profile: Profile, trace: list[TraceRequest], config: SimConfig, *,
     if live_ttft_p90_ms <= 0 or live_itl_p90_ms <= 0:
         raise ValueError("the calibration run needs positive TTFT and ITL p90s")
     base = simulate(profile, trace, config)
-    scale = _engine_scale(profile, trace, config, live_itl_p90_ms)
+    scale = _engine_scale(profile, trace, config, live_itl_p90_ms, base.itl_p90_ms)
     scaled = simulate(profile.scaled(scale, scale), trace, config)
     extra = max(0.0, (live_ttft_p90_ms - scaled.ttft_p90_ms) / 1000.0)
     return Calibration(scale, extra, live_ttft_p90_ms, live_itl_p90_ms, base.ttft_p90_ms,
@@ -50,15 +50,17 @@ def calibrate(profile: Profile, trace: list[TraceRequest], config: SimConfig, *,
 
 
 def _engine_scale(profile: Profile, trace: list[TraceRequest], config: SimConfig,
-                  live_itl_p90_ms: float, *, high: float = 100.0, steps: int = 14) -> float:
+                  live_itl_p90_ms: float, itl_at_one_ms: float, *, high: float = 100.0,
+                  steps: int = 14) -> float:
     """The engine slowdown at which the simulated ITL p90 equals the live one, by bisection in
     log space over [1, ``high``]: not the plain ratio, since a slower engine also holds more
-    requests in its batch, and the batch lengthens every step."""
+    requests in its batch, and the batch lengthens every step. ``itl_at_one_ms``: the
+    profile's own simulated ITL p90 (already run by the caller)."""
     def itl(s: float) -> float:
         return simulate(profile.scaled(s, s), trace, config).itl_p90_ms
 
     lo, hi = 1.0, high
-    if itl(lo) >= live_itl_p90_ms:
+    if itl_at_one_ms >= live_itl_p90_ms:
         return lo
     if itl(hi) <= live_itl_p90_ms:
         return hi
