@@ -57,14 +57,15 @@ def _token_table(lists: list[list[int]], pad: int, device: torch.device) -> torc
     return table.to(device)
 
 
-def banned_by_bad_words(output: Seq[int], words: Seq[Seq[int]], vocab: int) -> list[int]:
+def banned_by_bad_words(output: Seq[int], words: Seq[Seq[int]]) -> list[int]:
     """The tokens that would complete one of ``words`` after ``output``: a word's last token
-    when the output ends with the rest of the word (a one-token word always)."""
+    when the output ends with the rest of the word (a one-token word always). The ids are
+    inside the vocabulary: ``EngineCore.validate_sampling`` refused the request otherwise."""
     banned: set[int] = set()
     n = len(output)
     for w in words:
         k = len(w) - 1
-        if w[-1] < vocab and k <= n and (k == 0 or list(output[n - k:]) == list(w[:k])):
+        if k <= n and (k == 0 or list(output[n - k:]) == list(w[:k])):
             banned.add(w[-1])
     return sorted(banned)
 
@@ -74,10 +75,10 @@ def apply_logits_processors(logits: torch.Tensor, seqs: Seq[Sequence],
     """The request-level logits edits, vectorized over the rows that ask for any (vLLM order and
     semantics): ``allowed_token_ids``, ``logit_bias``, ``bad_words_token_ids`` and
     ``min_tokens`` (EOS, unless ``ignore_eos``, and ``stop_token_ids`` masked until that many
-    tokens were generated), then
-    the repetition penalty over prompt + output tokens (positive logits divided, negative
-    multiplied) and the frequency/presence penalties over output tokens. Returns ``logits``
-    itself, untouched, when no row uses any of them; otherwise a processed copy."""
+    tokens were generated), then the repetition penalty over prompt + output tokens (positive
+    logits divided, negative multiplied) and the frequency/presence penalties over output
+    tokens. Returns ``logits`` itself, untouched, when no row uses any of them; otherwise a
+    processed copy."""
     rows = [i for i, s in enumerate(seqs) if s.sampling.processes_logits]
     if not rows:
         return logits
@@ -98,7 +99,7 @@ def apply_logits_processors(logits: torch.Tensor, seqs: Seq[Sequence],
             out[i, ids] += vals
         if sp.bad_words_token_ids:
             banned = banned_by_bad_words(seq.penalized_output_token_ids,
-                                         sp.bad_words_token_ids, vocab)
+                                         sp.bad_words_token_ids)
             if banned:
                 out[i, torch.tensor(banned, dtype=torch.long, device=dev)] = neg_inf
         if sp.min_tokens and seq.num_output_tokens < sp.min_tokens:

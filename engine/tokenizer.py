@@ -122,7 +122,7 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
 def bad_words_token_ids(tokenizer: Any, words: Iterable[str]) -> tuple[tuple[int, ...], ...]:
     """Token sequences for vLLM's ``bad_words``: each word as the start of a text and after a
     space (BPE vocabularies spell the two differently), without special tokens, duplicates
-    dropped. A word that encodes to nothing is refused (ValueError)."""
+    dropped. A word of nothing but spaces is refused (ValueError)."""
     out: dict[tuple[int, ...], None] = {}
     for word in words:
         bare = word.lstrip()
