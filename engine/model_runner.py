@@ -37,6 +37,7 @@ from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq
 from kvrelay.engine.loader import load_model
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.sampler import TokenLogprob, sample
+from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.step_inputs import (  # padded_rows: imported from here by the tests too
     StepInputs,
     cache_slots,
@@ -325,7 +326,7 @@ class ModelRunner:
             return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
         rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
         logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
-        return self._sample(scheduled, logits, inputs.sampled_order, masks)
+        return self._sample(scheduled, logits, inputs.sampled_order, seqs, masks)
 
     def _run_graphed(self, graphs: DecodeGraphRunner, scheduled: Seq[ScheduledSeq],
                      connector: KVConnector | None) -> SampledTokens:
@@ -334,7 +335,8 @@ class ModelRunner:
         # A one-token chunk of a prompt that continues samples nothing.
         order = [i for i, (seq, _) in enumerate(scheduled)
                  if seq.num_computed_tokens + 1 == seq.num_tokens]
-        masks = self.masks.start([scheduled[i].seq for i in order])
+        seqs = [scheduled[i].seq for i in order]
+        masks = self.masks.start(seqs)
         if connector is not None:
             connector.start_step(scheduled)
         logits = graphs.logits(scheduled)
@@ -344,13 +346,14 @@ class ModelRunner:
             return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
         if len(order) < len(scheduled):
             logits = logits[torch.tensor(order, device=logits.device)]
-        return self._sample(scheduled, logits, order, masks)
+        return self._sample(scheduled, logits, order, seqs, masks)
 
     def _sample(self, scheduled: Seq[ScheduledSeq], logits: torch.Tensor,
-                sampled_order: list[int], masks: StepMasks | None) -> SampledTokens:
+                sampled_order: list[int], seqs: list[Sequence],
+                masks: StepMasks | None) -> SampledTokens:
+        """``seqs``: the sequences of ``sampled_order``, one per row of ``logits``."""
         tokens: list[int | None] = [None] * len(scheduled)
         logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
-        seqs = [scheduled[i].seq for i in sampled_order]
         sampled, lps = sample(logits, seqs, self.generator, self.eos_token_ids, masks)
         for i, tok, lp in zip(sampled_order, sampled, lps, strict=True):
             tokens[i], logprobs[i] = tok, lp
