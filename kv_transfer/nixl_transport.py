@@ -165,6 +165,7 @@ class NixlTransport:
                     try:
                         ranks_dlist = self._stager.prep_ranks(info)
                     except _NIXL_ERRORS as e:
+                        dlist.release()  # type: ignore[attr-defined]
                         self._agent.remove_remote_agent(info.agent_name)
                         raise self._error(e, info.agent_name, "preparing descriptors of") from e
             self._peers[info.agent_name] = PreparedPeer(info, dlist, runs, ranks_dlist)
