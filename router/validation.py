@@ -61,8 +61,8 @@ def check_stop_strings(sampling: SamplingParams) -> None:
 
 
 def check_sampling_ids(sampling: SamplingParams, vocab_size: int) -> None:
-    """The token ids the sampling names (stop tokens, logit_bias, allowed_token_ids) are in the
-    vocabulary; ``resumed_output_tokens`` is the router's own."""
+    """The token ids the sampling names (stop tokens, logit_bias, allowed_token_ids, bad words)
+    are in the vocabulary; ``resumed_output_tokens`` is the router's own."""
     if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
     bad_stop = next((t for t in sampling.stop_token_ids if t >= vocab_size), None)
