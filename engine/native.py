@@ -31,8 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 5
-SOURCES = ("paged_attention.c", "gemm.c", "pointwise.c")
+ABI_VERSION = 6
+SOURCES = ("paged_attention.c", "gemm.c", "pointwise.c", "vec.h")  # headers last
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
 
@@ -93,10 +93,11 @@ def build(cc: str | None = None) -> Path:
         files = []
         for name, src in sources:
             (Path(tmp) / name).write_bytes(src)
-            files.append(str(Path(tmp) / name))
+            if name.endswith(".c"):
+                files.append(str(Path(tmp) / name))
         so = Path(tmp) / out.name
-        proc = subprocess.run([cc, *FLAGS, "-o", str(so), *files], capture_output=True,
-                              text=True, check=False)
+        proc = subprocess.run([cc, *FLAGS, "-I", tmp, "-o", str(so), *files],
+                              capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
         os.replace(so, out)  # atomic: concurrent builders (two workers starting) both succeed
@@ -122,6 +123,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = cint
     fn = lib.kvr_rope_f32
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, cint]
+    fn.restype = cint
+    fn = lib.kvr_silu_mul_f32
+    fn.argtypes = [ptr, i64, ptr, i64, i64, cint]
+    fn.restype = cint
+    fn = lib.kvr_write_kv_f32
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint]
     fn.restype = cint
 
 

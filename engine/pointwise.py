@@ -1,5 +1,6 @@
 """The per-token ops between a decoder layer's matmuls: the residual add fused with the next
-RMSNorm, and rotate-half RoPE, each one native call (``engine/csrc/pointwise.c``) on CPU fp32.
+RMSNorm, rotate-half RoPE, SwiGLU's silu(gate) x up and the scatter of the step's K/V rows into
+the paged caches, each one native call (``engine/csrc/pointwise.c``) on CPU fp32.
 
 At decode-sized steps these ops are microseconds of arithmetic behind many torch dispatches
 (``F.rms_norm`` is ~6 ops, the RoPE ~8 per tensor): on the ~150M demo model they were ~15% of a
@@ -54,3 +55,39 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = d // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gu[:, :inter]) * gu[:, inter:]`` for the fused gate/up output ``gu``
+    ``[T, 2 * inter]`` (rows may be strided, each row contiguous); a new ``[T, inter]``."""
+    if _native(gu) and gu.stride(1) == 1 and gu.shape[1] == 2 * inter:
+        out = gu.new_empty(gu.shape[0], inter)
+        native.load().kvr_silu_mul_f32(gu.data_ptr(), gu.stride(0), out.data_ptr(),
+                                       gu.shape[0], inter, torch.get_num_threads())
+        return out
+    gate, up = gu.split(inter, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """Rows of ``[T, heads, hd]`` whose heads lie contiguous (a row's floats in one run)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, slots: torch.Tensor) -> None:
+    """``k_cache[slots[i]] = k[i]`` and the same for V, for ``i < len(slots)``: flat caches
+    ``[slots, kv_heads, hd]``, ``k``/``v`` ``[T, kv_heads, hd]`` (rows may be strided views into
+    the fused qkv output)."""
+    n = slots.shape[0]
+    if _native(k_cache, v_cache, k, v) and slots.dtype is torch.int64 and slots.is_contiguous() \
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and _rows(k) and _rows(v):
+        row = k.shape[1] * k.shape[2]
+        rc = native.load().kvr_write_kv_f32(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n,
+            k_cache.data_ptr(), v_cache.data_ptr(), row, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("negative slot in the slot mapping")
+        return
+    k_cache.index_copy_(0, slots, k[:n])
+    v_cache.index_copy_(0, slots, v[:n])

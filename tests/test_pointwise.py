@@ -54,3 +54,29 @@ def test_rope_on_a_strided_qkv_view_matches_rotate_half(rows: int) -> None:
         out = pointwise.rope(x, cos, sin)
         assert out.is_contiguous()
         torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])  # 40 x 3072 takes the multi-threaded path
+def test_silu_mul_on_a_strided_gate_up_matches_silu_times_up(rows: int) -> None:
+    inter = 3072 + 3  # a tail past the last whole vector
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 2 * inter + 5, generator=g) * 8  # |x| up to ~40: both exp tails
+    gu = wide[:, :2 * inter]
+    ref = F.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(pointwise.silu_mul(gu, inter), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 400])  # 400 rows x 256 floats takes the threaded path
+def test_write_kv_rows_equals_index_copy_from_qkv_views(rows: int) -> None:
+    heads, kv_heads, d = 4, 2, 64
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows + 2, (heads + 2 * kv_heads) * d, generator=g)  # 2 padding rows
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(rows + 2, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(rows + 2, kv_heads, d)
+    slots = torch.randperm(1000, generator=g)[:rows]
+    kc, vc = torch.zeros(1000, kv_heads, d), torch.zeros(1000, kv_heads, d)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    pointwise.write_kv_rows(kc, vc, k, v, slots)
+    ref_k.index_copy_(0, slots, k[:rows])
+    ref_v.index_copy_(0, slots, v[:rows])
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)

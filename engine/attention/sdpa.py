@@ -13,15 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.engine.attention.metadata import AttentionMetadata
+from kvrelay.engine.pointwise import write_kv_rows
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V ``[T, kv_heads, head_dim]`` into the flat caches (rows past
     ``len(slot_mapping)`` pad the step to a bucketed size and are not written)."""
-    n = slot_mapping.shape[0]
-    k_cache.index_copy_(0, slot_mapping, k[:n])
-    v_cache.index_copy_(0, slot_mapping, v[:n])
+    write_kv_rows(k_cache, v_cache, k, v, slot_mapping)
 
 
 def zero_padding(out: torch.Tensor, meta: AttentionMetadata) -> None:

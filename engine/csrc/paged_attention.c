@@ -22,23 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVR_ABI_VERSION 5
+#define KVR_ABI_VERSION 6
 
 int kvr_abi_version(void) { return KVR_ABI_VERSION; }
 
-/* One machine vector of floats: 16 with AVX-512, else 8 (AVX2's 16 ymm registers; a 16-float
- * type there is a register pair, and the kernels' accumulator tiles below would spill). Tiles
- * are sized in machine vectors so they fit the register file either way. aligned(4) lets a
- * vector load from and store to any float address. */
-#if defined(__AVX512F__)
-#define VL 16
-#define ACC 16 /* accumulator vectors a register tile may hold (of 32 registers) */
-#else
-#define VL 8
-#define ACC 12 /* (of 16 registers) */
-#endif
-typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4), aligned(4)));
+#include "vec.h"
 
 typedef struct {
     int32_t seq;
@@ -46,31 +34,6 @@ typedef struct {
     int32_t end;   /* one past the last key */
     int32_t slot;  /* partial-result slot, or -1 when this is its sequence's only item */
 } item_t;
-
-static inline vf splat(float x) { return (vf){} + x; }
-
-static inline vf vmax(vf a, vf b) {
-    vi gt = a > b; /* lanes of all ones where a > b */
-    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
-}
-
-/* e^x for x <= 0, lane-wise (Cephes' expf polynomial after x = n ln2 + r; relative error
- * ~1e-7). Lanes below -87 give ~1e-38, not 0: negligible against the row's max lane (1). */
-static inline vf vexp_neg(vf x) {
-    x = vmax(x, splat(-87.f));
-    const vf t = x * splat(1.44269504088896341f) - splat(0.5f);
-    const vi n = __builtin_convertvector(t, vi); /* truncates: rounds x log2e for x <= 0 */
-    const vf nf = __builtin_convertvector(n, vf);
-    const vf r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
-    vf p = splat(1.9875691500E-4f);
-    p = p * r + splat(1.3981999507E-3f);
-    p = p * r + splat(8.3334519073E-3f);
-    p = p * r + splat(4.1665795894E-2f);
-    p = p * r + splat(1.6666665459E-1f);
-    p = p * r + splat(5.0000001201E-1f);
-    p = p * r * r + r + splat(1.f);
-    return p * (vf)((n + 127) << 23);
-}
 
 /* r[i] = sum of the lanes of a[i], i < VL: a transpose-and-add tree (30 shuffles for 16 sums,
  * 14 for 8) where separate horizontal sums would take ~4x as many. */

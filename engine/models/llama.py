@@ -16,7 +16,7 @@ from torch import nn
 from kvrelay.engine.attention import AttentionFn, current_metadata, write_kv
 from kvrelay.engine.gemm import pack_panels, panel_linear
 from kvrelay.engine.models.arch import ModelArch
-from kvrelay.engine.pointwise import add_rms_norm, rope
+from kvrelay.engine.pointwise import add_rms_norm, rope, silu_mul
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -185,8 +185,7 @@ class MLP(nn.Module):
         self.chunk_rows = max(64, 1 << max(0, rows.bit_length() - 1))  # a power of two
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(F.silu(gate).mul_(up))
+        return self.down(silu_mul(self.gate_up(x), self.inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, c = x.shape[0], self.chunk_rows

@@ -1,0 +1,46 @@
+/* Machine vectors of floats and the lane-wise math the kernels share (GCC vector extensions,
+ * no intrinsics: the same source builds for AVX-512, AVX2 and anything -march=native allows). */
+#ifndef KVR_VEC_H
+#define KVR_VEC_H
+#include <stdint.h>
+
+/* One machine vector of floats: 16 with AVX-512, else 8 (AVX2's 16 ymm registers; a 16-float
+ * type there is a register pair, and the attention kernels' accumulator tiles would spill). Tiles
+ * are sized in machine vectors so they fit the register file either way. aligned(4) lets a
+ * vector load from and store to any float address. */
+#if defined(__AVX512F__)
+#define VL 16
+#define ACC 16 /* accumulator vectors a register tile may hold (of 32 registers) */
+#else
+#define VL 8
+#define ACC 12 /* (of 16 registers) */
+#endif
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4), aligned(4)));
+
+static inline vf splat(float x) { return (vf){} + x; }
+
+static inline vf vmax(vf a, vf b) {
+    vi gt = a > b; /* lanes of all ones where a > b */
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+}
+
+/* e^x for x <= 0, lane-wise (Cephes' expf polynomial after x = n ln2 + r; relative error
+ * ~1e-7). Lanes below -87 give ~1e-38, not 0: negligible against the row's max lane (1). */
+static inline vf vexp_neg(vf x) {
+    x = vmax(x, splat(-87.f));
+    const vf t = x * splat(1.44269504088896341f) - splat(0.5f);
+    const vi n = __builtin_convertvector(t, vi); /* truncates: rounds x log2e for x <= 0 */
+    const vf nf = __builtin_convertvector(n, vf);
+    const vf r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500E-4f);
+    p = p * r + splat(1.3981999507E-3f);
+    p = p * r + splat(8.3334519073E-3f);
+    p = p * r + splat(4.1665795894E-2f);
+    p = p * r + splat(1.6666665459E-1f);
+    p = p * r + splat(5.0000001201E-1f);
+    p = p * r * r + r + splat(1.f);
+    return p * (vf)((n + 127) << 23);
+}
+
+#endif
