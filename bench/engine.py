@@ -331,6 +331,15 @@ def main() -> int:
         t, ratio = ours_decode(core, lengths, 1, vocab, ceil, model, steps=16)
         label = f"{b} ctx {MIXED_CTX[0]}-{MIXED_CTX[1]}"
         print(f"{label:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}", flush=True)
+    # The short decode rows again op by op (no fused decode layers), beside the fused ones.
+    fused = core.runner.model.fused_decode
+    if fused is not None:
+        core.runner.model.fused_decode = None
+        for b in DECODE_BATCHES:
+            t, ratio = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
+            print(f"{f'{b} per-op':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%}   "
+                  "(fused decode layers off)", flush=True)
+        core.runner.model.fused_decode = fused
     # The short decode rows again with the linear kernel auto did not pick (oneDNN, or the
     # panels where auto kept oneDNN), so both kernels are measured in the same run.
     picked = core.runner.model.linear_kernel

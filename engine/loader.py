@@ -16,6 +16,7 @@ from safetensors import safe_open
 from kvrelay.engine import gemm
 from kvrelay.engine.attention import AttentionFn
 from kvrelay.engine.models.arch import ModelArch, arch_from_hf_config, load_hf_config
+from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.models.llama import (
     LINEAR_KERNELS,
     LlamaForCausalLM,
@@ -147,8 +148,10 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
         pack = device.type == "cpu" and dtype == torch.float32 and (
             onednn_packing_available() or gemm.available())
     kernel = choose_linear_kernel(model, linear_kernel) if pack else "dense"
-    logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s, linears: %s", model_dir,
-                arch.architecture, arch.num_layers, n_params / 1e6, device, dtype, kernel)
+    model.fused_decode = FusedDecode.for_model(model) if pack else None
+    logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s, linears: %s%s",
+                model_dir, arch.architecture, arch.num_layers, n_params / 1e6, device, dtype,
+                kernel, ", fused decode layers" if model.fused_decode is not None else "")
     return model.eval(), arch
 
 

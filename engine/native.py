@@ -31,8 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 6
-SOURCES = ("paged_attention.c", "gemm.c", "pointwise.c", "vec.h")  # headers last
+ABI_VERSION = 7
+SOURCES = ("paged_attention.c", "gemm.c", "pointwise.c", "decode_layer.c", "kernels.h", "vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
 
@@ -127,6 +127,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvr_silu_mul_f32
     fn.argtypes = [ptr, i64, ptr, i64, i64, cint]
     fn.restype = cint
+    lib.kvr_decode_layer_f32.argtypes = [ptr, ptr]
+    lib.kvr_decode_layer_f32.restype = cint
     fn = lib.kvr_write_kv_f32
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint]
     fn.restype = cint

@@ -3,6 +3,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__)
 #define VW 16
 #define MR 8
@@ -172,6 +174,20 @@ static void panel_rows(const float *x, const float *wpan, const float *bias, flo
 }
 #endif
 
+/* y = x W^T (+ bias) with the panels shared among the threads of the enclosing parallel region
+ * (a worksharing loop: every thread calls it, and it ends in a barrier). */
+void kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y, int64_t M,
+                   int64_t K, int64_t N) {
+#ifdef VW
+    const int64_t P = (N + NR - 1) / NR;
+    #pragma omp for schedule(static)
+    for (int64_t p = 0; p < P; p++)
+        panel_rows(x, wp + p * K * NR, bias, y, 0, M, K, N, p);
+#else
+    (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)K; (void)N;
+#endif
+}
+
 int kvr_gemm_panel_width(void) {
 #ifdef VW
     return NR;
@@ -185,9 +201,8 @@ int kvr_gemm_panels_f32(const float *x, const float *wp, const float *bias, floa
 #ifdef VW
     const int64_t P = (N + NR - 1) / NR;
     if (mblock <= 0 || mblock >= M) {
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t p = 0; p < P; p++)
-            panel_rows(x, wp + p * K * NR, bias, y, 0, M, K, N, p);
+        #pragma omp parallel num_threads(nthreads)
+        kvr__gemm_for(x, wp, bias, y, M, K, N);
     } else {
         const int64_t MB = (M + mblock - 1) / mblock;
         #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)

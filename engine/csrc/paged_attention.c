@@ -22,18 +22,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVR_ABI_VERSION 6
+#define KVR_ABI_VERSION 7
 
 int kvr_abi_version(void) { return KVR_ABI_VERSION; }
 
+#include "kernels.h"
 #include "vec.h"
 
-typedef struct {
-    int32_t seq;
-    int32_t begin; /* first key */
-    int32_t end;   /* one past the last key */
-    int32_t slot;  /* partial-result slot, or -1 when this is its sequence's only item */
-} item_t;
 
 /* r[i] = sum of the lanes of a[i], i < VL: a transpose-and-add tree (30 shuffles for 16 sums,
  * 14 for 8) where separate horizontal sums would take ~4x as many. */
@@ -245,15 +240,12 @@ static void attend(const float *restrict q, const float *restrict k_cache,
     }
 }
 
-/* Returns 0, or a negative number on bad arguments / out of memory. */
-int kvr_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                         const int32_t *tables, const int32_t *lens, float *out, int64_t N,
-                         int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale,
-                         int64_t window, int64_t min_part, int num_threads) {
-    if (N <= 0) return 0;
-    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || bs <= 0 || min_part <= 0 || num_threads < 1)
-        return -1;
-    /* Partition size: enough items for ~4 per thread, never below min_part keys. */
+/* Cuts the sequences into items: partitions of `part` keys, enough for ~4 items per thread and
+ * never below min_part keys. 0, -2 for a length outside its block table, -3 out of memory. */
+int kvr__decode_plan(const int32_t *lens, int64_t N, int64_t H, int64_t D, int64_t bs,
+                     int64_t W, int64_t window, int64_t min_part, int num_threads,
+                     kvr_decode_plan_t *pl) {
+    memset(pl, 0, sizeof(*pl));
     int64_t total = 0;
     for (int64_t s = 0; s < N; s++) {
         const int64_t len = lens[s];
@@ -271,8 +263,7 @@ int kvr_paged_decode_f32(const float *q, const float *k_cache, const float *v_ca
         n_items += parts;
         if (parts > 1) n_slots += parts;
     }
-    item_t *items = malloc(sizeof(item_t) * n_items);
-    /* Partial results: per slot m[H], l[H], o[H * D]. */
+    item_t *items = malloc(sizeof(item_t) * (n_items ? n_items : 1));
     float *partial = n_slots ? malloc(sizeof(float) * n_slots * H * (D + 2)) : NULL;
     if (!items || (n_slots && !partial)) {
         free(items);
@@ -291,76 +282,98 @@ int kvr_paged_decode_f32(const float *q, const float *k_cache, const float *v_ca
                                    parts > 1 ? (int32_t)slot++ : -1};
         }
     }
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = malloc(sizeof(float) * H * (part + VL));
-        float *tmp = malloc(sizeof(float) * H * 2);
-        if (!scores || !tmp) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; i++) {
-            if (!scores || !tmp) continue;
-            const item_t w = items[i];
-            float *m, *l, *o;
-            if (w.slot < 0) {
-                m = tmp, l = tmp + H, o = out + (int64_t)w.seq * H * D;
-            } else {
-                float *base = partial + (int64_t)w.slot * H * (D + 2);
-                m = base, l = base + H, o = base + 2 * H;
-            }
-            attend(q + (int64_t)w.seq * H * D, k_cache, v_cache, tables + (int64_t)w.seq * W, H,
-                   KVH, D, bs, w.begin, w.end, scale, scores, o, m, l);
-            if (w.slot < 0) {
-                for (int64_t h = 0; h < H; h++) {
-                    const float inv = 1.f / l[h];
-                    for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv;
-                }
-            }
-        }
-        free(scores);
-        free(tmp);
-    }
-    if (failed) {
-        free(items);
-        free(partial);
-        return -3;
-    }
-    /* Merge the partitions of long sequences (a sequence's items are adjacent). */
-    if (n_slots) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int64_t i = 0; i < n_items; i++) {
-            const item_t w = items[i];
-            if (w.slot < 0 || (i > 0 && items[i - 1].seq == w.seq)) continue;
-            int64_t nparts = 1;
-            while (i + nparts < n_items && items[i + nparts].seq == w.seq) nparts++;
-            float *o = out + (int64_t)w.seq * H * D;
-            for (int64_t h = 0; h < H; h++) {
-                float mx = -FLT_MAX;
-                for (int64_t p = 0; p < nparts; p++) {
-                    const float *base = partial + (int64_t)(w.slot + p) * H * (D + 2);
-                    if (base[h] > mx) mx = base[h];
-                }
-                float total_l = 0.f;
-                float *oh = o + h * D;
-                memset(oh, 0, sizeof(float) * D);
-                for (int64_t p = 0; p < nparts; p++) {
-                    const float *base = partial + (int64_t)(w.slot + p) * H * (D + 2);
-                    const float c = expf(base[h] - mx);
-                    total_l += c * base[H + h];
-                    const float *op = base + 2 * H + h * D;
-                    for (int64_t d = 0; d < D; d++) oh[d] += c * op[d];
-                }
-                const float inv = 1.f / total_l;
-                for (int64_t d = 0; d < D; d++) oh[d] *= inv;
-            }
-        }
-    }
-    free(items);
-    free(partial);
+    *pl = (kvr_decode_plan_t){items, n_items, part, partial, n_slots};
     return 0;
+}
+
+void kvr__decode_plan_free(kvr_decode_plan_t *pl) {
+    free(pl->items);
+    free(pl->partial);
+    pl->items = NULL;
+    pl->partial = NULL;
+}
+
+/* The plan's items and then the merge of cut sequences, shared among the threads of the
+ * enclosing parallel region (every thread calls this; worksharing loops inside, each ending in
+ * a barrier). Returns nonzero on this thread when its scratch could not be allocated. */
+int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const float *k_cache,
+                    const float *v_cache, const int32_t *tables, float *out, int64_t H,
+                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale) {
+    const item_t *items = pl->items;
+    const int64_t n_items = pl->n_items;
+    float *scores = malloc(sizeof(float) * H * (pl->part + VL));
+    float *tmp = malloc(sizeof(float) * H * 2);
+    const int ok = scores && tmp;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; i++) {
+        if (!ok) continue;
+        const item_t w = items[i];
+        float *m, *l, *o;
+        if (w.slot < 0) {
+            m = tmp, l = tmp + H, o = out + (int64_t)w.seq * H * D;
+        } else {
+            float *base = pl->partial + (int64_t)w.slot * H * (D + 2);
+            m = base, l = base + H, o = base + 2 * H;
+        }
+        attend(q + (int64_t)w.seq * H * D, k_cache, v_cache, tables + (int64_t)w.seq * W, H, KVH,
+               D, bs, w.begin, w.end, scale, scores, o, m, l);
+        if (w.slot < 0) {
+            for (int64_t h = 0; h < H; h++) {
+                const float inv = 1.f / l[h];
+                for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv;
+            }
+        }
+    }
+    free(scores);
+    free(tmp);
+    if (!pl->n_slots) return !ok;
+    /* Merge the partitions of long sequences (a sequence's items are adjacent). */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; i++) {
+        const item_t w = items[i];
+        if (w.slot < 0 || (i > 0 && items[i - 1].seq == w.seq)) continue;
+        int64_t nparts = 1;
+        while (i + nparts < n_items && items[i + nparts].seq == w.seq) nparts++;
+        float *o = out + (int64_t)w.seq * H * D;
+        for (int64_t h = 0; h < H; h++) {
+            float mx = -FLT_MAX;
+            for (int64_t p = 0; p < nparts; p++) {
+                const float *base = pl->partial + (int64_t)(w.slot + p) * H * (D + 2);
+                if (base[h] > mx) mx = base[h];
+            }
+            float total_l = 0.f;
+            float *oh = o + h * D;
+            memset(oh, 0, sizeof(float) * D);
+            for (int64_t p = 0; p < nparts; p++) {
+                const float *base = pl->partial + (int64_t)(w.slot + p) * H * (D + 2);
+                const float c = expf(base[h] - mx);
+                total_l += c * base[H + h];
+                const float *op = base + 2 * H + h * D;
+                for (int64_t d = 0; d < D; d++) oh[d] += c * op[d];
+            }
+            const float inv = 1.f / total_l;
+            for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+        }
+    }
+    return !ok;
+}
+
+/* Returns 0, or a negative number on bad arguments / out of memory. */
+int kvr_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                         const int32_t *tables, const int32_t *lens, float *out, int64_t N,
+                         int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale,
+                         int64_t window, int64_t min_part, int num_threads) {
+    if (N <= 0) return 0;
+    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || bs <= 0 || min_part <= 0 || num_threads < 1)
+        return -1;
+    kvr_decode_plan_t pl;
+    const int rc = kvr__decode_plan(lens, N, H, D, bs, W, window, min_part, num_threads, &pl);
+    if (rc) return rc;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    failed |= kvr__decode_run(&pl, q, k_cache, v_cache, tables, out, H, KVH, D, bs, W, scale);
+    kvr__decode_plan_free(&pl);
+    return failed ? -3 : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------

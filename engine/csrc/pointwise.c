@@ -5,56 +5,62 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 /* Rows per thread below which a call stays on one thread (an OpenMP fork costs more). */
 #define SERIAL_ELEMS 65536
 
-/* h[r] += delta[r] (if delta), then out[r] = h[r] / rms(h[r]) * w: the residual add and the
- * next RMSNorm of a decoder layer in one pass over the row. */
+/* x += d (if d), then y = x / rms(x) * w, over one row of `dim`: the residual add and the next
+ * RMSNorm of a decoder layer in one pass. */
+void kvr__add_rmsnorm_row(float *x, const float *d, const float *w, float *y, int64_t dim,
+                          float eps) {
+    float ss = 0.f;
+    if (d) {
+        #pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < dim; i++) { x[i] += d[i]; ss += x[i] * x[i]; }
+    } else {
+        #pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+    }
+    const float s = 1.f / sqrtf(ss / (float)dim + eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < dim; i++) y[i] = x[i] * s * w[i];
+}
+
 int kvr_add_rmsnorm_f32(float *h, const float *delta, const float *w, float *out, int64_t rows,
                         int64_t dim, float eps, int nthreads) {
     const int nt = rows * dim < SERIAL_ELEMS ? 1 : nthreads;
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float *x = h + r * dim;
-        float *y = out + r * dim;
-        float ss = 0.f;
-        if (delta) {
-            const float *d = delta + r * dim;
-            #pragma omp simd reduction(+:ss)
-            for (int64_t i = 0; i < dim; i++) { x[i] += d[i]; ss += x[i] * x[i]; }
-        } else {
-            #pragma omp simd reduction(+:ss)
-            for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
-        }
-        const float s = 1.f / sqrtf(ss / (float)dim + eps);
-        #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) y[i] = x[i] * s * w[i];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        kvr__add_rmsnorm_row(h + r * dim, delta ? delta + r * dim : NULL, w, out + r * dim, dim,
+                             eps);
     return 0;
 }
 
-/* Rotate-half RoPE out of place: x [rows, heads, hd] with rows `ld` floats apart (a view into
- * the fused qkv output), cos/sin [rows, hd/2]; out [rows, heads, hd] contiguous. */
+/* Rotate-half RoPE out of place of one row's `heads` heads (contiguous, hd each), cos/sin of the
+ * row's position [hd/2]. kvr_rope_f32: rows `ld` floats apart in x (a view into the fused qkv
+ * output), cos/sin [rows, hd/2], out [rows, heads, hd] contiguous. */
+void kvr__rope_row(const float *a, float *o, int64_t heads, int64_t hd, const float *c,
+                   const float *s) {
+    const int64_t half = hd / 2;
+    for (int64_t h = 0; h < heads; h++, a += hd, o += hd) {
+        #pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = a[i], x2 = a[i + half];
+            o[i] = x1 * c[i] - x2 * s[i];
+            o[i + half] = x2 * c[i] + x1 * s[i];
+        }
+    }
+}
+
 int kvr_rope_f32(const float *x, int64_t ld, float *out, int64_t rows, int64_t heads,
                  int64_t hd, const float *cos, const float *sin, int nthreads) {
     const int64_t half = hd / 2;
     const int nt = rows * heads * hd < SERIAL_ELEMS ? 1 : nthreads;
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * half, *s = sin + r * half;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *a = x + r * ld + h * hd;
-            float *o = out + (r * heads + h) * hd;
-            #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = a[i], x2 = a[i + half];
-                o[i] = x1 * c[i] - x2 * s[i];
-                o[i + half] = x2 * c[i] + x1 * s[i];
-            }
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        kvr__rope_row(x + r * ld, out + r * heads * hd, heads, hd, cos + r * half, sin + r * half);
     return 0;
 }
 
@@ -63,24 +69,25 @@ int kvr_rope_f32(const float *x, int64_t ld, float *out, int64_t rows, int64_t h
  * most 1, so it cannot overflow): 1 / (1 + e) for x >= 0, e / (1 + e) below. torch's silu and
  * mul_ were ~1.2 ms of a batch-32 decode step of the ~150M model (84 us a call for 98k
  * elements); this is one pass. */
+void kvr__silu_mul_row(const float *g, const float *u, float *o, int64_t inter) {
+    int64_t i = 0;
+    for (; i + VL <= inter; i += VL) {
+        const vf x = *(const vf *)(g + i);
+        const vi neg = x < splat(0.f);
+        const vf ax = (vf)((vi)x & ~neg) + (vf)((vi)(-x) & neg);  /* |x| */
+        const vf e = vexp_neg(-ax);
+        const vf num = (vf)(((vi)splat(1.f) & ~neg) | ((vi)e & neg));
+        *(vf *)(o + i) = x * num / (splat(1.f) + e) * *(const vf *)(u + i);
+    }
+    for (; i < inter; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
 int kvr_silu_mul_f32(const float *gu, int64_t ld, float *out, int64_t rows, int64_t inter,
                      int nthreads) {
     const int nt = rows * inter < SERIAL_ELEMS ? 1 : nthreads;
     #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * ld, *u = g + inter;
-        float *o = out + r * inter;
-        int64_t i = 0;
-        for (; i + VL <= inter; i += VL) {
-            const vf x = *(const vf *)(g + i);
-            const vi neg = x < splat(0.f);
-            const vf ax = (vf)((vi)x & ~neg) + (vf)((vi)(-x) & neg);  /* |x| */
-            const vf e = vexp_neg(-ax);
-            const vf num = (vf)(((vi)splat(1.f) & ~neg) | ((vi)e & neg));
-            *(vf *)(o + i) = x * num / (splat(1.f) + e) * *(const vf *)(u + i);
-        }
-        for (; i < inter; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        kvr__silu_mul_row(gu + r * ld, gu + r * ld + inter, out + r * inter, inter);
     return 0;
 }
 

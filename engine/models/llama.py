@@ -16,6 +16,7 @@ from torch import nn
 from kvrelay.engine.attention import AttentionFn, current_metadata, write_kv
 from kvrelay.engine.gemm import pack_panels, panel_linear
 from kvrelay.engine.models.arch import ModelArch
+from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.pointwise import add_rms_norm, rope, silu_mul
 
 
@@ -234,6 +235,7 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = None  # shares the embedding (see weights())
         self.rotary = Rotary(inv_freq, rope_scale, max_positions)
+        self.fused_decode: FusedDecode | None = None  # set once the weights are packed
 
     def pack_weights(self, *, onednn: bool = True, panels: bool = False) -> None:
         """Repack every linear for oneDNN and/or the panel GEMM (CPU, fp32), after the weights
@@ -300,6 +302,9 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rotary.sin[positions]
         layers = self.layers
         x = layers[0].input_norm.add_and_norm(h, None)
+        if self.fused_decode is not None and self.fused_decode.run(h, x, cos, sin,
+                                                                   current_metadata()):
+            return h
         for i, layer in enumerate(layers):
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
             x = layer(h, x, cos, sin, self.rotary, nxt)

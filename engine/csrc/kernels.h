@@ -1,0 +1,41 @@
+/* The kernels' internal entry points shared across the library's files (not part of its ABI:
+ * Python calls only the kvr_* functions without a double underscore). */
+#ifndef KVR_KERNELS_H
+#define KVR_KERNELS_H
+#include <stdint.h>
+
+/* gemm.c: y = x W^T (+ bias) over packed panels, a worksharing loop of the enclosing region. */
+void kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y, int64_t M,
+                   int64_t K, int64_t N);
+
+/* pointwise.c: one row each. */
+void kvr__add_rmsnorm_row(float *x, const float *d, const float *w, float *y, int64_t dim,
+                          float eps);
+void kvr__rope_row(const float *a, float *o, int64_t heads, int64_t hd, const float *c,
+                   const float *s);
+void kvr__silu_mul_row(const float *g, const float *u, float *o, int64_t inter);
+
+/* paged_attention.c: decode attention as a plan (made before the parallel region) and its run
+ * (every thread of the region calls it). */
+typedef struct {
+    int32_t seq;
+    int32_t begin; /* first key */
+    int32_t end;   /* one past the last key */
+    int32_t slot;  /* partial-result slot, or -1 when this is its sequence's only item */
+} item_t;
+
+typedef struct {
+    item_t *items;
+    int64_t n_items, part; /* part: keys per partition */
+    float *partial;        /* per slot m[H], l[H], o[H * D]; NULL when no sequence is cut */
+    int64_t n_slots;
+} kvr_decode_plan_t;
+
+int kvr__decode_plan(const int32_t *lens, int64_t N, int64_t H, int64_t D, int64_t bs,
+                     int64_t W, int64_t window, int64_t min_part, int num_threads,
+                     kvr_decode_plan_t *pl);
+void kvr__decode_plan_free(kvr_decode_plan_t *pl);
+int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const float *k_cache,
+                    const float *v_cache, const int32_t *tables, float *out, int64_t H,
+                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale);
+#endif

@@ -1,0 +1,133 @@
+"""Decode-only steps of the Llama family, one native call per decoder layer.
+
+Called op by op from Python, a decoder layer is ~10 native calls and as many torch ops, each
+with its ctypes call, OpenMP fork/join and fresh output tensor. At decode sizes that glue rather
+than the arithmetic was ~3.5 ms of a 24 ms batch-1 step of the ~150M demo model, and more than
+half a step of the ~7M one. ``engine/csrc/decode_layer.c`` runs the same kernels for a whole
+layer inside one parallel region instead (see there), so the results are those of the per-op
+path, bit for bit.
+
+It applies to steps whose rows are all decodes (one token per sequence, no padding rows) on a
+CPU fp32 model with the native attention backend, whose linears hold panel-packed weights and
+are not tensor-parallel shards, without per-head q/k norms and without a per-layer KV hook
+(layer-by-layer KV streaming); any other step takes the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvrelay.engine import native
+from kvrelay.engine.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvrelay.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("qkv", "qkv_b", "o", "o_b", "gu", "gu_b", "down", "down_b",
+                                  "post_w", "next_w", "k_cache", "v_cache")] + \
+        [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "window")] + \
+        [(n, _F32) for n in ("eps", "next_eps", "scale")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _I64), ("cos", _P), ("sin", _P), ("slots", _P), ("tables", _P),
+                ("lens", _P), ("width", _I64), ("block_size", _I64), ("min_part", _I64),
+                ("h", _P), ("x", _P), ("nthreads", _INT)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def enabled() -> bool:
+    """Off with ``KVRELAY_FUSED_DECODE=0`` (to measure the per-op path beside it)."""
+    return os.environ.get("KVRELAY_FUSED_DECODE", "1") != "0"
+
+
+class FusedDecode:
+    """The native per-layer decode path of one model (:meth:`for_model` says whether it has
+    one); :meth:`run` takes a step or declines it."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.max_rows = min(lin.panel_rows for layer in model.layers
+                            for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up,
+                                        layer.mlp.down))
+        self._layers: list[_Layer] | None = None
+        self._cache_ptr = 0  # the K cache the structs point into (rebound: rebuild them)
+
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM) -> FusedDecode | None:
+        """The fused path for ``model``, or None where it does not apply."""
+        from kvrelay.engine.attention.native import native_attention
+        from kvrelay.engine.models.llama import Linear
+
+        lib = native.load()
+        if not enabled() or lib is None or not hasattr(lib, "kvr_decode_layer_f32"):
+            return None
+        if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32:
+            return None
+        for layer in model.layers:
+            a, m = layer.attn, layer.mlp
+            lins = (a.qkv, a.o, m.gate_up, m.down)
+            if a.q_norm is not None or a.attn_fn is not native_attention or a.head_dim % 2 \
+                    or any(type(lin) is not Linear or lin.panels is None for lin in lins):
+                return None
+        return cls(model)
+
+    def _build(self) -> list[_Layer]:
+        model, arch = self.model, self.model.arch
+        layers = []
+        for i, layer in enumerate(model.layers):
+            a, m = layer.attn, layer.mlp
+            nxt = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else None
+            assert a.k_cache is not None and a.v_cache is not None
+            assert a.k_cache.is_contiguous() and a.v_cache.is_contiguous()
+            layers.append(_Layer(
+                _ptr(a.qkv.panels), _ptr(a.qkv.bias), _ptr(a.o.panels), _ptr(a.o.bias),
+                _ptr(m.gate_up.panels), _ptr(m.gate_up.bias), _ptr(m.down.panels),
+                _ptr(m.down.bias), _ptr(layer.post_attn_norm.weight),
+                _ptr(None if nxt is None else nxt.weight), _ptr(a.k_cache), _ptr(a.v_cache),
+                arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, m.inter,
+                a.window or 0, layer.post_attn_norm.eps, 0.0 if nxt is None else nxt.eps,
+                a.scale))
+        self._cache_ptr = model.layers[0].attn.k_cache.data_ptr()
+        return layers
+
+    def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            meta: AttentionMetadata) -> bool:
+        """Every layer over the step's rows (``h`` updated in place, as the per-op path does),
+        if the step is one this path takes; False (nothing done) otherwise."""
+        rows = h.shape[0]
+        if meta.num_prefill_tokens or meta.decode_lens is None or meta.on_kv_written \
+                or meta.num_decodes != rows or rows > self.max_rows \
+                or meta.slot_mapping.shape[0] != rows:
+            return False
+        from kvrelay.engine.attention.native import MIN_PART_TOKENS
+
+        k0 = self.model.layers[0].attn.k_cache
+        if self._layers is None or k0 is None or k0.data_ptr() != self._cache_ptr:
+            self._layers = self._build()
+        tables = meta.decode_tables.contiguous()
+        step = _Step(rows, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+                     tables.data_ptr(), meta.decode_lens.data_ptr(), tables.shape[1],
+                     meta.block_size, MIN_PART_TOKENS, h.data_ptr(), x.data_ptr(),
+                     torch.get_num_threads())
+        fn = native.load().kvr_decode_layer_f32
+        ref = ctypes.byref(step)
+        for layer in self._layers:
+            rc = fn(ctypes.byref(layer), ref)
+            if rc != 0:
+                raise RuntimeError(f"native decode layer failed ({rc})")
+        return True

@@ -1,0 +1,116 @@
+"""The fused decode layers (engine/models/fused_decode.py, engine/csrc/decode_layer.c) give the
+per-op path's results exactly, take every all-decode step they can, and decline the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import hf_greedy
+
+from kvrelay.engine import gemm
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.engine_core import EngineCore
+from kvrelay.engine.kv_connector import ScheduledSeq
+from kvrelay.engine.models import fused_decode
+from kvrelay.engine.models.fused_decode import FusedDecode
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.step_inputs import row_order
+
+pytestmark = pytest.mark.skipif(not gemm.available(), reason="no native panel GEMM here")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Biases, a tied head, a sliding window that the contexts outgrow, multi-head and grouped KV,
+# a head size that is not hidden / heads.
+ARCHS = ["llama", "llama_bias", "llama_tied", "mistral_swa", "llama_mha", "llama_hd", "qwen2"]
+
+
+def make_core(model_dir: str, **kw: object) -> EngineCore:
+    opts = dict(block_size=8, num_blocks=256, max_num_batched_tokens=64, seed=0,
+                linear_kernel="panels", attention_backend="native")
+    opts.update(kw)
+    return EngineCore(EngineConfig.from_kwargs(model_dir, **opts))
+
+
+def decode_logits(core: EngineCore, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits of decode steps over ``prompt`` then ``tokens`` one at a time, for three copies of
+    the sequence decoding together (batch 3, contexts 1 apart: different block tables)."""
+    runner, bm = core.runner, core.block_manager
+    seqs = []
+    for i in range(3):
+        full = prompt[i:] + tokens
+        seq = Sequence(f"s{i}", full, GREEDY)
+        seq.num_prompt_tokens = len(prompt) - i
+        assert bm.allocate(seq, len(full))
+        runner.logits_for([ScheduledSeq(seq, seq.num_prompt_tokens)])
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seqs.append(seq)
+    out = []
+    for _ in tokens[:-1]:
+        step = [ScheduledSeq(s, 1) for s in seqs]
+        rows = runner.logits_for(step)
+        _, order = row_order(step)  # rows come by context length: back to sequence order
+        out.append(rows[torch.tensor(order).argsort()])
+        for s in seqs:
+            s.num_computed_tokens += 1
+    for s in seqs:
+        bm.free(s)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_decode_equals_the_per_op_path_and_transformers(hf_model_dir, arch: str,
+                                                              monkeypatch) -> None:
+    model_dir = hf_model_dir(arch)
+    prompt = list(range(5, 60))  # past mistral_swa's window of 48 within the decodes
+    ref = hf_greedy(model_dir, prompt, 10)
+    fused_core, plain_core = make_core(model_dir), make_core(model_dir)
+    fd = fused_core.runner.model.fused_decode
+    assert fd is not None
+    plain_core.runner.model.fused_decode = None
+    taken = []
+    real_run = FusedDecode.run
+
+    def counting(self, *a, **kw):
+        ok = real_run(self, *a, **kw)
+        taken.append(ok)
+        return ok
+
+    monkeypatch.setattr(FusedDecode, "run", counting)
+    fused = decode_logits(fused_core, prompt, ref.token_ids)
+    assert taken.count(True) == len(ref.token_ids) - 1  # every decode step, no prefill
+    assert taken.count(False) == 3
+    plain = decode_logits(plain_core, prompt, ref.token_ids)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=0)  # the same kernels, bit for bit
+    # and transformers' logits for sequence 0 (the full prompt): 1e-4 relative
+    ref_dec = ref.logits[1:]
+    assert (fused[:, 0] - ref_dec).abs().max() / ref_dec.abs().max() < 1e-4
+
+
+def test_greedy_generation_through_the_engine_is_unchanged(hf_model_dir) -> None:
+    model_dir = hf_model_dir("llama_bias")
+    prompts = [list(range(3, 3 + n)) for n in (1, 9, 30, 61)]
+
+    def generate(core: EngineCore) -> dict[str, list[int]]:
+        for i, p in enumerate(prompts):
+            core.add_request(f"r{i}", p, GREEDY)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        while core.has_unfinished():
+            for o in core.step():
+                got[o.request_id] += o.new_token_ids
+        return got
+
+    plain = make_core(model_dir)
+    plain.runner.model.fused_decode = None
+    assert generate(make_core(model_dir)) == generate(plain)
+
+
+def test_declined_where_it_does_not_apply(hf_model_dir, monkeypatch) -> None:
+    # per-head q/k norms (Qwen3), the SDPA backend, oneDNN-packed linears: no fused path
+    assert make_core(hf_model_dir("qwen3")).runner.model.fused_decode is None
+    llama = hf_model_dir("llama")
+    assert make_core(llama, attention_backend="sdpa").runner.model.fused_decode is None
+    onednn = make_core(llama, linear_kernel="mixed").runner.model.fused_decode
+    assert onednn is not None and onednn.max_rows == 64  # mixed: panels up to 64 rows only
+    monkeypatch.setattr(fused_decode, "enabled", lambda: False)
+    assert make_core(llama).runner.model.fused_decode is None
