@@ -42,8 +42,9 @@ class RouterActor:
     async def workers(self) -> list[dict[str, Any]]:
         out = []
         for w in self.router.registry.workers.values():
-            ld = w.load
-            out.append({"worker_id": w.worker_id, "role": w.role, "address": w.address,
+            ld = w.reported.load
+            out.append({"worker_id": w.worker_id, "role": w.identity.role,
+                        "address": w.identity.address,
                         "draining": ld.draining, "queued_prompt_tokens": ld.queued_prompt_tokens,
                         "kv_usage": 1 - ld.free_blocks / ld.num_blocks if ld.num_blocks else 0,
                         "running": ld.running + ld.waiting_for_kv + ld.waiting,

@@ -10,7 +10,8 @@ import asyncio
 import grpc
 
 from kvrelay.common.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN
-from kvrelay.router.registry import WorkerRegistry, WorkerState
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.worker_state import WorkerState
 
 
 def cancel(task: asyncio.Future[object] | None) -> None:

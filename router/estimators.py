@@ -4,6 +4,7 @@ routing cost model (``policy.py``) predicts with. Pure arithmetic, no I/O."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 
 class LinearFit:
@@ -145,3 +146,21 @@ class ClusterPerf:
             return
         self.block_bytes = kv_bytes / blocks
         self.transfer.observe(kv_bytes / 2.0**20, seconds)
+
+
+@dataclass
+class WorkerPerf:
+    """How fast one worker is, measured (see LinearFit): the cost model's per-worker parameters.
+
+    ``prefill_fit``: seconds to prefill x new tokens on a prefill worker (its
+    PrefillResponse.prefill_ms). ``local_fit``: seconds from GenerateLocal to the first token for
+    x new tokens on a decode worker, less the wait for its running batch. ``step_fit``: a decode
+    step's seconds for a batch of x sequences (gaps between streamed tokens). ``reserve_rpc_s``:
+    a Reserve round trip. ``arrivals``: requests routed to it per second.
+    """
+
+    prefill_fit: LinearFit = field(default_factory=prefill_fit_prior)
+    local_fit: LinearFit = field(default_factory=prefill_fit_prior)
+    step_fit: LinearFit = field(default_factory=step_fit_prior)
+    reserve_rpc_s: Ewma = field(default_factory=lambda: Ewma(PRIOR_RPC_S))
+    arrivals: RateMeter = field(default_factory=RateMeter)

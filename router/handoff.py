@@ -33,9 +33,10 @@ from kvrelay.router.calls import (
 )
 from kvrelay.router.errors import RouterError
 from kvrelay.router.policy import Policy
-from kvrelay.router.registry import WorkerRegistry, WorkerState
+from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.requests import GenerateSpec, Pass, RouterConfig, WorkerLost, new_pass
 from kvrelay.router.trace import Trace
+from kvrelay.router.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class Handoff:
         trace.add("prefill_start", ctx.prefill.worker_id, detail=ctx.reason or "ahead")
         span = tracing.start("router.prefill", trace.span, **{
             "kvrelay.worker": ctx.prefill.worker_id, "kvrelay.ahead": True})
-        ctx.ahead = asyncio.ensure_future(ctx.prefill.prefill.Prefill(
+        ctx.ahead = asyncio.ensure_future(ctx.prefill.identity.prefill.Prefill(
             ahead, metadata=tracing.with_parent(self.md, span),
             timeout=self._remaining(spec, self.config.prefill_timeout_s)))
         if span is not None:
@@ -102,26 +103,27 @@ class Handoff:
         decoders = self.registry.alive("decode")
         if not decoders:
             raise WorkerLost("no decode worker")
-        bs = decoders[0].block_size
+        bs = decoders[0].identity.block_size
         need = -(-(len(prompt) + 1) // bs)
         exhausted = 0
         ctx = ctx or new_pass(spec, prompt)
         for d in self.policy.rank_decode(decoders, need, ctx.req):
+            sender = ctx.prefill.identity if ctx.prefill else None
             req = wpb.ReserveRequest(request_id=spec.request_id, prompt_token_ids=prompt,
                                      cache_salt=spec.cache_salt or "",
                                      ttl_ms=int(self.config.lease_ttl_s * 1000),
-                                     sender_agent=ctx.prefill.worker_id if ctx.prefill else "",
-                                     sender_address=ctx.prefill.address if ctx.prefill else "")
+                                     sender_agent=sender.worker_id if sender else "",
+                                     sender_address=sender.address if sender else "")
             # Counted from the reservation on (the caller drops it when the request leaves this
             # worker), so concurrent arrivals between two heartbeats spread over the pool.
-            d.inflight += 1
+            d.accounting.inflight += 1
             t_rpc = time.monotonic()
             try:
-                resp = await d.decode.Reserve(
+                resp = await d.identity.decode.Reserve(
                     req, metadata=md,
                     timeout=self._remaining(spec, self.config.reserve_timeout_s))
             except BaseException as e:
-                d.inflight -= 1
+                d.accounting.inflight -= 1
                 if isinstance(e, grpc.aio.UsageError):  # d left the registry meanwhile
                     continue
                 if isinstance(e, asyncio.CancelledError) and call_cancelled(self.registry, d):
@@ -138,12 +140,12 @@ class Handoff:
                     continue  # leaving as planned; its heartbeat says so too
                 self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
                 continue
-            d.pending_blocks += len(resp.block_ids)
+            d.accounting.pending_blocks += len(resp.block_ids)
             trace.reserve_ms = (time.monotonic() - t_rpc) * 1000.0
             if ctx.record:
-                d.reserve_rpc_s.observe(time.monotonic() - t_rpc)
+                d.perf.reserve_rpc_s.observe(time.monotonic() - t_rpc)
             if ctx.count:
-                d.arrivals.tick(time.monotonic())
+                d.perf.arrivals.tick(time.monotonic())
             trace.add("reserved", d.worker_id, detail=f"cached={resp.cached_prefix_tokens}")
             return d, resp
         if exhausted:
@@ -156,7 +158,7 @@ class Handoff:
         while True:
             await asyncio.sleep(period)
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-                await d.decode.RenewLease(req, metadata=self.md, timeout=period)
+                await d.identity.decode.RenewLease(req, metadata=self.md, timeout=period)
 
     async def _prefill(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
                        d: WorkerState, lease: wpb.ReserveResponse,
@@ -180,11 +182,12 @@ class Handoff:
                 await self._rebind(spec, d, lease, p)
                 bound = p.worker_id
             ctx.drop_claim()  # the dispatch charges p itself now
-            clean = p.inflight == 0
-            p.dispatches += 1
-            dispatched = p.dispatches
+            clean = p.accounting.inflight == 0
+            p.accounting.dispatches += 1
+            dispatched = p.accounting.dispatches
             uncharge = self._claim(p, ctx)  # before the expectation: it would count as cached
-            p.expect(ctx.req.hashes(p.block_size), time.monotonic() + self.registry.expect_s)
+            p.expect(ctx.req.hashes(p.identity.block_size),
+                     time.monotonic() + self.registry.expect_s)
             trace.add(*(("destination", p.worker_id, d.worker_id) if ctx.ahead is not None
                         else ("prefill_start", p.worker_id,
                               ctx.reason if len(tried) == 1 else "retry")))
@@ -208,7 +211,7 @@ class Handoff:
             ctx.writes_unsettled = False  # answered: every write landed and was notified
             trace.add_prefill_end(p.worker_id, resp)
             self._observe_prefill(p, d, lease, ctx, resp, time.monotonic() - t_rpc,
-                                  clean and p.dispatches == dispatched)
+                                  clean and p.accounting.dispatches == dispatched)
             return resp, resp.cached_prompt_tokens
         if exhausted:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -226,7 +229,7 @@ class Handoff:
         t_rpc = time.monotonic()
         span = tracing.start("router.prefill", trace.span, **{"kvrelay.worker": p.worker_id})
         try:
-            resp = await p.prefill.Prefill(
+            resp = await p.identity.prefill.Prefill(
                 req, metadata=tracing.with_parent(self.md, span),
                 timeout=self._remaining(spec, self.config.prefill_timeout_s))
         except grpc.aio.AioRpcError as e:
@@ -281,7 +284,7 @@ class Handoff:
         assert ahead is not None
         try:
             try:
-                await p.prefill.SetDestination(
+                await p.identity.prefill.SetDestination(
                     wpb.SetDestinationRequest(request_id=spec.request_id, dest=dest),
                     metadata=self.md,
                     timeout=self._remaining(spec, self.config.reserve_timeout_s))
@@ -295,21 +298,22 @@ class Handoff:
 
     def _claim(self, p: WorkerState, ctx: Pass) -> Callable[[], None]:
         pending = self.policy.cost.prefill(p, ctx.req, time.monotonic()).new_tokens
-        p.pending_prompt_tokens += pending
-        p.inflight += 1
+        acct = p.accounting
+        acct.pending_prompt_tokens += pending
+        acct.inflight += 1
 
         def unclaim() -> None:
-            p.inflight -= 1
-            p.pending_prompt_tokens = max(0, p.pending_prompt_tokens - pending)
+            acct.inflight -= 1
+            acct.pending_prompt_tokens = max(0, acct.pending_prompt_tokens - pending)
 
         return unclaim
 
     async def _rebind(self, spec: GenerateSpec, d: WorkerState, lease: wpb.ReserveResponse,
                       p: WorkerState) -> None:
         req = wpb.LeaseRequest(request_id=spec.request_id, lease_id=lease.lease_id,
-                               sender_agent=p.worker_id, sender_address=p.address)
+                               sender_agent=p.worker_id, sender_address=p.identity.address)
         try:
-            await d.decode.RenewLease(req, metadata=self.md,
+            await d.identity.decode.RenewLease(req, metadata=self.md,
                                       timeout=self._remaining(spec, self.config.reserve_timeout_s))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
             raise WorkerLost(f"could not promise {d.worker_id}'s lease to {p.worker_id}: "
@@ -324,10 +328,11 @@ class Handoff:
             # d may have left the registry and come back (missed heartbeats): its old channel is
             # closed, the process and the lease live on; reach it by its current entry.
             cur = self.registry.workers.get(d.worker_id)
-            w = cur if cur is not None and cur.incarnation == d.incarnation else d
+            same = cur is not None and cur.identity.incarnation == d.identity.incarnation
+            w = cur if same else d
             with request_context(request_id), \
                     contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-                await w.decode.Release(wpb.LeaseRequest(request_id=request_id,
+                await w.identity.decode.Release(wpb.LeaseRequest(request_id=request_id,
                                                         lease_id=lease_id,
                                                         writes_settled=settled),
                                        metadata=self.md, timeout=2.0)
@@ -341,9 +346,9 @@ class Handoff:
         alone there), transfer time against bytes, the RPC's own overhead."""
         n = len(ctx.req)
         computed = n - resp.cached_prompt_tokens
-        skip = lease.cached_prefix_tokens // d.block_size
+        skip = lease.cached_prefix_tokens // d.identity.block_size
         sent = len(lease.block_ids) - skip
-        p.expect(ctx.req.hashes(p.block_size), time.monotonic() + self.registry.expect_s)
+        p.expect(ctx.req.hashes(p.identity.block_size), time.monotonic() + self.registry.expect_s)
         if ctx.count:
             c = self.registry.counter(p)
             c.prompt_tokens += n
@@ -354,7 +359,7 @@ class Handoff:
         if not ctx.record:
             return
         if clean and computed > 0 and ctx.fit:
-            p.prefill_fit.observe(computed, resp.prefill_ms / 1e3)
+            p.perf.prefill_fit.observe(computed, resp.prefill_ms / 1e3)
         perf = self.registry.perf
         perf.observe_transfer(resp.kv_bytes, sent, resp.transfer_ms / 1e3)
         if clean:  # queue_ms of an idle worker is the hand-off to its engine: overhead
@@ -362,7 +367,7 @@ class Handoff:
 
 
 def _destination(d: WorkerState, lease: wpb.ReserveResponse) -> wpb.KVDestination:
-    return wpb.KVDestination(decode_address=d.address, agent_name=lease.agent_name,
+    return wpb.KVDestination(decode_address=d.identity.address, agent_name=lease.agent_name,
                              incarnation=lease.incarnation, block_ids=lease.block_ids,
                              skip_prefix_tokens=lease.cached_prefix_tokens,
                              lease_id=lease.lease_id)

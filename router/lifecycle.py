@@ -29,7 +29,7 @@ from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.calls import cancel
 from kvrelay.router.errors import RouterError
 from kvrelay.router.policy import Policy
-from kvrelay.router.registry import WorkerRegistry, WorkerState
+from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.relay import Relay
 from kvrelay.router.requests import (
     GenerateSpec,
@@ -40,6 +40,7 @@ from kvrelay.router.requests import (
     new_pass,
 )
 from kvrelay.router.trace import Trace
+from kvrelay.router.worker_state import WorkerState
 
 __all__ = ["GenerateSpec", "Lifecycle", "RouterConfig", "TokenChunk", "WorkerLost"]
 
@@ -205,22 +206,22 @@ class Lifecycle(Relay):
             if not ranked:
                 raise WorkerLost("no role=both worker")
             worker = ranked[0]
-        w = worker
+        w, acct = worker, worker.accounting
         trace.add("local_start", w.worker_id, detail=ctx.reason)
         req = wpb.LocalGenerateRequest(request_id=spec.request_id, prompt_token_ids=prompt,
                                        cache_salt=spec.cache_salt or "",
                                        sampling=sampling_to_proto(sampling))
         now = time.monotonic()
         pending = self.policy.cost.local(w, ctx.req, now).new_tokens
-        w.pending_prompt_tokens += pending
-        w.expect(ctx.req.hashes(w.block_size), now + self.registry.expect_s)
-        clean, batch = w.local_inflight == 0, w.batch_estimate
-        w.dispatches += 1
-        dispatched = w.dispatches
-        w.inflight += 1
-        w.local_inflight += 1
+        acct.pending_prompt_tokens += pending
+        w.expect(ctx.req.hashes(w.identity.block_size), now + self.registry.expect_s)
+        clean, batch = acct.local_inflight == 0, w.batch_estimate
+        acct.dispatches += 1
+        dispatched = acct.dispatches
+        acct.inflight += 1
+        acct.local_inflight += 1
         if ctx.count:
-            w.arrivals.tick(now)
+            w.perf.arrivals.tick(now)
         prefilling = True
         produced: list[int] = []
         call = None
@@ -229,26 +230,27 @@ class Lifecycle(Relay):
         try:
             t0 = time.monotonic()
             try:
-                call = w.decode.GenerateLocal(req, metadata=tracing.with_parent(self.md, span))
+                call = w.identity.decode.GenerateLocal(
+                    req, metadata=tracing.with_parent(self.md, span))
             except grpc.aio.UsageError as e:  # the registry dropped w (and closed its channel)
                 raise WorkerLost(f"{w.worker_id} left the registry: {e}") from e
             async for chunk in self._read_stream(spec, call, w, trace):
                 if prefilling:
                     prefilling = False
-                    w.local_inflight -= 1
-                    w.pending_prompt_tokens = max(0, w.pending_prompt_tokens - pending)
+                    acct.local_inflight -= 1
+                    acct.pending_prompt_tokens = max(0, acct.pending_prompt_tokens - pending)
                     self._observe_local(w, ctx, len(prompt), chunk.cached_prompt_tokens,
                                         time.monotonic() - t0, batch,
-                                        clean and w.dispatches == dispatched)
+                                        clean and acct.dispatches == dispatched)
                 produced.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     self._expect_sequence(w, ctx, produced)
                 yield chunk
         finally:
             if prefilling:
-                w.local_inflight -= 1
-                w.pending_prompt_tokens = max(0, w.pending_prompt_tokens - pending)
-            w.inflight -= 1
+                acct.local_inflight -= 1
+                acct.pending_prompt_tokens = max(0, acct.pending_prompt_tokens - pending)
+            acct.inflight -= 1
             if call is not None:
                 call.cancel()
             tracing.end(span)
@@ -290,7 +292,7 @@ class Lifecycle(Relay):
                 async for c in stream:
                     yield c
         finally:
-            d.inflight -= 1
+            d.accounting.inflight -= 1
             renew.cancel()
             ctx.drop_claim()
             cancel(ctx.ahead)
@@ -309,8 +311,8 @@ class Lifecycle(Relay):
             c.prompt_tokens += n
             c.computed_tokens += computed
         if ctx.record and clean and ctx.fit:
-            wait = w.step_fit.predict(batch) if batch > 0 else 0.0
-            w.local_fit.observe(computed, ttft_s - wait)
+            wait = w.perf.step_fit.predict(batch) if batch > 0 else 0.0
+            w.perf.local_fit.observe(computed, ttft_s - wait)
 
 
 async def _merge_choices(streams: dict[int, AsyncIterator[TokenChunk]]

@@ -45,9 +45,10 @@ class _PoolCollector(Collector):
         workers = GaugeMetricFamily("kvrelay:workers", "Live workers per pool", labels=["pool"])
         per_pool: dict[str, int] = {"prefill": 0, "decode": 0, "both": 0}
         for w in self.registry.workers.values():
-            lv = [w.role, w.worker_id]
-            ld = w.load
-            per_pool[w.role] = per_pool.get(w.role, 0) + 1
+            role = w.identity.role
+            lv = [role, w.worker_id]
+            ld = w.reported.load
+            per_pool[role] = per_pool.get(role, 0) + 1
             usage.add_metric(lv, 1.0 - ld.free_blocks / ld.num_blocks if ld.num_blocks else 0.0)
             running.add_metric(lv, ld.running)
             waiting.add_metric(lv, ld.waiting + ld.waiting_for_kv)
@@ -95,17 +96,18 @@ class _PoolCollector(Collector):
         if perf.block_bytes:
             model.add_metric(["kv_block_bytes", "", ""], perf.block_bytes)
         for w in self.registry.workers.values():
-            lv = [w.role, w.worker_id]
-            fits = {"prefill": w.prefill_fit} if w.role == "prefill" else \
-                {"local": w.local_fit, "decode_step": w.step_fit}
+            role, perf = w.identity.role, w.perf
+            lv = [role, w.worker_id]
+            fits = {"prefill": perf.prefill_fit} if role == "prefill" else \
+                {"local": perf.local_fit, "decode_step": perf.step_fit}
             for name, fit in fits.items():
                 a, b = fit.coef()
                 per = "seq" if name == "decode_step" else "token"
                 model.add_metric([f"{name}_fixed_seconds", *lv], a)
                 model.add_metric([f"{name}_seconds_per_{per}", *lv], b)
                 model.add_metric([f"{name}_samples", *lv], fit.n)
-            if w.role != "prefill":
-                model.add_metric(["reserve_rpc_seconds", *lv], w.reserve_rpc_s.value)
+            if role != "prefill":
+                model.add_metric(["reserve_rpc_seconds", *lv], perf.reserve_rpc_s.value)
         yield from (routed, computed, sent, skipped, model)
 
 

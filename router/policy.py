@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes
 from kvrelay.router.estimators import LinearFit
-from kvrelay.router.registry import WorkerRegistry, WorkerState
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.worker_state import WorkerState
 
 
 class RouteRequest:
@@ -139,15 +140,15 @@ class CostModel:
         """``w``'s fit ``name``, or until ``w`` has been measured, the most measured one of its
         pool: workers of a pool run the same model on like hardware, and a prior set against a
         peer's measurement would rank the measured worker first whatever its queue."""
-        fit: LinearFit = getattr(w, name)
+        fit: LinearFit = getattr(w.perf, name)
         if fit.n:
             return fit
-        peers = [getattr(p, name) for p in self.registry.alive(w.role)]
+        peers = [getattr(p.perf, name) for p in self.registry.alive(w.identity.role)]
         best = max(peers, key=lambda f: f.n, default=fit)
         return best if best.n else fit
 
     def prefill(self, w: WorkerState, req: RouteRequest, now: float) -> PrefillEstimate:
-        bs = w.block_size
+        bs = w.identity.block_size
         # the engine always computes at least the last prompt token (its logits give the first
         # output token), so a fully cached prompt still computes one block's worth at most
         usable = (len(req) - 1) // bs
@@ -158,28 +159,28 @@ class CostModel:
 
     def decode(self, w: WorkerState, req: RouteRequest, blocks_needed: int,
                now: float) -> DecodeEstimate:
-        bs = w.block_size
+        bs = w.identity.block_size
         cached = min(w.cached_blocks(req.hashes(bs), now), len(req) // bs)
         uncached = -(-len(req) // bs) - cached
         fits = w.free_blocks_estimate >= blocks_needed - cached
         return DecodeEstimate(w, cached, uncached, fits, self.registry.perf.transfer_s(uncached),
-                              req.max_tokens * w.step_fit.predict(w.batch_estimate + 1))
+                              req.max_tokens * w.perf.step_fit.predict(w.batch_estimate + 1))
 
     def local(self, w: WorkerState, req: RouteRequest, now: float) -> LocalEstimate:
-        bs = w.block_size
+        bs, perf = w.identity.block_size, w.perf
         cached = min(w.cached_blocks(req.hashes(bs), now), (len(req) - 1) // bs) * bs
         new = len(req) - cached
         batch = w.batch_estimate
-        wait = w.step_fit.predict(batch) if batch > 0 else 0.0
-        seconds = w.local_fit.predict(w.queued_tokens_estimate + new) + wait
+        wait = perf.step_fit.predict(batch) if batch > 0 else 0.0
+        seconds = perf.local_fit.predict(w.queued_tokens_estimate + new) + wait
         # The prefill's own compute delays every sequence in the batch by that much, and each
         # request reaching this worker meanwhile by half of it on average.
-        compute = w.local_fit.slope * new
-        stall = compute * (batch + w.arrivals.rate(now) * compute / 2.0)
+        compute = perf.local_fit.slope * new
+        stall = compute * (batch + perf.arrivals.rate(now) * compute / 2.0)
         return LocalEstimate(w, cached, new, seconds, stall)
 
     def disaggregated_s(self, p: PrefillEstimate, d: DecodeEstimate) -> float:
-        return (d.worker.reserve_rpc_s.value + self.registry.perf.prefill_rpc_s.value
+        return (d.worker.perf.reserve_rpc_s.value + self.registry.perf.prefill_rpc_s.value
                 + p.seconds + d.transfer_s)
 
     def route(self, req: RouteRequest, decoders: Sequence[WorkerState],
@@ -191,7 +192,7 @@ class CostModel:
             return Route(None, "no_decode_worker")
         if not prefills:
             return Route(None, "no_prefill_worker")
-        need = -(-(len(req) + 1) // decoders[0].block_size)
+        need = -(-(len(req) + 1) // decoders[0].identity.block_size)
         fit = [e for e in (self.decode(d, req, need, now) for d in decoders) if e.fits]
         if not fit:
             return Route(None, "no_kv_room")
@@ -270,14 +271,15 @@ class LeastLoaded(Policy):
         rest = [w for w in workers if w.free_blocks_estimate < blocks_needed]
 
         def key(w: WorkerState) -> tuple[int, int]:
-            batch = w.load.running + w.load.waiting_for_kv + w.inflight
+            load = w.reported.load
+            batch = load.running + load.waiting_for_kv + w.accounting.inflight
             return (batch, -w.free_blocks_estimate)
 
         return sorted(fits, key=key) + sorted(rest, key=lambda w: -w.free_blocks_estimate)
 
     def rank_prefill(self, workers: Sequence[WorkerState],
                      req: RouteRequest) -> list[WorkerState]:
-        return sorted(workers, key=lambda w: (w.queued_tokens_estimate, w.inflight))
+        return sorted(workers, key=lambda w: (w.queued_tokens_estimate, w.accounting.inflight))
 
 
 class PrefixAware(Policy):
@@ -294,18 +296,18 @@ class PrefixAware(Policy):
         for w in workers:
             e = self.cost.decode(w, req, blocks_needed, now)
             seconds = e.seconds
-            if w.role == "both":  # computes the prompt itself
+            if w.identity.role == "both":  # computes the prompt itself
                 loc = self.cost.local(w, req, now)
                 seconds = loc.cost + e.decode_s
             # those without room last, most free first
             key = seconds if e.fits else -float(w.free_blocks_estimate)
-            scored.append((not e.fits, key, w.inflight, w.worker_id, w))
+            scored.append((not e.fits, key, w.accounting.inflight, w.worker_id, w))
         return [s[-1] for s in sorted(scored, key=lambda s: s[:4])]
 
     def rank_prefill(self, workers: Sequence[WorkerState],
                      req: RouteRequest) -> list[WorkerState]:
         now = time.monotonic()
-        scored = [(self.cost.prefill(w, req, now).seconds, w.inflight, w.worker_id, w)
+        scored = [(self.cost.prefill(w, req, now).seconds, w.accounting.inflight, w.worker_id, w)
                   for w in workers]
         return [s[-1] for s in sorted(scored, key=lambda s: s[:3])]
 

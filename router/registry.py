@@ -1,11 +1,11 @@
 """Workers the router knows of, fed by heartbeats; a worker that misses them is taken out.
 
-The registry also keeps the router's own view of work it has handed out since the last beat
-(prompt tokens sent to a prefill worker, blocks reserved on a decode worker), so a burst of
-requests between two beats does not all land on the same worker; of the prefix-cache blocks a
-worker holds (reported by its beats, plus the blocks the router just had it compute, until a beat
-can report them); and of how fast each worker is, measured (``estimators``): the routing cost
-model (``policy.py``) reads nothing else.
+Each worker is a ``WorkerState`` (``worker_state``): its identity, what its beats report, the
+router's own accounting of work it has handed out since the last beat (prompt tokens sent to a
+prefill worker, blocks reserved on a decode worker, so a burst of requests between two beats
+does not all land on the same worker; blocks it just had a worker compute, until a beat can
+report them), and how fast the worker is, measured (``estimators``): the routing cost model
+(``policy.py``) reads nothing else.
 """
 
 from __future__ import annotations
@@ -15,27 +15,19 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
-import grpc
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvrelay.common.rpc import insecure_channel
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.router.estimators import (
-    PRIOR_RPC_S,
-    ClusterPerf,
-    Ewma,
-    LinearFit,
-    RateMeter,
-    prefill_fit_prior,
-    step_fit_prior,
-)
+from kvrelay.router.estimators import ClusterPerf
+from kvrelay.router.worker_state import MAX_WORKER_BLOCKS, WorkerIdentity, WorkerState
 
 logger = logging.getLogger(__name__)
 
 ROLE_NAMES = {wpb.ROLE_PREFILL: "prefill", wpb.ROLE_DECODE: "decode", wpb.ROLE_BOTH: "both"}
+ROLE_ENUMS = {v: k for k, v in ROLE_NAMES.items()}
 
 # Bounds on what a heartbeat may claim. Each field steers routing for every request (the block
 # size divides every prompt, the smallest max_model_len is the cluster's limit, the hash set is
@@ -45,7 +37,7 @@ MAX_ADDRESS_LEN = 256
 MAX_IDENTITY_LEN = 256
 MAX_BLOCK_SIZE = 1024
 MIN_WORKER_MODEL_LEN = 256  # or 0: not reported
-MAX_WORKER_BLOCKS = 1 << 20  # also the hashes held for a worker that reports no num_blocks
+# MAX_WORKER_BLOCKS (worker_state): it also caps the block hashes held for one worker
 
 
 class WorkerIdTaken(ValueError):
@@ -91,87 +83,6 @@ class RouteCounters:
     kv_blocks_skipped: int = 0  # prompt blocks this decode worker already held (not sent)
 
 
-@dataclass
-class WorkerState:
-    worker_id: str
-    role: str
-    address: str
-    incarnation: str
-    model_identity: str
-    block_size: int
-    max_model_len: int
-    load: wpb.WorkerLoad
-    last_seen: float
-    channel: grpc.aio.Channel
-    decode: worker_pb2_grpc.DecodeWorkerStub | None = None
-    prefill: worker_pb2_grpc.PrefillWorkerStub | None = None
-    # Router-side accounting: prompt tokens this router handed it that it has not computed yet
-    # (and that count when the last beat arrived); blocks reserved since the last beat.
-    pending_prompt_tokens: int = 0
-    pending_at_beat: int = 0
-    pending_blocks: int = 0
-    inflight: int = 0
-    inflight_at_beat: int = 0  # ``inflight`` when the last beat arrived
-    suspect_until: float = 0.0
-    block_hashes: set[int] = field(default_factory=set)
-    # Blocks the router just had this worker compute: hash -> until when to assume it holds them
-    # (the next beats report the truth).
-    expected: dict[int, float] = field(default_factory=dict)
-    calibrating: bool = False  # being measured by the warm-up probe: no traffic yet
-    dispatches: int = 0  # prefills (P) or local generations (D) handed to it, ever
-    local_inflight: int = 0  # local generations (fast lane) still prefilling here
-    # Measured performance (see LinearFit): seconds to prefill x new tokens on a prefill worker
-    # (its PrefillResponse.prefill_ms); seconds from GenerateLocal to the first token for x new
-    # tokens on a decode worker, less the wait for its running batch; a decode step's seconds
-    # for a batch of x sequences (gaps between streamed tokens); a Reserve round trip.
-    prefill_fit: LinearFit = field(default_factory=prefill_fit_prior)
-    local_fit: LinearFit = field(default_factory=prefill_fit_prior)
-    step_fit: LinearFit = field(default_factory=step_fit_prior)
-    reserve_rpc_s: Ewma = field(default_factory=lambda: Ewma(PRIOR_RPC_S))
-    arrivals: RateMeter = field(default_factory=RateMeter)  # requests routed to it per second
-
-    @property
-    def draining(self) -> bool:
-        return self.load.draining
-
-    def usable(self, now: float) -> bool:
-        return not self.load.draining and now >= self.suspect_until and not self.calibrating
-
-    @property
-    def batch_estimate(self) -> int:
-        """Sequences in (or about to join) its batch: this router's own, counted live, plus
-        those of others as of the last beat (what the beat showed beyond this router's)."""
-        others = self.load.running + self.load.waiting_for_kv - self.inflight_at_beat
-        return self.inflight + max(0, others)
-
-    def cached_blocks(self, hashes: Sequence[int], now: float) -> int:
-        """Leading blocks of a prompt (its chained block hashes) this worker holds."""
-        have, exp = self.block_hashes, self.expected
-        n = 0
-        for h in hashes:
-            if h not in have and exp.get(h, 0.0) <= now:
-                break
-            n += 1
-        return n
-
-    def expect(self, hashes: Sequence[int], until: float) -> None:
-        exp = self.expected
-        for h in hashes:
-            if h not in self.block_hashes:
-                exp[h] = until
-
-    @property
-    def free_blocks_estimate(self) -> int:
-        return self.load.free_blocks - self.pending_blocks
-
-    @property
-    def queued_tokens_estimate(self) -> int:
-        """Prompt tokens queued there: this router's, counted live, plus those of others as of
-        the last beat (what the beat showed beyond this router's)."""
-        others = self.load.queued_prompt_tokens - self.pending_at_beat
-        return self.pending_prompt_tokens + max(0, others)
-
-
 class WorkerRegistry:
     def __init__(self, *, heartbeat_interval_s: float = 1.0, missed_beats: int = 3,
                  suspect_s: float = 2.0, model_identity: str | None = None,
@@ -203,7 +114,7 @@ class WorkerRegistry:
         it) gets a throwaway set, so its metric series stay pruned."""
         if self.workers.get(w.worker_id) is not w:
             return RouteCounters()
-        key = (w.role, w.worker_id)
+        key = (w.identity.role, w.worker_id)
         c = self.counters.get(key)
         if c is None:
             c = self.counters[key] = RouteCounters()
@@ -221,62 +132,46 @@ class WorkerRegistry:
             raise ValueError(f"worker {info.worker_id} serves model {info.model_identity}, this "
                              f"router serves {self.model_identity}")
         w = self.workers.get(info.worker_id)
-        if w is not None and w.address != info.address and not self.authenticated:
+        known = w.identity if w is not None else None
+        if known is not None and known.address != info.address and not self.authenticated:
             logger.warning("refused a beat for worker %s from %s: it is registered at %s and "
                            "this control port has no cluster token", info.worker_id,
-                           info.address, w.address)
+                           info.address, known.address)
             raise WorkerIdTaken(f"worker id {info.worker_id} is registered at another address; "
                                 f"reuse it once that worker has missed its heartbeats, or give "
                                 f"the cluster a token (--cluster-token)")
-        if w is not None and (w.incarnation != info.incarnation or w.address != info.address):
+        if known is not None and (known.incarnation != info.incarnation
+                                  or known.address != info.address):
             logger.info("worker %s restarted (incarnation %s -> %s)", info.worker_id,
-                        w.incarnation, info.incarnation)
+                        known.incarnation, info.incarnation)
             self._remove(info.worker_id, prune=False)  # the same worker: its series go on
             w = None
-        want_full = False
+        joined = w is None
         if w is None:
-            w = self._add(info, req.load, now)
-            want_full = not req.full_block_set
-        else:
-            w.load = req.load
-            w.last_seen = now
-            w.pending_at_beat = w.pending_prompt_tokens
-            w.pending_blocks = 0
-            w.inflight_at_beat = w.inflight
-        if req.full_block_set:
-            w.block_hashes = set(req.added_block_hashes)
-        else:
-            w.block_hashes.difference_update(req.removed_block_hashes)
-            w.block_hashes.update(req.added_block_hashes)
-            if len(w.block_hashes) > (w.load.num_blocks or MAX_WORKER_BLOCKS):
-                # out of step with the worker: start over from a full set
-                w.block_hashes.clear()
-                want_full = True
+            w = WorkerState(_connect(info))
+        # A joining worker's delta is against a set this registry never had: ask for the full
+        # set, as when a delta leaves the set out of step.
+        want_full = w.reported.apply_beat(req, now) or (joined and not req.full_block_set)
+        w.accounting.at_beat()
+        if joined:
+            self._add(w)
         resp = wpb.HeartbeatResponse(interval_s=self.heartbeat_interval_s,
                                      want_full_block_set=want_full)
-        if w.role == "decode":  # its quarantined blocks wait on these senders (any state)
+        if w.identity.role == "decode":  # its quarantined blocks wait on these senders (any state)
             resp.live_prefill_agents.extend(
-                x.worker_id for x in self.workers.values() if x.role == "prefill")
+                x.worker_id for x in self.workers.values() if x.identity.role == "prefill")
         return resp
 
-    def _add(self, info: wpb.WorkerInfo, load: wpb.WorkerLoad, now: float) -> WorkerState:
-        ch = insecure_channel(info.address)
-        role = ROLE_NAMES[info.role]
-        w = WorkerState(
-            worker_id=info.worker_id, role=role, address=info.address,
-            incarnation=info.incarnation, model_identity=info.model_identity,
-            block_size=info.block_size, max_model_len=info.max_model_len, load=load,
-            last_seen=now, channel=ch,
-            decode=worker_pb2_grpc.DecodeWorkerStub(ch) if role in ("decode", "both") else None,
-            prefill=worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else None,
-        )
-        self.workers[info.worker_id] = w
-        logger.info("worker %s (%s) joined at %s", w.worker_id, role, w.address)
+    def _add(self, w: WorkerState) -> None:
+        """Register a worker that just sent its first beat (``on_join`` may hold it out of
+        routing to measure it first)."""
+        self.workers[w.worker_id] = w
+        logger.info("worker %s (%s) joined at %s", w.worker_id, w.identity.role,
+                    w.identity.address)
         if self.on_join is not None:
-            w.calibrating = True
+            w.accounting.calibrating = True
             self.on_join(w)
         self._changed.set()
-        return w
 
     def _remove(self, worker_id: str, *, prune: bool = True) -> None:
         """Forget a worker; ``prune``: its routing counters (metric series) too, so that pods
@@ -286,13 +181,13 @@ class WorkerRegistry:
             for key in [k for k in self.counters if k[1] == worker_id]:
                 del self.counters[key]
         if w is not None:
-            asyncio.get_running_loop().create_task(w.channel.close())
+            asyncio.get_running_loop().create_task(w.identity.channel.close())
             self._changed.set()
 
     # -- queries -------------------------------------------------------------------------------
     def alive(self, role: str) -> list[WorkerState]:
         now = time.monotonic()
-        return [w for w in self.workers.values() if w.role == role and w.usable(now)]
+        return [w for w in self.workers.values() if w.identity.role == role and w.usable(now)]
 
     def can_serve(self) -> bool:
         """Whether a request could be routed now: an aggregated worker, or a prefill worker and
@@ -302,20 +197,14 @@ class WorkerRegistry:
 
     def status(self) -> list[wpb.WorkerStatus]:
         now = time.monotonic()
-        role = {v: k for k, v in ROLE_NAMES.items()}
-        return [wpb.WorkerStatus(
-            info=wpb.WorkerInfo(worker_id=w.worker_id, role=role[w.role], address=w.address,
-                                incarnation=w.incarnation, model_identity=w.model_identity,
-                                block_size=w.block_size, max_model_len=w.max_model_len),
-            load=w.load, last_seen_ms_ago=(now - w.last_seen) * 1000.0)
-            for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
-            if not w.calibrating]
+        return [_status(w, now) for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
+                if not w.accounting.calibrating]
 
     def mark_suspect(self, worker_id: str, why: str) -> None:
         """Keep a worker that just failed a call out of routing for a moment."""
         w = self.workers.get(worker_id)
         if w is not None:
-            w.suspect_until = time.monotonic() + self.suspect_s
+            w.accounting.suspect_until = time.monotonic() + self.suspect_s
             logger.warning("worker %s suspect for %.1fs: %s", worker_id, self.suspect_s, why)
 
     async def wait_for(self, role: str, count: int, timeout: float) -> bool:
@@ -338,7 +227,7 @@ class WorkerRegistry:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         for w in list(self.workers.values()):
-            await w.channel.close()
+            await w.identity.channel.close()
         self.workers.clear()
 
     async def _reap(self) -> None:
@@ -346,13 +235,34 @@ class WorkerRegistry:
             await asyncio.sleep(self.heartbeat_interval_s / 2)
             now = time.monotonic()
             for w in list(self.workers.values()):
-                if w.expected:
-                    w.expected = {h: t for h, t in w.expected.items() if t > now}
-                if now - w.last_seen > self.timeout_s:
+                w.accounting.drop_expired(now)
+                seen = w.reported
+                if now - seen.last_seen > self.timeout_s:
                     # A worker that announced draining and then went quiet has exited as
                     # planned (scale-in, SIGTERM): that is not worth a warning.
-                    log = logger.info if w.draining else logger.warning
+                    log = logger.info if seen.draining else logger.warning
                     log("worker %s %s for %.1fs: removed", w.worker_id,
-                        "drained and silent" if w.draining else "missed heartbeats",
-                        now - w.last_seen)
+                        "drained and silent" if seen.draining else "missed heartbeats",
+                        now - seen.last_seen)
                     self._remove(w.worker_id)
+
+
+def _connect(info: wpb.WorkerInfo) -> WorkerIdentity:
+    """A joining worker's identity, with a channel (and its role's stubs) to reach it by."""
+    ch = insecure_channel(info.address)
+    role = ROLE_NAMES[info.role]
+    return WorkerIdentity(
+        worker_id=info.worker_id, role=role, address=info.address,
+        incarnation=info.incarnation, model_identity=info.model_identity,
+        block_size=info.block_size, max_model_len=info.max_model_len, channel=ch,
+        decode=worker_pb2_grpc.DecodeWorkerStub(ch) if role in ("decode", "both") else None,
+        prefill=worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else None)
+
+
+def _status(w: WorkerState, now: float) -> wpb.WorkerStatus:
+    i = w.identity
+    return wpb.WorkerStatus(
+        info=wpb.WorkerInfo(worker_id=i.worker_id, role=ROLE_ENUMS[i.role], address=i.address,
+                            incarnation=i.incarnation, model_identity=i.model_identity,
+                            block_size=i.block_size, max_model_len=i.max_model_len),
+        load=w.reported.load, last_seen_ms_ago=(now - w.reported.last_seen) * 1000.0)

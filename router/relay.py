@@ -22,9 +22,9 @@ from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.calls import call_cancelled
 from kvrelay.router.errors import RouterError
 from kvrelay.router.handoff import Handoff
-from kvrelay.router.registry import WorkerState
 from kvrelay.router.requests import GenerateSpec, Pass, TokenChunk, WorkerLost
 from kvrelay.router.trace import Trace
+from kvrelay.router.worker_state import WorkerState
 
 
 class Relay(Handoff):
@@ -58,7 +58,7 @@ class Relay(Handoff):
             return FinishReason.STOP
         if token in sampling.stop_token_ids:
             return FinishReason.STOP
-        if sampling.max_tokens <= 1 or prompt_len + 1 >= d.max_model_len:
+        if sampling.max_tokens <= 1 or prompt_len + 1 >= d.identity.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -74,7 +74,7 @@ class Relay(Handoff):
                                 fork_token_ids=list(first.fork_token_ids))
         span = tracing.start("router.stream", trace.span, **{"kvrelay.worker": d.worker_id})
         try:
-            call = d.decode.Decode(req, metadata=tracing.with_parent(self.md, span))
+            call = d.identity.decode.Decode(req, metadata=tracing.with_parent(self.md, span))
         except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
             tracing.end(span, error=e)
             raise WorkerLost(f"{d.worker_id} left the registry: {e}") from e
@@ -130,7 +130,7 @@ class Relay(Handoff):
             if resp.kv_wait_ms:
                 trace.decode_kv_wait_ms = resp.kv_wait_ms
             if last is not None and record and resp.token_ids:
-                w.step_fit.observe(w.batch_estimate, now - last)
+                w.perf.step_fit.observe(w.batch_estimate, now - last)
             last = now
             reason = finish_from_proto(resp.finish_reason)
             if reason == FinishReason.ERROR:
@@ -149,6 +149,6 @@ class Relay(Handoff):
         """w now holds the KV of the prompt and the tokens produced (the last has none yet):
         count on it for prefix routing until its beats can report it."""
         toks = produced[:-1]
-        hashes = (ctx.req.extended_hashes(toks, w.block_size) if toks
-                  else ctx.req.hashes(w.block_size))
+        bs = w.identity.block_size
+        hashes = ctx.req.extended_hashes(toks, bs) if toks else ctx.req.hashes(bs)
         w.expect(hashes, time.monotonic() + self.registry.expect_s)

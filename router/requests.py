@@ -14,7 +14,7 @@ from kvrelay.engine.prefix_hash import salt_root
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.policy import DEFAULT_POLICY, RouteRequest
-from kvrelay.router.registry import WorkerState
+from kvrelay.router.worker_state import WorkerState
 
 
 @dataclass(frozen=True)

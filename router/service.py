@@ -143,8 +143,8 @@ class RouterService:
 
     # -- validation ----------------------------------------------------------------------------
     def effective_max_model_len(self) -> int:
-        lens = [w.max_model_len for w in self.lifecycle.registry.workers.values()
-                if w.max_model_len]
+        lens = [w.identity.max_model_len for w in self.lifecycle.registry.workers.values()
+                if w.identity.max_model_len]
         return min([self.max_model_len, *lens])
 
     def new_request_id(self) -> str:

@@ -33,7 +33,7 @@ def _addresses_after(authenticated: bool, *beats: wpb.HeartbeatRequest) -> list[
                 got.append(None)
             except ValueError as e:
                 got.append(type(e))
-        got.append(reg.workers["w"].address)
+        got.append(reg.workers["w"].identity.address)
         await reg.stop()
         return got
     return asyncio.run(run())

@@ -29,7 +29,8 @@ from kvrelay.router.policy import (
     RouteRequest,
     make_policy,
 )
-from kvrelay.router.registry import WorkerRegistry, WorkerState
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.worker_state import ReportedLoad, WorkerIdentity, WorkerState
 from kvrelay.worker.heartbeat import Heartbeater
 
 BS = 16
@@ -102,9 +103,10 @@ def test_heartbeats_carry_block_hash_deltas_into_the_registry() -> None:
             raise AssertionError("registry did not catch up")
 
         try:
-            await until(lambda: "p1" in reg.workers and reg.workers["p1"].block_hashes == held)
+            await until(lambda: "p1" in reg.workers
+                        and reg.workers["p1"].reported.block_hashes == held)
             held = frozenset({2, 3, 4, 5})  # 1 evicted, 4 and 5 published
-            await until(lambda: reg.workers["p1"].block_hashes == held)
+            await until(lambda: reg.workers["p1"].reported.block_hashes == held)
             w = reg.workers["p1"]
             assert w.cached_blocks([2, 3, 4, 9], time.monotonic()) == 3
             assert w.cached_blocks([1, 2], time.monotonic()) == 0  # chained: stops at 1
@@ -144,19 +146,22 @@ def test_rate_meter_decays_when_events_stop() -> None:
 # -- ranking and the fast lane under a fitted model ---------------------------------------------
 def worker(reg: WorkerRegistry, wid: str, role: str, *, free: int = 2000, running: int = 0,
            queued: int = 0) -> WorkerState:
-    w = WorkerState(worker_id=wid, role=role, address=wid, incarnation="i",
-                    model_identity="m", block_size=BS, max_model_len=4096,
-                    load=wpb.WorkerLoad(num_blocks=free, free_blocks=free, running=running,
-                                        queued_prompt_tokens=queued),
-                    last_seen=time.monotonic(), channel=None)  # type: ignore[arg-type]
+    w = WorkerState(
+        WorkerIdentity(worker_id=wid, role=role, address=wid, incarnation="i",
+                       model_identity="m", block_size=BS, max_model_len=4096,
+                       channel=None),  # type: ignore[arg-type]
+        ReportedLoad(load=wpb.WorkerLoad(num_blocks=free, free_blocks=free, running=running,
+                                         queued_prompt_tokens=queued),
+                     last_seen=time.monotonic()))
     # measured: prefill 5 ms + 0.25 ms/token; local first token 8 ms + 0.25 ms/token; a decode
     # step 8 ms + 0.4 ms/sequence; Reserve 1.5 ms
+    perf = w.perf
     for x in (16, 512, 64, 256):
-        w.prefill_fit.observe(x, 0.005 + 0.00025 * x)
-        w.local_fit.observe(x, 0.008 + 0.00025 * x)
+        perf.prefill_fit.observe(x, 0.005 + 0.00025 * x)
+        perf.local_fit.observe(x, 0.008 + 0.00025 * x)
     for x in (1, 8, 32):
-        w.step_fit.observe(x, 0.008 + 0.0004 * x)
-    w.reserve_rpc_s.observe(0.0015)
+        perf.step_fit.observe(x, 0.008 + 0.0004 * x)
+    perf.reserve_rpc_s.observe(0.0015)
     reg.workers[wid] = w
     return w
 
@@ -173,7 +178,7 @@ def fitted() -> tuple[WorkerRegistry, CostModel]:
 
 def held(w: WorkerState, tokens: list[int], n: int) -> None:
     """``w`` holds the KV of ``tokens[:n]`` (reported by its beats)."""
-    w.block_hashes.update(block_hashes(tokens[:n], BS))
+    w.reported.block_hashes.update(block_hashes(tokens[:n], BS))
 
 
 def test_prefix_aware_prefill_ranks_cached_prefix_against_queued_work(fitted) -> None:
@@ -184,13 +189,13 @@ def test_prefix_aware_prefill_ranks_cached_prefix_against_queued_work(fitted) ->
     held(p1, prompt, 800)
     req = RouteRequest(prompt)
     assert policy.rank_prefill([p2, p1], req)[0] is p1  # 200 new tokens vs 1000
-    p1.load = wpb.WorkerLoad(queued_prompt_tokens=300)  # still cheaper: 500 vs 1000
+    p1.reported.load = wpb.WorkerLoad(queued_prompt_tokens=300)  # still cheaper: 500 vs 1000
     assert policy.rank_prefill([p2, p1], req)[0] is p1
-    p1.load = wpb.WorkerLoad(queued_prompt_tokens=5000)  # its queue costs more than it saves
+    p1.reported.load = wpb.WorkerLoad(queued_prompt_tokens=5000)  # its queue costs more
     assert policy.rank_prefill([p2, p1], req)[0] is p2
     # the router's own accounting counts before the next beat does
-    p1.load = wpb.WorkerLoad()
-    p1.pending_prompt_tokens = 5000
+    p1.reported.load = wpb.WorkerLoad()
+    p1.accounting.pending_prompt_tokens = 5000
     assert policy.rank_prefill([p1, p2], req)[0] is p2
 
 
@@ -205,7 +210,7 @@ def test_prefix_aware_decode_prefers_the_cached_prefix_among_those_with_room(fit
     assert policy.rank_decode([d1, d2], need, req) == [d2, d1]
     e = cost.decode(d2, req, need, time.monotonic())
     assert (e.cached_blocks, e.uncached_blocks) == (62, 1)
-    d2.load = wpb.WorkerLoad(free_blocks=0)  # no room even for the block it lacks
+    d2.reported.load = wpb.WorkerLoad(free_blocks=0)  # no room even for the block it lacks
     assert policy.rank_decode([d1, d2], need, req) == [d1, d2]
 
 
@@ -233,7 +238,7 @@ def test_fast_lane_under_the_fitted_model(fitted) -> None:
     assert r.local is d and r.reason == "short_prompt"
     # a long one would hold up the requests reaching the decode worker meanwhile
     for k in range(20):
-        d.arrivals.tick(now - 2.0 + k * 0.1)  # 10 requests/s
+        d.perf.arrivals.tick(now - 2.0 + k * 0.1)  # 10 requests/s
     r = route(ids(2000, 7))
     assert r.local is None and r.reason == "decode_interference"
     # ... and with a prefill worker holding its prefix, it is cheaper disaggregated anyway
@@ -247,18 +252,18 @@ def test_fast_lane_under_the_fitted_model(fitted) -> None:
     r = route(conv + ids(30, 10))
     assert r.local is d and r.reason == "cached_prefix"
     # a busy decode batch: 200 new tokens would stall 32 sequences; the prefill pool is idle
-    d.inflight = 32
+    d.accounting.inflight = 32
     r = route(ids(200, 11))
     assert r.local is None
     # a busy prefill pool: a short prompt goes local even then
-    p1.pending_prompt_tokens = p2.pending_prompt_tokens = 3000
-    d.inflight = 4
+    p1.accounting.pending_prompt_tokens = p2.accounting.pending_prompt_tokens = 3000
+    d.accounting.inflight = 4
     r = route(ids(24, 12))
     assert r.local is d
     assert r.disaggregated_s is not None and r.local_s is not None
     assert r.local_s < r.disaggregated_s
     # no room on the decode worker for a local run either
-    d.load = wpb.WorkerLoad(free_blocks=0)
+    d.reported.load = wpb.WorkerLoad(free_blocks=0)
     assert cost.route(RouteRequest(ids(24, 12)), [d], [p1], now).reason == "no_kv_room"
 
 
@@ -273,7 +278,7 @@ def test_policies_by_name() -> None:
     req = RouteRequest(ids(10, 1))
     rr = RoundRobin()
     assert [rr.rank_prefill([a, b], req)[0].worker_id for _ in range(3)] == ["a", "b", "a"]
-    a.load = wpb.WorkerLoad(queued_prompt_tokens=100)
+    a.reported.load = wpb.WorkerLoad(queued_prompt_tokens=100)
     assert LeastLoaded().rank_prefill([a, b], req)[0] is b
 
 

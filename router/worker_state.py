@@ -1,0 +1,165 @@
+"""One worker as the router sees it, in parts that change for different reasons.
+
+* ``WorkerIdentity``: what the worker is and how to reach it; fixed for an incarnation (a
+  restarted worker gets a new ``WorkerState``).
+* ``ReportedLoad``: what its heartbeats say; each beat replaces it (``ReportedLoad.apply_beat``).
+* ``Accounting``: what this router counts itself between two beats: work it handed out that a
+  beat cannot have reported yet, blocks it just had the worker compute, whether the worker is
+  suspect or being measured. Each beat takes a snapshot (``Accounting.at_beat``).
+* ``WorkerPerf`` (``estimators``): how fast the worker is, measured over its life.
+
+``WorkerState`` holds the four; the estimates the routing policy reads (``policy.py``) combine a
+beat's figures with this router's own counts, so they are its methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import worker_pb2_grpc
+from kvrelay.router.estimators import WorkerPerf
+
+# The most KV blocks a worker may claim (a beat's bound, see ``registry.validate_beat``); also
+# the most block hashes held for a worker that reports no num_blocks.
+MAX_WORKER_BLOCKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What a worker is and how to reach it, as its first beat of an incarnation said."""
+
+    worker_id: str
+    role: str  # "prefill", "decode" or "both"
+    address: str
+    incarnation: str
+    model_identity: str
+    block_size: int
+    max_model_len: int  # 0: not reported
+    channel: grpc.aio.Channel
+    decode: worker_pb2_grpc.DecodeWorkerStub | None = None
+    prefill: worker_pb2_grpc.PrefillWorkerStub | None = None
+
+
+@dataclass
+class ReportedLoad:
+    """What the worker's heartbeats say: its load as of the last one, when that came, and the
+    hashes of the prefix-cache blocks it holds (kept up to date by each beat's delta)."""
+
+    load: wpb.WorkerLoad = field(default_factory=wpb.WorkerLoad)
+    last_seen: float = 0.0
+    block_hashes: set[int] = field(default_factory=set)
+
+    @property
+    def draining(self) -> bool:
+        return self.load.draining
+
+    def apply_beat(self, beat: wpb.HeartbeatRequest, now: float) -> bool:
+        """Take a (validated) beat; True when the worker should send its full block set next:
+        the delta left more hashes than it has blocks (out of step: start over)."""
+        self.load = beat.load
+        self.last_seen = now
+        if beat.full_block_set:
+            self.block_hashes = set(beat.added_block_hashes)
+            return False
+        held = self.block_hashes
+        held.difference_update(beat.removed_block_hashes)
+        held.update(beat.added_block_hashes)
+        if len(held) > (self.load.num_blocks or MAX_WORKER_BLOCKS):
+            held.clear()
+            return True
+        return False
+
+
+@dataclass
+class Accounting:
+    """What this router counts itself: the work it handed the worker (a burst between two beats
+    must not all land on one worker), the blocks it had it compute, its own verdicts."""
+
+    # Prompt tokens this router handed it that it has not computed yet, and that count when
+    # the last beat arrived (the beat's queue includes them).
+    pending_prompt_tokens: int = 0
+    pending_at_beat: int = 0
+    pending_blocks: int = 0  # blocks reserved on it since the last beat
+    inflight: int = 0  # this router's requests there (reserved, prefilling or decoding)
+    inflight_at_beat: int = 0  # ``inflight`` when the last beat arrived
+    suspect_until: float = 0.0  # a call to it just failed: no traffic until then
+    # Blocks the router just had it compute: hash -> until when to assume it holds them (the
+    # next beats report the truth).
+    expected: dict[int, float] = field(default_factory=dict)
+    calibrating: bool = False  # being measured by the warm-up probe: no traffic yet
+    dispatches: int = 0  # prefills (P) or local generations (D) handed to it, ever
+    local_inflight: int = 0  # local generations (fast lane) still prefilling here
+
+    def at_beat(self) -> None:
+        """A beat arrived: its figures include this router's work so far (snapshot it), and
+        the blocks reserved before it."""
+        self.pending_at_beat = self.pending_prompt_tokens
+        self.pending_blocks = 0
+        self.inflight_at_beat = self.inflight
+
+    def drop_expired(self, now: float) -> None:
+        """Forget expected blocks that the beats have had time to report."""
+        if self.expected:
+            self.expected = {h: t for h, t in self.expected.items() if t > now}
+
+
+@dataclass
+class WorkerState:
+    """A worker as this router knows it (see the module docstring for the parts)."""
+
+    identity: WorkerIdentity
+    reported: ReportedLoad = field(default_factory=ReportedLoad)
+    accounting: Accounting = field(default_factory=Accounting)
+    perf: WorkerPerf = field(default_factory=WorkerPerf)
+
+    @property
+    def worker_id(self) -> str:
+        """The worker's name in every log line, trace event, metric label and ranking tie-break
+        (and the registry's key): kept short here; it is fixed, like all of the identity."""
+        return self.identity.worker_id
+
+    def usable(self, now: float) -> bool:
+        acct = self.accounting
+        return not self.reported.draining and now >= acct.suspect_until and not acct.calibrating
+
+    @property
+    def batch_estimate(self) -> int:
+        """Sequences in (or about to join) its batch: this router's own, counted live, plus
+        those of others as of the last beat (what the beat showed beyond this router's)."""
+        load, acct = self.reported.load, self.accounting
+        others = load.running + load.waiting_for_kv - acct.inflight_at_beat
+        return acct.inflight + max(0, others)
+
+    @property
+    def free_blocks_estimate(self) -> int:
+        return self.reported.load.free_blocks - self.accounting.pending_blocks
+
+    @property
+    def queued_tokens_estimate(self) -> int:
+        """Prompt tokens queued there: this router's, counted live, plus those of others as of
+        the last beat (what the beat showed beyond this router's)."""
+        acct = self.accounting
+        others = self.reported.load.queued_prompt_tokens - acct.pending_at_beat
+        return acct.pending_prompt_tokens + max(0, others)
+
+    def cached_blocks(self, hashes: Sequence[int], now: float) -> int:
+        """Leading blocks of a prompt (its chained block hashes) this worker holds: reported,
+        or just computed at this router's request."""
+        have, exp = self.reported.block_hashes, self.accounting.expected
+        n = 0
+        for h in hashes:
+            if h not in have and exp.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def expect(self, hashes: Sequence[int], until: float) -> None:
+        """Count on the worker holding these blocks until ``until`` (those not reported yet)."""
+        have, exp = self.reported.block_hashes, self.accounting.expected
+        for h in hashes:
+            if h not in have:
+                exp[h] = until

@@ -1,0 +1,89 @@
+"""What a heartbeat changes in the router's view of a worker: the reported part takes the beat
+(load, when, the block-hash delta), the router's accounting snapshots its own counts (what the
+beat's figures already include), and the identity stays as the incarnation's first beat said."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.registry import WorkerRegistry
+
+
+def _beat(*, added: tuple[int, ...] = (), removed: tuple[int, ...] = (), full: bool = True,
+          incarnation: str = "i1", **load: int) -> wpb.HeartbeatRequest:
+    return wpb.HeartbeatRequest(
+        worker=wpb.WorkerInfo(worker_id="p1", role=wpb.ROLE_PREFILL, address="127.0.0.1:9",
+                              incarnation=incarnation, block_size=16, max_model_len=4096),
+        load=wpb.WorkerLoad(**{"num_blocks": 8, "free_blocks": 8, **load}),
+        added_block_hashes=added, removed_block_hashes=removed, full_block_set=full)
+
+
+def _with_registry(body: Callable[[WorkerRegistry], None]) -> None:
+    async def run() -> None:
+        reg = WorkerRegistry()
+        try:
+            body(reg)
+        finally:
+            await reg.stop()
+    asyncio.run(run())
+
+
+def test_a_beat_updates_the_reported_part_and_snapshots_the_accounting() -> None:
+    def body(reg: WorkerRegistry) -> None:
+        assert not reg.heartbeat(_beat(added=(1, 2, 3))).want_full_block_set
+        w = reg.workers["p1"]
+        ident, seen = w.identity, w.reported.last_seen
+        assert (ident.role, ident.block_size, w.reported.block_hashes) == ("prefill", 16,
+                                                                           {1, 2, 3})
+        # this router hands it work between two beats
+        acct = w.accounting
+        acct.pending_prompt_tokens, acct.inflight, acct.pending_blocks = 300, 2, 5
+        assert w.queued_tokens_estimate == 300 and w.batch_estimate == 2
+        resp = reg.heartbeat(_beat(added=(4,), removed=(1,), full=False, running=3,
+                                   queued_prompt_tokens=500, free_blocks=6))
+        assert not resp.want_full_block_set
+        assert reg.workers["p1"] is w and w.identity is ident  # the same incarnation
+        assert w.reported.load.queued_prompt_tokens == 500 and w.reported.last_seen >= seen
+        assert w.reported.block_hashes == {2, 3, 4}
+        assert (acct.pending_at_beat, acct.inflight_at_beat, acct.pending_blocks) == (300, 2, 0)
+        # the beat's figures include this router's own work: counted once
+        assert w.queued_tokens_estimate == 500 and w.batch_estimate == 3
+        assert w.free_blocks_estimate == 6
+        acct.pending_prompt_tokens += 100  # handed out after the beat: on top
+        assert w.queued_tokens_estimate == 600
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            w.identity.block_size = 32  # type: ignore[misc]
+    _with_registry(body)
+
+
+def test_a_delta_out_of_step_asks_for_the_full_set() -> None:
+    def body(reg: WorkerRegistry) -> None:
+        # a first beat with a delta: relative to a set this registry never had
+        assert reg.heartbeat(_beat(added=(1,), full=False)).want_full_block_set
+        w = reg.workers["p1"]
+        assert w.reported.block_hashes == {1}
+        # more hashes than the worker has blocks: start over
+        assert reg.heartbeat(_beat(added=tuple(range(2, 10)), full=False)).want_full_block_set
+        assert w.reported.block_hashes == set()
+        assert not reg.heartbeat(_beat(added=(5, 6))).want_full_block_set
+        assert w.reported.block_hashes == {5, 6}
+    _with_registry(body)
+
+
+def test_a_restarted_worker_starts_a_fresh_state() -> None:
+    def body(reg: WorkerRegistry) -> None:
+        reg.heartbeat(_beat(added=(1,)))
+        old = reg.workers["p1"]
+        old.accounting.inflight = 4
+        old.perf.prefill_fit.observe(64, 0.02)
+        reg.heartbeat(_beat(incarnation="i2"))
+        new = reg.workers["p1"]
+        assert new is not old and new.identity.incarnation == "i2"
+        assert new.accounting.inflight == 0 and new.perf.prefill_fit.n == 0
+        assert new.reported.block_hashes == set()
+    _with_registry(body)
