@@ -19,9 +19,9 @@ from kvrelay.deploy.planner.planner import Planner, PlannerConfig
 from kvrelay.deploy.planner.predictor import make_predictor, one_step_error
 from kvrelay.deploy.planner.profile import DecodePoint, PrefillPoint, Profile
 from kvrelay.deploy.planner.signals import Observation
-from kvrelay.deploy.planner.simulator import SimConfig, simulate
+from kvrelay.deploy.planner.simulator import SimConfig, Simulator, simulate
 from kvrelay.deploy.planner.sizing import Load, decode_batch, erlang_c, required
-from kvrelay.deploy.planner.trace import generate, load, save, shapes
+from kvrelay.deploy.planner.trace import TraceRequest, generate, load, save, shapes
 
 PROFILE = Profile(model="synthetic", hardware="test", max_num_batched_tokens=2048,
                   kv_capacity_tokens=80_000, prefill_coef=(0.003, 3.5e-5, 2e-8),
@@ -38,7 +38,7 @@ def test_profile_fit_recovers_its_curves_and_round_trips(tmp_path) -> None:
     for got, want in zip(coef_p + coef_d, PROFILE.prefill_coef + PROFILE.decode_coef,
                          strict=True):
         assert got == pytest.approx(want, rel=1e-3)
-    prof = replace(PROFILE, prefill_points=pre, decode_points=dec)
+    prof = replace(PROFILE, prefill_points=pre, decode_points=dec, contention=(0.5, 0.25))
     prof.save(tmp_path / "p.json")
     again = Profile.load(tmp_path / "p.json")
     assert again == prof and again.fit_error()["decode"] < 1e-6
@@ -180,6 +180,10 @@ def test_simulator_is_deterministic_and_capacity_matters(tmp_path) -> None:
     assert one == again
     assert more.ttft_p90_ms < one.ttft_p90_ms and more.attainment >= one.attainment
     assert more.replica_seconds > one.replica_seconds
+    # a warm-up: served (the same replica-seconds), left out of the latencies and counts
+    late = simulate(PROFILE, trace, SimConfig(*SLO, prefill=1, decode=1, measure_from_s=30.0))
+    assert late.requests == sum(r.t >= 30.0 for r in trace) < one.requests
+    assert late.replica_seconds == one.replica_seconds
     # KV capacity: a decode replica too small for the load makes requests wait, then fail
     tiny = replace(PROFILE, kv_capacity_tokens=3000)
     starved = simulate(tiny, trace, SimConfig(*SLO, prefill=3, decode=1, kv_wait_s=1.0))
@@ -287,6 +291,30 @@ def test_a_low_load_live_run_calibrates_the_profile_for_higher_loads() -> None:
         assert getattr(fixed, name) == pytest.approx(want, rel=0.15), name
     with pytest.raises(ValueError):
         calibrate(PROFILE, low, cfg, live_ttft_p90_ms=0.0, live_itl_p90_ms=1.0)
+
+
+def test_colocated_pools_slow_each_other_only_while_they_overlap() -> None:
+    """Shared cores by hand (prefill steps 10 ms, decode steps 2 ms, contention (1.0, 0.5)): A
+    prefills alone (TTFT 10 ms) and decodes 10 steps; B arrives 1 ms into A's second step. Its
+    prefill runs at 1/(1 + 1.0 x 1 sequence) beside A's decode, so it takes 20 ms, and A's steps
+    meanwhile run at 1/(1 + 0.5 x 1 prefill): 2.5, 3 (x6), 2.17 ms. Off, neither slows."""
+    flat = replace(PROFILE, prefill_coef=(0.010, 0.0, 0.0), decode_coef=(0.002, 0.0, 0.0))
+    trace = [TraceRequest(0.0, 10, 11), TraceRequest(0.013, 10, 2)]
+
+    def run(contention: tuple[float, float]) -> list:
+        sim = Simulator(replace(flat, contention=contention), trace, SimConfig(*SLO))
+        sim.run()
+        return sim.reqs
+
+    a, b = run((1.0, 0.5))
+    assert (a.ttft, b.ttft) == (pytest.approx(0.010), pytest.approx(0.020))
+    steps = [0.002, 0.0025] + [0.003] * 6 + [0.002 + 0.0005 / 3, 0.002]
+    assert a.itl_sum / a.gen == pytest.approx(sum(steps) / 10)
+    assert b.itl_sum / b.gen == pytest.approx(0.002)
+    a, b = run((0.0, 0.0))
+    assert (b.ttft, a.itl_sum / a.gen) == (pytest.approx(0.010), pytest.approx(0.002))
+    with pytest.raises(ValueError):
+        run((-0.1, 0.0))
 
 
 def test_the_calibrated_simulator_reproduces_the_recorded_live_run() -> None:
