@@ -317,6 +317,32 @@ def test_colocated_pools_slow_each_other_only_while_they_overlap() -> None:
         run((-0.1, 0.0))
 
 
+def test_a_low_load_run_on_shared_cores_calibrates_their_contention() -> None:
+    """The 'live' cluster: a 2.5x slower engine whose prefill slows by 0.3 per sequence decoded
+    beside it (one host). From a 4 req/s run alone, the co-located calibration recovers both and
+    predicts 10 req/s; a fixed hand-off fitted to the same run (the pools apart) does not grow
+    with the load, and falls far short of the TTFT there."""
+    truth = replace(PROFILE.scaled(2.5, 2.5), contention=(0.3, 0.0))
+    cfg = SimConfig(2000.0, 50.0, prefill=1, decode=1)
+
+    def at(rate: float, seed: int) -> list[TraceRequest]:
+        return generate(shapes(rate / 0.6, 60, prompt=256, output=32)["steady"], seed=seed)
+
+    low = simulate(truth, at(4, 3), cfg)
+    kw = dict(live_ttft_p90_ms=low.ttft_p90_ms, live_itl_p90_ms=low.itl_p90_ms)
+    shared = calibrate(PROFILE, at(4, 3), cfg, colocated=True, **kw)
+    apart = calibrate(PROFILE, at(4, 3), cfg, **kw)
+    assert shared.engine_scale == pytest.approx(2.5, rel=0.05) == apart.engine_scale
+    assert shared.contention == pytest.approx(0.3, rel=0.2) and shared.extra_ttft_s == 0
+    assert apart.contention == 0 and apart.extra_ttft_s > 0
+    assert shared.apply(PROFILE).contention == (shared.contention, 0.0)
+    live = simulate(truth, at(10, 4), cfg)
+    fixed = simulate(shared.apply(PROFILE), at(10, 4), cfg)
+    for name in ("ttft_p90_ms", "itl_p90_ms"):
+        assert getattr(fixed, name) == pytest.approx(getattr(live, name), rel=0.1), name
+    assert simulate(apart.apply(PROFILE), at(10, 4), cfg).ttft_p90_ms < 0.75 * live.ttft_p90_ms
+
+
 def test_the_calibrated_simulator_reproduces_the_recorded_live_run() -> None:
     """``bench/results/planner/live_calibrated``: a live 1P1D run of the demo cluster (6 req/s,
     after a 2 req/s calibration phase). The simulator, corrected by that phase alone, must
