@@ -9,8 +9,10 @@ A profile holds the measured points of two sweeps and the curves fitted to them:
   ``a + b*B + c*B*C`` (this is the inter-token latency every sequence of the batch sees).
 
 It also records each replica's KV capacity (tokens) and step budget, which the simulator and
-the sizing use. ``kvrelay profile`` measures it (``measure.py``); this module only holds,
-fits, saves and evaluates it, so the planner and the router-free tools import no torch.
+the sizing use, and two corrections a live cluster adds (``calibrate.py``): a hand-off on every
+first token and, where the pools share a host's cores, how much each slows the other.
+``kvrelay profile`` measures it (``measure.py``); this module only holds, fits, saves and
+evaluates it, so the planner and the router-free tools import no torch.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class Profile:
     decode_coef: tuple[float, float, float]  # seconds: fixed, per sequence, per seq x context
     startup_s: float = 10.0  # a new replica's time until it serves (measured live or assumed)
     transfer_s: float = 0.0  # KV handoff added to every TTFT
+    # Co-located pools (simulator only, ``contention.py``): a prefill step runs 1 + [0] x (the
+    # sequences being decoded beside it) times slower, a decode step 1 + [1] x (the prefill
+    # steps beside it). (0, 0): each replica has hardware of its own.
+    contention: tuple[float, float] = (0.0, 0.0)
     prefill_points: list[PrefillPoint] = field(default_factory=list)
     decode_points: list[DecodePoint] = field(default_factory=list)
     version: int = VERSION
@@ -162,4 +168,5 @@ class Profile:
         doc["decode_points"] = [DecodePoint(**p) for p in doc.get("decode_points", [])]
         doc["prefill_coef"] = tuple(doc["prefill_coef"])
         doc["decode_coef"] = tuple(doc["decode_coef"])
+        doc["contention"] = tuple(doc.get("contention", (0.0, 0.0)))
         return cls(**doc)

@@ -9,7 +9,9 @@ The model follows kvrelay's request path (DESIGN.md, decode-first):
   chunking long prompts, each step timed by the profile's prefill curve;
 * decode: the first token comes from prefill (TTFT = prefill end + KV transfer - arrival); the
   request joins its decode replica's batch at the next step; a step of ``B`` sequences of mean
-  context ``C`` takes ``itl(B, C)``; its ITL is the mean of its steps.
+  context ``C`` takes ``itl(B, C)``; its ITL is the mean of its steps;
+* co-located pools (``Profile.contention`` non-zero, ``contention.py``): all replicas share one
+  host's cores and a step slows while the other pool works; off, a step takes the profile's time.
 
 Every ``interval_s`` a policy sees an ``Observation`` and names replica counts. A new replica
 serves ``startup_s`` later; a removed one drains (finishes its work) first. Replica-seconds run
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvrelay.deploy.planner.contention import SharedCores
 from kvrelay.deploy.planner.profile import Profile
 from kvrelay.deploy.planner.signals import Observation, PlanDecision, ScalingPolicy
 from kvrelay.deploy.planner.trace import HASH_BLOCK, TraceRequest
@@ -42,6 +45,7 @@ class SimConfig:
     kv_wait_s: float = 5.0
     prefix_cache_blocks: int = 256  # hash blocks a prefill replica keeps
     latency_window_s: float = 10.0  # TTFT/ITL p90 over requests finished this recently
+    measure_from_s: float = 0.0  # requests arriving earlier are a warm-up, left out of the result
 
 
 @dataclass
@@ -115,6 +119,7 @@ class Simulator:
         self._arrivals = 0
         self._interval_done: list[_Req] = []
         self.timeline: list[dict] = []
+        self._cores = SharedCores(profile.contention, self._at) if any(profile.contention) else None
 
     # -- events --------------------------------------------------------------------------------
     def _at(self, t: float, fn: Callable, *args: object) -> None:
@@ -212,7 +217,12 @@ class Simulator:
             self._maybe_remove(p)
             return
         p.busy = True
-        self._at(self.now + self.p.prefill_step_s(tokens, sq), self._prefill_done, p, batch)
+        work = self.p.prefill_step_s(tokens, sq)
+        if self._cores is None:
+            self._at(self.now + work, self._prefill_done, p, batch)
+        else:
+            self._cores.start(self.now, id(p), work, prefill=True, seqs=0,
+                              done=lambda: self._prefill_done(p, batch))
 
     def _prefill_done(self, p: _Prefill, batch: list) -> None:
         for r, n in batch:
@@ -244,8 +254,12 @@ class Simulator:
             return
         d.busy = True
         ctx = sum(r.tr.prompt_len + r.gen for r in d.running) / len(d.running)
-        self._at(self.now + self.p.itl_s(len(d.running), ctx), self._decode_done, d,
-                 self.p.itl_s(len(d.running), ctx))
+        work, t0 = self.p.itl_s(len(d.running), ctx), self.now
+        if self._cores is None:
+            self._at(self.now + work, self._decode_done, d, work)
+        else:  # the step's ITL is the time it took at the speeds it met
+            self._cores.start(self.now, id(d), work, prefill=False, seqs=len(d.running),
+                              done=lambda: self._decode_done(d, self.now - t0))
 
     def _decode_done(self, d: _Decode, dt: float) -> None:
         keep = []
@@ -367,16 +381,17 @@ class Simulator:
         end = max([self.now] + [r.end for r in self.reqs if r.end is not None])
         rs = sum((rep.removed if rep.removed is not None else end) - rep.created
                  for rep in self.prefill + self.decode)
-        ok = [r for r in self.reqs if not r.failed and r.ttft is not None]
+        reqs = [r for r in self.reqs if r.tr.t >= self.cfg.measure_from_s]
+        ok = [r for r in reqs if not r.failed and r.ttft is not None]
         met = sum(1 for r in ok if r.ttft * 1000 <= self.cfg.ttft_slo_ms
                   and (not r.gen or r.itl_sum / r.gen * 1000 <= self.cfg.itl_slo_ms))
         ttft = [r.ttft * 1000 for r in ok]
         itl = [r.itl_sum / r.gen * 1000 for r in ok if r.gen]
         return SimResult(
-            attainment=met / len(self.reqs) if self.reqs else 1.0, replica_seconds=rs,
+            attainment=met / len(reqs) if reqs else 1.0, replica_seconds=rs,
             ttft_p90_ms=float(np.percentile(ttft, 90)) if ttft else 0.0,
             itl_p90_ms=float(np.percentile(itl, 90)) if itl else 0.0,
-            failed=sum(r.failed for r in self.reqs), requests=len(self.reqs),
+            failed=sum(r.failed for r in reqs), requests=len(reqs),
             duration_s=end, timeline=self.timeline)
 
 
