@@ -89,17 +89,22 @@ static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w
 #undef MICRO_CASE
 }
 
-/* Row chunk sizes for `rows` rows: balanced (8 rows as 4 + 4, not 6 + 2), except that chunks
- * shorter than MR - 1 run slower than an MR chunk and a short tail; returns the chunk count. */
+/* The next row chunk's size with `left` rows in `chunks` chunks still to go: balanced (8 rows
+ * as 4 + 4, not 6 + 2), except that chunks shorter than MR - 1 run slower than an MR chunk and
+ * a short tail. */
+static inline int chunk_size(int64_t left, int64_t chunks) {
+    const int mr = (int)((left + chunks - 1) / chunks);
+    return mr < MR - 1 ? (int)(left < MR ? left : MR) : mr;
+}
+
+/* The chunk sizes of `rows` rows into mrs; returns the chunk count. */
 static int chunk_rows(int64_t rows, int *mrs) {
     const int64_t chunks = (rows + MR - 1) / MR;
     int64_t done = 0;
     int n = 0;
     for (int64_t c = 0; c < chunks && done < rows; c++) {
-        int mr = (int)((rows - done + (chunks - c) - 1) / (chunks - c));
-        if (mr < MR - 1) mr = (int)(rows - done < MR ? rows - done : MR);
-        mrs[n++] = mr;
-        done += mr;
+        mrs[n] = chunk_size(rows - done, chunks - c);
+        done += mrs[n++];
     }
     return n;
 }
@@ -157,9 +162,8 @@ static void panel_rows(const float *x, const float *wpan, const float *bias, flo
     float acc[MR * NR] __attribute__((aligned(64)));
     const int64_t rows = m1 - m0, chunks = (rows + MR - 1) / MR;
     int64_t m = m0;
-    for (int64_t c = 0; c < chunks; c++) {  /* balanced chunks, as chunk_rows */
-        int mr = (int)((rows - (m - m0) + (chunks - c) - 1) / (chunks - c));
-        if (mr < MR - 1) mr = (int)(m1 - m < MR ? m1 - m : MR);
+    for (int64_t c = 0; c < chunks; c++) {
+        const int mr = chunk_size(m1 - m, chunks - c);
         const float *xm = x + m * K;
         if (chunks == 1) {
             micro_any(mr, xm, K, wpan, K, acc, NR, 1, 1);

@@ -16,7 +16,6 @@ are not tensor-parallel shards, without per-head q/k norms and without a per-lay
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -24,11 +23,10 @@ import torch
 
 from kvrelay.engine import native
 from kvrelay.engine.attention.metadata import AttentionMetadata
+from kvrelay.engine.attention.native import MIN_PART_TOKENS, native_attention
 
 if TYPE_CHECKING:
     from kvrelay.engine.models.llama import LlamaForCausalLM
-
-logger = logging.getLogger(__name__)
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -70,11 +68,9 @@ class FusedDecode:
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> FusedDecode | None:
         """The fused path for ``model``, or None where it does not apply."""
-        from kvrelay.engine.attention.native import native_attention
         from kvrelay.engine.models.llama import Linear
 
-        lib = native.load()
-        if not enabled() or lib is None or not hasattr(lib, "kvr_decode_layer_f32"):
+        if not enabled() or native.load() is None:  # the ABI check pins the library's symbols
             return None
         if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32:
             return None
@@ -114,8 +110,6 @@ class FusedDecode:
                 or meta.num_decodes != rows or rows > self.max_rows \
                 or meta.slot_mapping.shape[0] != rows:
             return False
-        from kvrelay.engine.attention.native import MIN_PART_TOKENS
-
         k0 = self.model.layers[0].attn.k_cache
         if self._layers is None or k0 is None or k0.data_ptr() != self._cache_ptr:
             self._layers = self._build()
