@@ -6,6 +6,7 @@ Servicers translate and nothing more: protobuf in -> ``RouterService`` -> protob
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,6 +19,7 @@ from kvrelay.common.rpc import bearer_or_key
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.coalesce import Coalescer
 from kvrelay.router.errors import RouterError
 from kvrelay.router.outputs import Delta
 from kvrelay.router.registry import WorkerIdTaken, WorkerRegistry
@@ -90,12 +92,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if tracing.enabled():
             spec.trace_parent = tracing.from_metadata(context.invocation_metadata())
         with request_context(spec.request_id):
+            deltas = Coalescer(self.service.generate(spec))
             try:
-                async for delta in self.service.generate(spec):
+                async for delta in deltas:
+                    t = time.monotonic()
                     yield delta_to_proto(delta)
+                    # A client reading slower than tokens come: several tokens a message.
+                    deltas.sent(delta, time.monotonic() - t)
             except RouterError as e:
                 logger.warning("request failed: %s %s", e.code.name, e.message)
                 await abort_with(context, e)
+            finally:
+                await deltas.aclose()
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:

@@ -9,6 +9,8 @@ are ``http_routes``, their answers ``http_responses``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from typing import Any
 
@@ -17,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kvrelay.common.limits import MAX_HTTP_BODY_BYTES
 from kvrelay.common.rpc import SecretSet, TLSFiles
@@ -30,6 +33,42 @@ from kvrelay.router.service import RouterService
 
 def _refuse(status: int, message: str) -> Response:
     return error_response(status, message)
+
+
+# Bytes of a response the kernel may hold not yet sent (TCP_NOTSENT_LOWAT). Unbounded, a slow
+# SSE reader's backlog (megabytes on loopback) sits in the socket, one event per token, and the
+# router never sees the client fall behind; bounded, a send waits once the client's window is
+# full, and the next event carries every token ready by then (router.coalesce). Bytes in flight
+# are not counted: throughput is unchanged.
+NOTSENT_LOWAT = 16 * 1024
+
+
+def hold_back_unsent(transport: asyncio.BaseTransport) -> None:
+    """Make ``transport`` push back as soon as its socket holds ``NOTSENT_LOWAT`` unsent bytes:
+    the kernel keeps no more, and the transport buffers none (an ASGI send then waits)."""
+    sock = transport.get_extra_info("socket")
+    lowat = getattr(socket, "TCP_NOTSENT_LOWAT", None)  # Linux, macOS
+    if sock is not None and lowat is not None and sock.family in (socket.AF_INET,
+                                                                  socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, lowat, NOTSENT_LOWAT)
+    # TLS: the TCP transport under asyncio's TLS layer buffers on its own (not public API,
+    # hence looked up with care).
+    tcp = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+    for t in (transport, tcp):
+        if isinstance(t, asyncio.WriteTransport):
+            # Paused once a byte waits in the transport, resumed once none does. (Not high=0:
+            # the TLS layer pauses at size >= high, at 0 with nothing to drain.)
+            t.set_write_buffer_limits(high=1, low=0)
+
+
+class _HttpProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+    """uvicorn's HTTP/1.1 protocol, its connections made to push back early
+    (``hold_back_unsent``)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        hold_back_unsent(transport)
 
 
 class HttpServer:
@@ -51,7 +90,7 @@ class HttpServer:
             kw = {"ssl_certfile": self.tls.cert_file, "ssl_keyfile": self.tls.key_file}
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=2,
-                                **kw)
+                                http=_HttpProtocol, **kw)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._task = asyncio.get_running_loop().create_task(self._server.serve())

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvrelay.common import tracing
 from kvrelay.common.logs import request_context
 from kvrelay.engine.outputs import TokenLogprob
+from kvrelay.router.coalesce import Coalescer
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec
 from kvrelay.router.openai_models import _Common
@@ -77,7 +78,7 @@ async def respond(service: RouterService, spec: GenerateSpec, req: _Common,
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _sse(spec, first, stream, rid, created, model, chat, lp, include_usage,
+            _sse(spec, first, Coalescer(stream), rid, created, model, chat, lp, include_usage,
                  req.return_trace, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": spec.request_id})
@@ -152,7 +153,7 @@ def _choice(spec: GenerateSpec, deltas: list[Delta], lp: _Logprobs, chat: bool,
     return choice
 
 
-async def _sse(spec: GenerateSpec, first: Delta, stream: AsyncIterator[Delta],
+async def _sse(spec: GenerateSpec, first: Delta, stream: Coalescer,
                rid: str, created: int, model: str, chat: bool, lp: _Logprobs,
                include_usage: bool, return_trace: bool,
                echo: str | None = None) -> AsyncIterator[bytes]:
@@ -192,7 +193,9 @@ async def _sse(spec: GenerateSpec, first: Delta, stream: AsyncIterator[Delta],
                     extra: dict[str, Any] = {}
                     if d.done and return_trace:
                         extra["kvrelay_trace"] = _trace(d)
+                    t = time.monotonic()
                     yield event([choice], **extra)
+                    stream.sent(d, time.monotonic() - t)  # a slow client: tokens coalesce
                 if d.done:
                     if include_usage:
                         yield event([], usage=_usage(d))
