@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class RouterActor:
     async def start(self, settings: RouterSettings, log_level: str) -> dict[str, Any]:
+        from kvrelay.common.heap import settle_after_startup
         from kvrelay.common.logs import setup_logging
         from kvrelay.common.torch_free import forbid_torch, torch_loaded
         from kvrelay.router.server import Router
@@ -35,6 +36,7 @@ class RouterActor:
             forbid_torch()
         self.router = Router(settings)
         await self.router.start()
+        settle_after_startup()
         return {"port": self.router.port, "control_port": self.router.control_port,
                 "http_port": self.router.http_port, "host": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "torch": torch_loaded()}
@@ -77,6 +79,7 @@ class RouterActor:
 class WorkerActor:
     async def start(self, settings: WorkerSettings, engine: EngineConfig,
                     log_level: str) -> dict[str, Any]:
+        from kvrelay.common.heap import settle_after_startup
         from kvrelay.common.logs import setup_logging
         from kvrelay.worker.process import Worker
 
@@ -86,6 +89,7 @@ class WorkerActor:
             settings = replace(settings, advertise_host=ray.util.get_node_ip_address())
         self.worker = Worker(settings, engine)
         await self.worker.start()
+        settle_after_startup()
         return {"worker_id": self.worker.worker_id, "port": self.worker.port,
                 "address": self.worker.info.address, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id()}

@@ -64,8 +64,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from kvrelay.common.heap import settle_after_startup
     from kvrelay.common.logs import setup_logging
-    from kvrelay.worker.process import WorkerSettings, run_worker
+    from kvrelay.worker.process import Worker, WorkerSettings, run_worker
 
     setup_logging(f"{args.role}-worker", args.log_level, args.log_format)
     settings = WorkerSettings(
@@ -77,9 +78,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None)
     config = engine_config_from_args(args, role=args.role)
-    asyncio.run(run_worker(settings, config, on_ready=lambda w: _write_ready(
-        args.ready_file, {"port": w.port, "metrics_port": w.metrics_port,
-                          "worker_id": w.worker_id, "pid": os.getpid()})))
+
+    def ready(w: Worker) -> None:
+        settle_after_startup()
+        _write_ready(args.ready_file, {"port": w.port, "metrics_port": w.metrics_port,
+                                       "worker_id": w.worker_id, "pid": os.getpid()})
+
+    asyncio.run(run_worker(settings, config, on_ready=ready))
     return 0
 
 
@@ -87,11 +92,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kvrelay.common.torch_free import forbid_torch
 
     forbid_torch()  # the router carries bytes, ids and text; transformers would load torch
+    from kvrelay.common.heap import settle_after_startup
     from kvrelay.common.logs import setup_logging
     from kvrelay.common.rpc import TLSFiles
     from kvrelay.engine.tokenizer import read_chat_template
     from kvrelay.router.lifecycle import RouterConfig
-    from kvrelay.router.server import RouterSettings, run_router
+    from kvrelay.router.server import Router, RouterSettings, run_router
 
     setup_logging("router", args.log_level, args.log_format)
     tls = None
@@ -116,9 +122,13 @@ def cmd_router(args: argparse.Namespace) -> int:
                             max_migrations=int(args.max_migrations),
                             kv_wait_s=float(args.kv_wait),
                             prefill_ahead=bool(args.prefill_ahead)))
-    asyncio.run(run_router(settings, on_ready=lambda r: _write_ready(
-        args.ready_file, {"port": r.port, "control_port": r.control_port,
-                          "http_port": r.http_port, "pid": os.getpid()})))
+
+    def ready(r: Router) -> None:
+        settle_after_startup()
+        _write_ready(args.ready_file, {"port": r.port, "control_port": r.control_port,
+                                       "http_port": r.http_port, "pid": os.getpid()})
+
+    asyncio.run(run_router(settings, on_ready=ready))
     return 0
 
 
