@@ -74,7 +74,11 @@ class Relay(Handoff):
                                 fork_token_ids=list(first.fork_token_ids))
         span = tracing.start("router.stream", trace.span, **{"kvrelay.worker": d.worker_id})
         try:
-            call = d.identity.decode.Decode(req, metadata=tracing.with_parent(self.md, span))
+            # The request's deadline rides on the call (one timer for the stream, not a
+            # wait_for task a token) and reaches the worker, which stops on it too.
+            timeout = None if spec.deadline is None else self._remaining(spec, 3600.0)
+            call = d.identity.decode.Decode(req, metadata=tracing.with_parent(self.md, span),
+                                            timeout=timeout)
         except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
             tracing.end(span, error=e)
             raise WorkerLost(f"{d.worker_id} left the registry: {e}") from e
@@ -106,10 +110,7 @@ class Relay(Handoff):
         record = self.probes.get(spec.request_id, True)
         while True:
             try:
-                resp = await asyncio.wait_for(call.read(), self._remaining(spec, 3600.0))
-            except TimeoutError:
-                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  "request deadline exceeded") from None
+                resp = await call.read()
             except asyncio.CancelledError:
                 if not call_cancelled(self.registry, w):
                     raise
@@ -119,6 +120,9 @@ class Relay(Handoff):
                 code = e.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise RouterError(code, e.details() or "invalid request") from e
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and spec.deadline is not None \
+                        and time.monotonic() >= spec.deadline - 0.05:
+                    raise RouterError(code, "request deadline exceeded") from e
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise RouterError(code, e.details() or "overloaded", retry_after_s=1.0) \
                         from e
