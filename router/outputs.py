@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.common import tracing
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
-from kvrelay.engine.tokenizer import OutputProcessor
+from kvrelay.engine.tokenizer import OutputProcessor, OutputStep
 from kvrelay.router.requests import GenerateSpec, TokenChunk
 from kvrelay.router.trace import Trace
 
@@ -92,15 +92,15 @@ class ChoiceOutputs:
         else:
             self.gaps.append(now - self.last_at)
         self.last_at = now
-        self.n_out += len(chunk.token_ids)
         self.cached = max(self.cached, chunk.cached_prompt_tokens)
-        step = proc.add(chunk.token_ids, finished=chunk.finish_reason is not None,
-                        stopped_on_token=chunk.finish_reason == FinishReason.STOP)
+        step, kept = self._step(proc, chunk)
+        token_ids, logprobs = chunk.token_ids[:kept], chunk.logprobs[:kept]
+        self.n_out += kept
         finish = FinishReason.STOP if step.stop_string else chunk.finish_reason
         stop_reason: str | int | None = step.stop_string
-        if stop_reason is None and finish == FinishReason.STOP and chunk.token_ids:
-            stop_reason = chunk.token_ids[-1]
-        delta = Delta(spec.request_id, step.text, chunk.token_ids, chunk.logprobs, index=i)
+        if stop_reason is None and finish == FinishReason.STOP and token_ids:
+            stop_reason = token_ids[-1]
+        delta = Delta(spec.request_id, step.text, token_ids, logprobs, index=i)
         if spec.sampling.prompt_logprobs is not None and not self._prompt_sent:
             self._prompt_sent = True
             delta.prompt_logprobs = chunk.prompt_logprobs or []
@@ -112,6 +112,24 @@ class ChoiceOutputs:
                 delta.usage = Usage(len(spec.prompt_token_ids), self.n_out, self.cached)
                 delta.timing = self._timing(now)
         return delta
+
+    def _step(self, proc: OutputProcessor, chunk: TokenChunk) -> tuple[OutputStep, int]:
+        """``chunk``'s text and how many of its tokens the output keeps. A worker's chunk may
+        carry several tokens (its engine merges the steps its stream has not sent yet): a stop
+        string that completes on one of them ends the output there, the later tokens dropped
+        (not streamed, not counted), as if each token had come in a chunk of its own."""
+        ids, n = chunk.token_ids, len(chunk.token_ids)
+        finished = chunk.finish_reason is not None
+        on_token = chunk.finish_reason == FinishReason.STOP
+        if n <= 1 or not self.spec.sampling.stop:
+            return proc.add(ids, finished=finished, stopped_on_token=on_token), n
+        texts: list[str] = []
+        for k, t in enumerate(ids, 1):
+            step = proc.add([t], finished=finished and k == n, stopped_on_token=on_token and k == n)
+            texts.append(step.text)
+            if step.stop_string is not None:
+                break
+        return OutputStep("".join(texts), step.stop_string), k
 
     def _timing(self, now: float) -> Timing:
         spec, trace, gaps = self.spec, self.trace, self.gaps
