@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class RouterActor:
     async def start(self, settings: RouterSettings, log_level: str) -> dict[str, Any]:
-        from kvrelay.common.heap import settle_after_startup
+        from kvrelay.common.gc_tuning import settle_after_startup
         from kvrelay.common.logs import setup_logging
         from kvrelay.common.torch_free import forbid_torch, torch_loaded
         from kvrelay.router.server import Router
@@ -79,7 +79,7 @@ class RouterActor:
 class WorkerActor:
     async def start(self, settings: WorkerSettings, engine: EngineConfig,
                     log_level: str) -> dict[str, Any]:
-        from kvrelay.common.heap import settle_after_startup
+        from kvrelay.common.gc_tuning import settle_after_startup
         from kvrelay.common.logs import setup_logging
         from kvrelay.worker.process import Worker
 

@@ -64,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from kvrelay.common.heap import settle_after_startup
+    from kvrelay.common.gc_tuning import settle_after_startup
     from kvrelay.common.logs import setup_logging
     from kvrelay.worker.process import Worker, WorkerSettings, run_worker
 
@@ -92,7 +92,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kvrelay.common.torch_free import forbid_torch
 
     forbid_torch()  # the router carries bytes, ids and text; transformers would load torch
-    from kvrelay.common.heap import settle_after_startup
+    from kvrelay.common.gc_tuning import settle_after_startup
     from kvrelay.common.logs import setup_logging
     from kvrelay.common.rpc import TLSFiles
     from kvrelay.engine.tokenizer import read_chat_template

@@ -1,4 +1,4 @@
-"""common.heap: a serving process's collector after startup."""
+"""common.gc_tuning: a serving process's collector after startup."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from kvrelay.common.heap import DEFAULT_GEN0, settle_after_startup
+from kvrelay.common.gc_tuning import DEFAULT_GEN0, settle_after_startup
 
 
 @pytest.fixture
