@@ -58,6 +58,30 @@ async def _client_left(request: Request) -> None:
         pass
 
 
+async def _first_delta(stream: AsyncIterator[Delta], request: Request) -> Delta | None:
+    """The request's first delta; None (its stream closed, which stops the request) when the
+    client leaves before it. Waiting for the first token is the wait that can run long: behind a
+    queue of prompts under overload. A request whose client has gone would still take its turn
+    at prefill and hold its blocks, and a backlog of them stalls every request after."""
+    first = asyncio.ensure_future(anext(stream))
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait([first, left], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (the server stopping)
+        first.cancel()
+        raise
+    finally:
+        left.cancel()
+    if first.done():
+        return first.result()
+    logger.info("client disconnected before the first token: request aborted")
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError, RouterError, StopAsyncIteration):
+        await first
+    await stream.aclose()
+    return None
+
+
 async def respond(service: RouterService, spec: GenerateSpec, req: _Common,
                   request: Request, *, chat: bool, echo: str | None = None) -> Response:
     """Run ``spec`` and answer it as ``req`` asks (streamed or not). ``echo``: the prompt's
@@ -71,10 +95,12 @@ async def respond(service: RouterService, spec: GenerateSpec, req: _Common,
     stream = service.generate(spec)
     with request_context(spec.request_id):
         try:
-            first = await anext(stream)
+            first = await _first_delta(stream, request)
         except RouterError as e:
             await stream.aclose()
             return router_error(e)
+        if first is None:
+            return Response(status_code=499)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
