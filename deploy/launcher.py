@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from kvrelay.common.omp_env import apply_worker_omp_defaults
 from kvrelay.deploy.actors import RouterActor, WorkerActor
 from kvrelay.deploy.autoscaler import AutoscaleConfig
 from kvrelay.deploy.spec import PoolSpec, ServeSpec
@@ -169,11 +170,14 @@ class Controller:
         engine = replace(self.spec.engine, role=pool,
                          model=replace(self.spec.engine.model, num_threads=threads,
                                        tensor_parallel_size=ps.tp))
-        opts: dict[str, Any] = {}
+        # The actor's process imports torch before start() runs: its OpenMP settings travel
+        # in the runtime env (see common/omp_env.py).
+        env_vars = apply_worker_omp_defaults(dict(os.environ))
         if self.spec.loopback and "UCX_NET_DEVICES" not in os.environ:
             # The KV data plane (UCX under NIXL) listens on every network device unless told
             # otherwise; an embedded Ray keeps it on loopback with the rest.
-            opts["runtime_env"] = {"env_vars": {"UCX_NET_DEVICES": "lo"}}
+            env_vars["UCX_NET_DEVICES"] = "lo"
+        opts: dict[str, Any] = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
         actor = WorkerActor.options(
             num_cpus=ps.cpus, num_gpus=ps.gpus, resources=ps.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),

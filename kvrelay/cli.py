@@ -64,6 +64,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from kvrelay.common.omp_env import apply_worker_omp_defaults
+
+    apply_worker_omp_defaults()  # before the imports below load torch's OpenMP runtime
     from kvrelay.common.gc_tuning import settle_after_startup
     from kvrelay.common.logs import setup_logging
     from kvrelay.worker.process import Worker, WorkerSettings, run_worker
