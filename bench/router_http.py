@@ -20,10 +20,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+if __package__ in (None, ""):  # run as a script: make `bench.` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _free_port() -> int:
@@ -33,43 +36,12 @@ def _free_port() -> int:
 
 
 def _serve(port: int, tokens: int, ready: Any, done: Any, cpu: Any) -> None:
-    from kvrelay.engine.outputs import FinishReason
-    from kvrelay.engine.sampling_params import SamplingParams
+    from bench.http_standin import StandinService
     from kvrelay.router.http_api import HttpServer
-    from kvrelay.router.lifecycle import GenerateSpec
-    from kvrelay.router.outputs import Delta, Usage
-
-    class Registry:
-        def can_serve(self) -> bool:
-            return True
-
-    class Lifecycle:
-        registry = Registry()
-
-    class Service:
-        model_name = "demo"
-        tokenizer = None
-        lifecycle = Lifecycle()
-        cache_salt_by_api_key = False
-
-        def effective_max_model_len(self) -> int:
-            return 4096
-
-        async def build_spec(self, *, request_id: str | None, sampling: SamplingParams,
-                             **kw: Any) -> GenerateSpec:
-            return GenerateSpec(request_id or "r", [1, 2, 3], sampling)
-
-        async def generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
-            n = spec.sampling.max_tokens
-            for i in range(n):
-                last = i == n - 1
-                yield Delta(spec.request_id, " tok", [7], [None], finished=last,
-                            finish_reason=FinishReason.LENGTH if last else None,
-                            usage=Usage(3, n) if last else None, done=last)
-                await asyncio.sleep(0)
 
     async def main() -> None:
-        server = HttpServer(Service(), None, host="127.0.0.1", port=port)  # type: ignore[arg-type]
+        server = HttpServer(StandinService(), None,  # type: ignore[arg-type]
+                            host="127.0.0.1", port=port)
         await server.start()
         ready.set()
         c0 = time.process_time()

@@ -12,57 +12,20 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_security import make_certs
 
+from bench.http_standin import StandinService
 from kvrelay.common.rpc import TLSFiles
-from kvrelay.engine.outputs import FinishReason
-from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.router.http_api import HttpServer
-from kvrelay.router.lifecycle import GenerateSpec
-from kvrelay.router.outputs import Delta, Usage
 
 pytestmark = pytest.mark.slow
 
 TOKENS = 600
-
-
-class _Registry:
-    def can_serve(self) -> bool:
-        return True
-
-
-class _Lifecycle:
-    registry = _Registry()
-
-
-class _Service:
-    """Streams ``max_tokens`` one-token deltas (" t0", " t1", ...), one every 2 ms."""
-
-    model_name = "demo"
-    tokenizer = None
-    lifecycle = _Lifecycle()
-    cache_salt_by_api_key = False
-
-    def effective_max_model_len(self) -> int:
-        return 4096
-
-    async def build_spec(self, *, request_id: str | None, sampling: SamplingParams,
-                         **kw: Any) -> GenerateSpec:
-        return GenerateSpec(request_id or "r", [1, 2, 3], sampling)
-
-    async def generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
-        n = spec.sampling.max_tokens
-        for i in range(n):
-            last = i == n - 1
-            yield Delta(spec.request_id, f" t{i}", [i], [None], finished=last,
-                        finish_reason=FinishReason.LENGTH if last else None,
-                        usage=Usage(3, n) if last else None, done=last)
-            await asyncio.sleep(0.002)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +41,7 @@ def server(request: pytest.FixtureRequest, certs) -> Iterator[tuple[int, ssl.SSL
     box: dict[str, Any] = {}
 
     async def main() -> None:
-        s = HttpServer(_Service(), None, host="127.0.0.1", port=0,  # type: ignore[arg-type]
+        s = HttpServer(StandinService(gap_s=0.002), None, host="127.0.0.1", port=0,  # type: ignore[arg-type]
                        tls=TLSFiles(str(cert), str(key)) if tls else None)
         await s.start()
         box["port"], box["stop"] = s.port, asyncio.Event()

@@ -16,43 +16,22 @@ from typing import Any
 
 import pytest
 
-from kvrelay.engine.outputs import FinishReason
-from kvrelay.engine.sampling_params import SamplingParams
+from bench.http_standin import StandinService
 from kvrelay.router.http_api import HttpServer
 from kvrelay.router.lifecycle import GenerateSpec
-from kvrelay.router.outputs import Delta, Usage
+from kvrelay.router.outputs import Delta
 
 
-class _Registry:
-    def can_serve(self) -> bool:
-        return True
-
-
-class _Lifecycle:
-    registry = _Registry()
-
-
-class _Service:
+class _Service(StandinService):
     """Holds each request before its first delta until ``release`` is set; records what
     became of it: ``closed`` (its stream was closed) and ``delivered`` (deltas it yielded)."""
 
-    model_name = "demo"
-    tokenizer = None
-    lifecycle = _Lifecycle()
-    cache_salt_by_api_key = False
-
     def __init__(self) -> None:
+        super().__init__()
         self.release = asyncio.Event()
         self.started: set[str] = set()
         self.closed: set[str] = set()
         self.delivered: dict[str, int] = {}
-
-    def effective_max_model_len(self) -> int:
-        return 4096
-
-    async def build_spec(self, *, request_id: str | None, sampling: SamplingParams,
-                         **kw: Any) -> GenerateSpec:
-        return GenerateSpec(request_id or "r", [1, 2, 3], sampling)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
         rid, n = spec.request_id, spec.sampling.max_tokens
@@ -60,11 +39,8 @@ class _Service:
         try:
             await self.release.wait()  # queued behind other prompts
             for i in range(n):
-                last = i == n - 1
                 self.delivered[rid] = self.delivered.get(rid, 0) + 1
-                yield Delta(rid, f" t{i}", [i], [None], finished=last,
-                            finish_reason=FinishReason.LENGTH if last else None,
-                            usage=Usage(3, n) if last else None, done=last)
+                yield self.delta(spec, i)
         finally:
             self.closed.add(rid)
 
