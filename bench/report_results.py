@@ -29,8 +29,8 @@ RUN_TITLES = {"sat": "uniform 256→32, saturation (all at once)",
               "rate": "uniform 256→32, fixed Poisson rate",
               "long": "long 2048→64, saturation",
               "mixed": "mixed 90% 256→32 / 10% 2048→64, fixed Poisson rate"}
-# The run files of a configuration's directory; other benchmarks (planner/, serve_base/) keep
-# their own directories beside them.
+# The runs of bench/run_serving.py, in its order: the run files of a configuration's directory
+# (other benchmarks, planner/ and serve_base/, keep their own directories beside them).
 SERVING_RUNS = (*RUN_TITLES, "goodput")
 
 

@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.` importable
 from bench import loadgen
 from bench.pd_proxy import build_pd_proxy as build_pd_proxy
 from bench.pd_proxy import cmd_pd_proxy
+from bench.report_results import SERVING_RUNS
 from bench.serving_configs import (
     CONFIGS,
     SERVED_NAME,
@@ -65,7 +66,7 @@ from bench.workloads import read_vocab
 
 logger = logging.getLogger("bench.run_serving")
 
-RUNS = ("sat", "rate", "long", "mixed", "goodput")
+RUNS = SERVING_RUNS  # each writes RESULTS/<config>/<run>.json, the files the report reads
 
 
 # -- runs ------------------------------------------------------------------------------------------
