@@ -41,7 +41,8 @@ def server(request: pytest.FixtureRequest, certs) -> Iterator[tuple[int, ssl.SSL
     box: dict[str, Any] = {}
 
     async def main() -> None:
-        s = HttpServer(StandinService(gap_s=0.002), None, host="127.0.0.1", port=0,  # type: ignore[arg-type]
+        svc = StandinService(gap_s=0.002)  # one-token deltas, one every 2 ms
+        s = HttpServer(svc, None, host="127.0.0.1", port=0,  # type: ignore[arg-type]
                        tls=TLSFiles(str(cert), str(key)) if tls else None)
         await s.start()
         box["port"], box["stop"] = s.port, asyncio.Event()
