@@ -51,7 +51,8 @@ def eos_token_ids(model_dir: str, tokenizer: Any | None = None) -> frozenset[int
     """Every id that ends generation: generation_config.json, config.json and the tokenizer's.
 
     Instruct checkpoints often list several (end of turn and end of text), sometimes only in
-    ``generation_config.json``; all of them stop a request.
+    ``generation_config.json``; all of them stop a request. Without ``tokenizer``, the
+    tokenizer's EOS comes from its files (``tokenizer_eos_token_id``).
     """
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
@@ -61,12 +62,62 @@ def eos_token_ids(model_dir: str, tokenizer: Any | None = None) -> frozenset[int
         with open(path, encoding="utf-8") as f:
             value = json.load(f).get("eos_token_id")
         ids.update(_as_ids(value, path))
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    if tokenizer is not None:
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+    else:
+        tok_eos = tokenizer_eos_token_id(model_dir)
+    if tok_eos is not None:
+        ids.add(int(tok_eos))
     if not ids:
         logger.warning("no EOS token id found for %s: requests stop only at max_tokens, stop "
                        "strings or stop_token_ids", model_dir)
     return frozenset(ids)
+
+
+# Tokenizer classes whose EOS comes only from the files (no class default stands in for it).
+_GENERIC_TOKENIZER_CLASSES = {None, "PreTrainedTokenizerFast", "TokenizersBackend"}
+
+
+def tokenizer_eos_token_id(model_dir: str) -> int | None:
+    """``load_tokenizer(model_dir).eos_token_id``, read from the tokenizer's own files where they
+    say it plainly: ``tokenizer_config.json`` names the token (``special_tokens_map.json``, if it
+    names one, agrees: transformers versions differ on which wins and on whether it is read at
+    all) and ``tokenizer.json`` holds its id. A worker needs only this id, and loading the
+    transformers tokenizer in a process that has torch imports seconds of transformers' torch
+    side. Anything less plain (a class that may default the token, the files disagreeing, a
+    token not in the vocabulary) loads the tokenizer and asks it. None when the directory has
+    no tokenizer at all."""
+    configs = [_read_json(os.path.join(model_dir, name))
+               for name in ("tokenizer_config.json", "special_tokens_map.json")]
+    tokenizer_json = os.path.join(model_dir, "tokenizer.json")
+    if configs[0] is None and not os.path.isfile(tokenizer_json):
+        return None
+    named = {_token_text(c.get("eos_token")) for c in configs if c is not None} - {None}
+    plain = (configs[0] is not None and os.path.isfile(tokenizer_json)
+             and _token_text(configs[0].get("eos_token")) is not None and len(named) == 1
+             and configs[0].get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES)
+    if plain:
+        from tokenizers import Tokenizer
+
+        token_id = Tokenizer.from_file(tokenizer_json).token_to_id(named.pop())
+        if token_id is not None:
+            return int(token_id)
+    return getattr(load_tokenizer(model_dir), "eos_token_id", None)
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        value = json.load(f)
+    return value if isinstance(value, dict) else None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as the files write it: a string, or an AddedToken's fields."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _as_ids(value: Any, where: str) -> list[int]:

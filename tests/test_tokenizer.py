@@ -6,6 +6,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from kvrelay.engine.tokenizer import (
     eos_token_ids,
     load_tokenizer,
     read_chat_template,
+    tokenizer_eos_token_id,
 )
 
 TEXTS = [
@@ -70,6 +73,61 @@ def test_eos_token_ids(demo_model_dir: str, tok: Any, tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="eos_token_id"):
         eos_token_ids(str(d))
     assert eos_token_ids(str(tmp_path)) == frozenset()
+
+
+def _tokenizer_copy(src: str, dst: Any, config: dict[str, Any] | None,
+                    special_map: dict[str, Any] | None = None) -> str:
+    dst.mkdir()
+    shutil.copy(os.path.join(src, "tokenizer.json"), dst / "tokenizer.json")
+    shutil.copy(os.path.join(src, "config.json"), dst / "config.json")
+    if config is not None:
+        (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    if special_map is not None:
+        (dst / "special_tokens_map.json").write_text(json.dumps(special_map))
+    return str(dst)
+
+
+def test_tokenizer_eos_from_files_is_the_loaded_tokenizers(demo_model_dir: str,
+                                                            tmp_path: Any) -> None:
+    """Read from the files where they say it plainly, else from the loaded tokenizer: the same
+    id as ``load_tokenizer(d).eos_token_id`` for each way checkpoints write the EOS token."""
+    with open(os.path.join(demo_model_dir, "tokenizer_config.json")) as f:
+        base = json.load(f)
+    added = {"__type": "AddedToken", "content": "<pad>", "lstrip": False, "normalized": False, "rstrip": False,
+             "single_word": False, "special": True}
+    no_eos = {k: v for k, v in base.items() if k != "eos_token"}
+    cases = {
+        "as written": (base, None),
+        "an AddedToken's fields": ({**base, "eos_token": added}, None),
+        "a plain vocabulary token": ({**base, "eos_token": "the"}, None),
+        "in special_tokens_map.json only": (no_eos, {"eos_token": "<pad>"}),
+        "the two files disagreeing": (base, {"eos_token": "<pad>"}),
+        "not in the vocabulary": ({**base, "eos_token": "<never-seen>"}, None),
+        "named nowhere": (no_eos, None),
+        "a model-specific class": ({**base, "tokenizer_class": "LlamaTokenizer"}, None),
+    }
+    seen = set()
+    for i, (what, (config, special_map)) in enumerate(cases.items()):
+        d = _tokenizer_copy(demo_model_dir, tmp_path / str(i), config, special_map)
+        want = load_tokenizer(d).eos_token_id
+        assert tokenizer_eos_token_id(d) == want, what
+        seen.add(want)
+    assert len(seen) >= 3  # the cases do name different tokens
+    assert tokenizer_eos_token_id(str(tmp_path / "0" / "missing")) is None
+
+
+def test_a_worker_reads_its_checkpoint_without_transformers(demo_model_dir: str) -> None:
+    """What a worker reads at start (the architecture, the EOS ids) comes from the files: with
+    torch loaded, importing transformers' config and tokenizer machinery costs seconds."""
+    code = ("import sys, torch\n"
+            "from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config\n"
+            "from kvrelay.engine.tokenizer import eos_token_ids\n"
+            f"d = {demo_model_dir!r}\n"
+            "arch_from_hf_config(load_hf_config(d))\n"
+            "print(sorted(eos_token_ids(d)), 'transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["[2]", "False"]
 
 
 # -- incremental detokenization ----------------------------------------------------------------

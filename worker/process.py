@@ -130,7 +130,7 @@ class Worker:
 
     # -- assembly ------------------------------------------------------------------------------
     async def _build_engine(self) -> None:
-        from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
+        from kvrelay.engine.tokenizer import eos_token_ids
 
         role = self.settings.role
         model_dir = self.engine_config.model.model
@@ -143,8 +143,9 @@ class Worker:
                 # data plane on loopback too.
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")
             self.kv = KVEndpoint(self.worker_id, model_dir)
-        tok = load_tokenizer(model_dir)
-        eos = frozenset(eos_token_ids(model_dir, tok))
+        # From the files: the worker never tokenizes (structured output loads the tokenizer
+        # when a request first needs it).
+        eos = eos_token_ids(model_dir)
         connector = self.kv.connector if self.kv else None
         # Loaded on the engine thread itself (see AsyncEngine.spawn: one OpenMP pool).
         self.engine = await AsyncEngine.spawn(

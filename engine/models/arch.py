@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 # Hugging Face architecture name -> family variant. All are the Llama decoder with small twists.
@@ -56,9 +57,12 @@ class ModelArch:
 
 
 def load_hf_config(model_dir: str) -> Any:
-    """The checkpoint's transformers config, read offline."""
-    from transformers import AutoConfig
+    """The checkpoint's config, read offline: ``config.json`` itself where it states everything
+    this engine reads (``plain_config``), else transformers' ``AutoConfig`` with its defaults.
 
+    The first is what nearly every ``save_pretrained`` checkpoint gets, and it matters for a
+    worker's start: in a process with torch, AutoConfig imports seconds of transformers' torch
+    side (kernels, distributed tensors, dynamo) that kvrelay never uses."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir!r} is not a checkpoint directory: no config.json")
@@ -70,7 +74,63 @@ def load_hf_config(model_dir: str) -> Any:
         raise UnsupportedModelError(
             f"unsupported architecture {archs or raw.get('model_type')!r} in {model_dir}; "
             f"kvrelay supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    plain = plain_config(raw)
+    if plain is not None:
+        return plain
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+
+
+class PlainConfig(SimpleNamespace):
+    """``config.json`` as attributes (what ``arch_from_hf_config`` and the rope tables read)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                  "max_position_embeddings", "tie_word_embeddings")
+
+
+def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
+    """``raw`` as the config, when nothing this engine reads is left to a transformers default
+    that differs between families (or to code: rope scaling types, computed layer types);
+    None otherwise. tests/test_arch_config.py holds every accepted shape to AutoConfig's."""
+    archs = raw.get("architectures") or []
+    family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
+                  None)
+    if family is None or any(raw.get(k) is None for k in _REQUIRED_KEYS):
+        return None
+    if raw.get("partial_rotary_factor") not in (None, 1, 1.0):
+        return None
+    params = raw.get("rope_parameters")
+    legacy = raw.get("rope_scaling")
+    if isinstance(params, dict) and legacy is None:
+        if params.get("rope_type", "default") != "default" or "rope_theta" not in params:
+            return None
+    elif params is None and legacy is None:
+        if "rope_theta" not in raw:
+            return None
+    else:
+        return None  # scaled rope: its tables come from transformers' own functions
+    cfg = dict(raw)
+    if cfg.get("head_dim") is None:
+        if family in ("qwen2", "qwen3"):
+            return None  # their configs default it to a constant, not hidden / heads
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if family == "mistral":
+        if "sliding_window" not in raw:
+            return None  # MistralConfig defaults it to 4096
+    elif family in ("qwen2", "qwen3"):
+        if not raw.get("use_sliding_window", False):
+            cfg["sliding_window"] = None  # as Qwen2Config/Qwen3Config drop it
+        if raw.get("layer_types") is None:
+            if raw.get("use_sliding_window", False):
+                return None  # the layer types would come from max_window_layers
+            cfg["layer_types"] = ["full_attention"] * raw["num_hidden_layers"]
+    return PlainConfig(**cfg)
 
 
 def arch_from_hf_config(cfg: Any) -> ModelArch:
