@@ -168,7 +168,8 @@ def test_tpot_target_changes_scheduling_not_results(demo_model_dir) -> None:
     capped, core = run(tpot_slo_ms=0.001)
     assert capped == free
     stats = core.stats()
-    assert stats.step_cost is not None and stats.step_cost.prefill_token > 0
+    # It fitted its steps (the coefficients are timings: their values belong to the unit tests).
+    assert stats.step_cost is not None and stats.step_cost.samples > 0
     assert stats.num_capped_steps > 0
 
 
