@@ -93,8 +93,8 @@ def test_tokenizer_eos_from_files_is_the_loaded_tokenizers(demo_model_dir: str,
     id as ``load_tokenizer(d).eos_token_id`` for each way checkpoints write the EOS token."""
     with open(os.path.join(demo_model_dir, "tokenizer_config.json")) as f:
         base = json.load(f)
-    added = {"__type": "AddedToken", "content": "<pad>", "lstrip": False, "normalized": False, "rstrip": False,
-             "single_word": False, "special": True}
+    added = {"__type": "AddedToken", "content": "<pad>", "lstrip": False, "normalized": False,
+             "rstrip": False, "single_word": False, "special": True}
     no_eos = {k: v for k, v in base.items() if k != "eos_token"}
     cases = {
         "as written": (base, None),
