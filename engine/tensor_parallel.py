@@ -6,7 +6,7 @@ computes logits and samples. When the model has fewer KV heads than ranks, each 
 copy of the one KV head its query heads read. Every rank owns the KV cache of its heads with the
 same block ids, so one scheduler (rank 0's) drives them all.
 
-Rank 0 is the engine's own process; ranks 1..N-1 are spawned here and loop on
+Rank 0 is the engine's own process; ranks 1..N-1 are started here (from a fork server) and loop on
 :func:`_worker_main`: each step rank 0 broadcasts the scheduled batch packed into one int64
 tensor, and every rank runs the same forward. The process group is built from a private
 ``TCPStore`` (no global ``torch.distributed`` state, so several replicas can live in one
@@ -290,6 +290,16 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
                              inputs.positions.to(runner.device))
 
 
+def _rank_context() -> mp.context.BaseContext:
+    """Ranks start from a fork server that has imported this module (torch with it) once: a
+    spawned rank spends ~1.5-3 CPU s importing torch before it can join, and a process that
+    starts several replicas (or a replica of many ranks) paid that for each rank. Each rank is
+    still a fresh single-threaded fork, not a copy of this process's threads and caches."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 class Ranks:
     """Rank 0's handle on the replica's other ranks: starts them, feeds them, stops them."""
 
@@ -300,7 +310,7 @@ class Ranks:
         startup = startup_timeout(config)
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=startup,
                                    wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context()
         # The step header (op, payload length) goes through a pipe, so an idle replica waits
         # without a collective that would time out; the payload goes by broadcast.
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]

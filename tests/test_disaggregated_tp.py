@@ -73,8 +73,9 @@ def test_greedy_identical_across_tp_sizes(demo_model_dir, tmp_path, want, p_tp: 
 
 
 def _rank_pids(worker_pid: int) -> list[int]:
-    """The tensor-parallel rank processes a worker spawned (multiprocessing ``spawn_main``)."""
-    out = []
+    """The tensor-parallel rank processes of a worker: the children of its multiprocessing fork
+    server (a child of the worker)."""
+    procs: dict[int, tuple[int, bytes]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -82,12 +83,12 @@ def _rank_pids(worker_pid: int) -> list[int]:
             with open(f"/proc/{d}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
+                procs[int(d)] = (ppid, f.read())
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == worker_pid and b"spawn_main" in cmd:
-            out.append(int(d))
-    return out
+    servers = {pid for pid, (ppid, cmd) in procs.items()
+               if ppid == worker_pid and b"forkserver" in cmd}
+    return [pid for pid, (ppid, _) in procs.items() if ppid in servers]
 
 
 def test_a_killed_rank_of_a_tp_decode_worker_migrates_its_requests(demo_model_dir,
