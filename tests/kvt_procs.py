@@ -1,6 +1,7 @@
 """Child processes for the KV transfer tests: a real KV tensor and a real NIXL agent each.
 
-Children are started with the ``spawn`` method and talk to the test over a ``Pipe``. Each one
+Children are forked from a fork server that imported this module (and torch) once, as the
+engine's tensor-parallel ranks are, and talk to the test over a ``Pipe``. Each one
 polls for KV every 2 ms, like an engine loop waiting for KV, and answers commands in between.
 Every wait on the test side is bounded (``recv_until``) so nothing can hang.
 """
@@ -25,7 +26,8 @@ POLL_S = 0.002
 
 
 def spawn(target: Callable[..., None], *args: Any) -> tuple[mp.Process, Connection]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # if this process's server is not running yet
     parent, child = ctx.Pipe()
     p = ctx.Process(target=target, args=(child, *args), daemon=True)
     p.start()
