@@ -12,18 +12,19 @@ mean at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from kvrelay.local_cluster import Cluster
 
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: make `bench.` importable
+    sys.path.insert(0, str(ROOT))
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from bench.serving_procs import cpu_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
             t = time.monotonic()
             proc = cluster.add_worker("prefill", worker_id=f"startup-{i}")
             walls.append(time.monotonic() - t)
-            cpus.append(cpu_seconds(proc.popen.pid))
+            cpus.append(cpu_seconds([proc.popen.pid]))
             print(f"worker {i}: ready in {walls[-1]:.2f} s, {cpus[-1]:.2f} CPU s", flush=True)
             cluster.kill(proc)
     print(f"mean: ready in {statistics.mean(walls):.2f} s (min {min(walls):.2f}), "
