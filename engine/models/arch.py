@@ -56,6 +56,11 @@ class ModelArch:
         assert len(self.layer_windows) == self.num_layers
 
 
+def supported_architecture(archs: Any) -> str | None:
+    """The first of a config's ``architectures`` that kvrelay runs, if any."""
+    return next((a for a in archs or () if a in SUPPORTED_ARCHITECTURES), None)
+
+
 def load_hf_config(model_dir: str) -> Any:
     """The checkpoint's config, read offline: ``config.json`` itself where it states everything
     this engine reads (``plain_config``), else transformers' ``AutoConfig`` with its defaults.
@@ -69,8 +74,7 @@ def load_hf_config(model_dir: str) -> Any:
     with open(path) as f:
         raw = json.load(f)
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
+    if supported_architecture(archs) is None:
         raise UnsupportedModelError(
             f"unsupported architecture {archs or raw.get('model_type')!r} in {model_dir}; "
             f"kvrelay supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
@@ -98,11 +102,10 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
     """``raw`` as the config, when nothing this engine reads is left to a transformers default
     that differs between families (or to code: rope scaling types, computed layer types);
     None otherwise. tests/test_arch_config.py holds every accepted shape to AutoConfig's."""
-    archs = raw.get("architectures") or []
-    family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
-                  None)
-    if family is None or any(raw.get(k) is None for k in _REQUIRED_KEYS):
+    arch = supported_architecture(raw.get("architectures"))
+    if arch is None or any(raw.get(k) is None for k in _REQUIRED_KEYS):
         return None
+    family = SUPPORTED_ARCHITECTURES[arch]
     if raw.get("partial_rotary_factor") not in (None, 1, 1.0):
         return None
     params = raw.get("rope_parameters")
@@ -124,10 +127,11 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
         if "sliding_window" not in raw:
             return None  # MistralConfig defaults it to 4096
     elif family in ("qwen2", "qwen3"):
-        if not raw.get("use_sliding_window", False):
+        windowed = bool(raw.get("use_sliding_window", False))
+        if not windowed:
             cfg["sliding_window"] = None  # as Qwen2Config/Qwen3Config drop it
         if raw.get("layer_types") is None:
-            if raw.get("use_sliding_window", False):
+            if windowed:
                 return None  # the layer types would come from max_window_layers
             cfg["layer_types"] = ["full_attention"] * raw["num_hidden_layers"]
     return PlainConfig(**cfg)
@@ -135,7 +139,7 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
 
 def arch_from_hf_config(cfg: Any) -> ModelArch:
     archs = list(getattr(cfg, "architectures", None) or [])
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = supported_architecture(archs)
     if arch is None:
         raise UnsupportedModelError(
             f"unsupported architecture {archs!r}; kvrelay supports "
