@@ -87,19 +87,19 @@ def tokenizer_eos_token_id(model_dir: str) -> int | None:
     side. Anything less plain (a class that may default the token, the files disagreeing, a
     token not in the vocabulary) loads the tokenizer and asks it. None when the directory has
     no tokenizer at all."""
-    configs = [_read_json(os.path.join(model_dir, name))
-               for name in ("tokenizer_config.json", "special_tokens_map.json")]
+    config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+    special_map = _read_json(os.path.join(model_dir, "special_tokens_map.json")) or {}
     tokenizer_json = os.path.join(model_dir, "tokenizer.json")
-    if configs[0] is None and not os.path.isfile(tokenizer_json):
+    has_json = os.path.isfile(tokenizer_json)
+    if config is None and not has_json:
         return None
-    named = {_token_text(c.get("eos_token")) for c in configs if c is not None} - {None}
-    plain = (configs[0] is not None and os.path.isfile(tokenizer_json)
-             and _token_text(configs[0].get("eos_token")) is not None and len(named) == 1
-             and configs[0].get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES)
-    if plain:
+    token = _token_text(config.get("eos_token")) if config is not None else None
+    if (token is not None and has_json
+            and _token_text(special_map.get("eos_token")) in (None, token)
+            and config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES):
         from tokenizers import Tokenizer
 
-        token_id = Tokenizer.from_file(tokenizer_json).token_to_id(named.pop())
+        token_id = Tokenizer.from_file(tokenizer_json).token_to_id(token)
         if token_id is not None:
             return int(token_id)
     return getattr(load_tokenizer(model_dir), "eos_token_id", None)
