@@ -15,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from kvrelay.common.rpc import LEASE_TTL_S
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,8 +33,9 @@ class LeaseError(KeyError):
 
 
 class LeaseTable:
-    def __init__(self, free: Callable[[str], Awaitable[object]], *, default_ttl_s: float = 10.0,
-                 max_ttl_s: float = 120.0, reap_interval_s: float = 0.2):
+    def __init__(self, free: Callable[[str], Awaitable[object]], *,
+                 default_ttl_s: float = LEASE_TTL_S, max_ttl_s: float = 120.0,
+                 reap_interval_s: float = 0.2):
         self._free = free  # frees a request's blocks (engine abort)
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s

@@ -8,15 +8,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 from kvrelay.engine.config import EngineConfig
 from kvrelay.router.server import RouterSettings
-
-if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
-    from kvrelay.worker.process import WorkerSettings
+from kvrelay.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,9 @@ def _pool_resources(text: str | None) -> dict[str, float]:
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
     from kvrelay.common.options import add_engine_options, opt
+    from kvrelay.common.rpc import HEARTBEAT_INTERVAL_S
     from kvrelay.router.policy import DEFAULT_POLICY, POLICIES
+    from kvrelay.worker.settings import WorkerSettings
 
     add_engine_options(p, model_required=False)
     opt(p, "--prefill", type=int, default=1, help="prefill replicas")
@@ -78,9 +80,10 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--cluster-token", default=None,
         help="secret of the internal ports (router control, workers); default: a fresh random "
         "one handed to the actors, so nothing outside this launch can join")
-    opt(p, "--heartbeat-interval", type=float, default=1.0,
+    opt(p, "--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S,
         help="worker heartbeat period (s); a worker missing 3 is dropped")
-    opt(p, "--drain-timeout", type=float, default=30.0)
+    opt(p, "--drain-timeout", type=float,
+        default=WorkerSettings(role="both").drain_timeout_s)
     opt(p, "--placement-timeout", type=float, default=None,
         help="how long a new replica may wait for room (s; default 60 embedded, 600 joined)")
     g = p.add_argument_group("autoscaling (with --autoscale)")
@@ -125,7 +128,7 @@ def build_spec(args: argparse.Namespace, loopback: bool,
     from kvrelay.engine.tokenizer import read_chat_template
     from kvrelay.router.lifecycle import RouterConfig
     from kvrelay.router.server import RouterSettings
-    from kvrelay.worker.process import WorkerSettings
+    from kvrelay.worker.settings import WorkerSettings
 
     model = os.path.abspath(args.model)
     host = args.host or ("127.0.0.1" if loopback else "0.0.0.0")

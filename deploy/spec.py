@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from kvrelay.deploy.autoscaler import AutoscaleConfig
 from kvrelay.engine.config import EngineConfig
 from kvrelay.router.server import RouterSettings
+from kvrelay.worker.settings import WorkerSettings
 
-if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
+if TYPE_CHECKING:
     from kvrelay.deploy.planner.ray_loop import PlannerSpec
-    from kvrelay.worker.process import WorkerSettings
 
 
 @dataclass(frozen=True)

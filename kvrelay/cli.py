@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.common.options import (
     add_common_process_options,
@@ -22,6 +22,9 @@ from kvrelay.common.options import (
     opt,
 )
 
+if TYPE_CHECKING:
+    from kvrelay.router.server import RouterSettings
+    from kvrelay.worker.settings import WorkerSettings
 
 def _write_ready(path: str | None, doc: dict[str, Any]) -> None:
     if not path:
@@ -63,16 +66,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    from kvrelay.common.omp_env import apply_worker_omp_defaults
+def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    from kvrelay.worker.settings import WorkerSettings
 
-    apply_worker_omp_defaults()  # before the imports below load torch's OpenMP runtime
-    from kvrelay.common.gc_tuning import settle_after_startup
-    from kvrelay.common.logs import setup_logging
-    from kvrelay.worker.process import Worker, WorkerSettings, run_worker
-
-    setup_logging(f"{args.role}-worker", args.log_level, args.log_format)
-    settings = WorkerSettings(
+    return WorkerSettings(
         role=args.role, routers=tuple(r for r in args.router or [] if r), host=args.host,
         port=int(args.port), advertise_host=args.advertise_host, worker_id=args.worker_id,
         cluster_token=args.cluster_token,
@@ -80,6 +77,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
         lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout),
         metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from kvrelay.common.omp_env import apply_worker_omp_defaults
+
+    apply_worker_omp_defaults()  # before the imports below load torch's OpenMP runtime
+    from kvrelay.common.gc_tuning import settle_after_startup
+    from kvrelay.common.logs import setup_logging
+    from kvrelay.worker.process import Worker, run_worker
+
+    setup_logging(f"{args.role}-worker", args.log_level, args.log_format)
+    settings = worker_settings_from_args(args)
     config = engine_config_from_args(args, role=args.role)
 
     def ready(w: Worker) -> None:
@@ -91,24 +100,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_router(args: argparse.Namespace) -> int:
-    from kvrelay.common.torch_free import forbid_torch
-
-    forbid_torch()  # the router carries bytes, ids and text; transformers would load torch
-    from kvrelay.common.gc_tuning import settle_after_startup
-    from kvrelay.common.logs import setup_logging
+def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
     from kvrelay.common.rpc import TLSFiles
     from kvrelay.engine.tokenizer import read_chat_template
-    from kvrelay.router.lifecycle import RouterConfig
-    from kvrelay.router.server import Router, RouterSettings, run_router
+    from kvrelay.router.requests import RouterConfig
+    from kvrelay.router.server import RouterSettings
 
-    setup_logging("router", args.log_level, args.log_format)
     tls = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
             raise SystemExit("--tls-cert and --tls-key go together")
         tls = TLSFiles(args.tls_cert, args.tls_key)
-    settings = RouterSettings(
+    return RouterSettings(
         model=args.model, host=args.host, port=int(args.port), control_host=args.control_host,
         control_port=int(args.control_port), http_host=args.http_host,
         http_port=None if args.http_port in (None, "", "-1") else int(args.http_port),
@@ -124,7 +127,20 @@ def cmd_router(args: argparse.Namespace) -> int:
                             max_inflight=int(args.max_inflight),
                             max_migrations=int(args.max_migrations),
                             kv_wait_s=float(args.kv_wait),
+                            worker_wait_s=float(args.worker_wait),
                             prefill_ahead=bool(args.prefill_ahead)))
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from kvrelay.common.torch_free import forbid_torch
+
+    forbid_torch()  # the router carries bytes, ids and text; transformers would load torch
+    from kvrelay.common.gc_tuning import settle_after_startup
+    from kvrelay.common.logs import setup_logging
+    from kvrelay.router.server import Router, run_router
+
+    setup_logging("router", args.log_level, args.log_format)
+    settings = router_settings_from_args(args)
 
     def ready(r: Router) -> None:
         settle_after_startup()
@@ -180,16 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("worker", help="run a prefill, decode or aggregated worker")
-    opt(p, "--role", required=env_name("--role") not in os.environ,
-        choices=["prefill", "decode", "both"])
+    from kvrelay.worker.settings import ROLES, WorkerSettings
+
+    ws = WorkerSettings(role="both")  # the defaults the flags show and pass on
+    opt(p, "--role", required=env_name("--role") not in os.environ, choices=list(ROLES))
     opt(p, "--router", action="append", help="router control address HOST:PORT (repeatable)")
     opt(p, "--host", default="127.0.0.1", help="interface for the control gRPC port")
     opt(p, "--port", type=int, default=0, help="control gRPC port (0 = any free)")
     opt(p, "--advertise-host", default=None, help="host the router should dial")
     opt(p, "--worker-id", default=None, help="stable name (default role-host-pid)")
-    opt(p, "--heartbeat-interval", type=float, default=1.0)
-    opt(p, "--lease-ttl", type=float, default=10.0, help="default KV lease TTL (s)")
-    opt(p, "--drain-timeout", type=float, default=30.0, help="SIGTERM drain bound (s)")
+    opt(p, "--heartbeat-interval", type=float, default=ws.heartbeat_interval_s)
+    opt(p, "--lease-ttl", type=float, default=ws.lease_ttl_s, help="default KV lease TTL (s)")
+    opt(p, "--drain-timeout", type=float, default=ws.drain_timeout_s,
+        help="SIGTERM drain bound (s)")
     opt(p, "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     add_engine_options(p)
     add_common_process_options(p)
@@ -205,26 +224,33 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--control-port", type=int, default=50052)
     opt(p, "--http-host", default="127.0.0.1")
     opt(p, "--http-port", default=None, help="OpenAI-compatible HTTP port (unset = off)")
-    from kvrelay.router.policy import DEFAULT_POLICY, POLICIES
+    from kvrelay.common.rpc import HEARTBEAT_INTERVAL_S
+    from kvrelay.router.policy import POLICIES
+    from kvrelay.router.requests import RouterConfig
 
-    opt(p, "--routing-policy", dest="policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+    rc = RouterConfig()  # the defaults the flags show and pass on
+
+    opt(p, "--routing-policy", dest="policy", default=rc.policy, choices=sorted(POLICIES),
         help="round_robin | least_loaded | prefix_aware (prefill and decode workers by cached "
              "prefix against queued work, in measured seconds) | auto (prefix_aware + the fast "
              "lane: short or mostly cached prompts run wholly on a decode worker when the "
              "measured cost model says that is cheaper)")
     opt(p, "--policy", dest="policy", default=argparse.SUPPRESS, choices=sorted(POLICIES),
         help="alias of --routing-policy")
-    opt(p, "--lease-ttl", type=float, default=10.0)
-    opt(p, "--kv-timeout", type=float, default=30.0)
-    opt(p, "--max-inflight", type=int, default=512)
-    opt(p, "--max-migrations", type=int, default=2)
-    opt(p, "--kv-wait", type=float, default=5.0,
+    opt(p, "--lease-ttl", type=float, default=rc.lease_ttl_s)
+    opt(p, "--kv-timeout", type=float, default=rc.kv_timeout_s)
+    opt(p, "--max-inflight", type=int, default=rc.max_inflight)
+    opt(p, "--max-migrations", type=int, default=rc.max_migrations)
+    opt(p, "--kv-wait", type=float, default=rc.kv_wait_s,
         help="seconds a request may wait for decode KV room before RESOURCE_EXHAUSTED")
-    opt(p, "--prefill-ahead", action=argparse.BooleanOptionalAction, default=False,
+    opt(p, "--worker-wait", type=float, default=rc.worker_wait_s,
+        help="seconds a request may wait for a worker to join (a cluster starting or scaled to "
+             "zero) before UNAVAILABLE / HTTP 503")
+    opt(p, "--prefill-ahead", action=argparse.BooleanOptionalAction, default=rc.prefill_ahead,
         help="send the Prefill beside the decode worker's Reserve and name its KV destination "
              "when the Reserve answers, hiding the Reserve's round trip (pays when the prefill "
              "worker has its own cores or GPU; default: Reserve first, then Prefill)")
-    opt(p, "--heartbeat-interval", type=float, default=1.0)
+    opt(p, "--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S)
     opt(p, "--api-keys", default=None, help="comma-separated API keys (prefer the env var)")
     opt(p, "--api-key-file", default=None, help="file with one API key per line")
     opt(p, "--chat-template", default=None,

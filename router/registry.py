@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvrelay.common.rpc import insecure_channel
+from kvrelay.common.rpc import HEARTBEAT_INTERVAL_S, insecure_channel
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import ClusterPerf
@@ -84,7 +84,7 @@ class RouteCounters:
 
 
 class WorkerRegistry:
-    def __init__(self, *, heartbeat_interval_s: float = 1.0, missed_beats: int = 3,
+    def __init__(self, *, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, missed_beats: int = 3,
                  suspect_s: float = 2.0, model_identity: str | None = None,
                  authenticated: bool = False):
         self.heartbeat_interval_s = heartbeat_interval_s

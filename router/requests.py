@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.common.rpc import LEASE_TTL_S
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.prefix_hash import salt_root
 from kvrelay.engine.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ from kvrelay.router.worker_state import WorkerState
 @dataclass(frozen=True)
 class RouterConfig:
     policy: str = DEFAULT_POLICY
-    lease_ttl_s: float = 10.0
+    lease_ttl_s: float = LEASE_TTL_S
     kv_timeout_s: float = 30.0
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 600.0

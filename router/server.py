@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvrelay.common import tracing
 from kvrelay.common.limits import MAX_GRPC_REQUEST_BYTES
 from kvrelay.common.rpc import (
+    HEARTBEAT_INTERVAL_S,
     SecretSet,
     TLSFiles,
     add_health,
@@ -56,7 +57,7 @@ class RouterSettings:
     otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
     cluster_token: str | None = None
     tls: TLSFiles | None = None
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     config: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:

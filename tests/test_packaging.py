@@ -66,3 +66,18 @@ def test_torch_is_pinned_to_a_cpu_build_in_constraints() -> None:
     pins = dict(line.split("==", 1) for line in (ROOT / "constraints.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
     assert pins["torch"].startswith("2.13.0")
+
+
+def test_process_flags_default_to_the_settings_dataclasses() -> None:
+    """A flag left out gives what the dataclass gives: one set of defaults, not two."""
+    from kvrelay.cli import build_parser, router_settings_from_args, worker_settings_from_args
+    from kvrelay.router.server import RouterSettings
+    from kvrelay.worker.settings import WorkerSettings
+
+    parser = build_parser()
+    router = router_settings_from_args(parser.parse_args(["router", "--model", "m"]))
+    assert router == RouterSettings(model="m", http_port=None)
+    for role in ("prefill", "decode", "both"):
+        worker = worker_settings_from_args(
+            parser.parse_args(["worker", "--role", role, "--model", "m"]))
+        assert worker == WorkerSettings(role=role)

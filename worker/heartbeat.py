@@ -16,7 +16,7 @@ from collections.abc import Set as AbstractSet
 
 import grpc
 
-from kvrelay.common.rpc import insecure_channel, token_metadata
+from kvrelay.common.rpc import HEARTBEAT_INTERVAL_S, insecure_channel, token_metadata
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 
@@ -27,7 +27,7 @@ class Heartbeater:
     def __init__(self, routers: list[str], info: wpb.WorkerInfo,
                  load: Callable[[], wpb.WorkerLoad],
                  block_hashes: Callable[[], AbstractSet[int]] | None = None, *,
-                 interval_s: float = 1.0, cluster_token: str | None = None,
+                 interval_s: float = HEARTBEAT_INTERVAL_S, cluster_token: str | None = None,
                  on_answer: Callable[[str, wpb.HeartbeatResponse], None] | None = None):
         self.routers = routers
         self.on_answer = on_answer  # called with each router's answer to a beat

@@ -14,10 +14,8 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
@@ -37,43 +35,11 @@ from kvrelay.engine.engine_core import EngineCore, EngineStats
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.worker.heartbeat import Heartbeater
+from kvrelay.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
 _ROLE = {"prefill": wpb.ROLE_PREFILL, "decode": wpb.ROLE_DECODE, "both": wpb.ROLE_BOTH}
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    role: str
-    routers: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None
-    worker_id: str | None = None
-    cluster_token: str | None = None
-    heartbeat_interval_s: float = 1.0
-    lease_ttl_s: float = 10.0
-    drain_timeout_s: float = 30.0
-    metrics_port: int | None = None  # Prometheus /metrics over HTTP when set (0 = any free)
-    otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
-
-    def __post_init__(self) -> None:
-        if self.role not in _ROLE:
-            raise ValueError(f"role must be one of {sorted(_ROLE)}, got {self.role!r}")
-        if not (0 <= self.port < 65536):
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.heartbeat_interval_s <= 0 or self.lease_ttl_s <= 0:
-            raise ValueError("heartbeat_interval_s and lease_ttl_s must be positive")
-
-    def resolved_worker_id(self) -> str:
-        return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
-
-    def advertised(self, port: int) -> str:
-        host = self.advertise_host or self.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostbyname(socket.gethostname())
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
