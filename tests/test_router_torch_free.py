@@ -87,7 +87,8 @@ _PROBE = textwrap.dedent("""
 
     threading.Thread(target=probe, daemon=True).start()
     sys.exit(main(["router", "--model", model, "--port", "0", "--control-port", "0",
-                   "--http-port", "0", "--served-model-name", "demo", "--ready-file", ready]))
+                   "--http-port", "0", "--served-model-name", "demo", "--ready-file", ready,
+                   "--worker-wait", "0.2"]))
 """)
 
 
