@@ -26,6 +26,7 @@ class Lease:
     request_id: str
     expires_at: float
     decoding: bool = False
+    abandoned: bool = False  # its Reserve was cancelled: nobody holds the lease id
 
 
 class LeaseError(KeyError):
@@ -71,6 +72,14 @@ class LeaseTable:
                              f"released)")
         return lease
 
+    def abandon(self, request_id: str, lease_id: str) -> None:
+        """The caller gave up on the Reserve that made this lease (it may never have learnt
+        the lease id): the reaper frees it at its next round instead of at the TTL."""
+        lease = self._by_request.get(request_id)
+        if lease is not None and lease.lease_id == lease_id and not lease.decoding:
+            lease.abandoned = True
+            lease.expires_at = float("-inf")
+
     def renew(self, request_id: str, lease_id: str, ttl_s: float | None = None) -> None:
         lease = self.get(request_id, lease_id)
         lease.expires_at = time.monotonic() + (ttl_s or self.default_ttl_s)
@@ -87,8 +96,11 @@ class LeaseTable:
         return self._by_request.pop(request_id, None)
 
     async def release(self, request_id: str, lease_id: str) -> bool:
+        """End a lease; an empty ``lease_id`` ends the request's lease unless it is decoding
+        (the caller gave up on its Reserve before reading the id)."""
         lease = self._by_request.get(request_id)
-        if lease is None or lease.lease_id != lease_id:
+        if lease is None or lease.lease_id != (lease_id or lease.lease_id) \
+                or (not lease_id and lease.decoding):
             return False
         del self._by_request[request_id]
         await self._free(request_id)
@@ -113,9 +125,15 @@ class LeaseTable:
                        if not lease.decoding and lease.expires_at < now]
             for lease in expired:
                 del self._by_request[lease.request_id]
-                self.num_expired += 1
-                logger.warning("lease %s of %s expired: freeing its blocks", lease.lease_id,
-                               lease.request_id, extra={"request_id": lease.request_id})
+                if lease.abandoned:
+                    logger.info("lease %s of %s abandoned (its Reserve was cancelled): freeing "
+                                "its blocks", lease.lease_id, lease.request_id,
+                                extra={"request_id": lease.request_id})
+                else:
+                    self.num_expired += 1
+                    logger.warning("lease %s of %s expired: freeing its blocks",
+                                   lease.lease_id, lease.request_id,
+                                   extra={"request_id": lease.request_id})
                 try:
                     await self._free(lease.request_id)
                     if self.after_free is not None:

@@ -171,21 +171,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 salt = cache_salt_of(request.cache_salt)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            # The router holds one attempt of a request id at a time: whatever this worker
-            # still has under the id belongs to an attempt given up (a cancelled stream being
-            # torn down, a lease whose Release was lost with a dropped channel).
-            busy = self._busy.get(rid)
-            if busy is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(busy), ID_REUSE_WAIT_S)
-            stale = self.leases.lease_of(rid)
-            if stale is not None and not stale.decoding:
-                logger.info("replacing stale lease %s", stale.lease_id)
-                await self.leases.release(rid, stale.lease_id)
-            elif stale is None and self.engine.has_stream(rid):
-                await self._forget_stream(rid)  # its release may be under way
+            await self._clear_id(rid)
             ttl = self.leases.ttl(request.ttl_ms)
             lease = self.leases.create(rid, ttl)
+            # A Reserve its caller gave up on (the client left) may answer into the void: the
+            # lease is freed at once instead of holding its blocks until the TTL.
+            context.add_done_callback(lambda c, lid=lease.lease_id: c.cancelled() and
+                                      self.leases.abandon(rid, lid))
             in_use_until = time.monotonic() + ID_REUSE_WAIT_S
             while True:
                 try:
@@ -212,6 +204,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 lease_id=lease.lease_id, block_ids=res.block_ids,
                 cached_prefix_tokens=res.num_cached_tokens, agent_name=self.kv.agent_name,
                 incarnation=self.kv.incarnation, ttl_ms=int(ttl * 1000))
+
+    async def _clear_id(self, rid: str) -> None:
+        """The router holds one attempt of a request id at a time: whatever this worker still
+        has under the id belongs to an attempt given up (a cancelled stream being torn down, a
+        lease whose Release was lost with a dropped channel)."""
+        busy = self._busy.get(rid)
+        if busy is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(busy), ID_REUSE_WAIT_S)
+        stale = self.leases.lease_of(rid)
+        if stale is not None and not stale.decoding:
+            logger.info("replacing stale lease %s", stale.lease_id)
+            await self.leases.release(rid, stale.lease_id)
+        elif stale is None and self.engine.has_stream(rid):
+            await self._forget_stream(rid)  # its release may be under way
 
     async def RenewLease(self, request: wpb.LeaseRequest,
                          context: grpc.aio.ServicerContext) -> wpb.LeaseResponse:

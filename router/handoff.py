@@ -46,6 +46,7 @@ class Handoff:
     policy: Policy
     config: RouterConfig
     md: tuple[tuple[str, str], ...]  # the cluster token's metadata
+    _background: set[asyncio.Task[None]]  # fire-and-forget calls: the loop holds tasks weakly
 
     def _remaining(self, spec: GenerateSpec, cap: float) -> float:
         if spec.deadline is None:
@@ -124,21 +125,7 @@ class Handoff:
                     timeout=self._remaining(spec, self.config.reserve_timeout_s))
             except BaseException as e:
                 d.accounting.inflight -= 1
-                if isinstance(e, grpc.aio.UsageError):  # d left the registry meanwhile
-                    continue
-                if isinstance(e, asyncio.CancelledError) and call_cancelled(self.registry, d):
-                    continue
-                if not isinstance(e, grpc.aio.AioRpcError):
-                    raise
-                code = e.code()
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    exhausted += 1
-                    continue
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise RouterError(code, e.details() or "invalid request") from e
-                if trailer_says(e, WORKER_DRAINING):
-                    continue  # leaving as planned; its heartbeat says so too
-                self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
+                exhausted += self._reserve_failed(e, spec, d)
                 continue
             d.accounting.pending_blocks += len(resp.block_ids)
             trace.reserve_ms = (time.monotonic() - t_rpc) * 1000.0
@@ -151,6 +138,30 @@ class Handoff:
         if exhausted:
             return None
         raise WorkerLost("every decode worker failed Reserve")
+
+    def _reserve_failed(self, e: BaseException, spec: GenerateSpec, d: WorkerState) -> bool:
+        """A failed Reserve on ``d``: raises when the request cannot go on, else returns
+        whether ``d`` was only full (the next worker is tried either way)."""
+        if isinstance(e, grpc.aio.UsageError):  # d left the registry meanwhile
+            return False
+        if isinstance(e, asyncio.CancelledError):
+            if call_cancelled(self.registry, d):
+                return False
+            # The request left. d may have reserved all the same (its answer in flight, the
+            # lease id never read here): end whatever lease this attempt's id holds there.
+            # No KV can have been sent into it: no Prefill knew its blocks.
+            self._release_soon(d, spec.request_id, "", settled=True)
+            raise e
+        if not isinstance(e, grpc.aio.AioRpcError):
+            raise e
+        code = e.code()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return True
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise RouterError(code, e.details() or "invalid request") from e
+        if not trailer_says(e, WORKER_DRAINING):  # draining: leaving as planned (heartbeat too)
+            self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
+        return False
 
     async def _renew(self, d: WorkerState, request_id: str, lease: wpb.ReserveResponse) -> None:
         period = max(0.05, lease.ttl_ms / 3000.0)
@@ -322,7 +333,8 @@ class Handoff:
     def _release_soon(self, d: WorkerState, request_id: str, lease_id: str, *,
                       settled: bool = False) -> None:
         """End a lease without making the caller wait (the TTL is the backstop). ``settled``:
-        no prefill can still write into its blocks, so d may reuse them at once."""
+        no prefill can still write into its blocks, so d may reuse them at once. An empty
+        ``lease_id``: whatever lease the (attempt-unique) request id holds there."""
 
         async def release() -> None:
             # d may have left the registry and come back (missed heartbeats): its old channel is
@@ -337,7 +349,9 @@ class Handoff:
                                                         writes_settled=settled),
                                        metadata=self.md, timeout=2.0)
 
-        asyncio.get_running_loop().create_task(release())
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _observe_prefill(self, p: WorkerState, d: WorkerState, lease: wpb.ReserveResponse,
                          ctx: Pass, resp: wpb.PrefillResponse, wall_s: float,

@@ -58,6 +58,7 @@ class Lifecycle(Relay):
         policy.attach(registry)
         # Warm-up probes in flight (router/calibration.py): request id -> measurements recorded.
         self.probes: dict[str, bool] = {}
+        self._background: set[asyncio.Task[None]] = set()  # releases in flight (strong refs)
 
     # -- entry ---------------------------------------------------------------------------------
     async def tokens(self, spec: GenerateSpec, trace: Trace, *,
@@ -68,8 +69,9 @@ class Lifecycle(Relay):
         own that has a finish reason. ``produced``, ``migrations``: resume a request that
         already produced these tokens (and moved that many times)."""
         if spec.sampling.n > 1:
-            async for chunk in self._tokens_n(spec, trace):
-                yield chunk
+            async with contextlib.aclosing(self._tokens_n(spec, trace)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             return
         produced = list(produced or [])
         if migrations > self.config.max_migrations:
@@ -96,11 +98,13 @@ class Lifecycle(Relay):
             attempt = replace(spec, request_id=f"{spec.request_id}.{migrations}"
                                                f"{secrets.token_hex(3)}")
             try:
-                async for chunk in self._one_pass(attempt, prompt, sampling, trace):
-                    produced.extend(chunk.token_ids)
-                    yield chunk
-                    if chunk.finish_reason is not None:
-                        return
+                async with contextlib.aclosing(self._one_pass(attempt, prompt, sampling,
+                                                              trace)) as chunks:
+                    async for chunk in chunks:
+                        produced.extend(chunk.token_ids)
+                        yield chunk
+                        if chunk.finish_reason is not None:
+                            return
                 raise WorkerLost("stream ended without a finish reason")
             except WorkerLost as e:
                 migrations += 1
@@ -124,16 +128,17 @@ class Lifecycle(Relay):
         if await self._disaggregate():
             attempt = replace(spec, request_id=f"{spec.request_id}.0{secrets.token_hex(3)}")
             try:
-                async for chunk in self.disaggregated_pass(attempt, spec.prompt_token_ids,
-                                                           spec.sampling, trace):
-                    i = chunk.index
-                    if done[i]:
-                        continue  # a choice whose first token ended it: the router knew first
-                    produced[i].extend(chunk.token_ids)
-                    done[i] = chunk.finish_reason is not None
-                    yield chunk
-                    if all(done):
-                        return
+                async with contextlib.aclosing(self.disaggregated_pass(
+                        attempt, spec.prompt_token_ids, spec.sampling, trace)) as chunks:
+                    async for chunk in chunks:
+                        i = chunk.index
+                        if done[i]:
+                            continue  # a choice whose first token ended it: the router knew
+                        produced[i].extend(chunk.token_ids)
+                        done[i] = chunk.finish_reason is not None
+                        yield chunk
+                        if all(done):
+                            return
                 raise WorkerLost("stream ended before every choice finished")
             except WorkerLost as e:
                 migrations = 1
@@ -143,14 +148,16 @@ class Lifecycle(Relay):
         streams = {i: self.tokens(replace(spec, sampling=spec.sampling.choice(i)), trace,
                                   produced=produced[i], migrations=migrations)
                    for i in range(n) if not done[i]}
-        async for chunk in _merge_choices(streams):
-            yield chunk
+        async with contextlib.aclosing(_merge_choices(streams)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _one_pass(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
                         trace: Trace) -> AsyncIterator[TokenChunk]:
         if not await self._disaggregate():
-            async for c in self.local_pass(spec, prompt, sampling, trace):
-                yield c
+            async with contextlib.aclosing(self.local_pass(spec, prompt, sampling, trace)) as cs:
+                async for c in cs:
+                    yield c
             return
         ctx = new_pass(spec, prompt, sampling.max_tokens)
         ctx.count = spec.request_id not in self.probes
@@ -166,9 +173,11 @@ class Lifecycle(Relay):
         if route.local is not None and sampling.n == 1:  # the fast lane: on a decode worker
             started = False
             try:
-                async for c in self.local_pass(spec, prompt, sampling, trace, route.local, ctx):
-                    started = True
-                    yield c
+                async with contextlib.aclosing(self.local_pass(spec, prompt, sampling, trace,
+                                                               route.local, ctx)) as cs:
+                    async for c in cs:
+                        started = True
+                        yield c
                 return
             except (WorkerLost, RouterError) as e:
                 if started or (isinstance(e, RouterError)
@@ -176,8 +185,10 @@ class Lifecycle(Relay):
                     raise
                 trace.add("local_failed", route.local.worker_id, detail=str(e))
                 ctx.reason = "local_refused"  # no token yet: disaggregate instead
-        async for c in self.disaggregated_pass(spec, prompt, sampling, trace, ctx):
-            yield c
+        async with contextlib.aclosing(self.disaggregated_pass(spec, prompt, sampling, trace,
+                                                               ctx)) as cs:
+            async for c in cs:
+                yield c
 
     async def _disaggregate(self) -> bool:
         """True when a prefill/decode pair is up, False when only role=both workers are; waits
@@ -273,7 +284,11 @@ class Lifecycle(Relay):
             ctx.drop_claim()
             cancel(ctx.ahead)  # it had no destination: nothing was written
             raise
-        decode_started = False
+        # The decode worker ends the lease itself only when its Decode stream ran to the end; a
+        # pass left earlier (a client cancel, a stop string, a failure) releases it, even while
+        # a Decode is open: its call may not have reached the worker yet, and a lease nobody
+        # releases holds its blocks until the TTL.
+        worker_ended_lease = False
         renew = asyncio.get_running_loop().create_task(self._renew(d, spec.request_id, lease))
         try:
             first, cached_p = await self._prefill(spec, prompt, sampling, d, lease, trace, ctx)
@@ -286,17 +301,21 @@ class Lifecycle(Relay):
                 yield chunk
             if all(c.finish_reason is not None for c in chunks):
                 return
-            decode_started = True
+            ended = {c.index for c in chunks if c.finish_reason is not None}
             async with contextlib.aclosing(self._decode(spec, sampling, d, lease, first, trace,
                                                         ctx)) as stream:
                 async for c in stream:
+                    if c.finish_reason is not None:
+                        ended.add(c.index)
+                        worker_ended_lease = len(ended) >= sampling.n
                     yield c
+            worker_ended_lease = True
         finally:
             d.accounting.inflight -= 1
             renew.cancel()
             ctx.drop_claim()
             cancel(ctx.ahead)
-            if not decode_started:
+            if not worker_ended_lease:
                 self._release_soon(d, spec.request_id, lease.lease_id,
                                    settled=not ctx.writes_unsettled)
 

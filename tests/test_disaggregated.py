@@ -24,6 +24,7 @@ from kvrelay.proto import worker_pb2_grpc
 pytestmark = pytest.mark.slow
 
 LENGTHS = (1, 5, 16, 17, 100, 513, 2100)
+LEASE_TTL_S = 120
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -34,8 +35,9 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def cluster(demo_model_dir, tmp_path_factory):
     # The Prefill-ahead hand-off here (Reserve-first is the default, tested everywhere else).
+    # Leases outlive every wait below: blocks come back because someone ended their lease.
     with Cluster(demo_model_dir, tmp_path_factory.mktemp("pd"), prefill=1, decode=1,
-                 router_args=("--prefill-ahead",)) as c:
+                 router_args=("--prefill-ahead", "--lease-ttl", str(LEASE_TTL_S))) as c:
         yield c
 
 
@@ -109,15 +111,18 @@ def _cancel_after(cluster: Cluster, ids: list[int], max_tokens: int, *, delay: f
 
 
 def test_cancel_mid_prefill_transfer_and_decode_returns_every_block(cluster) -> None:
+    """Blocks come back long before a lease could expire: whatever the moment of the cancel,
+    the router released the lease (a Reserve whose answer was in flight, a Decode not yet at
+    the worker) or the worker ended it."""
     baseline = cluster.free_blocks()
     long_prompt = prompt_ids(2500, 7)
-    # Mid-prefill / mid-transfer: cancel at spread-out moments of a long prompt's prefill.
-    for delay in (0.0, 0.01, 0.03, 0.06, 0.1, 0.15, 0.25):
+    # Mid-reserve / mid-prefill / mid-transfer: cancel at spread-out moments of a long prompt.
+    for delay in (0.0, 0.003, 0.006, 0.01, 0.015, 0.03, 0.06, 0.1, 0.15, 0.25):
         _cancel_after(cluster, long_prompt, 50, delay=delay, after_messages=None)
-    # Mid-decode: after a few streamed tokens.
-    for k in (1, 3, 8):
-        _cancel_after(cluster, prompt_ids(200, k), 200, delay=None, after_messages=k)
-    assert cluster.wait_free_blocks(baseline) == baseline
+    # Between the first token (the Prefill's answer) and the Decode stream, and mid-decode.
+    for seed, k in enumerate((1, 1, 1, 1, 3, 8)):
+        _cancel_after(cluster, prompt_ids(200, seed), 200, delay=None, after_messages=k)
+    assert cluster.wait_free_blocks(baseline, timeout=LEASE_TTL_S / 4) == baseline
     # and the cluster still serves
     with cluster.client() as c:
         assert c.generate("still serving", sampling(4)).usage.completion_tokens >= 1
