@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from kvrelay.engine import gemm
 from kvrelay.engine.attention import AttentionFn
-from kvrelay.engine.models.arch import ModelArch, arch_from_hf_config, load_hf_config
+from kvrelay.engine.models.arch import ModelArch, load_model_config
 from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.models.llama import (
     LINEAR_KERNELS,
@@ -114,8 +114,7 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     """Build the model and load its weights. ``pack`` (default: on CPU in fp32) repacks the
     linear weights for ``linear_kernel`` (see :func:`choose_linear_kernel`). With ``shard``
     the model is cut to that tensor-parallel rank's part before packing."""
-    hf_cfg = load_hf_config(model_dir)
-    arch = arch_from_hf_config(hf_cfg)
+    hf_cfg, arch = load_model_config(model_dir)
     inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(arch, attn_fn, inv_freq.to(device), rope_scale, max_positions)

@@ -70,9 +70,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             bound_onednn_caches()  # before the first oneDNN op (the weight prepacking)
         self.backend, attn_fn = select_backend(mc.attention_backend, self.device, self.dtype)
-        from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
+        from kvrelay.engine.models.arch import load_model_config
 
-        arch = arch_from_hf_config(load_hf_config(mc.model))
+        _, arch = load_model_config(mc.model)
         max_len = min(mc.max_model_len or arch.max_position_embeddings,
                       arch.max_position_embeddings)
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,

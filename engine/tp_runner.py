@@ -41,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 class TPModelRunner(ModelRunner):
     def __init__(self, config: EngineConfig):
-        from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
+        from kvrelay.engine.models.arch import load_model_config
 
-        validate_tp(arch_from_hf_config(load_hf_config(config.model.model)),
+        validate_tp(load_model_config(config.model.model)[1],
                     config.model.tensor_parallel_size)
         config = tp_model_config(config)
         self.ranks = Ranks(config)

@@ -99,13 +99,13 @@ class Router:
         self.serving = False
 
     async def start(self) -> None:
-        from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
+        from kvrelay.engine.models.arch import load_model_config
         from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
 
         st = self.settings
         if st.otlp_traces_endpoint:
             tracing.setup("kvrelay-router", st.otlp_traces_endpoint)
-        arch = arch_from_hf_config(load_hf_config(st.model))
+        _, arch = load_model_config(st.model)
         tokenizer = load_tokenizer(st.model)
         self.registry = WorkerRegistry(heartbeat_interval_s=st.heartbeat_interval_s,
                                        model_identity=arch.identity,

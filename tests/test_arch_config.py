@@ -17,6 +17,7 @@ from hf_models import ARCHS
 from kvrelay.engine.models.arch import (
     arch_from_hf_config,
     load_hf_config,
+    load_model_config,
     plain_config,
 )
 from kvrelay.engine.models.rope import rope_inv_freq
@@ -88,3 +89,19 @@ def test_unsupported_and_scaled_configs_are_left_to_autoconfig(demo_model_dir) -
                                                     "rope_theta": 1e4}}) is None
     assert plain_config({**raw, "partial_rotary_factor": 0.5}) is None
     assert plain_config({k: v for k, v in raw.items() if k != "vocab_size"}) is None
+
+
+def test_identity_is_the_files_whichever_way_they_were_read(hf_model_dir, tmp_path) -> None:
+    """Router and workers compare identities: read directly or through AutoConfig (whose
+    to_dict carries transformers' defaults and version), the same config.json gives the same
+    identity; another config.json gives another."""
+    d = hf_model_dir("llama")
+    with open(os.path.join(d, "config.json")) as f:
+        raw = json.load(f)
+    _, arch = load_model_config(d)
+    assert arch_from_hf_config(_auto(d), raw=raw).identity == arch.identity
+    assert arch_from_hf_config(_auto(d)).identity != arch.identity  # what it used to be
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 1.234e-6}))
+    assert load_model_config(str(other))[1].identity != arch.identity

@@ -18,10 +18,10 @@ CONTEXT = 4096  # the demo model's
 
 @pytest.fixture(scope="module")
 def cluster(demo_model_dir, tmp_path_factory):
-    from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config
+    from kvrelay.engine.models.arch import load_model_config
 
     with Cluster(demo_model_dir, tmp_path_factory.mktemp("trust"), prefill=0, decode=0) as c:
-        c.identity = arch_from_hf_config(load_hf_config(demo_model_dir)).identity
+        c.identity = load_model_config(demo_model_dir)[1].identity
         yield c
 
 

@@ -120,10 +120,9 @@ def test_a_worker_reads_its_checkpoint_without_transformers(demo_model_dir: str)
     """What a worker reads at start (the architecture, the EOS ids) comes from the files: with
     torch loaded, importing transformers' config and tokenizer machinery costs seconds."""
     code = ("import sys, torch\n"
-            "from kvrelay.engine.models.arch import arch_from_hf_config, load_hf_config\n"
+            "from kvrelay.engine.models.arch import load_model_config\n"
             "from kvrelay.engine.tokenizer import eos_token_ids\n"
-            f"d = {demo_model_dir!r}\n"
-            "arch_from_hf_config(load_hf_config(d))\n"
+            f"d = {demo_model_dir!r}\nload_model_config(d)\n"
             "print(sorted(eos_token_ids(d)), 'transformers' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()

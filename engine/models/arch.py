@@ -68,11 +68,27 @@ def load_hf_config(model_dir: str) -> Any:
     The first is what nearly every ``save_pretrained`` checkpoint gets, and it matters for a
     worker's start: in a process with torch, AutoConfig imports seconds of transformers' torch
     side (kernels, distributed tensors, dynamo) that kvrelay never uses."""
+    return _config_from(model_dir, read_config_json(model_dir))
+
+
+def load_model_config(model_dir: str) -> tuple[Any, ModelArch]:
+    """The checkpoint's config (``load_hf_config``) and its ``ModelArch``, whose identity is a
+    digest of ``config.json`` as written: the same whichever way the config was read and
+    whatever transformers version is installed (router and workers may run different ones)."""
+    raw = read_config_json(model_dir)
+    cfg = _config_from(model_dir, raw)
+    return cfg, arch_from_hf_config(cfg, raw=raw)
+
+
+def read_config_json(model_dir: str) -> dict[str, Any]:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir!r} is not a checkpoint directory: no config.json")
     with open(path) as f:
-        raw = json.load(f)
+        return json.load(f)
+
+
+def _config_from(model_dir: str, raw: dict[str, Any]) -> Any:
     archs = raw.get("architectures") or []
     if supported_architecture(archs) is None:
         raise UnsupportedModelError(
@@ -137,7 +153,9 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
     return PlainConfig(**cfg)
 
 
-def arch_from_hf_config(cfg: Any) -> ModelArch:
+def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> ModelArch:
+    """The architecture of ``cfg``; its identity digests ``raw`` (``config.json`` as written)
+    when given, else ``cfg.to_dict()``."""
     archs = list(getattr(cfg, "architectures", None) or [])
     arch = supported_architecture(archs)
     if arch is None:
@@ -164,7 +182,8 @@ def arch_from_hf_config(cfg: Any) -> ModelArch:
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
         w = getattr(cfg, "sliding_window", None)
         windows = tuple(w if t == "sliding_attention" else None for t in types)
-    digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
+    digest = hashlib.sha256(json.dumps(cfg.to_dict() if raw is None else raw, sort_keys=True,
+                                       default=str).encode())
     return ModelArch(
         architecture=arch,
         family=family,
