@@ -32,11 +32,16 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--workers", type=int, default=5)
     ap.add_argument("--worker-args", default="--num-threads 1 --kv-cache-memory 64MiB")
+    ap.add_argument("--fork", action="store_true",
+                    help="fork workers from the harness's fork server (as the tests do) instead "
+                         "of exec'ing `kvrelay worker` (as a user does); the server's one-time "
+                         "import is not counted")
     args = ap.parse_args()
     walls, cpus = [], []
     with tempfile.TemporaryDirectory() as tmp, \
             Cluster(args.model, Path(tmp), prefill=0, decode=0,
-                    worker_args=tuple(args.worker_args.split())) as cluster:
+                    worker_args=tuple(args.worker_args.split()),
+                    fork_workers=args.fork) as cluster:
         for i in range(args.workers):
             t = time.monotonic()
             proc = cluster.add_worker("prefill", worker_id=f"startup-{i}")

@@ -4,17 +4,26 @@ processes, the one harness the tests and the benchmarks (soak) start clusters wi
 Every process writes a ready file (its ports) and a log; every wait is bounded and shows the
 log's tail when something does not come up; ``stop()`` terminates each process group, then
 kills. The cluster token, if any, reaches the processes by environment, never argv.
+
+Workers start as forks of one fork server that imported torch and the worker once
+(``fork_workers``, on by default): a worker started by exec spends ~3 CPU s of its ~4 importing
+torch, which a test suite that starts a hundred workers pays in full. Each is still a process
+of its own (own session, log, environment, exit status), with ``kvrelay worker``'s own code
+path from ``kvrelay.cli.main``; a worker whose environment differs from the fork server's in
+what is read at import time, or that is pinned to cores, is started by exec instead.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from pathlib import Path
 
 import grpc
@@ -24,11 +33,113 @@ from kvrelay.common.rpc import CLUSTER_TOKEN_KEY
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 
+# Read when a process starts or loads torch / OpenMP: a fork shares the fork server's values.
+_IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "PYTHON", "TORCH", "CUDA", "MALLOC")
+_PRELOAD = ["kvrelay.cli", "kvrelay.worker.process", "kvrelay.engine.tensor_parallel"]
+_fork_env: dict[str, str] | None = None  # the import-time environment of our fork server
+# What every process of a cluster gets on top of this process's environment.
+_BASE_ENV = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)}
+
+
+def _worker_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the OpenMP defaults that ``kvrelay worker`` sets before it imports torch."""
+    from kvrelay.common.omp_env import apply_worker_omp_defaults
+
+    env = dict(env)
+    apply_worker_omp_defaults(env)
+    return env
+
+
+def _fork_context(env: dict[str, str]) -> mp.context.BaseContext | None:
+    """The fork server's context when a worker of environment ``env`` (``_worker_env``) may be
+    forked from it. The server is started here, importing torch under a cluster's default
+    environment (this process's, ``_BASE_ENV``, the OpenMP defaults); None when another user
+    started it first or ``env`` differs from that in what is read at import."""
+    global _fork_env
+    ctx = mp.get_context("forkserver")
+    if _fork_env is None:
+        if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+            return None  # started by someone else (in-process tensor parallelism): unknown env
+        saved = dict(os.environ)
+        base = _import_env(_worker_env({**saved, **_BASE_ENV}))
+        os.environ.clear()
+        os.environ.update({k: v for k, v in saved.items()
+                           if not k.startswith(_IMPORT_TIME_ENV)} | base)
+        try:
+            ctx.set_forkserver_preload(_PRELOAD)
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _fork_env = base
+    return ctx if _import_env(env) == _fork_env else None
+
+
+def _forked_main(argv: list[str], env: dict[str, str], log: str) -> None:
+    """A forked worker: a session of its own, the log as stdout/stderr, the given environment,
+    then ``kvrelay`` as if exec'd with ``argv``."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
+    # A worker of several tensor-parallel ranks starts them as its own children (see Forked).
+    mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    from kvrelay.cli import main
+
+    sys.argv = ["kvrelay", *argv]
+    sys.exit(main(argv))
+
+
+class Forked:
+    """``subprocess.Popen``'s view (pid, poll, wait, returncode) of a forked worker. Daemonic
+    to multiprocessing, so a harness that never stopped it does not hang its exit in a join;
+    the worker itself drops the flag (``_forked_main``) so it may start rank processes."""
+
+    def __init__(self, ctx: mp.context.BaseContext, argv: list[str], env: dict[str, str],
+                 log: Path):
+        self._p = ctx.Process(target=_forked_main, args=(argv, env, str(log)), daemon=True,
+                              name=f"kvrelay {' '.join(argv[:3])}")
+        self._p.start()
+        self.pid: int = self._p.pid  # type: ignore[assignment]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def poll(self) -> int | None:
+        return self._p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._p.join(timeout)
+        if self._p.exitcode is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        return self._p.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._p.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
 
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | Forked
     log: Path
     ready_file: Path
     ready: dict | None = None
@@ -57,7 +168,7 @@ class Cluster:
                  decode: int = 1, both: int = 0, worker_args: tuple[str, ...] = (),
                  router_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  cluster_token: str | None = None, heartbeat_s: float = 0.3,
-                 ready_timeout_s: float = 90.0):
+                 ready_timeout_s: float = 90.0, fork_workers: bool = True):
         self.model_dir = str(model_dir)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -66,8 +177,8 @@ class Cluster:
         self.router_args = tuple(router_args)
         self.heartbeat = str(heartbeat_s)
         self.ready_timeout_s = ready_timeout_s
-        self.env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": "1", **(env or {})}
+        self.fork_workers = fork_workers
+        self.env = {**os.environ, **_BASE_ENV, **(env or {})}
         # The shared secret of the internal ports, given to every process by env (never argv),
         # and presented by this harness's own calls to the control ports.
         self.cluster_token = cluster_token
@@ -85,12 +196,19 @@ class Cluster:
         log = self.workdir / f"{self._n:02d}-{name}.log"
         ready = self.workdir / f"{self._n:02d}-{name}.ready"
         ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "kvrelay.cli", *args, "--ready-file", str(ready)]
+        argv = [*args, "--ready-file", str(ready)]
+        full_env = {**self.env, **(env or {})}
+        if self.fork_workers and args[0] == "worker" and cores is None:
+            fork_env = _worker_env(full_env)
+            ctx = _fork_context(fork_env)
+            if ctx is not None:
+                return Proc(name, Forked(ctx, argv, fork_env, log), log, ready)
+        cmd = [sys.executable, "-m", "kvrelay.cli", *argv]
         if cores is not None:  # pinned to these CPUs (taskset's list syntax, e.g. "0" or "0,1")
             cmd = ["taskset", "-c", cores, *cmd]
         f = open(log, "w")  # noqa: SIM115 (the child owns it for its life)
-        popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                 env={**self.env, **(env or {})}, start_new_session=True)
+        popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env,
+                                 start_new_session=True)
         f.close()
         return Proc(name, popen, log, ready)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.local_cluster import Cluster as LocalCluster
-from kvrelay.local_cluster import Proc
+from kvrelay.local_cluster import Forked, Proc
 
-__all__ = ["WORKER_ARGS", "Cluster", "Proc"]
+__all__ = ["WORKER_ARGS", "Cluster", "Forked", "Proc"]
 
 WORKER_ARGS = ("--num-threads", "1", "--kv-cache-memory", "64MiB")
 

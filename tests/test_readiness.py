@@ -3,12 +3,15 @@ served (an aggregated worker, or a prefill and a decode worker), whatever else h
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 
 import grpc
 import httpx
 import pytest
-from cluster import Cluster
+from cluster import Cluster, Forked
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -41,11 +44,15 @@ def test_router_is_not_serving_until_it_can_serve(demo_model_dir, tmp_path) -> N
         for service in ("", "kvrelay.v1.Generation"):
             assert _grpc_health(c, service) == NOT_SERVING
         assert _http_health(c) == 503
-        # A prefill worker alone serves nothing.
-        c.add_worker("prefill")
+        # A prefill worker alone serves nothing. (The harness forks workers from its fork
+        # server unless their environment differs in what is read at import: this one is
+        # exec'd, the decode worker forked; a cluster of both kinds serves alike.)
+        prefill = c.add_worker("prefill", env={"MALLOC_ARENA_MAX": "2"})
+        assert isinstance(prefill.popen, subprocess.Popen)
         time.sleep(0.5)  # a few of the router's checks
         assert _grpc_health(c) == NOT_SERVING and _http_health(c) == 503
         decode = c.add_worker("decode")
+        assert isinstance(decode.popen, Forked) and decode.popen.pid != os.getpid()
         _wait(c, SERVING)
         assert _http_health(c) == 200
         with c.client() as client:  # and healthy means served
@@ -54,5 +61,6 @@ def test_router_is_not_serving_until_it_can_serve(demo_model_dir, tmp_path) -> N
                        .token_ids) == 3
         # Without its decode worker it cannot serve again.
         c.kill(decode)
+        assert decode.popen.returncode == -signal.SIGKILL
         _wait(c, NOT_SERVING)
         assert _http_health(c) == 503
