@@ -33,8 +33,9 @@ from kvrelay.common.rpc import CLUSTER_TOKEN_KEY
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 
-# Read when a process starts or loads torch / OpenMP: a fork shares the fork server's values.
-_IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "PYTHON", "TORCH", "CUDA", "MALLOC")
+# Read when a process starts (the interpreter, the loader, malloc) or loads OpenMP: a fork has
+# the fork server's values. (CUDA is initialized lazily, in the fork, with its own environment.)
+_IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "PYTHON", "MALLOC")
 _PRELOAD = ["kvrelay.cli", "kvrelay.worker.process", "kvrelay.engine.tensor_parallel"]
 _fork_env: dict[str, str] | None = None  # the import-time environment of our fork server
 # What every process of a cluster gets on top of this process's environment.
@@ -54,29 +55,38 @@ def _worker_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def start_fork_server() -> bool:
+    """Start this process's multiprocessing fork server for the workers (see the module):
+    importing torch and the worker under a cluster's default environment (this process's,
+    ``_BASE_ENV``, the OpenMP defaults). Call it before anything else in the process uses the
+    fork server (the tests do, at session start): everyone shares one, and its preload and
+    environment are fixed when it starts. False when someone else started it first."""
+    global _fork_env
+    if _fork_env is not None:
+        return True
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return False  # started by someone else (in-process tensor parallelism): unknown env
+    saved = dict(os.environ)
+    base = _import_env(_worker_env({**saved, **_BASE_ENV}))
+    os.environ.clear()
+    os.environ.update({k: v for k, v in saved.items()
+                       if not k.startswith(_IMPORT_TIME_ENV)} | base)
+    try:
+        mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _fork_env = base
+    return True
+
+
 def _fork_context(env: dict[str, str]) -> mp.context.BaseContext | None:
     """The fork server's context when a worker of environment ``env`` (``_worker_env``) may be
-    forked from it. The server is started here, importing torch under a cluster's default
-    environment (this process's, ``_BASE_ENV``, the OpenMP defaults); None when another user
-    started it first or ``env`` differs from that in what is read at import."""
-    global _fork_env
-    ctx = mp.get_context("forkserver")
-    if _fork_env is None:
-        if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
-            return None  # started by someone else (in-process tensor parallelism): unknown env
-        saved = dict(os.environ)
-        base = _import_env(_worker_env({**saved, **_BASE_ENV}))
-        os.environ.clear()
-        os.environ.update({k: v for k, v in saved.items()
-                           if not k.startswith(_IMPORT_TIME_ENV)} | base)
-        try:
-            ctx.set_forkserver_preload(_PRELOAD)
-            forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _fork_env = base
-    return ctx if _import_env(env) == _fork_env else None
+    forked from it: ours, and ``env`` matches what it imported under."""
+    if not start_fork_server() or _import_env(env) != _fork_env:
+        return None
+    return mp.get_context("forkserver")
 
 
 def _forked_main(argv: list[str], env: dict[str, str], log: str) -> None:
