@@ -16,6 +16,7 @@ what is read at import time, or that is pinned to cores, is started by exec inst
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -33,9 +34,14 @@ from kvrelay.common.rpc import CLUSTER_TOKEN_KEY
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 
+logger = logging.getLogger(__name__)
+
 # Read when a process starts (the interpreter, the loader, malloc) or loads OpenMP: a fork has
-# the fork server's values. (CUDA is initialized lazily, in the fork, with its own environment.)
-_IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "PYTHON", "MALLOC")
+# the fork server's values. (CUDA is initialized lazily, in the fork, with its own environment;
+# PYTHONBREAKPOINT, which Ray sets in its driver, is read at each breakpoint().)
+_IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC", "PYTHONPATH",
+                    "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONOPTIMIZE", "PYTHONWARNINGS",
+                    "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE")
 _PRELOAD = ["kvrelay.cli", "kvrelay.worker.process", "kvrelay.engine.tensor_parallel"]
 _fork_env: dict[str, str] | None = None  # the import-time environment of our fork server
 # What every process of a cluster gets on top of this process's environment.
@@ -84,7 +90,12 @@ def start_fork_server() -> bool:
 def _fork_context(env: dict[str, str]) -> mp.context.BaseContext | None:
     """The fork server's context when a worker of environment ``env`` (``_worker_env``) may be
     forked from it: ours, and ``env`` matches what it imported under."""
-    if not start_fork_server() or _import_env(env) != _fork_env:
+    if not start_fork_server():
+        return None
+    mine, its = _import_env(env), _fork_env or {}
+    if mine != its:
+        logger.info("exec'ing a worker: its environment differs from the fork server's in %s",
+                    sorted(k for k in mine.keys() | its.keys() if mine.get(k) != its.get(k)))
         return None
     return mp.get_context("forkserver")
 
