@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 _IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC", "PYTHONPATH",
                     "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONOPTIMIZE", "PYTHONWARNINGS",
                     "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE")
-_PRELOAD = ["kvrelay.cli", "kvrelay.worker.process", "kvrelay.engine.tensor_parallel"]
+_PRELOAD = ["kvrelay.fork_preload"]
 _fork_env: dict[str, str] | None = None  # the import-time environment of our fork server
 # What every process of a cluster gets on top of this process's environment.
 _BASE_ENV = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
