@@ -41,7 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, \
             Cluster(args.model, Path(tmp), prefill=0, decode=0,
                     worker_args=tuple(args.worker_args.split()),
-                    fork_workers=args.fork) as cluster:
+                    fork=args.fork) as cluster:
         for i in range(args.workers):
             t = time.monotonic()
             proc = cluster.add_worker("prefill", worker_id=f"startup-{i}")

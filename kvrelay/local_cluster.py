@@ -5,162 +5,36 @@ Every process writes a ready file (its ports) and a log; every wait is bounded a
 log's tail when something does not come up; ``stop()`` terminates each process group, then
 kills. The cluster token, if any, reaches the processes by environment, never argv.
 
-Workers start as forks of one fork server that imported torch and the worker once
-(``fork_workers``, on by default): a worker started by exec spends ~3 CPU s of its ~4 importing
-torch, which a test suite that starts a hundred workers pays in full. Each is still a process
-of its own (own session, log, environment, exit status), with ``kvrelay worker``'s own code
-path from ``kvrelay.cli.main``; a worker whose environment differs from the fork server's in
-what is read at import time, or that is pinned to cores, is started by exec instead.
+Processes are forked from servers that did their imports once (``kvrelay.forking``; ``fork``,
+on by default): a test suite starts about a hundred of them, each of which spends ~3.5 CPU s
+importing torch or the router's tokenizer machinery when exec'd. One whose environment differs
+from its server's in what is read at start-up, or that is pinned to cores, is exec'd.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from multiprocessing import forkserver
 from pathlib import Path
 
 import grpc
 
 from kvrelay.client import Client
 from kvrelay.common.rpc import CLUSTER_TOKEN_KEY
+from kvrelay.forking import BASE_ENV, Forked, RouterZygote, ZygoteChild, fork_context, worker_env
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-
-logger = logging.getLogger(__name__)
-
-# Read when a process starts (the interpreter, the loader, malloc) or loads OpenMP: a fork has
-# the fork server's values. (CUDA is initialized lazily, in the fork, with its own environment;
-# PYTHONBREAKPOINT, which Ray sets in its driver, is read at each breakpoint().)
-_IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC", "PYTHONPATH",
-                    "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONOPTIMIZE", "PYTHONWARNINGS",
-                    "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE")
-_PRELOAD = ["kvrelay.fork_preload"]
-_fork_env: dict[str, str] | None = None  # the import-time environment of our fork server
-# What every process of a cluster gets on top of this process's environment.
-_BASE_ENV = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-
-
-def _import_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)}
-
-
-def _worker_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the OpenMP defaults that ``kvrelay worker`` sets before it imports torch."""
-    from kvrelay.common.omp_env import apply_worker_omp_defaults
-
-    env = dict(env)
-    apply_worker_omp_defaults(env)
-    return env
-
-
-def start_fork_server() -> bool:
-    """Start this process's multiprocessing fork server for the workers (see the module):
-    importing torch and the worker under a cluster's default environment (this process's,
-    ``_BASE_ENV``, the OpenMP defaults). Call it before anything else in the process uses the
-    fork server (the tests do, at session start): everyone shares one, and its preload and
-    environment are fixed when it starts. False when someone else started it first."""
-    global _fork_env
-    if _fork_env is not None:
-        return True
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
-        return False  # started by someone else (in-process tensor parallelism): unknown env
-    saved = dict(os.environ)
-    base = _import_env(_worker_env({**saved, **_BASE_ENV}))
-    os.environ.clear()
-    os.environ.update({k: v for k, v in saved.items()
-                       if not k.startswith(_IMPORT_TIME_ENV)} | base)
-    try:
-        mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-        forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    _fork_env = base
-    return True
-
-
-def _fork_context(env: dict[str, str]) -> mp.context.BaseContext | None:
-    """The fork server's context when a worker of environment ``env`` (``_worker_env``) may be
-    forked from it: ours, and ``env`` matches what it imported under."""
-    if not start_fork_server():
-        return None
-    mine, its = _import_env(env), _fork_env or {}
-    if mine != its:
-        logger.info("exec'ing a worker: its environment differs from the fork server's in %s",
-                    sorted(k for k in mine.keys() | its.keys() if mine.get(k) != its.get(k)))
-        return None
-    return mp.get_context("forkserver")
-
-
-def _forked_main(argv: list[str], env: dict[str, str], log: str) -> None:
-    """A forked worker: a session of its own, the log as stdout/stderr, the given environment,
-    then ``kvrelay`` as if exec'd with ``argv``."""
-    os.setsid()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    if env.get("PYTHONUNBUFFERED"):
-        sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
-    sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
-    # A worker of several tensor-parallel ranks starts them as its own children (see Forked).
-    mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-    from kvrelay.cli import main
-
-    sys.argv = ["kvrelay", *argv]
-    sys.exit(main(argv))
-
-
-class Forked:
-    """``subprocess.Popen``'s view (pid, poll, wait, returncode) of a forked worker. Daemonic
-    to multiprocessing, so a harness that never stopped it does not hang its exit in a join;
-    the worker itself drops the flag (``_forked_main``) so it may start rank processes."""
-
-    def __init__(self, ctx: mp.context.BaseContext, argv: list[str], env: dict[str, str],
-                 log: Path):
-        self._p = ctx.Process(target=_forked_main, args=(argv, env, str(log)), daemon=True,
-                              name=f"kvrelay {' '.join(argv[:3])}")
-        self._p.start()
-        self.pid: int = self._p.pid  # type: ignore[assignment]
-
-    @property
-    def returncode(self) -> int | None:
-        return self._p.exitcode
-
-    def poll(self) -> int | None:
-        return self._p.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._p.join(timeout)
-        if self._p.exitcode is None:
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-        return self._p.exitcode
-
-    def send_signal(self, sig: int) -> None:
-        if self._p.exitcode is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen | Forked
+    popen: subprocess.Popen | Forked | ZygoteChild
     log: Path
     ready_file: Path
     ready: dict | None = None
@@ -189,7 +63,7 @@ class Cluster:
                  decode: int = 1, both: int = 0, worker_args: tuple[str, ...] = (),
                  router_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  cluster_token: str | None = None, heartbeat_s: float = 0.3,
-                 ready_timeout_s: float = 90.0, fork_workers: bool = True):
+                 ready_timeout_s: float = 90.0, fork: bool = True):
         self.model_dir = str(model_dir)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -198,8 +72,8 @@ class Cluster:
         self.router_args = tuple(router_args)
         self.heartbeat = str(heartbeat_s)
         self.ready_timeout_s = ready_timeout_s
-        self.fork_workers = fork_workers
-        self.env = {**os.environ, **_BASE_ENV, **(env or {})}
+        self.fork = fork
+        self.env = {**os.environ, **BASE_ENV, **(env or {})}
         # The shared secret of the internal ports, given to every process by env (never argv),
         # and presented by this harness's own calls to the control ports.
         self.cluster_token = cluster_token
@@ -219,11 +93,15 @@ class Cluster:
         ready.unlink(missing_ok=True)
         argv = [*args, "--ready-file", str(ready)]
         full_env = {**self.env, **(env or {})}
-        if self.fork_workers and args[0] == "worker" and cores is None:
-            fork_env = _worker_env(full_env)
-            ctx = _fork_context(fork_env)
+        if self.fork and args[0] == "worker" and cores is None:
+            fork_env = worker_env(full_env)
+            ctx = fork_context(fork_env)
             if ctx is not None:
                 return Proc(name, Forked(ctx, argv, fork_env, log), log, ready)
+        if self.fork and args[0] == "router" and cores is None:
+            zygote = RouterZygote.for_env(full_env)
+            if zygote is not None:
+                return Proc(name, zygote.start(argv, full_env, log), log, ready)
         cmd = [sys.executable, "-m", "kvrelay.cli", *argv]
         if cores is not None:  # pinned to these CPUs (taskset's list syntax, e.g. "0" or "0,1")
             cmd = ["taskset", "-c", cores, *cmd]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrelay.forking import Forked
 from kvrelay.local_cluster import Cluster as LocalCluster
-from kvrelay.local_cluster import Forked, Proc
+from kvrelay.local_cluster import Proc
 
 __all__ = ["WORKER_ARGS", "Cluster", "Forked", "Proc"]
 

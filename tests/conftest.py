@@ -26,11 +26,11 @@ collect_ignore = [] if os.environ.get("KVRELAY_GPU_TESTS") == "1" else ["gpu"]
 
 @pytest.fixture(scope="session", autouse=True)
 def _worker_fork_server() -> None:
-    """The cluster harness's fork server (``kvrelay.local_cluster``) starts before anything
+    """The cluster harness's fork server for workers (``kvrelay.forking``) starts before anything
     else uses this process's fork server: in-process tensor parallelism and the KV-transfer
     test processes share it, and it must import torch under the workers' environment for the
     harness to fork workers from it. Its imports run in its own process, beside collection."""
-    from kvrelay.local_cluster import start_fork_server
+    from kvrelay.forking import start_fork_server
 
     start_fork_server()
 
