@@ -75,6 +75,8 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         cluster_token=args.cluster_token,
         heartbeat_interval_s=float(args.heartbeat_interval),
         lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout),
+        kv_sender_grace_s=None if args.kv_sender_grace in (None, "")
+        else float(args.kv_sender_grace),
         metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None)
 
@@ -209,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--lease-ttl", type=float, default=ws.lease_ttl_s, help="default KV lease TTL (s)")
     opt(p, "--drain-timeout", type=float, default=ws.drain_timeout_s,
         help="SIGTERM drain bound (s)")
+    opt(p, "--kv-sender-grace", type=float, default=ws.kv_sender_grace_s,
+        help="seconds after a prefill worker left every router's list before the blocks it "
+             "was promised (and may still have been writing) are reused (default 10)")
     opt(p, "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     add_engine_options(p)
     add_common_process_options(p)

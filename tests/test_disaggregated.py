@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 LENGTHS = (1, 5, 16, 17, 100, 513, 2100)
 LEASE_TTL_S = 120
+SENDER_GRACE_S = 6  # the decode worker's --kv-sender-grace (10 s by default)
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -37,7 +38,8 @@ def cluster(demo_model_dir, tmp_path_factory):
     # The Prefill-ahead hand-off here (Reserve-first is the default, tested everywhere else).
     # Leases outlive every wait below: blocks come back because someone ended their lease.
     with Cluster(demo_model_dir, tmp_path_factory.mktemp("pd"), prefill=1, decode=1,
-                 router_args=("--prefill-ahead", "--lease-ttl", str(LEASE_TTL_S))) as c:
+                 router_args=("--prefill-ahead", "--lease-ttl", str(LEASE_TTL_S)),
+                 worker_args=("--kv-sender-grace", str(SENDER_GRACE_S))) as c:
         yield c
 
 
@@ -233,11 +235,11 @@ def test_blocks_promised_to_a_silent_sender_are_held_until_it_is_gone(cluster) -
         d.Release(wpb.LeaseRequest(request_id="fence-2", lease_id=lease.lease_id), timeout=10)
         time.sleep(3.0)  # longer than the old fixed grace (2 s)
         assert cluster.free_blocks()["decode-1"] < baseline["decode-1"]
-        # "ghost" is on no router's list: released after the connector's grace (10 s)
+        # "ghost" is on no router's list: released after the connector's grace
         assert cluster.wait_free_blocks(baseline, timeout=30) == baseline
 
         # The router vouches that nothing was dispatched: reused at once, whoever the sender.
         lease = _reserve(d, "fence-3", prompt_ids(100, 5), "ghost", "127.0.0.1:9")
         d.Release(wpb.LeaseRequest(request_id="fence-3", lease_id=lease.lease_id,
                                    writes_settled=True), timeout=10)
-        assert cluster.wait_free_blocks(baseline, timeout=8) == baseline  # < the 10 s grace
+        assert cluster.wait_free_blocks(baseline, timeout=4) == baseline  # < the grace

@@ -108,7 +108,8 @@ class Worker:
                 # UCX listens on every interface unless told; a loopback worker keeps its KV
                 # data plane on loopback too.
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-            self.kv = KVEndpoint(self.worker_id, model_dir)
+            self.kv = KVEndpoint(self.worker_id, model_dir,
+                                 sender_gone_grace_s=self.settings.kv_sender_grace_s)
         # From the files: the worker never tokenizes (structured output loads the tokenizer
         # when a request first needs it).
         eos = eos_token_ids(model_dir)

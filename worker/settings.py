@@ -25,6 +25,10 @@ class WorkerSettings:
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     lease_ttl_s: float = LEASE_TTL_S
     drain_timeout_s: float = 30.0
+    # Blocks promised to a prefill worker that no router lists any more are reused this long
+    # after it left (its writes time out by then). None: the connector's default
+    # (kv_transfer.config.NixlConnectorConfig.sender_gone_grace_s, 10 s).
+    kv_sender_grace_s: float | None = None
     metrics_port: int | None = None  # Prometheus /metrics over HTTP when set (0 = any free)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
 
@@ -35,6 +39,8 @@ class WorkerSettings:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.heartbeat_interval_s <= 0 or self.lease_ttl_s <= 0:
             raise ValueError("heartbeat_interval_s and lease_ttl_s must be positive")
+        if self.kv_sender_grace_s is not None and self.kv_sender_grace_s < 0:
+            raise ValueError("kv_sender_grace_s must be >= 0")
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
