@@ -14,6 +14,8 @@ import pytest
 from cluster import Cluster, Forked
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvrelay.forking import ZygoteChild
+
 pytestmark = pytest.mark.slow
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -29,6 +31,12 @@ def _grpc_health(c: Cluster, service: str = "") -> int:
 def _http_health(c: Cluster) -> int:
     return httpx.get(f"http://127.0.0.1:{c.router.ready['http_port']}/health", timeout=5) \
         .status_code
+
+
+def _modules(proc) -> str:
+    """The shared objects a process has mapped (torch's libraries once it imported torch)."""
+    with open(f"/proc/{proc.popen.pid}/maps") as f:
+        return f.read()
 
 
 def _wait(c: Cluster, want: int, timeout: float = 30.0) -> None:
@@ -64,3 +72,8 @@ def test_router_is_not_serving_until_it_can_serve(demo_model_dir, tmp_path) -> N
         assert decode.popen.returncode == -signal.SIGKILL
         _wait(c, NOT_SERVING)
         assert _http_health(c) == 503
+        # The router was forked by the harness's torch-free zygote, which reports its exit.
+        assert isinstance(c.router.popen, ZygoteChild)
+        assert "libtorch" not in _modules(c.router) and "libtorch" in _modules(prefill)
+        c.kill(c.router)
+        assert c.router.popen.returncode == -signal.SIGKILL
