@@ -259,8 +259,15 @@ class RouterZygote:
         with self._lock:
             self._conn.send((argv, env, str(log)))
             with self._cond:
-                if not self._cond.wait_for(lambda: self._started, timeout=30):
-                    raise RuntimeError("the router zygote did not answer")
+                # A zygote that died at start-up (its main module imported torch, say) answers
+                # nothing: its process ends.
+                for _ in range(150):
+                    if self._started or not self._proc.is_alive():
+                        break
+                    self._cond.wait(0.2)
+                if not self._started:
+                    raise RuntimeError(f"the router zygote did not answer (exit code "
+                                       f"{self._proc.exitcode})")
                 pid = self._started.pop(0)
         return ZygoteChild(self, pid)
 

@@ -14,6 +14,7 @@ from its server's in what is read at start-up, or that is pinned to cores, is ex
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -29,6 +30,8 @@ from kvrelay.common.rpc import CLUSTER_TOKEN_KEY
 from kvrelay.forking import BASE_ENV, Forked, RouterZygote, ZygoteChild, fork_context, worker_env
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,7 +104,10 @@ class Cluster:
         if self.fork and args[0] == "router" and cores is None:
             zygote = RouterZygote.for_env(full_env)
             if zygote is not None:
-                return Proc(name, zygote.start(argv, full_env, log), log, ready)
+                try:
+                    return Proc(name, zygote.start(argv, full_env, log), log, ready)
+                except (RuntimeError, OSError) as e:  # the zygote is gone
+                    logger.warning("exec'ing the router: %s", e)
         cmd = [sys.executable, "-m", "kvrelay.cli", *argv]
         if cores is not None:  # pinned to these CPUs (taskset's list syntax, e.g. "0" or "0,1")
             cmd = ["taskset", "-c", cores, *cmd]
