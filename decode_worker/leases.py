@@ -99,8 +99,7 @@ class LeaseTable:
         """End a lease; an empty ``lease_id`` ends the request's lease unless it is decoding
         (the caller gave up on its Reserve before reading the id)."""
         lease = self._by_request.get(request_id)
-        if lease is None or lease.lease_id != (lease_id or lease.lease_id) \
-                or (not lease_id and lease.decoding):
+        if lease is None or (lease.lease_id != lease_id if lease_id else lease.decoding):
             return False
         del self._by_request[request_id]
         await self._free(request_id)

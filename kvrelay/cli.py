@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kvrelay.router.server import RouterSettings
     from kvrelay.worker.settings import WorkerSettings
 
+
 def _write_ready(path: str | None, doc: dict[str, Any]) -> None:
     if not path:
         return

@@ -17,6 +17,7 @@ what is read at start-up (``_IMPORT_TIME_ENV``) is exec'd instead, and logged.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing as mp
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -45,8 +47,31 @@ BASE_ENV = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS"
 _ROUTER_IMPORT_ENV = ("HF_", "TRANSFORMERS_", "HUGGINGFACE_", "TOKENIZERS_")
 
 
-def _import_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)}
+def _import_env(env: dict[str, str],
+                prefixes: tuple[str, ...] = _IMPORT_TIME_ENV) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(prefixes)}
+
+
+def _matches(kind: str, mine: dict[str, str], its: dict[str, str]) -> bool:
+    """Whether a process's start-up environment is its server's; logs the differing names."""
+    if mine == its:
+        return True
+    logger.info("exec'ing a %s: its environment differs from its fork server's in %s", kind,
+                sorted(k for k in mine.keys() | its.keys() if mine.get(k) != its.get(k)))
+    return False
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside (a server started here inherits it), restored after."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def worker_env(env: dict[str, str]) -> dict[str, str]:
@@ -69,17 +94,12 @@ def start_fork_server() -> bool:
         return True
     if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
         return False  # started by someone else (in-process tensor parallelism): unknown env
-    saved = dict(os.environ)
-    base = _import_env(worker_env({**saved, **BASE_ENV}))
-    os.environ.clear()
-    os.environ.update({k: v for k, v in saved.items()
-                       if not k.startswith(_IMPORT_TIME_ENV)} | base)
-    try:
+    current = dict(os.environ)
+    base = _import_env(worker_env({**current, **BASE_ENV}))
+    with _environ({k: v for k, v in current.items()
+                   if not k.startswith(_IMPORT_TIME_ENV)} | base):
         mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
         forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     _fork_env = base
     return True
 
@@ -87,12 +107,7 @@ def start_fork_server() -> bool:
 def fork_context(env: dict[str, str]) -> mp.context.BaseContext | None:
     """The fork server's context when a worker of environment ``env`` (``worker_env``) may be
     forked from it: ours, and ``env`` matches what it imported under."""
-    if not start_fork_server():
-        return None
-    mine, its = _import_env(env), _fork_env or {}
-    if mine != its:
-        logger.info("exec'ing a worker: its environment differs from the fork server's in %s",
-                    sorted(k for k in mine.keys() | its.keys() if mine.get(k) != its.get(k)))
+    if not start_fork_server() or not _matches("worker", _import_env(env), _fork_env or {}):
         return None
     return mp.get_context("forkserver")
 
@@ -121,10 +136,37 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str,
     sys.exit(main(argv))
 
 
-class Forked:
-    """``subprocess.Popen``'s view (pid, poll, wait, returncode) of a forked worker. Daemonic
-    to multiprocessing, so a harness that never stopped it does not hang its exit in a join;
-    the worker itself drops the flag (``_forked_main``) so it may start rank processes."""
+class _PopenView:
+    """What the harness uses of ``subprocess.Popen`` (pid, returncode, poll, wait, signals), for
+    a process it did not start itself; subclasses give ``returncode`` and ``wait``."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        raise NotImplementedError
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Forked(_PopenView):
+    """A worker forked by the fork server. Daemonic to multiprocessing, so a harness that never
+    stopped it does not hang its exit in a join; the worker itself drops the flag
+    (``_forked_main``) so it may start rank processes."""
 
     def __init__(self, ctx: mp.context.BaseContext, argv: list[str], env: dict[str, str],
                  log: Path):
@@ -137,29 +179,16 @@ class Forked:
     def returncode(self) -> int | None:
         return self._p.exitcode
 
-    def poll(self) -> int | None:
-        return self._p.exitcode
-
     def wait(self, timeout: float | None = None) -> int:
         self._p.join(timeout)
         if self._p.exitcode is None:
             raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
         return self._p.exitcode
 
-    def send_signal(self, sig: int) -> None:
-        if self._p.exitcode is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 # -- routers: a torch-free zygote --------------------------------------------------------------
 def _router_import_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV + _ROUTER_IMPORT_ENV)}
+    return _import_env(env, _IMPORT_TIME_ENV + _ROUTER_IMPORT_ENV)
 
 
 def _zygote_main(conn: Connection) -> None:
@@ -210,16 +239,10 @@ class RouterZygote:
         self.import_env = _router_import_env(env)
         ctx = mp.get_context("spawn")
         self._conn, theirs = ctx.Pipe()
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(env)  # the zygote imports under a cluster's environment
-        try:
+        with _environ(env):  # the zygote imports under a cluster's environment
             self._proc = ctx.Process(target=_zygote_main, args=(theirs,), daemon=True,
                                      name="kvrelay-router-zygote")
             self._proc.start()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
         theirs.close()
         self._lock = threading.Lock()  # one start request at a time
         self._cond = threading.Condition()
@@ -232,13 +255,9 @@ class RouterZygote:
         """The zygote that may fork a router of environment ``env``: started on first use,
         None when ``env`` differs from its start-up environment."""
         if cls._instance is None:
-            cls._instance = cls({k: v for k, v in env.items()})
+            cls._instance = cls(env)
         z = cls._instance
-        mine = _router_import_env(env)
-        if mine != z.import_env:
-            logger.info("exec'ing a router: its environment differs from the zygote's in %s",
-                        sorted(k for k in mine.keys() | z.import_env.keys()
-                               if mine.get(k) != z.import_env.get(k)))
+        if not _matches("router", _router_import_env(env), z.import_env):
             return None
         return z if z._proc.is_alive() else None
 
@@ -272,8 +291,8 @@ class RouterZygote:
         return ZygoteChild(self, pid)
 
 
-class ZygoteChild:
-    """``subprocess.Popen``'s view of a router forked by the zygote."""
+class ZygoteChild(_PopenView):
+    """A router forked by the zygote; its exit status comes back through the zygote."""
 
     def __init__(self, zygote: RouterZygote, pid: int):
         self._z = zygote
@@ -283,21 +302,8 @@ class ZygoteChild:
     def returncode(self) -> int | None:
         return self._z.codes.get(self.pid)
 
-    def poll(self) -> int | None:
-        return self.returncode
-
     def wait(self, timeout: float | None = None) -> int:
         with self._z._cond:
             if not self._z._cond.wait_for(lambda: self.pid in self._z.codes, timeout=timeout):
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
         return self._z.codes[self.pid]
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
