@@ -1,10 +1,13 @@
 """What the fuzz modules (``test_fuzz_grpc``, ``test_fuzz_http``, ``test_fuzz_limits``) share:
-the cluster they fuzz, the model's sizes, hand-written protobuf wire bytes, and the check that an
+the router they fuzz, the model's sizes, hand-written protobuf wire bytes, and the check that an
 HTTP request was refused.
 
-Each fuzz module imports the three fixtures, so each gets a 1P1D cluster of its own (module
-scope): a crash a module provokes is reported against that module, and every cluster must still
-serve a normal request when its module is done.
+The malformed-request modules (grpc, http) fuzz the real router in this process, with no workers
+(``router_in_process``): every case must be refused before anything is routed, so none needs a
+worker, and an HTTP request costs no socket. Each module gets a router of its own (module scope),
+so an error a module provokes is reported against it: the router's logs must hold no error when
+the module is done. ``test_fuzz_limits``, whose cases may be served, fuzzes the session's shared
+cluster (``api_fixtures``) and checks it still serves afterwards.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 from cluster import Cluster
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from router_in_process import RouterInProcess
 
 from kvrelay.proto import generate_pb2 as pb
 
@@ -29,34 +33,23 @@ SETTINGS = settings(max_examples=400, deadline=None, database=None,
 
 
 @pytest.fixture(scope="module")
-def cluster(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(demo_model_dir, tmp_path_factory.mktemp("fuzz"), prefill=1, decode=1,
-                router_args=("--http-port", "0", "--served-model-name", MODEL))
-    with c:
-        yield c
-        # No crash: every process alive, nothing unexpected in the router's log, and the
-        # cluster still serves a normal request.
-        assert all(p.popen.poll() is None for p in [c.router, *c.workers])
-        log = c.router.log.read_text(errors="replace")
-        for marker in ("Traceback", "Exception in ASGI application", "Unexpected ["):
-            assert marker not in log, c.router.tail(60)
-        with http_client(c) as client:
-            check_still_serving(c, client)
+def router(demo_model_dir: str) -> Iterator[RouterInProcess]:
+    with RouterInProcess(demo_model_dir, served_model_name=MODEL) as r:
+        yield r
+        assert not r.errors, [rec.getMessage() for rec in r.errors[:5]]
 
 
 @pytest.fixture(scope="module")
-def generate(cluster: Cluster) -> Iterator[grpc.UnaryStreamMultiCallable]:
+def generate(router: RouterInProcess) -> Iterator[grpc.UnaryStreamMultiCallable]:
     """Generate over raw bytes (requests the protobuf library itself would not serialize)."""
-    with grpc.insecure_channel(cluster.address) as ch:
-        yield ch.unary_stream("/kvrelay.v1.Generation/Generate",
-                              request_serializer=lambda b: b,
-                              response_deserializer=pb.GenerateResponse.FromString)
+    with grpc.insecure_channel(router.address) as ch:
+        yield raw_generate(ch)
 
 
-@pytest.fixture(scope="module")
-def http(cluster: Cluster) -> Iterator[httpx.Client]:
-    with http_client(cluster) as client:
-        yield client
+def raw_generate(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
+    return channel.unary_stream("/kvrelay.v1.Generation/Generate",
+                                request_serializer=lambda b: b,
+                                response_deserializer=pb.GenerateResponse.FromString)
 
 
 def http_client(cluster: Cluster) -> httpx.Client:
@@ -107,7 +100,8 @@ BAD_REQUEST_ID = st.one_of(
     st.text(ID_CHARS, min_size=129, max_size=300))
 
 
-def check_http(http: httpx.Client, path: str, text: bytes, broken: list[str]) -> None:
+def check_http(http: RouterInProcess | httpx.Client, path: str, text: bytes,
+               broken: list[str]) -> None:
     """``text`` posted to ``path`` is refused with a 400 (or a 404, where ``broken`` holds
     ``model``) and an OpenAI-style error that says why."""
     r = http.post(path, content=text, headers={"content-type": "application/json"})

@@ -1,9 +1,10 @@
 """Numeric fields at the edges of the types that carry them, and lists and strings past their
-limits, over gRPC and HTTP against a real 1P1D cluster.
+limits, over gRPC and HTTP against a real cluster (the session's shared one, ``api_fixtures``):
+some of these requests are served, so they reach the workers.
 
 Such requests are served or refused (INVALID_ARGUMENT / HTTP 4xx, with a message), never
-answered with a 5xx or an UNKNOWN; nothing crashes, and the cluster still serves a normal request
-afterwards.
+answered with a 5xx or an UNKNOWN; nothing crashes (no process exits, the router logs no
+traceback while the module runs), and the cluster still serves a normal request afterwards.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterator
 
-import fuzz_support
+import api_fixtures
 import grpc
 import httpx
 import pytest
@@ -22,6 +24,8 @@ from fuzz_support import (
     SETTINGS,
     VOCAB,
     check_still_serving,
+    http_client,
+    raw_generate,
     varint,
     wire_field,
 )
@@ -38,8 +42,29 @@ from kvrelay.proto import generate_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
-# The fixtures: a 1P1D cluster of this module's own, its raw gRPC Generate and an HTTP client.
-cluster, generate, http = fuzz_support.cluster, fuzz_support.generate, fuzz_support.http
+cluster = api_fixtures.cluster
+
+
+@pytest.fixture(scope="module")
+def generate(cluster) -> Iterator[grpc.UnaryStreamMultiCallable]:
+    """Generate over raw bytes (requests the protobuf library itself would not serialize)."""
+    with grpc.insecure_channel(cluster.address) as ch:
+        yield raw_generate(ch)
+
+
+@pytest.fixture(scope="module")
+def http(cluster) -> Iterator[httpx.Client]:
+    """The router's HTTP API; when the module is done, no process of the cluster exited and the
+    router logged no traceback while it ran."""
+    start = cluster.router.log.stat().st_size
+    with http_client(cluster) as client:
+        yield client
+    assert all(p.alive() for p in [cluster.router, *cluster.workers])
+    with cluster.router.log.open("rb") as f:
+        f.seek(start)
+        log = f.read().decode(errors="replace")
+    for marker in ("Traceback", "Exception in ASGI application", "Unexpected ["):
+        assert marker not in log, log[-6000:]
 
 # Every numeric field gets values at the edges of the type that carries it (0, float32 and
 # float64 denormals and values that round to 0 in float32, 2**31, 2**32, 2**63, 2**64, NaN,
