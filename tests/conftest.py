@@ -11,7 +11,7 @@ collection imports nothing heavy.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,9 +19,21 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# The tests' Ray is always embedded and loopback-only; Ray reads this when it is first imported,
+# which may be a module that only builds a deployment spec, before any test starts a Ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 # The GPU smoke suite runs by itself (`make test-gpu`), never inside the normal suite.
 collect_ignore = [] if os.environ.get("KVRELAY_GPU_TESTS") == "1" else ["gpu"]
+
+
+# The modules on Ray share one embedded Ray (``ray_session``): they run last, one after the other,
+# so that it is started once and stopped with the session, idle under no other test.
+ON_RAY = ("test_planner_live.py", "test_ray.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda it: it.path.name in ON_RAY)  # stable: modules stay whole, in order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -72,3 +84,11 @@ def api_cluster(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
                 router_args=("--http-port", "0", "--served-model-name", "demo"))
     with c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """The embedded Ray (``ray_harness.embedded_ray``), one for the modules that run on Ray."""
+    from ray_harness import embedded_ray
+
+    yield from embedded_ray()

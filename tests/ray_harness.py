@@ -1,5 +1,5 @@
 """Shared by the tests that run kvrelay on a real local Ray (test_ray, test_planner_live): the
-module's embedded Ray session, ``kvrelay serve``'s arguments and handle, a streaming load of
+embedded Ray (``embedded_ray``), ``kvrelay serve``'s arguments and handle, a streaming load of
 client threads, and the checks on a served cluster (KV blocks back, listening addresses).
 Every wait is a bounded poll."""
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +52,9 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 
         time.sleep(every)
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    """One embedded Ray for the module, started as ``kvrelay serve`` starts it."""
+def embedded_ray() -> Iterator[Any]:
+    """The embedded Ray ``kvrelay serve`` starts, for the length of the generator (conftest's
+    session fixture ``ray_session``: one for every module that runs on Ray)."""
     from kvrelay.deploy.ray_connect import AUTH_MODE_ENV, init_ray
 
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():

@@ -1,7 +1,7 @@
 """The SLO planner on a real local Ray (``kvrelay serve --planner``): under a ramp low -> heavy ->
 low it scales the pools up, then back down, and no request fails.
 
-One embedded Ray session and one cluster for the module (helpers in ray_harness). The
+One cluster for the module, on the session's embedded Ray (helpers in ray_harness). The
 planner reads the committed demo profile (measured with 2 torch threads; the replicas here run
 1, so its corrections have real work to do). Every wait is a bounded poll; nothing asserts
 timing.
@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from ray_harness import LOG_LEVEL, Load, Served, prompt_ids, serve_args, wait_for
-from ray_harness import ray_session as ray_session
 
 pytestmark = pytest.mark.slow
 PROFILE = Path(__file__).resolve().parent.parent / "bench/results/planner/profile-demo.json"

@@ -1,9 +1,10 @@
 """kvrelay on a real local Ray: ``kvrelay serve``'s launcher, live scaling and the autoscaler.
 
-One embedded, loopback-only Ray session and one cluster (router + worker actors, a placement
-group per replica) serve the whole module, started exactly as ``kvrelay serve`` starts it
-(its parser and ``build_spec``). Nothing is mocked: requests go over gRPC to the router, KV
-over NIXL from prefill to decode actors. Every wait is a bounded poll; nothing asserts timing.
+One cluster (router + worker actors, a placement group per replica), on the session's embedded,
+loopback-only Ray (conftest's ``ray_session``), serves the whole module, started exactly as
+``kvrelay serve`` starts it (its parser and ``build_spec``). Nothing is mocked: requests go over
+gRPC to the router, KV over NIXL from prefill to decode actors. Every wait is a bounded poll;
+nothing asserts timing.
 
 1. 1P1D answers with the engine-alone greedy tokens; the router runs on the driver's node.
 2. 1P1D -> 2P2D while 16 clients stream: every request completes with the right tokens.
@@ -40,7 +41,6 @@ from ray_harness import (
     worker_status,
     workers_used,
 )
-from ray_harness import ray_session as ray_session
 
 from kvrelay.client import Client, sampling
 from kvrelay.engine.llm import LLM
@@ -166,9 +166,14 @@ def test_scale_back_to_1p1d_under_load_drains(served, jobs, ray_session) -> None
         with pytest.raises(grpc.RpcError) as e:
             worker_status(r["address"], served.token)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    pgs = {p["name"]: p["state"] for p in placement_group_table().values()}
-    assert all(pgs[before[wid]["actor"]] == "REMOVED" for wid in gone), pgs
-    assert all(pgs[r["actor"]] == "CREATED" for r in after.values()), pgs
+    # (The session's Ray also holds the removed groups of an earlier module's cluster, under
+    # the same names.)
+    pgs: dict[str, set[str]] = {}
+    for p in placement_group_table().values():
+        pgs.setdefault(p["name"], set()).add(p["state"])
+    assert all(pgs[before[wid]["actor"]] == {"REMOVED"} for wid in gone), pgs
+    assert all(pgs[r["actor"]] <= {"CREATED", "REMOVED"} and "CREATED" in pgs[r["actor"]]
+               for r in after.values()), pgs
 
     st = json.loads(kvrelay_cli("status", "--address", served.gcs).stdout)
     assert st["counts"] == {"prefill": 1, "decode": 1, "both": 0}
