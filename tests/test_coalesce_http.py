@@ -41,7 +41,7 @@ def server(request: pytest.FixtureRequest, certs) -> Iterator[tuple[int, ssl.SSL
     box: dict[str, Any] = {}
 
     async def main() -> None:
-        svc = StandinService(gap_s=0.002)  # one-token deltas, one every 2 ms
+        svc = StandinService(gap_s=0.001)  # one-token deltas, one every millisecond
         s = HttpServer(svc, None, host="127.0.0.1", port=0,  # type: ignore[arg-type]
                        tls=TLSFiles(str(cert), str(key)) if tls else None)
         await s.start()
@@ -60,8 +60,8 @@ def server(request: pytest.FixtureRequest, certs) -> Iterator[tuple[int, ssl.SSL
 
 
 def _stream(port: int, ctx: ssl.SSLContext | None, *, pause: float) -> list[dict[str, Any]]:
-    """The SSE events of one streamed completion, read 512 bytes at a time through a 4 KiB
-    socket receive buffer, ``pause`` between reads."""
+    """The SSE events of one streamed completion, read 1 KiB at a time through a 4 KiB socket
+    receive buffer, ``pause`` between reads."""
     raw = socket.socket()
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.settimeout(30)
@@ -76,7 +76,7 @@ def _stream(port: int, ctx: ssl.SSLContext | None, *, pause: float) -> list[dict
         buf, deadline = b"", time.monotonic() + 120
         while b"data: [DONE]" not in buf:
             assert time.monotonic() < deadline, "the stream did not end"
-            got = s.recv(512)
+            got = s.recv(1024)
             if not got:
                 break
             buf += got

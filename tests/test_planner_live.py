@@ -28,8 +28,8 @@ def served(ray_session, demo_model_dir):
 
     args = serve_args(demo_model_dir, "--planner", "--profile", str(PROFILE),
                       "--ttft-slo-ms", "150", "--itl-slo-ms", "40", "--max-replicas", "4",
-                      "--planner-interval", "1", "--planner-down-delay", "6",
-                      "--replica-startup", "6", "--planner-burst-memory", "20")
+                      "--planner-interval", "1", "--planner-down-delay", "4",
+                      "--replica-startup", "6", "--planner-burst-memory", "10")
     spec = build_spec(args, loopback=True)
     assert spec.planner is not None and spec.autoscale is None and LOG_LEVEL
     handle, info = start(spec)
