@@ -147,11 +147,8 @@ class EngineCore:
         callers compile on other threads ahead of admission, see ``AsyncEngine``)."""
         with self._grammar_lock:
             if self._grammar is None:
-                from kvrelay.engine.tokenizer import load_tokenizer
-
-                tok = load_tokenizer(self.config.model.model)
-                self._grammar = GrammarCompiler.from_hf(tok, self.vocab_size,
-                                                        self.eos_token_ids)
+                self._grammar = GrammarCompiler.from_checkpoint(
+                    self.config.model.model, self.vocab_size, self.eos_token_ids)
             return self._grammar
 
     def _attach_grammar(self, seq: Sequence, so: StructuredOutput | None) -> None:

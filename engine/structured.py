@@ -98,13 +98,20 @@ def ll_tokenizer(hf_tokenizer: Any, vocab_size: int | None,
     """An llguidance tokenizer over a fast transformers tokenizer's vocabulary (its Rust
     tokenizer serialized, as llguidance.hf does without importing torch). ``vocab_size``: the
     model's logit width when it differs from the tokenizer's."""
-    import llguidance as llg
-
     backend = getattr(hf_tokenizer, "backend_tokenizer", hf_tokenizer)
     eos = sorted(eos_token_ids) or None
     if eos is None and getattr(hf_tokenizer, "eos_token_id", None) is not None:
         eos = [int(hf_tokenizer.eos_token_id)]
-    return llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+    return ll_tokenizer_from_json(backend.to_str(), vocab_size, eos or ())
+
+
+def ll_tokenizer_from_json(tokenizer_json: str, vocab_size: int | None,
+                           eos_token_ids: Iterable[int]) -> Any:
+    """An llguidance tokenizer over a serialized fast tokenizer (``tokenizer.json``)."""
+    import llguidance as llg
+
+    return llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                           eos_token=sorted(eos_token_ids) or None)
 
 
 class GrammarMatcher:
@@ -158,6 +165,17 @@ class GrammarCompiler:
     def from_hf(cls, hf_tokenizer: Any, vocab_size: int | None = None,
                 eos_token_ids: Iterable[int] = (), capacity: int = 256) -> GrammarCompiler:
         return cls(ll_tokenizer(hf_tokenizer, vocab_size, eos_token_ids), capacity)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str, vocab_size: int | None = None,
+                        eos_token_ids: Iterable[int] = (), capacity: int = 256
+                        ) -> GrammarCompiler:
+        """Over the checkpoint's tokenizer without loading transformers where it has a
+        ``tokenizer.json`` (``tokenizer.tokenizer_json``): what a worker compiles with."""
+        from kvrelay.engine.tokenizer import tokenizer_json
+
+        return cls(ll_tokenizer_from_json(tokenizer_json(model_dir), vocab_size, eos_token_ids),
+                   capacity)
 
     def is_cached(self, so: StructuredOutput) -> bool:
         with self._lock:

@@ -47,6 +47,22 @@ def load_tokenizer(model_dir: str) -> Any:
     return tok
 
 
+def tokenizer_json(model_dir: str) -> str:
+    """The checkpoint's fast tokenizer, serialized: ``tokenizer.json`` as the Rust `tokenizers`
+    library reads and writes it (milliseconds), else converted by transformers (seconds: it
+    imports transformers and may convert a slow tokenizer). What a worker needs of the
+    tokenizer to compile structured-output grammars; the router holds the full one."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if os.path.isfile(path):
+        from tokenizers import Tokenizer
+
+        try:
+            return Tokenizer.from_file(path).to_str()
+        except Exception as e:  # the Rust library's own error type
+            raise ValueError(f"cannot read {path}: {e}") from e
+    return load_tokenizer(model_dir).backend_tokenizer.to_str()
+
+
 def eos_token_ids(model_dir: str, tokenizer: Any | None = None) -> frozenset[int]:
     """Every id that ends generation: generation_config.json, config.json and the tokenizer's.
 

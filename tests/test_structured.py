@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -138,6 +140,37 @@ def test_decode_start_refuses_a_first_token_outside_the_grammar(demo_model_dir: 
     digit = core.grammar.tokenizer.tokenize_str("7")[0]
     core.start_decode("d", digit, SamplingParams(structured=so))
     assert core.seqs["d"].grammar is not None and not core.seqs["d"].grammar.is_error
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_a_worker_compiles_over_the_vocabulary_the_router_sees(hf_model_dir, arch) -> None:
+    """Workers compile grammars over ``tokenizer.json`` as the Rust library reads it (loading
+    transformers' tokenizer took seconds, on a worker's first structured request); the router
+    over transformers' tokenizer, which some classes rebuild (Qwen2's normalizer and
+    pre-tokenizer differ). Masks come from each token's bytes and whether it is special: those
+    must be equal."""
+    import llguidance as llg
+
+    from kvrelay.engine.tokenizer import load_tokenizer, tokenizer_json
+
+    model_dir = hf_model_dir(arch)
+    worker = llg.LLTokenizer(tokenizer_json(model_dir), eos_token=[2])
+    router = llg.LLTokenizer(load_tokenizer(model_dir).backend_tokenizer.to_str(), eos_token=[2])
+    assert worker.vocab_size == router.vocab_size == 4096
+    for i in range(worker.vocab_size):
+        assert worker.decode_bytes([i]) == router.decode_bytes([i]), i
+        assert worker.is_special_token(i) == router.is_special_token(i), i
+
+
+def test_a_worker_compiles_grammars_without_transformers(demo_model_dir: str) -> None:
+    code = ("import sys\n"
+            "from kvrelay.engine.structured import GrammarCompiler, StructuredOutput\n"
+            f"c = GrammarCompiler.from_checkpoint({demo_model_dir!r}, 4096, [2])\n"
+            "c.matcher(StructuredOutput('regex', 'a+'))\n"
+            "print('transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["False"]
 
 
 def test_compiled_grammars_are_cached(demo_model_dir: str) -> None:
