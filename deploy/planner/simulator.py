@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +31,7 @@ import numpy as np
 from kvrelay.deploy.planner.contention import SharedCores
 from kvrelay.deploy.planner.profile import Profile
 from kvrelay.deploy.planner.signals import Observation, PlanDecision, ScalingPolicy
+from kvrelay.deploy.planner.sim_state import DecodeReplica, PrefillReplica, Replica, SimRequest
 from kvrelay.deploy.planner.trace import HASH_BLOCK, TraceRequest
 
 
@@ -46,46 +47,6 @@ class SimConfig:
     prefix_cache_blocks: int = 256  # hash blocks a prefill replica keeps
     latency_window_s: float = 10.0  # TTFT/ITL p90 over requests finished this recently
     measure_from_s: float = 0.0  # requests arriving earlier are a warm-up, left out of the result
-
-
-@dataclass
-class _Req:
-    tr: TraceRequest
-    left: int = 0  # prompt tokens still to compute
-    done: int = 0  # prompt tokens with KV (cached + computed)
-    cached: int = 0
-    dec: _Decode | None = None
-    ttft: float | None = None
-    itl_sum: float = 0.0
-    gen: int = 0  # tokens after the first
-    failed: bool = False
-    end: float | None = None
-
-
-@dataclass
-class _Replica:
-    created: float
-    ready_at: float
-    draining: bool = False
-    removed: float | None = None
-    busy: bool = False
-
-    def ready(self, now: float) -> bool:
-        return self.ready_at <= now and not self.draining
-
-
-@dataclass
-class _Prefill(_Replica):
-    queue: deque = field(default_factory=deque)
-    queued_tokens: int = 0
-    cache: OrderedDict = field(default_factory=OrderedDict)
-
-
-@dataclass
-class _Decode(_Replica):
-    running: list = field(default_factory=list)
-    pending: list = field(default_factory=list)
-    kv_used: int = 0
 
 
 @dataclass
@@ -109,15 +70,15 @@ class Simulator:
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
-        self.prefill: list[_Prefill] = []
-        self.decode: list[_Decode] = []
-        self.reqs = [_Req(r, left=r.prompt_len) for r in trace]
+        self.prefill: list[PrefillReplica] = []
+        self.decode: list[DecodeReplica] = []
+        self.reqs = [SimRequest(r, left=r.prompt_len) for r in trace]
         self._kv_wait: deque = deque()
         self._kv_retry = -1.0
         self._pf_wait: deque = deque()
-        self._finished: list[_Req] = []
+        self._finished: list[SimRequest] = []
         self._arrivals = 0
-        self._interval_done: list[_Req] = []
+        self._interval_done: list[SimRequest] = []
         self.timeline: list[dict] = []
         self._cores = SharedCores(profile.contention, self._at) if any(profile.contention) else None
 
@@ -127,9 +88,9 @@ class Simulator:
 
     def run(self) -> SimResult:
         for _ in range(self.cfg.prefill):
-            self.prefill.append(_Prefill(0.0, 0.0))
+            self.prefill.append(PrefillReplica(0.0, 0.0))
         for _ in range(self.cfg.decode):
-            self.decode.append(_Decode(0.0, 0.0))
+            self.decode.append(DecodeReplica(0.0, 0.0))
         for r in self.reqs:
             self._at(r.tr.t, self._arrive, r)
         end_t = self.trace[-1].t if self.trace else 0.0
@@ -143,7 +104,7 @@ class Simulator:
             fn(*args)
         return self._result()
 
-    def _arrive(self, r: _Req) -> None:
+    def _arrive(self, r: SimRequest) -> None:
         self._arrivals += 1
         self._kv_wait.append(r)
         self._drain_kv_wait()
@@ -203,7 +164,7 @@ class Simulator:
             if not best.busy:
                 self._prefill_step(best)
 
-    def _prefill_step(self, p: _Prefill) -> None:
+    def _prefill_step(self, p: PrefillReplica) -> None:
         budget, tokens, sq, batch = self.p.max_num_batched_tokens, 0, 0.0, []
         for r in p.queue:
             if tokens >= budget:
@@ -224,7 +185,7 @@ class Simulator:
             self._cores.start(self.now, id(p), work, prefill=True, seqs=0,
                               done=lambda: self._prefill_done(p, batch))
 
-    def _prefill_done(self, p: _Prefill, batch: list) -> None:
+    def _prefill_done(self, p: PrefillReplica, batch: list) -> None:
         for r, n in batch:
             r.left -= n
             r.done += n
@@ -238,65 +199,70 @@ class Simulator:
                     self._at(self.now + self.p.transfer_s, self._join_decode, r)
         self._prefill_step(p)
 
-    def _join_decode(self, r: _Req) -> None:
+    def _join_decode(self, r: SimRequest) -> None:
         d = r.dec
         assert d is not None
         d.pending.append(r)
         if not d.busy:
             self._decode_step(d)
 
-    def _decode_step(self, d: _Decode) -> None:
-        d.running += d.pending
+    def _decode_step(self, d: DecodeReplica) -> None:
+        # A step costs O(requests joining or finishing), not O(batch): ~1M steps a replay.
+        for r in d.pending:
+            r.gen, r.itl_sum = -d.steps, -d.step_s
+            d.ctx += r.tr.prompt_len + r.gen
+            heapq.heappush(d.ends, (d.steps + r.tr.output_len - 1, next(self._seq), r))
+        d.running.update(d.pending)
         d.pending = []
         if not d.running:
             d.busy = False
             self._maybe_remove(d)
             return
         d.busy = True
-        ctx = sum(r.tr.prompt_len + r.gen for r in d.running) / len(d.running)
-        work, t0 = self.p.itl_s(len(d.running), ctx), self.now
+        n = len(d.running)
+        work, t0 = self.p.itl_s(n, (d.ctx + n * d.steps) / n), self.now
         if self._cores is None:
             self._at(self.now + work, self._decode_done, d, work)
         else:  # the step's ITL is the time it took at the speeds it met
             self._cores.start(self.now, id(d), work, prefill=False, seqs=len(d.running),
                               done=lambda: self._decode_done(d, self.now - t0))
 
-    def _decode_done(self, d: _Decode, dt: float) -> None:
-        keep = []
-        for r in d.running:
-            r.gen += 1
-            r.itl_sum += dt
-            if r.gen >= r.tr.output_len - 1:
-                d.kv_used -= r.tr.prompt_len + r.tr.output_len
-                self._finish(r)
-            else:
-                keep.append(r)
-        freed = len(keep) < len(d.running)
-        d.running = keep
+    def _decode_done(self, d: DecodeReplica, dt: float) -> None:
+        d.steps += 1
+        d.step_s += dt
+        freed = bool(d.ends) and d.ends[0][0] <= d.steps
+        while d.ends and d.ends[0][0] <= d.steps:  # finished: output_len - 1 tokens after the first
+            r = heapq.heappop(d.ends)[2]
+            d.running.remove(r)
+            d.ctx -= r.tr.prompt_len + r.gen
+            r.gen += d.steps
+            r.itl_sum += d.step_s
+            d.kv_used -= r.tr.prompt_len + r.tr.output_len
+            self._finish(r)
         self._decode_step(d)
         if freed and self._kv_wait:
             self._drain_kv_wait()
 
-    def _finish(self, r: _Req) -> None:
+    def _finish(self, r: SimRequest) -> None:
         r.end = self.now
         self._finished.append(r)
         self._interval_done.append(r)
 
-    def _fail(self, r: _Req) -> None:
+    def _fail(self, r: SimRequest) -> None:
         r.failed = True
         self._finish(r)
 
     # -- scaling -------------------------------------------------------------------------------
-    def _maybe_remove(self, rep: _Replica) -> None:
+    def _maybe_remove(self, rep: Replica) -> None:
         if not rep.draining or rep.removed is not None or rep.busy:
             return
-        if isinstance(rep, _Prefill) and rep.queue:
+        if isinstance(rep, PrefillReplica) and rep.queue:
             return
-        if isinstance(rep, _Decode) and (rep.running or rep.pending):
+        if isinstance(rep, DecodeReplica) and (rep.running or rep.pending):
             return
         rep.removed = self.now
         if self.policy is not None:
-            self.policy.change_done("prefill" if isinstance(rep, _Prefill) else "decode",
+            self.policy.change_done("prefill" if isinstance(rep, PrefillReplica) else "decode",
                                     self.now)
 
     def _ready(self, pool: str) -> None:
@@ -320,13 +286,13 @@ class Simulator:
         live = self._live(pool)
         if n > len(live):
             for _ in range(n - len(live)):
-                rep = (_Prefill if pool == "prefill" else _Decode)(self.now,
+                rep = (PrefillReplica if pool == "prefill" else DecodeReplica)(self.now,
                                                                    self.now + self.startup)
                 (self.prefill if pool == "prefill" else self.decode).append(rep)
                 self._at(rep.ready_at, self._ready, pool)
         elif n < len(live):
-            def load(r: _Replica) -> tuple:  # starting ones first, then the least loaded
-                work = r.queued_tokens if isinstance(r, _Prefill) else r.kv_used
+            def load(r: Replica) -> tuple:  # starting ones first, then the least loaded
+                work = r.queued_tokens if isinstance(r, PrefillReplica) else r.kv_used
                 return (r.ready_at <= self.now, work)
             for rep in sorted(live, key=load)[:len(live) - n]:
                 rep.draining = True
@@ -338,9 +304,10 @@ class Simulator:
     def observe(self) -> Observation:
         done = self._interval_done
         ok = [r for r in done if not r.failed]
-        window = [r for r in self._finished
-                  if r.end is not None and r.end >= self.now - self.cfg.latency_window_s
-                  and not r.failed]
+        i = len(self._finished)  # in the order they ended: the window is a suffix
+        while i and self._finished[i - 1].end >= self.now - self.cfg.latency_window_s:
+            i -= 1
+        window = [r for r in self._finished[i:] if not r.failed]
         ttft = [r.ttft * 1000 for r in window if r.ttft is not None]
         itl = [r.itl_sum / r.gen * 1000 for r in window if r.gen]
         dec = self._live("decode")
