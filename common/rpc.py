@@ -34,10 +34,12 @@ WORKER_STATE_KEY = "x-kvrelay-worker-state"
 WORKER_DRAINING = ((WORKER_STATE_KEY, "draining"),)
 MAX_MESSAGE_BYTES = 64 * 2**20
 # The cluster's timing contract, one default for the router, the workers and their flags: a
-# worker beats this often (the router drops one that missed three), and a KV reservation lives
-# this long unless the router renews it.
+# worker beats this often (the router drops one that missed three), a KV reservation lives
+# this long unless the router renews it, and a draining worker gives its requests in flight this
+# long to finish before it exits.
 HEARTBEAT_INTERVAL_S = 1.0
 LEASE_TTL_S = 10.0
+DRAIN_TIMEOUT_S = 30.0
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

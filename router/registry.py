@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvrelay.common.rpc import HEARTBEAT_INTERVAL_S, insecure_channel
+from kvrelay.common.rpc import DRAIN_TIMEOUT_S, HEARTBEAT_INTERVAL_S, insecure_channel
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import ClusterPerf
@@ -181,7 +181,12 @@ class WorkerRegistry:
             for key in [k for k in self.counters if k[1] == worker_id]:
                 del self.counters[key]
         if w is not None:
-            asyncio.get_running_loop().create_task(w.identity.channel.close())
+            # A draining worker finishes its calls in flight before it exits: beats it sent
+            # late (a starved core) do not cut them, and they break by themselves if it has
+            # gone. Any other worker that went silent is presumed lost: its calls are cancelled
+            # now, and their requests resume elsewhere.
+            grace = DRAIN_TIMEOUT_S if w.reported.draining else None
+            asyncio.get_running_loop().create_task(w.identity.channel.close(grace))
             self._changed.set()
 
     # -- queries -------------------------------------------------------------------------------

@@ -71,6 +71,8 @@ class FakeWorker:
     model_identity: str
     free_blocks: int = NUM_BLOCKS
     draining: bool = False
+    silent: bool = False  # its beats stop (a starved or stopped process)
+    token_gap_s: float = 0.001  # between streamed tokens
     # RPC name -> failures for its next calls, in order (workers may share one: the next call
     # to any of them takes the next failure)
     script: dict[str, list[Failure]] = field(default_factory=dict)
@@ -123,8 +125,9 @@ class FakeWorker:
     async def _beat_loop(self, registry: worker_pb2_grpc.RegistryStub, every: float) -> None:
         while True:
             await asyncio.sleep(every)
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await registry.Heartbeat(self._beat(), timeout=1.0)
+            if not self.silent:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await registry.Heartbeat(self._beat(), timeout=1.0)
 
     async def scripted(self, rpc: str, context: grpc.aio.ServicerContext,
                        tokens_so_far: int = 0) -> None:
@@ -194,7 +197,7 @@ class _Servicer(worker_pb2_grpc.WorkerControlServicer, worker_pb2_grpc.DecodeWor
                 lease.ended = "decoded"
             yield wpb.DecodeResponse(token_ids=[t], finish_reason=pb.FINISH_REASON_LENGTH
                                      if last else pb.FINISH_REASON_UNSPECIFIED)
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(self.w.token_gap_s)
 
     # -- prefill worker ----------------------------------------------------------------------
     async def Prefill(self, request: wpb.PrefillRequest,

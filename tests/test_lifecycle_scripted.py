@@ -9,6 +9,7 @@ exactly) or with the status the branch calls for, and every lease a worker grant
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -199,3 +200,30 @@ def test_a_client_leaving_mid_stream_ends_the_lease(router, start) -> None:
     _no_open_lease(d)
     (lease,) = d.leases.values()
     assert lease.ended == "settled" and d.calls["Release"] == 1
+
+
+def test_a_draining_worker_whose_beats_stop_finishes_its_streams(router, start) -> None:
+    """A draining decode worker whose beats stop (late on a starved core, or it exited) leaves
+    the registry, but the stream it serves is not cut: a draining worker finishes what it holds
+    (were it gone, the stream would break by itself and migrate)."""
+    start("prefill")
+    d = start("decode", token_gap_s=0.005)  # 400 tokens: ~2 s
+    registry = router.router.registry
+    dropped: list[float] = []
+
+    def drain_then_fall_silent() -> None:
+        _until(lambda: d.calls["Decode"] >= 1, "the stream started")
+        d.draining = True
+        _until(lambda: registry.workers[d.worker_id].reported.draining, "the router saw it")
+        d.silent = True
+        _until(lambda: d.worker_id not in registry.workers, "the router dropped it")
+        dropped.append(time.monotonic())
+
+    t = threading.Thread(target=drain_then_fall_silent)
+    t.start()
+    tokens, trace, err = _run(router, 400)
+    ended = time.monotonic()
+    t.join(10)
+    assert err is None and tokens == expected(PROMPT, 400), (err, trace)
+    assert dropped and dropped[0] < ended, "the worker was not dropped while it streamed"
+    assert "migrate" not in _names(trace), trace

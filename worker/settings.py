@@ -8,7 +8,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from kvrelay.common.rpc import HEARTBEAT_INTERVAL_S, LEASE_TTL_S
+from kvrelay.common.rpc import DRAIN_TIMEOUT_S, HEARTBEAT_INTERVAL_S, LEASE_TTL_S
 
 ROLES = ("prefill", "decode", "both")
 
@@ -24,7 +24,7 @@ class WorkerSettings:
     cluster_token: str | None = None
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     lease_ttl_s: float = LEASE_TTL_S
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     # Blocks promised to a prefill worker that no router lists any more are reused this long
     # after it left (its writes time out by then). None: the connector's default
     # (kv_transfer.config.NixlConnectorConfig.sender_gone_grace_s, 10 s).
