@@ -96,6 +96,7 @@ class WorkerRegistry:
         self.authenticated = authenticated
         self.workers: dict[str, WorkerState] = {}
         self._task: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # channels of removed workers (strong refs)
         self._changed = asyncio.Event()
         self.perf = ClusterPerf()
         self.counters: dict[tuple[str, str], RouteCounters] = {}
@@ -186,7 +187,9 @@ class WorkerRegistry:
             # gone. Any other worker that went silent is presumed lost: its calls are cancelled
             # now, and their requests resume elsewhere.
             grace = DRAIN_TIMEOUT_S if w.reported.draining else None
-            asyncio.get_running_loop().create_task(w.identity.channel.close(grace))
+            task = asyncio.get_running_loop().create_task(w.identity.channel.close(grace))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
             self._changed.set()
 
     # -- queries -------------------------------------------------------------------------------
