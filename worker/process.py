@@ -110,8 +110,8 @@ class Worker:
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")
             self.kv = KVEndpoint(self.worker_id, model_dir,
                                  sender_gone_grace_s=self.settings.kv_sender_grace_s)
-        # From the files: the worker never tokenizes (structured output loads the tokenizer
-        # when a request first needs it).
+        # From the files: the worker never tokenizes (structured output reads tokenizer.json
+        # when a request first needs it, without transformers).
         eos = eos_token_ids(model_dir)
         connector = self.kv.connector if self.kv else None
         # Loaded on the engine thread itself (see AsyncEngine.spawn: one OpenMP pool).

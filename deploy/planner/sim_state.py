@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvrelay.deploy.planner.trace import TraceRequest
 
 
-@dataclass(eq=False)
+@dataclass
 class SimRequest:
     tr: TraceRequest
     left: int = 0  # prompt tokens still to compute
@@ -45,10 +45,10 @@ class PrefillReplica(Replica):
 
 @dataclass
 class DecodeReplica(Replica):
-    running: set = field(default_factory=set)
+    # the batch, a heap of (the step each request finishes at, join order, request)
+    running: list = field(default_factory=list)
     pending: list = field(default_factory=list)
     kv_used: int = 0
     steps: int = 0  # decode steps so far, and their summed time
     step_s: float = 0.0
     ctx: int = 0  # sum over running requests of prompt_len + gen (as offset)
-    ends: list = field(default_factory=list)  # heap: (step it finishes at, join order, request)

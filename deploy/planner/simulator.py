@@ -211,8 +211,7 @@ class Simulator:
         for r in d.pending:
             r.gen, r.itl_sum = -d.steps, -d.step_s
             d.ctx += r.tr.prompt_len + r.gen
-            heapq.heappush(d.ends, (d.steps + r.tr.output_len - 1, next(self._seq), r))
-        d.running.update(d.pending)
+            heapq.heappush(d.running, (d.steps + r.tr.output_len - 1, next(self._seq), r))
         d.pending = []
         if not d.running:
             d.busy = False
@@ -230,10 +229,10 @@ class Simulator:
     def _decode_done(self, d: DecodeReplica, dt: float) -> None:
         d.steps += 1
         d.step_s += dt
-        freed = bool(d.ends) and d.ends[0][0] <= d.steps
-        while d.ends and d.ends[0][0] <= d.steps:  # finished: output_len - 1 tokens after the first
-            r = heapq.heappop(d.ends)[2]
-            d.running.remove(r)
+        freed = False
+        while d.running and d.running[0][0] <= d.steps:  # output_len - 1 tokens after the first
+            r = heapq.heappop(d.running)[2]
+            freed = True
             d.ctx -= r.tr.prompt_len + r.gen
             r.gen += d.steps
             r.itl_sum += d.step_s
