@@ -82,18 +82,20 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker", "load", "added_block_hashes", "removed_block_hashes", "full_block_set")
+    __slots__ = ("worker", "load", "added_block_hashes", "removed_block_hashes", "full_block_set", "leaving")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     ADDED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REMOVED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FULL_BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
     load: WorkerLoad
     added_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     removed_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     full_block_set: bool
-    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., added_block_hashes: _Optional[_Iterable[int]] = ..., removed_block_hashes: _Optional[_Iterable[int]] = ..., full_block_set: _Optional[bool] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., added_block_hashes: _Optional[_Iterable[int]] = ..., removed_block_hashes: _Optional[_Iterable[int]] = ..., full_block_set: _Optional[bool] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("interval_s", "want_full_block_set", "live_prefill_agents")

@@ -133,6 +133,9 @@ class WorkerRegistry:
             raise ValueError(f"worker {info.worker_id} serves model {info.model_identity}, this "
                              f"router serves {self.model_identity}")
         w = self.workers.get(info.worker_id)
+        if req.leaving:
+            self._leave(w, info)
+            return wpb.HeartbeatResponse(interval_s=self.heartbeat_interval_s)
         known = w.identity if w is not None else None
         if known is not None and known.address != info.address and not self.authenticated:
             logger.warning("refused a beat for worker %s from %s: it is registered at %s and "
@@ -174,9 +177,20 @@ class WorkerRegistry:
             self.on_join(w)
         self._changed.set()
 
-    def _remove(self, worker_id: str, *, prune: bool = True) -> None:
+    def _leave(self, w: WorkerState | None, info: wpb.WorkerInfo) -> None:
+        """A worker's last beat (it is stopping): forget it now, not after missed beats. Only
+        the registered incarnation at its address may: a late last beat of an earlier one (the
+        worker restarted since) or of another process using the id changes nothing."""
+        if w is None or (w.identity.incarnation, w.identity.address) != (info.incarnation,
+                                                                          info.address):
+            return
+        logger.info("worker %s left", w.worker_id)
+        self._remove(w.worker_id, stopping=True)
+
+    def _remove(self, worker_id: str, *, prune: bool = True, stopping: bool = False) -> None:
         """Forget a worker; ``prune``: its routing counters (metric series) too, so that pods
-        coming and going do not grow the router's memory and /metrics forever."""
+        coming and going do not grow the router's memory and /metrics forever. ``stopping``:
+        it said it is (its calls in flight end with its server)."""
         w = self.workers.pop(worker_id, None)
         if prune:
             for key in [k for k in self.counters if k[1] == worker_id]:
@@ -184,9 +198,9 @@ class WorkerRegistry:
         if w is not None:
             # A draining worker finishes its calls in flight before it exits: beats it sent
             # late (a starved core) do not cut them, and they break by themselves if it has
-            # gone. Any other worker that went silent is presumed lost: its calls are cancelled
-            # now, and their requests resume elsewhere.
-            grace = DRAIN_TIMEOUT_S if w.reported.draining else None
+            # gone (as do a stopping worker's). Any other worker that went silent is presumed
+            # lost: its calls are cancelled now, and their requests resume elsewhere.
+            grace = DRAIN_TIMEOUT_S if w.reported.draining or stopping else None
             task = asyncio.get_running_loop().create_task(w.identity.channel.close(grace))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)

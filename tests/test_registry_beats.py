@@ -15,12 +15,14 @@ from kvrelay.router.registry import WorkerRegistry
 
 
 def _beat(*, added: tuple[int, ...] = (), removed: tuple[int, ...] = (), full: bool = True,
-          incarnation: str = "i1", **load: int) -> wpb.HeartbeatRequest:
+          incarnation: str = "i1", address: str = "127.0.0.1:9", leaving: bool = False,
+          **load: int) -> wpb.HeartbeatRequest:
     return wpb.HeartbeatRequest(
-        worker=wpb.WorkerInfo(worker_id="p1", role=wpb.ROLE_PREFILL, address="127.0.0.1:9",
+        worker=wpb.WorkerInfo(worker_id="p1", role=wpb.ROLE_PREFILL, address=address,
                               incarnation=incarnation, block_size=16, max_model_len=4096),
         load=wpb.WorkerLoad(**{"num_blocks": 8, "free_blocks": 8, **load}),
-        added_block_hashes=added, removed_block_hashes=removed, full_block_set=full)
+        added_block_hashes=added, removed_block_hashes=removed, full_block_set=full,
+        leaving=leaving)
 
 
 def _with_registry(body: Callable[[WorkerRegistry], None]) -> None:
@@ -86,4 +88,18 @@ def test_a_restarted_worker_starts_a_fresh_state() -> None:
         assert new is not old and new.identity.incarnation == "i2"
         assert new.accounting.inflight == 0 and new.perf.prefill_fit.n == 0
         assert new.reported.block_hashes == set()
+    _with_registry(body)
+
+
+def test_a_last_beat_removes_the_worker_now_but_only_its_own_incarnation() -> None:
+    def body(reg: WorkerRegistry) -> None:
+        assert not reg.heartbeat(_beat(leaving=True)).want_full_block_set
+        assert "p1" not in reg.workers  # a last beat registers nothing
+        reg.heartbeat(_beat(incarnation="i2"))
+        # a late last beat of an earlier incarnation, or one from another address: ignored
+        reg.heartbeat(_beat(incarnation="i1", leaving=True))
+        reg.heartbeat(_beat(incarnation="i2", address="127.0.0.1:10", leaving=True))
+        assert reg.workers["p1"].identity.incarnation == "i2"
+        reg.heartbeat(_beat(incarnation="i2", leaving=True))  # its own: gone, well before
+        assert "p1" not in reg.workers and reg.alive("prefill") == []  # any missed beat
     _with_registry(body)

@@ -351,6 +351,9 @@ def test_sigterm_drains_a_decode_worker(cluster, ca) -> None:
     for t in threads:
         t.join(120)
     assert cluster.wait_exit(victim, 60) == 0, victim.tail()
+    # Its last beat took it out of the router's list (not missed beats after it exited).
+    log = cluster.router.log.read_text()
+    assert f"worker {victim.name} left" in log and "drained and silent" not in log
     # Every stream in flight finished, those on the victim there (no migration).
     on_victim = 0
     for k, r in results.items():

@@ -49,15 +49,17 @@ class Heartbeater:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def beat_now(self) -> None:
-        """One immediate beat to every router (e.g. to announce draining)."""
-        await asyncio.gather(*(self._send_once(r) for r in self.routers), return_exceptions=True)
+    async def beat_now(self, *, leaving: bool = False, timeout_s: float = 2.0) -> None:
+        """One immediate beat to every router: to announce draining, or (``leaving``) the
+        last one, so that routers forget this worker now rather than after missed beats."""
+        await asyncio.gather(*(self._send_once(r, leaving, timeout_s) for r in self.routers),
+                             return_exceptions=True)
 
-    async def _send_once(self, router: str) -> None:
+    async def _send_once(self, router: str, leaving: bool, timeout_s: float) -> None:
         async with insecure_channel(router) as ch:
             stub = worker_pb2_grpc.RegistryStub(ch)
-            await stub.Heartbeat(wpb.HeartbeatRequest(worker=self.info, load=self.load()),
-                                 metadata=self._md, timeout=2.0)
+            req = wpb.HeartbeatRequest(worker=self.info, load=self.load(), leaving=leaving)
+            await stub.Heartbeat(req, metadata=self._md, timeout=timeout_s)
 
     async def _beat(self, router: str) -> None:
         sent: AbstractSet[int] | None = None  # block hashes this router knows of
