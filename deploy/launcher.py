@@ -28,9 +28,9 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from kvrelay.common.omp_env import apply_worker_omp_defaults
 from kvrelay.deploy.actors import RouterActor, WorkerActor
 from kvrelay.deploy.autoscaler import AutoscaleConfig
+from kvrelay.deploy.ray_connect import NAMESPACE, worker_env
 from kvrelay.deploy.spec import PoolSpec, ServeSpec
 
 if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "kvrelay-controller"
 ROUTER_NAME = "kvrelay-router"
-NAMESPACE = "kvrelay"
 POOLS = ("prefill", "decode", "both")
 READY_TIMEOUT_S = 120.0  # started pools -> the router can serve a request
 
@@ -170,13 +169,10 @@ class Controller:
         engine = replace(self.spec.engine, role=pool,
                          model=replace(self.spec.engine.model, num_threads=threads,
                                        tensor_parallel_size=ps.tp))
-        # The actor's process imports torch before start() runs: its OpenMP settings travel
-        # in the runtime env (see common/omp_env.py).
-        env_vars = apply_worker_omp_defaults(dict(os.environ))
-        if self.spec.loopback and "UCX_NET_DEVICES" not in os.environ:
-            # The KV data plane (UCX under NIXL) listens on every network device unless told
-            # otherwise; an embedded Ray keeps it on loopback with the rest.
-            env_vars["UCX_NET_DEVICES"] = "lo"
+        # The actor's process imports torch before start() runs: what its environment (this
+        # node's Ray's) lacks travels in a runtime env (see common/omp_env.py); an embedded Ray
+        # has it all (init_ray), so the actor can take an idle, already started Ray worker.
+        env_vars = worker_env(os.environ, loopback=self.spec.loopback)
         opts: dict[str, Any] = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
         actor = WorkerActor.options(
             num_cpus=ps.cpus, num_gpus=ps.gpus, resources=ps.resources or None,

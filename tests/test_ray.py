@@ -100,6 +100,11 @@ def test_serve_1p1d_greedy_equals_engine_alone(served, jobs, ray_session) -> Non
         for r in served.replicas().values():
             addrs = listening(r["pid"])
             assert addrs and all(is_loopback(a) for a in addrs), (r["worker_id"], addrs)
+            # Set before torch and UCX loaded: inherited from the embedded Ray (no runtime env)
+            with open(f"/proc/{r['pid']}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            assert env[b"UCX_NET_DEVICES"] == b"lo" and env[b"GOMP_SPINCOUNT"] == b"20000"
+        assert "UCX_NET_DEVICES" not in os.environ  # the driver's own is left as it was
     assert_no_leaked_blocks(served)
     with Client(served.target) as c:
         for k, job in enumerate(jobs[:8]):
