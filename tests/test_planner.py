@@ -116,6 +116,10 @@ def test_planner_steps_are_bounded_budgeted_and_scale_down_waits() -> None:
     got = [pl.decide(_obs(2 * i, 1.0, 3, 2)).prefill for i in range(1, 10)]
     assert got[0] == 3 and 2 in got and min(got) >= 1
     assert got.index(2) >= 5  # 10 s at 2 s intervals
+    # a larger down_step shrinks to the need in one step, after the same wait
+    pl = Planner(PROFILE, replace(cfg, burst_memory_s=0, down_step=2))
+    got = [pl.decide(_obs(2 * i, 1.0, 3, 2)).prefill for i in range(1, 10)]
+    assert 2 not in got and got.index(1) >= 5
 
 
 def test_a_growing_backlog_is_sized_as_it_will_be_when_a_replica_is_up() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_harness import LOG_LEVEL, Load, Served, prompt_ids, serve_args, wait_for
+from ray_harness import LOG_LEVEL, Load, Served, prompt_ids, serve_args, wait_for, workers_used
 
 pytestmark = pytest.mark.slow
 PROFILE = Path(__file__).resolve().parent.parent / "bench/results/planner/profile-demo.json"
@@ -29,6 +29,7 @@ def served(ray_session, demo_model_dir):
     args = serve_args(demo_model_dir, "--planner", "--profile", str(PROFILE),
                       "--ttft-slo-ms", "150", "--itl-slo-ms", "40", "--max-replicas", "4",
                       "--planner-interval", "1", "--planner-down-delay", "4",
+                      "--planner-down-step", "2",
                       "--replica-startup", "6", "--planner-burst-memory", "10")
     spec = build_spec(args, loopback=True)
     assert spec.planner is not None and spec.autoscale is None and LOG_LEVEL
@@ -62,7 +63,9 @@ def test_planner_scales_up_under_a_ramp_and_back_down_with_no_failed_request(ser
             assert not high.errors, high.errors[:3]
             return sum(served.counts().values()) > 2
         wait_for(grown, 180, "the planner scaled up", every=0.5)
-        time.sleep(3)  # some requests on the grown pools
+        added = set(served.replicas()) - {"prefill-1", "decode-1"}
+        wait_for(lambda: workers_used(high.done) & added, 60,  # requests on the grown pools
+                 f"a request served by {sorted(added)}", every=0.2)
     high.check(None)
     with Load(served.target, light, clients=1, max_per_client=10_000) as back:
         def shrunk() -> bool:
