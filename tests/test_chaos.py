@@ -127,7 +127,7 @@ def test_stall_and_kill_workers_under_load(cluster, llm) -> None:
     prefills = [cluster.proc("prefill-1"), cluster.proc("prefill-2")]
     decodes = [cluster.proc("decode-1"), cluster.proc("decode-2")]
     try:
-        time.sleep(2.0)  # steady state
+        time.sleep(1.0)  # steady state
         # A prefill worker in the middle of a prompt: its KV streams layer by layer while it
         # computes, so this is mid-transfer. One stalls; then one (which the policy still
         # sends prompts to) dies.
@@ -135,23 +135,23 @@ def test_stall_and_kill_workers_under_load(cluster, llm) -> None:
         victim = _wait_for(cluster, prefills, mid_prompt)
         assert victim is not None, "no prefill worker had a prompt in flight"
         _stall(victim, 2.0)
-        time.sleep(2.0)
+        time.sleep(1.0)
         victim = _wait_for(cluster, prefills, mid_prompt)
         assert victim is not None, "no prefill worker had a prompt in flight"
         cluster.kill(victim)
-        time.sleep(2.0)
+        time.sleep(1.0)
         # A decode worker streaming tokens to several clients (and, most likely, receiving some
         # prompt's KV as well): one stalls, then one dies.
         streaming = lambda ld: ld.running >= 2  # noqa: E731
         victim = _wait_for(cluster, decodes, streaming)
         assert victim is not None, "no decode worker had streams running"
         _stall(victim, 2.0)
-        time.sleep(2.0)
+        time.sleep(1.0)
         victim = (_wait_for(cluster, decodes, lambda ld: streaming(ld) and ld.waiting_for_kv >= 1,
                             timeout=20) or _wait_for(cluster, decodes, streaming))
         assert victim is not None, "no decode worker had streams running"
         cluster.kill(victim)
-        time.sleep(3.0)
+        time.sleep(2.0)
     finally:
         stop.set()
         deadline = time.monotonic() + JOIN_S
