@@ -355,8 +355,9 @@ class Ranks:
         self.shard.broadcast(packed)
 
     def abandon(self) -> None:
-        """After a failed collective: stop without telling the ranks (the group is broken)."""
-        self.closed = True
+        """After a failed collective: stop without telling the ranks (the group is broken);
+        ``close`` then kills them at once, as one may be stuck and never exit by itself."""
+        self.closed = self.abandoned = True
 
     def close(self) -> None:
         if getattr(self, "closed", True) is False:
@@ -369,7 +370,8 @@ class Ranks:
         if getattr(self, "kv_shm", ""):
             unlink_kv_shm(self.kv_shm, self.size)
         for p in self.procs:
-            p.join(timeout=5)
+            if not getattr(self, "abandoned", False):
+                p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
