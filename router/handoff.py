@@ -210,6 +210,11 @@ class Handoff:
                 exhausted = exhausted or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 ctx.writes_unsettled = False
                 continue
+            except grpc.aio.UsageError:  # p left the registry (its channel closed): never sent
+                last = f"{p.worker_id}: left the registry"
+                trace.add("prefill_failed", p.worker_id, detail=last)
+                ctx.writes_unsettled = False
+                continue
             except asyncio.CancelledError:
                 if not call_cancelled(self.registry, p):
                     raise

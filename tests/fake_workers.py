@@ -20,8 +20,9 @@ import contextlib
 import itertools
 import secrets
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -76,6 +77,8 @@ class FakeWorker:
     # RPC name -> failures for its next calls, in order (workers may share one: the next call
     # to any of them takes the next failure)
     script: dict[str, list[Failure]] = field(default_factory=dict)
+    # RPC name -> awaited with the request before the next call is answered (once)
+    before: dict[str, Callable[[Any], Awaitable[None]]] = field(default_factory=dict)
     calls: Counter[str] = field(default_factory=Counter)
     leases: dict[str, Lease] = field(default_factory=dict)  # lease id -> lease
     address: str = ""
@@ -83,6 +86,13 @@ class FakeWorker:
 
     def fail(self, rpc: str, *failures: Failure) -> None:
         self.script.setdefault(rpc, []).extend(failures)
+
+    async def leave(self) -> None:
+        """Send the last beat a stopping worker sends, then fall silent (it still serves)."""
+        self.silent = True
+        req = self._beat()
+        req.leaving = True
+        await worker_pb2_grpc.RegistryStub(self._channel).Heartbeat(req, timeout=1.0)
 
     def open_leases(self) -> list[Lease]:
         return [lease for lease in self.leases.values() if not lease.ended]
@@ -130,11 +140,14 @@ class FakeWorker:
                     await registry.Heartbeat(self._beat(), timeout=1.0)
 
     async def scripted(self, rpc: str, context: grpc.aio.ServicerContext,
-                       tokens_so_far: int = 0) -> None:
-        """Count the call (on its first token, for Decode) and abort it when the script says
-        so."""
+                       tokens_so_far: int = 0, request: Any = None) -> None:
+        """Count the call (on its first token, for Decode), run its ``before`` hook, and abort
+        it when the script says so."""
         if tokens_so_far == 0:
             self.calls[rpc] += 1
+            hook = self.before.pop(rpc, None)
+            if hook is not None:
+                await hook(request)
         queue = self.script.get(rpc)
         if queue and queue[0].after_tokens <= tokens_so_far:
             f = queue.pop(0)
@@ -150,7 +163,7 @@ class _Servicer(worker_pb2_grpc.WorkerControlServicer, worker_pb2_grpc.DecodeWor
     # -- decode worker -----------------------------------------------------------------------
     async def Reserve(self, request: wpb.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> wpb.ReserveResponse:
-        await self.w.scripted("Reserve", context)
+        await self.w.scripted("Reserve", context, request=request)
         n = -(-(len(request.prompt_token_ids) + 1) // BLOCK_SIZE)
         lease_id = secrets.token_hex(6)
         self.w.leases[lease_id] = Lease(request.request_id, n, [request.sender_agent])

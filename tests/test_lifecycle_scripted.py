@@ -121,6 +121,27 @@ def test_a_prefill_refused_before_writing_reruns_under_the_same_lease(router, st
     _no_open_lease(d)
 
 
+def test_a_prefill_worker_that_left_before_its_call_is_replaced(router, start) -> None:
+    """The prefill worker chosen for a request sends its last beat (it drained and stops)
+    while the request reserves KV: the router has closed its channel, so the Prefill is never
+    sent; it goes to the other prefill worker under the same lease."""
+    p1, p2 = start("prefill"), start("prefill")
+    d = start("decode")
+    by_id = {p.worker_id: p for p in (p1, p2)}
+
+    async def chosen_leaves(req) -> None:
+        await by_id[req.sender_agent].leave()  # answered: the registry has dropped it
+        assert req.sender_agent not in router.router.registry.workers
+    d.before["Reserve"] = chosen_leaves
+    tokens, trace, err = _run(router, 8)
+    assert err is None and tokens == expected(PROMPT, 8), (err, trace)
+    (failed,) = [w for name, w in trace if name == "prefill_failed"]
+    assert by_id[failed].calls["Prefill"] == 0 and "migrate" not in _names(trace), trace
+    (lease,) = d.leases.values()
+    assert lease.senders == [failed, next(p for p in by_id if p != failed)]
+    _no_open_lease(d)
+
+
 def test_a_prefill_that_may_have_written_takes_a_fresh_lease(router, start) -> None:
     p1 = start("prefill")
     start("prefill", script=p1.script)
