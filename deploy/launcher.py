@@ -345,6 +345,10 @@ class ClusterHandle:
         """Turn the autoscaler on with ``config`` (replacing the running one) or off (None)."""
         return ray.get(self.controller.set_autoscale.remote(config), timeout=timeout)
 
+    def planner(self, spec: PlannerSpec | None, timeout: float = 30.0) -> bool:
+        """Turn the SLO planner on with ``spec`` (replacing the running policy) or off (None)."""
+        return ray.get(self.controller.set_planner.remote(spec), timeout=timeout)
+
     def shutdown(self, timeout: float = 120.0) -> None:
         try:
             ray.get(self.controller.shutdown.remote(), timeout=timeout)

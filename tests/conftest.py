@@ -27,13 +27,17 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 collect_ignore = [] if os.environ.get("KVRELAY_GPU_TESTS") == "1" else ["gpu"]
 
 
-# The modules on Ray share one embedded Ray (``ray_session``): they run last, one after the other,
-# so that it is started once and stopped with the session, idle under no other test.
-ON_RAY = ("test_planner_live.py", "test_ray.py")
+# The modules on Ray share one embedded Ray (``ray_session``) and one cluster on it
+# (``ray_served``): they run last, in this order (test_ray starts from the fresh cluster), so
+# that both are started once and stopped with the session, idle under no other test.
+ON_RAY = ("test_ray.py", "test_planner_live.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda it: it.path.name in ON_RAY)  # stable: modules stay whole, in order
+    def rank(it: pytest.Item) -> int:
+        name = it.path.name
+        return ON_RAY.index(name) + 1 if name in ON_RAY else 0
+    items.sort(key=rank)  # stable: modules stay whole, in order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -92,3 +96,22 @@ def ray_session() -> Iterator[Any]:
     from ray_harness import embedded_ray
 
     yield from embedded_ray()
+
+
+@pytest.fixture(scope="session")
+def ray_served(ray_session: Any, demo_model_dir: str) -> Iterator[Any]:
+    """One ``kvrelay serve`` (1P1D of the demo model, started as the CLI starts it) on the
+    session's Ray, shared by its modules: each leaves it at 1P1D with no policy on."""
+    from ray_harness import Served, serve_args
+
+    from kvrelay.deploy.launcher import start
+    from kvrelay.deploy.ray_cli import build_spec
+
+    spec = build_spec(serve_args(demo_model_dir), loopback=True)
+    assert spec.worker.cluster_token  # generated: no --cluster-token was given
+    handle, info = start(spec)
+    try:
+        yield Served(handle, info, ray_session.get_runtime_context().gcs_address,
+                     spec.worker.cluster_token)
+    finally:
+        handle.shutdown()

@@ -1,10 +1,10 @@
 """The SLO planner on a real local Ray (``kvrelay serve --planner``): under a ramp low -> heavy ->
 low it scales the pools up, then back down, and no request fails.
 
-One cluster for the module, on the session's embedded Ray (helpers in ray_harness). The
-planner reads the committed demo profile (measured with 2 torch threads; the replicas here run
-1, so its corrections have real work to do). Every wait is a bounded poll; nothing asserts
-timing.
+The session's cluster on its embedded Ray (conftest's ``ray_served``, which test_ray used
+before), the planner turned on for the module (helpers in ray_harness). The planner reads the
+committed demo profile (measured with 2 torch threads; the replicas here run 1, so its
+corrections have real work to do). Every wait is a bounded poll; nothing asserts timing.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ PROFILE = Path(__file__).resolve().parent.parent / "bench/results/planner/profil
 
 
 @pytest.fixture(scope="module")
-def served(ray_session, demo_model_dir):
-    from kvrelay.deploy.launcher import start
+def served(ray_served, demo_model_dir):
+    """The session's cluster (conftest's ``ray_served``, at 1P1D), the planner on as
+    ``kvrelay serve --planner`` with these flags would start it."""
     from kvrelay.deploy.ray_cli import build_spec
 
     args = serve_args(demo_model_dir, "--planner", "--profile", str(PROFILE),
@@ -33,12 +34,11 @@ def served(ray_session, demo_model_dir):
                       "--replica-startup", "6", "--planner-burst-memory", "10")
     spec = build_spec(args, loopback=True)
     assert spec.planner is not None and spec.autoscale is None and LOG_LEVEL
-    handle, info = start(spec)
+    assert ray_served.handle.planner(spec.planner)
     try:
-        yield Served(handle, info, ray_session.get_runtime_context().gcs_address,
-                     spec.worker.cluster_token)
+        yield ray_served
     finally:
-        handle.shutdown()
+        ray_served.handle.planner(None)
 
 
 def planner_decisions(served: Served, since: float) -> list[dict[str, Any]]:
@@ -47,6 +47,7 @@ def planner_decisions(served: Served, since: float) -> list[dict[str, Any]]:
 
 def test_planner_scales_up_under_a_ramp_and_back_down_with_no_failed_request(served) -> None:
     assert served.counts() == {"prefill": 1, "decode": 1, "both": 0}
+    first = set(served.replicas())
     t0 = time.time()
 
     def light(k: int, i: int) -> tuple[int, list[int], int]:
@@ -63,7 +64,7 @@ def test_planner_scales_up_under_a_ramp_and_back_down_with_no_failed_request(ser
             assert not high.errors, high.errors[:3]
             return sum(served.counts().values()) > 2
         wait_for(grown, 180, "the planner scaled up", every=0.5)
-        added = set(served.replicas()) - {"prefill-1", "decode-1"}
+        added = set(served.replicas()) - first
         wait_for(lambda: workers_used(high.done) & added, 60,  # requests on the grown pools
                  f"a request served by {sorted(added)}", every=0.2)
     high.check(None)

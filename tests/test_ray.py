@@ -1,10 +1,10 @@
 """kvrelay on a real local Ray: ``kvrelay serve``'s launcher, live scaling and the autoscaler.
 
 One cluster (router + worker actors, a placement group per replica), on the session's embedded,
-loopback-only Ray (conftest's ``ray_session``), serves the whole module, started exactly as
-``kvrelay serve`` starts it (its parser and ``build_spec``). Nothing is mocked: requests go over
-gRPC to the router, KV over NIXL from prefill to decode actors. Every wait is a bounded poll;
-nothing asserts timing.
+loopback-only Ray, serves the whole module (and then test_planner_live: conftest's
+``ray_served``), started exactly as ``kvrelay serve`` starts it (its parser and
+``build_spec``). Nothing is mocked: requests go over gRPC to the router, KV over NIXL from
+prefill to decode actors. Every wait is a bounded poll; nothing asserts timing.
 
 1. 1P1D answers with the engine-alone greedy tokens; the router runs on the driver's node.
 2. 1P1D -> 2P2D while 16 clients stream: every request completes with the right tokens.
@@ -68,19 +68,9 @@ def jobs(llm) -> list[Job]:
 
 
 @pytest.fixture(scope="module")
-def served(ray_session, demo_model_dir, jobs):
-    from kvrelay.deploy.launcher import start
-    from kvrelay.deploy.ray_cli import build_spec
-
-    ray = ray_session
-    spec = build_spec(serve_args(demo_model_dir), loopback=True)
-    assert spec.worker.cluster_token  # generated: no --cluster-token was given
-    handle, info = start(spec)
-    try:
-        yield Served(handle, info, ray.get_runtime_context().gcs_address,
-                     spec.worker.cluster_token)
-    finally:
-        handle.shutdown()
+def served(ray_served, jobs):
+    """The session's cluster (conftest's ``ray_served``), fresh: this module runs first."""
+    return ray_served
 
 
 # -- 1. serve 1P1D ---------------------------------------------------------------------------------
