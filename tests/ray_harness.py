@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+from polling import wait_for
 
 from kvrelay.client import Client, Completion, sampling
 from kvrelay.common.rpc import token_metadata
@@ -39,17 +40,6 @@ class Job:
     ids: list[int]
     max_tokens: int
     want: list[int] = field(default_factory=list)  # greedy tokens of the engine alone
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what} not within {timeout:.0f}s")
-        time.sleep(every)
 
 
 def embedded_ray() -> Iterator[Any]:

@@ -10,11 +10,11 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from polling import wait_for
 
 from bench.http_standin import StandinService
 from kvrelay.router.http_api import HttpServer
@@ -78,13 +78,6 @@ def _send(port: int, rid: str, stream: bool) -> socket.socket:
     return s
 
 
-def _until(cond, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def _read_all(s: socket.socket) -> bytes:
     buf = b""
     with s:
@@ -97,11 +90,13 @@ def _read_all(s: socket.socket) -> bytes:
 def test_leaving_before_the_first_token_closes_the_request(server, stream: bool) -> None:
     port, svc, loop = server
     stays, leaves = _send(port, "stays", stream), _send(port, "leaves", stream)
-    _until(lambda: {"stays", "leaves"} <= svc.started, "the requests did not start")
+    wait_for(lambda: {"stays", "leaves"} <= svc.started, 10, "the requests starting",
+             every=0.02)
     leaves.close()
     # The stream of the request whose client left is closed while it still waits, before
     # it yields anything; the other one keeps waiting.
-    _until(lambda: "leaves" in svc.closed, "the request outlived its client")
+    wait_for(lambda: "leaves" in svc.closed, 10, "the request ending with its client",
+             every=0.02)
     assert "leaves" not in svc.delivered and "stays" not in svc.closed
     loop.call_soon_threadsafe(svc.release.set)
     answer = _read_all(stays)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 from fake_workers import Failure, FakeWorker, expected, fake
+from polling import wait_for
 from router_in_process import RouterInProcess
 
 from kvrelay.client import Client, sampling
@@ -34,13 +35,6 @@ def router(demo_model_dir: str) -> Iterator[RouterInProcess]:
         yield r
 
 
-def _until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def start(router: RouterInProcess) -> Iterator[Callable[..., FakeWorker]]:
     """``start(role, **fields) -> FakeWorker``, joined; all of them stopped after the test,
@@ -52,13 +46,15 @@ def start(router: RouterInProcess) -> Iterator[Callable[..., FakeWorker]]:
         w = fake(role, registry.model_identity, **kw)
         router.call(w.start(router.control_address, BEAT_S))
         started.append(w)
-        _until(lambda: w.worker_id in registry.workers, f"{w.worker_id} joined")
+        wait_for(lambda: w.worker_id in registry.workers, 5, f"{w.worker_id} joining",
+                 every=0.01)
         return w
 
     yield start
     for w in started:
         router.call(w.stop())
-    _until(lambda: not registry.workers, "stopped workers left the registry")
+    wait_for(lambda: not registry.workers, 5, "stopped workers leaving the registry",
+             every=0.01)
 
 
 def _run(router: RouterInProcess, max_tokens: int, prompt: list[int] = PROMPT
@@ -78,8 +74,8 @@ def _run(router: RouterInProcess, max_tokens: int, prompt: list[int] = PROMPT
 
 
 def _no_open_lease(*workers: FakeWorker) -> None:
-    _until(lambda: not any(w.open_leases() for w in workers),
-           f"leases left open: {[w.open_leases() for w in workers]}")
+    wait_for(lambda: not any(w.open_leases() for w in workers), 5,
+             f"every lease ending (open: {[w.open_leases() for w in workers]})", every=0.01)
 
 
 def _names(trace: list[tuple[str, str]]) -> list[str]:
@@ -233,11 +229,13 @@ def test_a_draining_worker_whose_beats_stop_finishes_its_streams(router, start) 
     dropped: list[float] = []
 
     def drain_then_fall_silent() -> None:
-        _until(lambda: d.calls["Decode"] >= 1, "the stream started")
+        wait_for(lambda: d.calls["Decode"] >= 1, 5, "the stream starting", every=0.01)
         d.draining = True
-        _until(lambda: registry.workers[d.worker_id].reported.draining, "the router saw it")
+        wait_for(lambda: registry.workers[d.worker_id].reported.draining, 5,
+                 "the router seeing it", every=0.01)
         d.silent = True
-        _until(lambda: d.worker_id not in registry.workers, "the router dropped it")
+        wait_for(lambda: d.worker_id not in registry.workers, 5, "the router dropping it",
+                 every=0.01)
         dropped.append(time.monotonic())
 
     t = threading.Thread(target=drain_then_fall_silent)
