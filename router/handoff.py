@@ -192,13 +192,7 @@ class Handoff:
             if p.worker_id != bound:  # nothing was written under the lease: promise it to p
                 await self._rebind(spec, d, lease, p)
                 bound = p.worker_id
-            ctx.drop_claim()  # the dispatch charges p itself now
-            clean = p.accounting.inflight == 0
-            p.accounting.dispatches += 1
-            dispatched = p.accounting.dispatches
-            uncharge = self._claim(p, ctx)  # before the expectation: it would count as cached
-            p.expect(ctx.req.hashes(p.identity.block_size),
-                     time.monotonic() + self.registry.expect_s)
+            clean, dispatched, uncharge = self._dispatch(p, ctx)
             trace.add(*(("destination", p.worker_id, d.worker_id) if ctx.ahead is not None
                         else ("prefill_start", p.worker_id,
                               ctx.reason if len(tried) == 1 else "retry")))
@@ -233,6 +227,17 @@ class Handoff:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               "prefill workers are saturated", retry_after_s=1.0)
         raise WorkerLost(f"prefill failed on every worker tried ({last})")
+
+    def _dispatch(self, p: WorkerState, ctx: Pass) -> tuple[bool, int, Callable[[], None]]:
+        """Charge ``p`` with the pass's prompt: whether it had nothing of this router's in
+        flight, its dispatch count now, and the undo of the charge."""
+        ctx.drop_claim()  # the dispatch charges p itself now
+        clean = p.accounting.inflight == 0
+        p.accounting.dispatches += 1
+        uncharge = self._claim(p, ctx)  # before the expectation: it would count as cached
+        p.expect(ctx.req.hashes(p.identity.block_size),
+                 time.monotonic() + self.registry.expect_s)
+        return clean, p.accounting.dispatches, uncharge
 
     async def _call_prefill(self, spec: GenerateSpec, p: WorkerState, req: wpb.PrefillRequest,
                             dest: wpb.KVDestination, trace: Trace,
