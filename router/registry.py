@@ -37,6 +37,7 @@ MAX_ADDRESS_LEN = 256
 MAX_IDENTITY_LEN = 256
 MAX_BLOCK_SIZE = 1024
 MIN_WORKER_MODEL_LEN = 256  # or 0: not reported
+MAX_DRAIN_TIMEOUT_S = 86_400.0
 # MAX_WORKER_BLOCKS (worker_state): it also caps the block hashes held for one worker
 
 
@@ -62,6 +63,9 @@ def validate_beat(req: wpb.HeartbeatRequest) -> None:
     if info.max_model_len and info.max_model_len < max(MIN_WORKER_MODEL_LEN, info.block_size):
         raise ValueError(f"max_model_len must be at least {MIN_WORKER_MODEL_LEN} (or 0: not "
                          f"reported), got {info.max_model_len}")
+    if not 0 <= info.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S:  # (NaN fails too)
+        raise ValueError(f"drain_timeout_s must be in [0, {MAX_DRAIN_TIMEOUT_S:g}] seconds, got "
+                         f"{info.drain_timeout_s}")
     if load.num_blocks > MAX_WORKER_BLOCKS or load.free_blocks > load.num_blocks:
         raise ValueError(f"num_blocks must be at most {MAX_WORKER_BLOCKS} and free_blocks at "
                          f"most num_blocks")
@@ -200,7 +204,7 @@ class WorkerRegistry:
             # late (a starved core) do not cut them, and they break by themselves if it has
             # gone (as do a stopping worker's). Any other worker that went silent is presumed
             # lost: its calls are cancelled now, and their requests resume elsewhere.
-            grace = DRAIN_TIMEOUT_S if w.reported.draining or stopping else None
+            grace = w.identity.drain_timeout_s if w.reported.draining or stopping else None
             task = asyncio.get_running_loop().create_task(w.identity.channel.close(grace))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
@@ -277,6 +281,7 @@ def _connect(info: wpb.WorkerInfo) -> WorkerIdentity:
         worker_id=info.worker_id, role=role, address=info.address,
         incarnation=info.incarnation, model_identity=info.model_identity,
         block_size=info.block_size, max_model_len=info.max_model_len, channel=ch,
+        drain_timeout_s=info.drain_timeout_s or DRAIN_TIMEOUT_S,
         decode=worker_pb2_grpc.DecodeWorkerStub(ch) if role in ("decode", "both") else None,
         prefill=worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else None)
 
@@ -286,5 +291,6 @@ def _status(w: WorkerState, now: float) -> wpb.WorkerStatus:
     return wpb.WorkerStatus(
         info=wpb.WorkerInfo(worker_id=i.worker_id, role=ROLE_ENUMS[i.role], address=i.address,
                             incarnation=i.incarnation, model_identity=i.model_identity,
-                            block_size=i.block_size, max_model_len=i.max_model_len),
+                            block_size=i.block_size, max_model_len=i.max_model_len,
+                            drain_timeout_s=i.drain_timeout_s),
         load=w.reported.load, last_seen_ms_ago=(now - w.reported.last_seen) * 1000.0)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvrelay.common.rpc import DRAIN_TIMEOUT_S
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import WorkerPerf
@@ -42,6 +43,7 @@ class WorkerIdentity:
     channel: grpc.aio.Channel
     decode: worker_pb2_grpc.DecodeWorkerStub | None = None
     prefill: worker_pb2_grpc.PrefillWorkerStub | None = None
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # how long it finishes its calls once draining
 
 
 @dataclass

@@ -10,16 +10,18 @@ from collections.abc import Callable
 
 import pytest
 
+from kvrelay.common.rpc import DRAIN_TIMEOUT_S
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.registry import WorkerRegistry
 
 
 def _beat(*, added: tuple[int, ...] = (), removed: tuple[int, ...] = (), full: bool = True,
           incarnation: str = "i1", address: str = "127.0.0.1:9", leaving: bool = False,
-          **load: int) -> wpb.HeartbeatRequest:
+          drain_timeout_s: float = 0.0, **load: int) -> wpb.HeartbeatRequest:
     return wpb.HeartbeatRequest(
         worker=wpb.WorkerInfo(worker_id="p1", role=wpb.ROLE_PREFILL, address=address,
-                              incarnation=incarnation, block_size=16, max_model_len=4096),
+                              incarnation=incarnation, block_size=16, max_model_len=4096,
+                              drain_timeout_s=drain_timeout_s),
         load=wpb.WorkerLoad(**{"num_blocks": 8, "free_blocks": 8, **load}),
         added_block_hashes=added, removed_block_hashes=removed, full_block_set=full,
         leaving=leaving)
@@ -83,9 +85,11 @@ def test_a_restarted_worker_starts_a_fresh_state() -> None:
         old = reg.workers["p1"]
         old.accounting.inflight = 4
         old.perf.prefill_fit.observe(64, 0.02)
-        reg.heartbeat(_beat(incarnation="i2"))
+        assert old.identity.drain_timeout_s == DRAIN_TIMEOUT_S  # not reported: the default
+        reg.heartbeat(_beat(incarnation="i2", drain_timeout_s=90.0))
         new = reg.workers["p1"]
         assert new is not old and new.identity.incarnation == "i2"
+        assert new.identity.drain_timeout_s == 90.0  # its --drain-timeout: its calls' grace
         assert new.accounting.inflight == 0 and new.perf.prefill_fit.n == 0
         assert new.reported.block_hashes == set()
     _with_registry(body)

@@ -55,6 +55,7 @@ def _context(c: Cluster) -> int:
     {"load": wpb.WorkerLoad(num_blocks=8, free_blocks=9)},
     {"load": wpb.WorkerLoad(num_blocks=1 << 30)},
     {"hashes": 65},  # more blocks hashed than the worker has
+    {"drain_timeout_s": -1.0}, {"drain_timeout_s": float("nan")}, {"drain_timeout_s": 1e9},
 ])
 def test_out_of_bounds_heartbeats_are_refused(cluster, bad) -> None:
     assert _beat(cluster, **bad) == grpc.StatusCode.FAILED_PRECONDITION

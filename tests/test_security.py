@@ -39,6 +39,7 @@ from kvrelay.proto import worker_pb2 as wpb
 pytestmark = pytest.mark.slow
 
 MODEL = "demo"
+DRAIN_S = 45.0  # the workers' --drain-timeout
 MAX_INFLIGHT = 4
 ENV_KEY = "sk-env-" + secrets.token_hex(12)
 FILE_KEY = "sk-file-" + secrets.token_hex(12)
@@ -117,6 +118,7 @@ def cluster(demo_model_dir, tmp_path_factory, tls):
     key_file.write_text(f"# one key a line\n{FILE_KEY}\n\n")
     _, cert, key = tls
     c = Cluster(demo_model_dir, work, prefill=1, decode=2, cluster_token=TOKEN,
+                worker_args=("--drain-timeout", str(DRAIN_S)),
                 env={"KVRELAY_API_KEYS": ENV_KEY, "KVRELAY_LOG_LEVEL": "DEBUG"},
                 router_args=("--http-port", "0", "--served-model-name", MODEL,
                              "--api-key-file", str(key_file), "--tls-cert", str(cert),
@@ -337,6 +339,8 @@ def test_sigterm_drains_a_decode_worker(cluster, ca) -> None:
         time.sleep(0.01)
     other = next(p for p in decoders if p is not victim)
     cluster.kill(victim, signal.SIGTERM)
+    # Its beats told the router how long it may take to drain (the grace of its calls).
+    assert {w.info.drain_timeout_s for w in cluster.registered()} == {DRAIN_S}
     # Once it has announced the drain, new requests go to the other decode worker.
     while not any(w.load.draining for w in cluster.registered()
                   if w.info.worker_id == victim.name):

@@ -179,7 +179,8 @@ class Worker:
         self.info = info = wpb.WorkerInfo(
             worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
             incarnation=self.incarnation, model_identity=core.runner.arch.identity,
-            block_size=core.config.cache.block_size, max_model_len=core.max_model_len)
+            block_size=core.config.cache.block_size, max_model_len=core.max_model_len,
+            drain_timeout_s=st.drain_timeout_s)
         # The prefix cache's block hashes ride on the beats (deltas) for prefix-aware routing.
         bm = core.block_manager
         self.heartbeater = Heartbeater(list(st.routers), info, self._load,
