@@ -29,7 +29,7 @@ def served(ray_served, demo_model_dir):
 
     args = serve_args(demo_model_dir, "--planner", "--profile", str(PROFILE),
                       "--ttft-slo-ms", "150", "--itl-slo-ms", "40", "--max-replicas", "4",
-                      "--planner-interval", "1", "--planner-down-delay", "4",
+                      "--planner-interval", "1", "--planner-down-delay", "2",
                       "--planner-down-step", "2",
                       "--replica-startup", "6", "--planner-burst-memory", "10")
     spec = build_spec(args, loopback=True)

@@ -191,7 +191,7 @@ def autoscale_config(model: str) -> Any:
         "--max-decode", "2", "--prefill-queued-tokens-target", "1000",
         "--decode-running-target", "10", "--decode-kv-usage-target", "0.9",
         "--autoscale-interval", "0.5", "--autoscale-sustain", "2",
-        "--autoscale-idle-ticks", "4", "--autoscale-cooldown", "2")
+        "--autoscale-idle-ticks", "2", "--autoscale-cooldown", "2")
     cfg = build_spec(args, loopback=True).autoscale
     assert cfg is not None and cfg.prefill_queued_tokens_per_replica == 1000
     assert cfg.interval_s == 0.5 and cfg.cooldown_s == 2.0 and cfg.decode.max_replicas == 2
@@ -253,7 +253,7 @@ def test_autoscaler_grows_each_pool_on_its_own_signal_and_shrinks_when_idle(
         t1 = time.time()
 
         def long_generation(k: int, i: int) -> tuple[int, list[int], int]:
-            return -1, prompt_ids(8, random.Random(50_000 + k * 1000 + i)), 256
+            return -1, prompt_ids(8, random.Random(50_000 + k * 1000 + i)), 128
         with Load(served.target, long_generation, clients=CLIENTS) as load:
             run_until_scaled(served, load, "decode", "prefill")
         load.check(None)
