@@ -197,6 +197,28 @@ def test_simulator_is_deterministic_and_capacity_matters(tmp_path) -> None:
     assert starved.failed > 0
 
 
+def test_planned_decode_steps_replay_as_stepping_one_at_a_time() -> None:
+    """Without shared cores a decode replica's steps up to its batch's next finish are one
+    event, cut short where a request joins; stepping one at a time (the shared-cores path,
+    with no contention) replays the same run."""
+    from kvrelay.deploy.planner.contention import SharedCores
+
+    trace = generate(shapes(40, duration_s=120)["bursty"], seed=5)
+
+    def run(one_at_a_time: bool) -> object:
+        sim = Simulator(PROFILE, trace, SimConfig(*SLO, interval_s=2.0),
+                        Planner(PROFILE, PlannerConfig(*SLO, max_replicas=8)))
+        if one_at_a_time:
+            sim._cores = SharedCores((0.0, 0.0), sim._at)
+        return sim.run()
+    planned, stepped = run(False), run(True)
+    assert (planned.requests, planned.failed) == (stepped.requests, stepped.failed)
+    assert planned.attainment == pytest.approx(stepped.attainment, abs=0.01)
+    assert planned.itl_p90_ms == pytest.approx(stepped.itl_p90_ms, rel=1e-6)
+    assert planned.ttft_p90_ms == pytest.approx(stepped.ttft_p90_ms, rel=1e-3)
+    assert planned.replica_seconds == pytest.approx(stepped.replica_seconds, rel=1e-3)
+
+
 def test_simulated_planner_scales_up_and_down_under_a_ramp() -> None:
     trace = generate(shapes(120, duration_s=600)["ramp"], seed=1)
     res = simulate(PROFILE, trace, SimConfig(*SLO, interval_s=2.0),

@@ -52,3 +52,9 @@ class DecodeReplica(Replica):
     steps: int = 0  # decode steps so far, and their summed time
     step_s: float = 0.0
     ctx: int = 0  # sum over running requests of prompt_len + gen (as offset)
+    # The steps to the batch's next finish, computed ahead (no shared cores): each one's end
+    # time and ``step_s`` after it; the event of ``plan[cut]`` ends them (``epoch`` tells a
+    # superseded one: a request joining moves the cut to the first step ending after it).
+    plan: list = field(default_factory=list)
+    cut: int = 0
+    epoch: int = 0
