@@ -248,14 +248,18 @@ class Simulator:
         """The planned steps up to ``d.cut`` have ended (unless a join moved the cut since)."""
         if epoch != d.epoch:
             return
-        d.steps += d.cut
+        d.steps += d.cut + 1
         d.step_s = d.plan[d.cut][1]
         d.plan = []
-        self._decode_done(d, 0.0)
+        self._steps_ended(d)
 
     def _decode_done(self, d: DecodeReplica, dt: float) -> None:
         d.steps += 1
         d.step_s += dt
+        self._steps_ended(d)
+
+    def _steps_ended(self, d: DecodeReplica) -> None:
+        """``d.steps``/``d.step_s`` are up to date: retire what finished, start the next step."""
         freed = False
         while d.running and d.running[0][0] <= d.steps:  # output_len - 1 tokens after the first
             r = heapq.heappop(d.running)[2]
