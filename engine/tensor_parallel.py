@@ -306,6 +306,7 @@ class Ranks:
     def __init__(self, config: EngineConfig):
         size = config.model.tensor_parallel_size
         self.size = size
+        self.abandoned = False  # a collective failed: the ranks are killed, not asked to stop
         self.timeout = datetime.timedelta(seconds=config.model.tp_timeout_s)
         startup = startup_timeout(config)
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=startup,
@@ -370,7 +371,7 @@ class Ranks:
         if getattr(self, "kv_shm", ""):
             unlink_kv_shm(self.kv_shm, self.size)
         for p in self.procs:
-            if not getattr(self, "abandoned", False):
+            if not self.abandoned:
                 p.join(timeout=5)
             if p.is_alive():
                 p.kill()
