@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray binds 127.0.0.1 only
 CLUSTER_FILE = "/tmp/ray/ray_current_cluster"
@@ -20,7 +21,7 @@ NAMESPACE = "kvrelay"  # the Ray namespace of kvrelay's named actors
 EMBEDDED_MIN_CPUS = 8  # logical CPUs of an embedded Ray: room for 2P2D + headroom on a laptop
 
 
-def worker_env(environ: dict[str, str] | os._Environ[str], *, loopback: bool) -> dict[str, str]:
+def worker_env(environ: Mapping[str, str], *, loopback: bool) -> dict[str, str]:
     """Variables a worker replica's process needs before it loads OpenMP (torch) and UCX (the
     KV data plane under NIXL) that ``environ`` lacks: the engine's OpenMP defaults, and on a
     loopback-only cluster UCX kept off every other network device."""
