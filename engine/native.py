@@ -32,7 +32,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ABI_VERSION = 7
-SOURCES = ("paged_attention.c", "gemm.c", "pointwise.c", "decode_layer.c", "kernels.h", "vec.h")
+SOURCES = ("paged_decode.c", "paged_prefill.c", "gemm.c", "pointwise.c", "decode_layer.c",
+           "kernels.h", "vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
 

@@ -1,5 +1,5 @@
-"""The CPU attention backend over the native paged kernels (``engine/csrc/paged_attention.c``,
-built and loaded by :mod:`kvrelay.engine.native`).
+"""The CPU attention backend over the native paged kernels (``engine/csrc/paged_decode.c`` and
+``paged_prefill.c``, built and loaded by :mod:`kvrelay.engine.native`).
 
 Decode attention on the CPU is memory-bound: each step reads every running sequence's cached K/V
 once per layer. Done with torch ops it cannot avoid gathering the paged blocks into a contiguous

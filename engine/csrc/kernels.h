@@ -15,7 +15,7 @@ void kvr__rope_row(const float *a, float *o, int64_t heads, int64_t hd, const fl
                    const float *s);
 void kvr__silu_mul_row(const float *g, const float *u, float *o, int64_t inter);
 
-/* paged_attention.c: decode attention as a plan (made before the parallel region) and its run
+/* paged_decode.c: decode attention as a plan (made before the parallel region) and its run
  * (every thread of the region calls it). */
 typedef struct {
     int32_t seq;

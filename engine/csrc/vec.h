@@ -43,4 +43,46 @@ static inline vf vexp_neg(vf x) {
     return p * (vf)((n + 127) << 23);
 }
 
+
+/* o[D] += sum_t p[t] * rows[t][D]: D in slices of up to 8 vectors held in registers across
+ * the rows (independent FMA chains, not one chain per vector through every row). */
+static inline void axpy_rows(float *restrict o, const float *restrict p,
+                             const float *const *restrict rows, int64_t n, int64_t d) {
+    if (d % VL == 0) {
+        int64_t i = 0;
+        for (; i + 8 * VL <= d; i += 8 * VL) {
+            vf acc[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) acc[j] = *(const vf *)(o + i + j * VL);
+            for (int64_t t = 0; t < n; t++) {
+                const vf b = splat(p[t]);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) acc[j] += b * *(const vf *)(rows[t] + i + j * VL);
+            }
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) *(vf *)(o + i + j * VL) = acc[j];
+        }
+        for (; i + 4 * VL <= d; i += 4 * VL) {
+            vf acc[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[j] = *(const vf *)(o + i + j * VL);
+            for (int64_t t = 0; t < n; t++) {
+                const vf b = splat(p[t]);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) acc[j] += b * *(const vf *)(rows[t] + i + j * VL);
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) *(vf *)(o + i + j * VL) = acc[j];
+        }
+        for (; i < d; i += VL) {
+            vf acc = *(vf *)(o + i);
+            for (int64_t t = 0; t < n; t++) acc += p[t] * *(const vf *)(rows[t] + i);
+            *(vf *)(o + i) = acc;
+        }
+        return;
+    }
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < d; i++) o[i] += p[t] * rows[t][i];
+}
+
 #endif

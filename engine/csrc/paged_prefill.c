@@ -1,0 +1,286 @@
+/* Paged prefill attention for the CPU (fp32), built on first use by kvrelay.engine.native.
+ *
+ * Prefill: spans of new query rows, each attending causally over its sequence's cached prefix
+ * and its own new keys (already written to the cache), read through the block table: no gather,
+ * no mask tensor. Flash-attention's tiling: per work item (span, KV head, tile of QT query
+ * positions x the G query heads of that KV head) a tile of KT keys at a time, S = Q K^T by a
+ * register-blocked kernel over K transposed to [D][keys] (broadcast FMAs, no horizontal sums),
+ * an online softmax, and O += P V by a second register-blocked kernel.
+ *
+ *   q        [T, H, D]       span j's rows are [q_start[j], q_start[j] + q_len[j])
+ *   tables   int32 [S, W]    span j's block table
+ *   ctx_len  int32 [S]       keys visible to span j's last row (cached prefix + new tokens)
+ *   out      [T, H, D]       written for the spans' rows only
+ * Row i of span j sits at position ctx_len - q_len + i and sees keys [lo, pos], lo = 0 or, with
+ * a window, pos - window + 1.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "vec.h"
+
+#define QT 32 /* query positions per item */
+#define KT 32 /* keys per tile */
+
+typedef struct {
+    int32_t span;
+    int32_t kvh;
+    int32_t q0; /* first query row of the tile, within the span */
+    int32_t nq; /* rows in the tile */
+} pitem_t;
+
+/* Query rows per QK tile: QR rows x 2 vectors of keys = 2 QR accumulators (16 of AVX-512's 32
+ * registers, 12 of AVX2's 16). */
+#if VL == 16
+#define QR 8
+#else
+#define QR 6
+#endif
+#define ROWS_PADDED(n) (((n) + QR - 1) / QR * QR)
+
+/* S[r][0..KT) = sum_d Q[r][d] Kt[d][0..KT) for QR rows (rows `ldq` apart), scaled; 2 VL keys
+ * at a time. */
+static inline void qk_tile(const float *restrict qr, int64_t ldq, const float *restrict kt,
+                           int64_t D, float scale, float *restrict s) {
+    for (int64_t c0 = 0; c0 < KT; c0 += 2 * VL) {
+        vf acc[QR][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < QR; r++) acc[r][0] = acc[r][1] = splat(0.f);
+        for (int64_t d = 0; d < D; d++) {
+            const vf k0 = *(const vf *)(kt + d * KT + c0);
+            const vf k1 = *(const vf *)(kt + d * KT + c0 + VL);
+#pragma GCC unroll 8
+            for (int r = 0; r < QR; r++) {
+                const vf b = splat(qr[r * ldq + d]);
+                acc[r][0] += b * k0;
+                acc[r][1] += b * k1;
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < QR; r++) {
+            *(vf *)(s + r * KT + c0) = acc[r][0] * splat(scale);
+            *(vf *)(s + r * KT + c0 + VL) = acc[r][1] * splat(scale);
+        }
+    }
+}
+
+/* O[r][0..D) += sum_c P[r][c] V[c][0..D) over nk keys, R rows at a time with R x DV <= ACC
+ * accumulators (DV = D / VL vectors per row). */
+#define PV_KERNEL(DV, R)                                                                         \
+    static inline void pv_##DV(const float *restrict p, const float *const *restrict vrows,     \
+                               int64_t nk, float *restrict o, int64_t D) {                      \
+        vf acc[R][DV];                                                                           \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                     \
+            _Pragma("GCC unroll 16") for (int j = 0; j < DV; j++)                                \
+                acc[r][j] = *(const vf *)(o + r * D + j * VL);                                   \
+        for (int64_t c = 0; c < nk; c++) {                                                       \
+            vf v[DV];                                                                            \
+            _Pragma("GCC unroll 16") for (int j = 0; j < DV; j++)                                \
+                v[j] = *(const vf *)(vrows[c] + j * VL);                                         \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                               \
+                const vf b = splat(p[r * KT + c]);                                               \
+                _Pragma("GCC unroll 16") for (int j = 0; j < DV; j++) acc[r][j] += b * v[j];     \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                     \
+            _Pragma("GCC unroll 16") for (int j = 0; j < DV; j++)                                \
+                *(vf *)(o + r * D + j * VL) = acc[r][j];                                         \
+    }
+#if VL == 16
+PV_KERNEL(1, 16)
+PV_KERNEL(2, 8)
+PV_KERNEL(4, 4)
+PV_KERNEL(8, 2)
+PV_KERNEL(16, 1)
+#else
+PV_KERNEL(1, 12)
+PV_KERNEL(2, 6)
+PV_KERNEL(4, 3)
+PV_KERNEL(8, 1)
+#endif
+
+/* One row at a time, any D multiple of VL (rows left over by the blocked kernels). */
+static inline void pv_row(const float *restrict p, const float *const *restrict vrows, int64_t nk,
+                          float *restrict o, int64_t D) {
+    axpy_rows(o, p, vrows, nk, D);
+}
+
+static void prefill_item(const float *restrict q, const float *restrict kt_all,
+                         const float *restrict v_cache, const int32_t *restrict table,
+                         int64_t q_start, int64_t q_len, int64_t ctx, const pitem_t *w, int64_t H,
+                         int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
+                         float *restrict out, float *restrict sbuf, float *restrict obuf,
+                         float *restrict m, float *restrict l, float *restrict qbuf) {
+    const int64_t G = H / KVH, row = KVH * D, nq = w->nq;
+    const int64_t rows = G * nq;              /* item rows: r = g * nq + i */
+    const int64_t rowsp = ROWS_PADDED(rows); /* padded for the QK tile */
+    const int64_t offset = ctx - q_len;       /* position of the span's row 0 */
+    const int64_t pos_lo = offset + w->q0, pos_hi = pos_lo + nq - 1;
+    /* The item's query rows, contiguous (and zero padding rows for the QK tile). */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < nq; i++)
+            memcpy(qbuf + (g * nq + i) * D, q + ((q_start + w->q0 + i) * H + w->kvh * G + g) * D,
+                   sizeof(float) * D);
+    memset(qbuf + rows * D, 0, sizeof(float) * (rowsp - rows) * D);
+    memset(obuf, 0, sizeof(float) * rowsp * D);
+    for (int64_t r = 0; r < rowsp; r++) m[r] = -FLT_MAX, l[r] = 0.f;
+    const int64_t k_first = window > 0 && pos_lo - window + 1 > 0 ? pos_lo - window + 1 : 0;
+    const float *vrows[KT];
+    for (int64_t k0 = k_first / KT * KT; k0 <= pos_hi; k0 += KT) {
+        const int64_t nk = k0 + KT <= ctx ? KT : ctx - k0;
+        const float *kt = kt_all + k0 * D; /* [D][KT] tile of this KV head's transposed keys */
+        for (int64_t r = 0; r < rowsp; r += QR) qk_tile(qbuf + r * D, D, kt, D, scale, sbuf + r * KT);
+        int any = 0;
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t pos = pos_lo + r % nq;
+            /* valid keys of this row in the tile: [a, b) */
+            int64_t a = window > 0 ? pos - window + 1 - k0 : 0, b = pos + 1 - k0;
+            if (a < 0) a = 0;
+            if (b > nk) b = nk;
+            float *s = sbuf + r * KT;
+            if (a >= b) {
+                memset(s, 0, sizeof(float) * KT);
+                continue;
+            }
+            any = 1;
+            float mx = m[r];
+            for (int64_t c = a; c < b; c++) mx = s[c] > mx ? s[c] : mx;
+            const float alpha = m[r] == -FLT_MAX ? 0.f : expf(m[r] - mx);
+            m[r] = mx;
+            for (int64_t c = 0; c < KT; c += VL) *(vf *)(s + c) = vexp_neg(*(vf *)(s + c) - splat(mx));
+            for (int64_t c = 0; c < a; c++) s[c] = 0.f;
+            for (int64_t c = b; c < KT; c++) s[c] = 0.f;
+            float sum = 0.f;
+            for (int64_t c = a; c < b; c++) sum += s[c];
+            l[r] = l[r] * alpha + sum;
+            if (alpha != 1.f) {
+                float *o = obuf + r * D;
+                for (int64_t d = 0; d < D; d += VL) *(vf *)(o + d) *= splat(alpha);
+            }
+        }
+        if (!any) continue;
+        for (int64_t c = 0; c < nk; c++) {
+            const int64_t pos = k0 + c;
+            vrows[c] = v_cache + ((int64_t)table[pos / bs] * bs + pos % bs) * row + w->kvh * D;
+        }
+        const int64_t dv = D / VL;
+        int64_t r = 0;
+#define PV_CASE(DV, R)                                                                           \
+    case DV:                                                                                     \
+        for (; r + R <= rows; r += R) pv_##DV(sbuf + r * KT, vrows, nk, obuf + r * D, D);        \
+        break;
+        switch (dv) {
+#if VL == 16
+            PV_CASE(1, 16)
+            PV_CASE(2, 8)
+            PV_CASE(4, 4)
+            PV_CASE(8, 2)
+            PV_CASE(16, 1)
+#else
+            PV_CASE(1, 12)
+            PV_CASE(2, 6)
+            PV_CASE(4, 3)
+            PV_CASE(8, 1)
+#endif
+        default:
+            break;
+        }
+        for (; r < rows; r++) pv_row(sbuf + r * KT, vrows, nk, obuf + r * D, D);
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t r = g * nq + i;
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            float *dst = out + ((q_start + w->q0 + i) * H + w->kvh * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = obuf[r * D + d] * inv;
+        }
+}
+
+/* Returns 0, or a negative number on bad arguments / out of memory. */
+int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache,
+                          const int32_t *tables, const int32_t *q_start, const int32_t *q_len,
+                          const int32_t *ctx_len, float *out, int64_t S, int64_t H, int64_t KVH,
+                          int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
+                          int num_threads) {
+    if (S <= 0) return 0;
+    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % VL || bs <= 0 || num_threads < 1)
+        return -1;
+    const int64_t G = H / KVH, row = KVH * D;
+    int64_t n_items = 0, kt_floats = 0;
+    int64_t *kt_off = malloc(sizeof(int64_t) * S * KVH);
+    if (!kt_off) return -3;
+    for (int64_t j = 0; j < S; j++) {
+        if (q_len[j] <= 0 || ctx_len[j] < q_len[j] || ctx_len[j] > W * bs) {
+            free(kt_off);
+            return -2;
+        }
+        n_items += (q_len[j] + QT - 1) / QT * KVH;
+        const int64_t padded = (ctx_len[j] + KT - 1) / KT * KT;
+        for (int64_t h = 0; h < KVH; h++) kt_off[j * KVH + h] = kt_floats, kt_floats += padded * D;
+    }
+    pitem_t *items = malloc(sizeof(pitem_t) * n_items);
+    float *kt = malloc(sizeof(float) * kt_floats);
+    if (!items || !kt) {
+        free(kt_off), free(items), free(kt);
+        return -3;
+    }
+    /* Items, the costliest (last query tiles: most keys) first for dynamic scheduling. */
+    int64_t it = 0;
+    for (int64_t j = 0; j < S; j++)
+        for (int64_t q0 = (q_len[j] - 1) / QT * QT; q0 >= 0; q0 -= QT)
+            for (int64_t h = 0; h < KVH; h++)
+                items[it++] = (pitem_t){(int32_t)j, (int32_t)h, (int32_t)q0,
+                                        (int32_t)(q0 + QT <= q_len[j] ? QT : q_len[j] - q0)};
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* Phase 1: every span's keys, per KV head, transposed into [D][KT] tiles. */
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t j = 0; j < S; j++)
+            for (int64_t h = 0; h < KVH; h++) {
+                float *dst = kt + kt_off[j * KVH + h];
+                const int64_t n = ctx_len[j], padded = (n + KT - 1) / KT * KT;
+                const int32_t *table = tables + j * W;
+                for (int64_t k0 = 0; k0 < padded; k0 += KT) {
+                    float *tile = dst + k0 * D;
+                    for (int64_t c = 0; c < KT; c++) {
+                        const int64_t pos = k0 + c;
+                        if (pos < n) {
+                            const float *kr = k_cache +
+                                              ((int64_t)table[pos / bs] * bs + pos % bs) * row +
+                                              h * D;
+                            for (int64_t d = 0; d < D; d++) tile[d * KT + c] = kr[d];
+                        } else {
+                            for (int64_t d = 0; d < D; d++) tile[d * KT + c] = 0.f;
+                        }
+                    }
+                }
+            }
+        /* Phase 2: the attention tiles. */
+        const int64_t rowsp = ROWS_PADDED(G * QT);
+        float *sbuf = malloc(sizeof(float) * rowsp * KT);
+        float *obuf = malloc(sizeof(float) * rowsp * D);
+        float *qbuf = malloc(sizeof(float) * rowsp * D);
+        float *ml = malloc(sizeof(float) * rowsp * 2);
+        if (!sbuf || !obuf || !qbuf || !ml) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            if (!sbuf || !obuf || !qbuf || !ml) continue;
+            const pitem_t *w = &items[i];
+            const int64_t j = w->span;
+            prefill_item(q, kt + kt_off[j * KVH + w->kvh], v_cache, tables + j * W, q_start[j],
+                         q_len[j], ctx_len[j], w, H, KVH, D, bs, scale, window, out, sbuf, obuf,
+                         ml, ml + rowsp, qbuf);
+        }
+        free(sbuf), free(obuf), free(qbuf), free(ml);
+    }
+    free(kt_off), free(items), free(kt);
+    return failed ? -3 : 0;
+}
