@@ -54,10 +54,10 @@ def test_planner_scales_up_under_a_ramp_and_back_down_with_no_failed_request(ser
         return -1, prompt_ids(64, random.Random(k * 1000 + i)), 8
 
     def heavy(k: int, i: int) -> tuple[int, list[int], int]:
-        return -1, prompt_ids(1200, random.Random(90_000 + k * 1000 + i)), 24
+        return -1, prompt_ids(1200, random.Random(90_000 + k * 1000 + i)), 8
 
     with Load(served.target, light, clients=1) as low:
-        time.sleep(4)
+        time.sleep(2)
     low.check(None)
     with Load(served.target, heavy, clients=8, max_per_client=400) as high:
         def grown() -> bool:
