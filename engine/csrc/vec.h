@@ -44,41 +44,31 @@ static inline vf vexp_neg(vf x) {
 }
 
 
+/* o[i0, i0 + W VL) += sum_t p[t] * rows[t][same]: W accumulator vectors held across the rows. */
+static inline __attribute__((always_inline)) void axpy_slice(
+    float *restrict o, const float *restrict p, const float *const *restrict rows, int64_t n,
+    int64_t i0, const int W) {
+    vf acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < W; j++) acc[j] = *(const vf *)(o + i0 + j * VL);
+    for (int64_t t = 0; t < n; t++) {
+        const vf b = splat(p[t]);
+#pragma GCC unroll 8
+        for (int j = 0; j < W; j++) acc[j] += b * *(const vf *)(rows[t] + i0 + j * VL);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < W; j++) *(vf *)(o + i0 + j * VL) = acc[j];
+}
+
 /* o[D] += sum_t p[t] * rows[t][D]: D in slices of up to 8 vectors held in registers across
  * the rows (independent FMA chains, not one chain per vector through every row). */
 static inline void axpy_rows(float *restrict o, const float *restrict p,
                              const float *const *restrict rows, int64_t n, int64_t d) {
     if (d % VL == 0) {
         int64_t i = 0;
-        for (; i + 8 * VL <= d; i += 8 * VL) {
-            vf acc[8];
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) acc[j] = *(const vf *)(o + i + j * VL);
-            for (int64_t t = 0; t < n; t++) {
-                const vf b = splat(p[t]);
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) acc[j] += b * *(const vf *)(rows[t] + i + j * VL);
-            }
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) *(vf *)(o + i + j * VL) = acc[j];
-        }
-        for (; i + 4 * VL <= d; i += 4 * VL) {
-            vf acc[4];
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) acc[j] = *(const vf *)(o + i + j * VL);
-            for (int64_t t = 0; t < n; t++) {
-                const vf b = splat(p[t]);
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) acc[j] += b * *(const vf *)(rows[t] + i + j * VL);
-            }
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) *(vf *)(o + i + j * VL) = acc[j];
-        }
-        for (; i < d; i += VL) {
-            vf acc = *(vf *)(o + i);
-            for (int64_t t = 0; t < n; t++) acc += p[t] * *(const vf *)(rows[t] + i);
-            *(vf *)(o + i) = acc;
-        }
+        for (; i + 8 * VL <= d; i += 8 * VL) axpy_slice(o, p, rows, n, i, 8);
+        for (; i + 4 * VL <= d; i += 4 * VL) axpy_slice(o, p, rows, n, i, 4);
+        for (; i < d; i += VL) axpy_slice(o, p, rows, n, i, 1);
         return;
     }
     for (int64_t t = 0; t < n; t++)
