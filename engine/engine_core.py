@@ -31,6 +31,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrelay.engine.step_cost import StepCostModel
+from kvrelay.engine.step_log import StepLog
 from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class EngineCore:
             None if sc.tpot_slo_ms is None else sc.tpot_slo_ms / 1e3, sc.max_num_batched_tokens)
         self.scheduler = Scheduler(sc, self.block_manager, self.runner.max_model_len,
                                    eos_token_ids, self.step_cost)
+        self.step_log = StepLog.from_env()  # KVRELAY_STEP_LOG: a line per step, for benches
         self.connector = connector
         if connector is not None:
             rank_kv = getattr(self.runner, "rank_kv", None)
@@ -297,6 +299,8 @@ class EngineCore:
         sampled = self.runner.run(out.scheduled, self.connector)
         done = time.monotonic()
         self.step_cost.observe(shape, done - now)
+        if self.step_log is not None:
+            self.step_log.record(now, done - now, shape)
         self.heap.after_step(out.num_prefill_tokens)
         finished = {s.request_id for s in self.scheduler.postprocess(out, sampled.tokens)}
         for (seq, _), tok, lp in zip(out.scheduled, sampled.tokens, sampled.logprobs,
