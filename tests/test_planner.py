@@ -241,6 +241,17 @@ def test_threshold_policy_runs_the_autoscalers_own_decisions() -> None:
     assert "cooldown" in pol.decide(replace(hot, t=5)).reason
 
 
+def _router_metrics() -> tuple[CollectorRegistry, Histogram, Counter]:
+    """A registry with the router's metrics the observer reads: TTFT, finished, prompt tokens."""
+    reg = CollectorRegistry()
+    ttft = Histogram("kvrelay:time_to_first_token_seconds", "", ["model_name"],
+                     buckets=(0.05, 0.1, 0.2, 0.4), registry=reg)
+    done = Counter("kvrelay:request_success", "", ["model_name", "finished_reason"],
+                   registry=reg)
+    Counter("kvrelay:prompt_tokens", "", ["model_name"], registry=reg).labels("m").inc(0)
+    return reg, ttft, done
+
+
 def _router_text(reg: CollectorRegistry, ttft: Histogram, done: Counter, n: int,
                  seconds: float) -> str:
     for _ in range(n):
@@ -250,12 +261,7 @@ def _router_text(reg: CollectorRegistry, ttft: Histogram, done: Counter, n: int,
 
 
 def test_observer_reads_router_metrics_text() -> None:
-    reg = CollectorRegistry()
-    ttft = Histogram("kvrelay:time_to_first_token_seconds", "", ["model_name"],
-                     buckets=(0.05, 0.1, 0.2, 0.4), registry=reg)
-    done = Counter("kvrelay:request_success", "", ["model_name", "finished_reason"],
-                   registry=reg)
-    Counter("kvrelay:prompt_tokens", "", ["model_name"], registry=reg).labels("m").inc(0)
+    reg, ttft, done = _router_metrics()
     workers = Gauge("kvrelay:workers", "", ["pool"], registry=reg)
     workers.labels("prefill").set(2)
     workers.labels("decode").set(1)
@@ -281,12 +287,7 @@ def test_kubernetes_loop_scales_deployments_and_exports_metrics() -> None:
             self.patches.append((pool, n))
             self.replicas[pool] = n
 
-    reg = CollectorRegistry()
-    ttft = Histogram("kvrelay:time_to_first_token_seconds", "", ["model_name"],
-                     buckets=(0.05, 0.1, 0.2, 0.4), registry=reg)
-    done = Counter("kvrelay:request_success", "", ["model_name", "finished_reason"],
-                   registry=reg)
-    Counter("kvrelay:prompt_tokens", "", ["model_name"], registry=reg).labels("m").inc(0)
+    reg, ttft, done = _router_metrics()
     dep = FakeDeployments()
     out = CollectorRegistry()
     pl = Planner(PROFILE, PlannerConfig(*SLO, max_replicas=6, interval_s=0.01))
