@@ -1,6 +1,6 @@
 """Load generator for OpenAI-compatible ``/v1/completions`` servers (kvrelay, vLLM).
 
-asyncio + httpx streaming. Every request sends token-id prompts with ``stream: true``,
+asyncio + aiohttp streaming. Every request sends token-id prompts with ``stream: true``,
 ``stream_options.include_usage``, ``ignore_eos: true``, a fixed ``max_tokens`` and temperature
 0, at Poisson arrival times (or all at once for saturation). Per request it records the send
 time, every SSE chunk that carries tokens (time-stamped), TTFT, inter-token gaps, TPOT =

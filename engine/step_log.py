@@ -20,7 +20,7 @@ ENV = "KVRELAY_STEP_LOG"
 class StepLog:
     def __init__(self, path: str) -> None:
         self.path = path
-        # A line per step, each whole on any exit; open for the engine's life (closed by close()).
+        # Line-buffered: each step's line is whole on any exit; open for the engine's life.
         self._f: TextIO = open(path, "a", buffering=1)  # noqa: SIM115
 
     @classmethod
