@@ -243,7 +243,7 @@ class FakeServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         cfg = uvicorn.Config(app or self.app(), host="127.0.0.1", port=self.port,
-                             log_level="warning", access_log=False, lifespan="off")
+                             log_level="warning", access_log=False)
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
