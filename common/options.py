@@ -67,7 +67,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--attention-backend", default="auto", choices=["auto", "native", "sdpa", "flash"])
     opt(g, "--linear-kernel", default="auto", choices=["auto", "panels", "onednn", "mixed"],
         help="CPU fp32 linears: the native panel GEMM, oneDNN, or both (panels up to 64 rows); "
-             "auto times them at load and keeps the faster")
+             "auto times them at load and keeps the faster (once per CPU, build, threads and "
+             "shapes: the choice is cached)")
     opt(g, "--enforce-eager", action="store_true",
         help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     opt(g, "--cuda-graph-max-batch", type=int, default=64,

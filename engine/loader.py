@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from kvrelay.engine import gemm
+from kvrelay.engine import gemm, kernel_choice
 from kvrelay.engine.attention import AttentionFn
 from kvrelay.engine.models.arch import ModelArch, load_model_config
 from kvrelay.engine.models.fused_decode import FusedDecode
@@ -176,6 +176,12 @@ def choose_linear_kernel(model: LlamaForCausalLM, kernel: str) -> str:
     if kernel != "auto":
         model.pack_weights(onednn=kernel != "panels", panels=kernel != "onednn")
         return kernel
+    key = kernel_choice.cache_key(model.linear_shapes(), torch.get_num_threads())
+    kept = kernel_choice.load(key)
+    if kept is not None:  # measured before for this CPU, build, thread count and shapes
+        model.pack_weights(onednn=kept != "panels", panels=kept != "onednn")
+        logger.info("linear kernels: %s (as measured before, cache key %s)", kept, key)
+        return kept
     model.pack_weights(onednn=True, panels=True)
     small = model.time_linears(8)
     large = model.time_linears(256, layers=1, reps=5)
@@ -187,4 +193,6 @@ def choose_linear_kernel(model: LlamaForCausalLM, kernel: str) -> str:
     logger.info("linear kernels, panels vs oneDNN: 8 rows %.1f vs %.1f ms, 256 rows (1 layer) "
                 "%.1f vs %.1f ms: keeping %s", small[0] * 1e3, small[1] * 1e3, large[0] * 1e3,
                 large[1] * 1e3, kernel)
+    kernel_choice.save(key, kernel, {"panels_8": small[0] * 1e3, "onednn_8": small[1] * 1e3,
+                                     "panels_256": large[0] * 1e3, "onednn_256": large[1] * 1e3})
     return kernel

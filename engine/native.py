@@ -54,7 +54,7 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_key() -> str:
+def cpu_key() -> str:
     """The CPU model and feature flags (``-march=native`` code runs only where they match)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -67,6 +67,11 @@ def _cpu_key() -> str:
         if key in ("model name", "flags") and key not in fields:
             fields[key] = value.strip()
     return f"{platform.machine()}|{fields.get('model name', '')}|{fields.get('flags', '')}"
+
+
+def sources_digest() -> str:
+    """A digest of the kernels' sources (what a choice measured with them depends on)."""
+    return hashlib.sha256(b"\0".join(s for _, s in _sources())).hexdigest()[:16]
 
 
 def cache_dir() -> Path:
@@ -85,7 +90,7 @@ def build(cc: str | None = None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
     key = hashlib.sha256(b"\0".join([*(s for _, s in sources), " ".join(FLAGS).encode(),
-                                     "".join(version).encode(), _cpu_key().encode()]))
+                                     "".join(version).encode(), cpu_key().encode()]))
     out = cache_dir() / f"kvrelay_kernels_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

@@ -126,10 +126,11 @@ def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
     ((0.5, 1.0), (1.05, 1.0), "panels"),  # ... unless oneDNN's prefill-sized win is within 10%
     ((1.0, 0.5), (0.5, 1.0), "onednn"),  # panels lose the decode pass: their copy is dropped
 ])
-def test_auto_keeps_what_measures_faster(demo_model_dir, monkeypatch, small, large,
+def test_auto_keeps_what_measures_faster(demo_model_dir, monkeypatch, tmp_path, small, large,
                                          kept: str) -> None:
     """linear_kernel=auto times an 8-row and a 256-row pass both ways at load and keeps only
-    the copies that win."""
+    the copies that win (measured afresh: an empty cache of earlier choices)."""
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     from kvrelay.engine.attention.sdpa import sdpa_attention
     from kvrelay.engine.loader import load_model
     from kvrelay.engine.models.llama import LlamaForCausalLM

@@ -249,6 +249,11 @@ class LlamaForCausalLM(nn.Module):
     def _linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """``(in, out)`` of every linear, in module order (what a kernel choice is made for)."""
+        return [(-1, m.out_features) if m.weight is None else (m.weight.shape[1], m.weight.shape[0])
+                for m in self._linears()]
+
     @property
     def linear_kernel(self) -> str:
         """Which copies the linears hold: ``panels``, ``onednn``, ``mixed`` or ``dense``."""

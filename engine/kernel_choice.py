@@ -1,0 +1,59 @@
+"""What ``--linear-kernel auto`` measured, kept for the next engine of the same kind.
+
+The choice between the native panel GEMM and oneDNN (:func:`kvrelay.engine.loader.
+choose_linear_kernel`) times both on the model's own linears at load: 0.2 s of a ~7M model's
+0.28 s warm engine start, longer on larger models, and on a busy machine a coin toss between two
+close kernels, so replicas of one deployment could differ. The result is kept in one small JSON
+file per key under the cache directory, beside the native build: the CPU (model and flags), the
+torch build, the native kernels' sources, the thread count and every linear's shape (a
+tensor-parallel shard has its own). A later engine of the same key packs only the kept kernel.
+Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvrelay.engine import native
+
+logger = logging.getLogger(__name__)
+
+
+def cache_key(shapes: Sequence[tuple[int, int]], threads: int) -> str:
+    text = "|".join([native.cpu_key(), torch.__version__, native.sources_digest(), str(threads),
+                     ";".join(f"{a}x{b}" for a, b in shapes)])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _path(key: str) -> Path:
+    return native.cache_dir().parent / "linear_kernel" / f"{key}.json"
+
+
+def load(key: str) -> str | None:
+    """The kernel kept for ``key``, or None (never measured, or an unreadable file)."""
+    try:
+        kernel = json.loads(_path(key).read_text())["kernel"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return kernel if kernel in ("panels", "onednn", "mixed") else None
+
+
+def save(key: str, kernel: str, measured: dict[str, float]) -> None:
+    """Keep ``kernel`` for ``key`` (atomically: concurrent engines may race to write it)."""
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"kernel": kernel, "measured_ms": measured}, f)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: measure again next time
+        logger.debug("could not keep the linear kernel choice in %s: %s", path, e)

@@ -1,0 +1,45 @@
+"""``--linear-kernel auto`` measures once per CPU, torch build, native sources, thread count and
+linear shapes, and later engines of that key take the kept choice without timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.engine import gemm, kernel_choice
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.models.llama import LlamaForCausalLM, onednn_packing_available
+
+pytestmark = pytest.mark.skipif(not (gemm.available() and onednn_packing_available()),
+                                reason="auto chooses between the panel GEMM and oneDNN")
+
+
+def test_auto_measures_once_then_takes_the_kept_choice(demo_model_dir, tmp_path,
+                                                       monkeypatch) -> None:
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
+    first = LLM(demo_model_dir, num_blocks=16, num_threads=1).engine.runner.model
+    [kept] = (tmp_path / "linear_kernel").glob("*.json")
+    chosen = first.linear_kernel
+    assert chosen in ("panels", "onednn", "mixed")
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(LlamaForCausalLM, "time_linears", no_timing)
+    again = LLM(demo_model_dir, num_blocks=16, num_threads=1).engine.runner.model
+    assert again.linear_kernel == chosen  # packed only what was kept
+
+    kept.write_text("not json")  # unreadable: measured again
+    with pytest.raises(AssertionError, match="timed again"):
+        LLM(demo_model_dir, num_blocks=16, num_threads=1)
+
+
+def test_the_key_follows_threads_and_shapes(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
+    shapes = [(256, 512), (256, 256)]
+    key = kernel_choice.cache_key(shapes, 1)
+    assert key == kernel_choice.cache_key(list(shapes), 1)
+    assert key != kernel_choice.cache_key(shapes, 2)
+    assert key != kernel_choice.cache_key([(256, 256), (256, 256)], 1)
+    assert kernel_choice.load(key) is None
+    kernel_choice.save(key, "panels", {"panels_8": 1.0})
+    assert kernel_choice.load(key) == "panels"
