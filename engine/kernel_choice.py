@@ -4,10 +4,10 @@ The choice between the native panel GEMM and oneDNN (:func:`kvrelay.engine.loade
 choose_linear_kernel`) times both on the model's own linears at load: 0.2 s of a ~7M model's
 0.28 s warm engine start, longer on larger models, and on a busy machine a coin toss between two
 close kernels, so replicas of one deployment could differ. The result is kept in one small JSON
-file per key under the cache directory, beside the native build: the CPU (model and flags), the
-torch build, the native kernels' sources, the thread count and every linear's shape (a
-tensor-parallel shard has its own). A later engine of the same key packs only the kept kernel.
-Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
+file per key under the cache directory, beside the native build: the native kernels' build
+(its name holds their sources, flags, compiler and CPU), the torch build, the thread count and
+every linear's shape (a tensor-parallel shard has its own). A later engine of the same key
+packs only the kept kernel. Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ logger = logging.getLogger(__name__)
 
 
 def cache_key(shapes: Sequence[tuple[int, int]], threads: int) -> str:
-    text = "|".join([native.cpu_key(), torch.__version__, native.sources_digest(), str(threads),
+    text = "|".join([native.library_name(), torch.__version__, str(threads),
                      ";".join(f"{a}x{b}" for a, b in shapes)])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def _path(key: str) -> Path:
-    return native.cache_dir().parent / "linear_kernel" / f"{key}.json"
+    return native.cache_root() / "linear_kernel" / f"{key}.json"
 
 
 def load(key: str) -> str | None:

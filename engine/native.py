@@ -54,7 +54,7 @@ def _compiler() -> str | None:
     return None
 
 
-def cpu_key() -> str:
+def _cpu_key() -> str:
     """The CPU model and feature flags (``-march=native`` code runs only where they match)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -69,15 +69,21 @@ def cpu_key() -> str:
     return f"{platform.machine()}|{fields.get('model name', '')}|{fields.get('flags', '')}"
 
 
-def sources_digest() -> str:
-    """A digest of the kernels' sources (what a choice measured with them depends on)."""
-    return hashlib.sha256(b"\0".join(s for _, s in _sources())).hexdigest()[:16]
+def cache_root() -> Path:
+    """kvrelay's cache: ``$KVRELAY_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvrelay``."""
+    return Path(os.environ.get("KVRELAY_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvrelay"))
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVRELAY_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvrelay")
-    return Path(root) / "native"
+    return cache_root() / "native"
+
+
+def library_name() -> str:
+    """The loaded kernels' file name, which names their sources, flags, compiler and CPU; ""
+    where none could be loaded."""
+    lib = load()
+    return Path(lib._name).name if lib is not None else ""
 
 
 def build(cc: str | None = None) -> Path:
@@ -90,7 +96,7 @@ def build(cc: str | None = None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
     key = hashlib.sha256(b"\0".join([*(s for _, s in sources), " ".join(FLAGS).encode(),
-                                     "".join(version).encode(), cpu_key().encode()]))
+                                     "".join(version).encode(), _cpu_key().encode()]))
     out = cache_dir() / f"kvrelay_kernels_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
