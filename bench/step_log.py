@@ -16,28 +16,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Step:
-    start: float
-    seconds: float
-    prefill_tokens: int
-    decodes: int
+from kvrelay.engine.step_log import StepRecord, read
 
 
-def read(path: Path) -> list[Step]:
-    steps = []
-    for line in path.read_text().splitlines():
-        f = line.split()
-        steps.append(Step(float(f[0]), float(f[1]), int(f[2]), int(f[4])))
-    return steps
-
-
-def busiest_burst(steps: Sequence[Step], gap: float) -> list[Step]:
-    bursts: list[list[Step]] = []
+def busiest_burst(steps: Sequence[StepRecord], gap: float) -> list[StepRecord]:
+    bursts: list[list[StepRecord]] = []
     for s in steps:
         if bursts and s.start - (bursts[-1][-1].start + bursts[-1][-1].seconds) <= gap:
             bursts[-1].append(s)
@@ -46,7 +31,7 @@ def busiest_burst(steps: Sequence[Step], gap: float) -> list[Step]:
     return max(bursts, key=lambda b: sum(s.prefill_tokens for s in b), default=[])
 
 
-def summary(steps: Sequence[Step]) -> str:
+def summary(steps: Sequence[StepRecord]) -> str:
     if not steps:
         return "no steps"
     span = steps[-1].start + steps[-1].seconds - steps[0].start

@@ -4,17 +4,39 @@
 With ``KVRELAY_STEP_LOG=PATH`` set, every engine of a process appends one line per step to
 ``PATH.<pid>``: the step's start (``time.monotonic()``), its seconds, and its shape (prefill
 tokens, attended pairs, decodes, decode context tokens; :class:`StepShape`). Off by default: no
-cost beyond one attribute test per step. ``bench/step_log.py`` summarizes such files.
+cost beyond one attribute test per step. :func:`read` parses a file; ``bench/step_log.py``
+summarizes them.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TextIO
+from pathlib import Path
+from typing import NamedTuple, TextIO
 
 from kvrelay.engine.step_cost import StepShape
 
 ENV = "KVRELAY_STEP_LOG"
+
+
+class StepRecord(NamedTuple):
+    """One line of a step log."""
+
+    start: float
+    seconds: float
+    prefill_tokens: int
+    attended_pairs: int
+    decodes: int
+    decode_ctx_tokens: int
+
+
+def read(path: str | os.PathLike[str]) -> list[StepRecord]:
+    """The steps a log file holds, in order."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        start, seconds, *counts = line.split()
+        out.append(StepRecord(float(start), float(seconds), *map(int, counts)))
+    return out
 
 
 class StepLog:

@@ -12,10 +12,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.step_log import Step, busiest_burst, read, summary  # noqa: E402
+from bench.step_log import busiest_burst, summary  # noqa: E402
 from kvrelay.engine.llm import LLM  # noqa: E402
 from kvrelay.engine.sampling_params import SamplingParams  # noqa: E402
-from kvrelay.engine.step_log import ENV, StepLog  # noqa: E402
+from kvrelay.engine.step_log import ENV, StepLog, read  # noqa: E402
+from kvrelay.engine.step_log import StepRecord as Step  # noqa: E402
 
 
 def test_an_engine_logs_every_step_with_its_shape(demo_model_dir, tmp_path, monkeypatch) -> None:
@@ -36,8 +37,9 @@ def test_an_engine_logs_every_step_with_its_shape(demo_model_dir, tmp_path, monk
 
 
 def test_the_busiest_burst_is_the_run_not_its_warmup() -> None:
-    warm = [Step(0.0, 0.1, 64, 0), Step(0.1, 0.01, 0, 1)]
-    run = [Step(5.0, 0.2, 512, 0), Step(5.2, 0.02, 0, 4), Step(5.8, 0.02, 0, 4)]
+    warm = [Step(0.0, 0.1, 64, 2080, 0, 0), Step(0.1, 0.01, 0, 0, 1, 65)]
+    run = [Step(5.0, 0.2, 512, 131328, 0, 0), Step(5.2, 0.02, 0, 0, 4, 2052),
+           Step(5.8, 0.02, 0, 0, 4, 2056)]
     assert busiest_burst(warm + run, gap=1.0) == run
     assert busiest_burst(warm + run, gap=0.3) == run[:2]
     assert busiest_burst([], gap=1.0) == []
