@@ -24,14 +24,12 @@ def build_pd_proxy(prefill_url: str, decode_url: str, timeout_s: float = 600.0) 
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    sessions: list[aiohttp.ClientSession] = []
-
-    def client() -> aiohttp.ClientSession:  # made in the serving loop, on first use
-        if not sessions:
-            sessions.append(aiohttp.ClientSession(
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[dict[str, aiohttp.ClientSession]]:
+        async with aiohttp.ClientSession(  # in the serving loop, closed with the app
                 connector=aiohttp.TCPConnector(limit=2048),
-                timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)))
-        return sessions[0]
+                timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)) as session:
+            yield {"client": session}  # request.state.client
 
     async def completions(request: Request) -> Response:
         body = await request.json()
@@ -41,12 +39,12 @@ def build_pd_proxy(prefill_url: str, decode_url: str, timeout_s: float = 600.0) 
             "remote_block_ids": None, "remote_host": None, "remote_port": None})
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
-        async with client().post(prefill_url + "/v1/completions", json=pre) as r:
+        async with request.state.client.post(prefill_url + "/v1/completions", json=pre) as r:
             if r.status != 200:
                 return Response(await r.read(), status_code=r.status,
                                 media_type=r.headers.get("content-type"))
             params = (await r.json()).get("kv_transfer_params")
-        resp = await client().post(decode_url + "/v1/completions",
+        resp = await request.state.client.post(decode_url + "/v1/completions",
                                    json={**body, "kv_transfer_params": params})
         if resp.status != 200:
             async with resp:
@@ -63,21 +61,15 @@ def build_pd_proxy(prefill_url: str, decode_url: str, timeout_s: float = 600.0) 
                                                              "text/event-stream"))
 
     async def models(request: Request) -> Response:
-        async with client().get(decode_url + "/v1/models") as r:
+        async with request.state.client.get(decode_url + "/v1/models") as r:
             return Response(await r.read(), status_code=r.status, media_type="application/json")
 
     async def health(request: Request) -> Response:
         for url in (prefill_url, decode_url):
-            async with client().get(url + "/health") as r:
+            async with request.state.client.get(url + "/health") as r:
                 if r.status != 200:
                     return JSONResponse({"status": f"{url} unhealthy"}, status_code=503)
         return JSONResponse({"status": "ok"})
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        yield
-        for session in sessions:
-            await session.close()
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/models", models), Route("/health", health)],
