@@ -173,15 +173,14 @@ def choose_linear_kernel(model: LlamaForCausalLM, kernel: str) -> str:
         raise RuntimeError(f"linear_kernel={kernel}: this torch build cannot prepack for oneDNN")
     if kernel == "auto" and not (have_panels and have_onednn):
         kernel = "panels" if have_panels else "onednn"
+    if kernel == "auto":  # measured before for this build, thread count and shapes?
+        key = kernel_choice.cache_key(model.linear_shapes(), torch.get_num_threads())
+        kernel = kernel_choice.load(key) or "auto"
+        if kernel != "auto":
+            logger.info("linear kernels: %s (as measured before, cache key %s)", kernel, key)
     if kernel != "auto":
         model.pack_weights(onednn=kernel != "panels", panels=kernel != "onednn")
         return kernel
-    key = kernel_choice.cache_key(model.linear_shapes(), torch.get_num_threads())
-    kept = kernel_choice.load(key)
-    if kept is not None:  # measured before for this CPU, build, thread count and shapes
-        model.pack_weights(onednn=kept != "panels", panels=kept != "onednn")
-        logger.info("linear kernels: %s (as measured before, cache key %s)", kept, key)
-        return kept
     model.pack_weights(onednn=True, panels=True)
     small = model.time_linears(8)
     large = model.time_linears(256, layers=1, reps=5)
