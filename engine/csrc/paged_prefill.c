@@ -109,12 +109,81 @@ static inline void pv_row(const float *restrict p, const float *const *restrict 
     axpy_rows(o, p, vrows, nk, D);
 }
 
+/* The keys of tile [k0, k0 + nk) that item row r (at position pos) sees: [*a, *b). */
+static inline void row_keys(int64_t pos, int64_t k0, int64_t nk, int64_t window, int64_t *a,
+                            int64_t *b) {
+    *a = window > 0 ? pos - window + 1 - k0 : 0;
+    *b = pos + 1 - k0;
+    if (*a < 0) *a = 0;
+    if (*b > nk) *b = nk;
+}
+
+/* The online softmax of one tile's scores (rows of KT in sbuf) in three passes, each over all
+ * rows, so that the per-row work is vector work and rows overlap: (A) each row's running max
+ * over the keys it sees (other keys set to -FLT_MAX; a row that sees none zeroed), (B) the
+ * rescale factors e^(m_old - m_new), VL rows at a time, (C) the numerators, their sums and the
+ * rescaled outputs. ms holds four arrays of rowsv floats: m, l, the new m, the factors. Returns
+ * whether any row sees a key of the tile. */
+static int tile_softmax(float *restrict sbuf, float *restrict obuf, float *restrict ms,
+                        int64_t rowsv, int64_t rows, int64_t nq, int64_t pos_lo, int64_t k0,
+                        int64_t nk, int64_t window, int64_t D) {
+    float *m = ms, *l = ms + rowsv, *mn = ms + 2 * rowsv, *al = ms + 3 * rowsv;
+    int any = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t a, b;
+        row_keys(pos_lo + r % nq, k0, nk, window, &a, &b);
+        float *s = sbuf + r * KT;
+        if (a >= b) {
+            memset(s, 0, sizeof(float) * KT);
+            mn[r] = m[r];
+            continue;
+        }
+        any = 1;
+        for (int64_t c = 0; c < a; c++) s[c] = -FLT_MAX;
+        for (int64_t c = b; c < KT; c++) s[c] = -FLT_MAX;
+        vf mv = *(const vf *)s;
+        for (int64_t c = VL; c < KT; c += VL) mv = vmax(mv, *(const vf *)(s + c));
+        const float mx = hmax_lanes(mv);
+        mn[r] = mx > m[r] ? mx : m[r];
+    }
+    if (!any) return 0;
+    for (int64_t r = 0; r < rowsv; r += VL)
+        *(vf *)(al + r) = vexp_neg(*(const vf *)(m + r) - *(const vf *)(mn + r));
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t a, b;
+        row_keys(pos_lo + r % nq, k0, nk, window, &a, &b);
+        if (a >= b) continue;
+        float *s = sbuf + r * KT;
+        const vf mx = splat(mn[r]);
+        vf sum = splat(0.f);
+        for (int64_t c = 0; c < KT; c += VL) {
+            const vf e = vexp_neg(*(const vf *)(s + c) - mx);
+            *(vf *)(s + c) = e;
+            sum += e;
+        }
+        if (a > 0 || b < KT) { /* the keys it does not see: exactly 0, not e^-87 */
+            for (int64_t c = 0; c < a; c++) s[c] = 0.f;
+            for (int64_t c = b; c < KT; c++) s[c] = 0.f;
+            sum = splat(0.f);
+            for (int64_t c = 0; c < KT; c += VL) sum += *(const vf *)(s + c);
+        }
+        const float alpha = al[r];
+        l[r] = l[r] * alpha + hsum_lanes(sum);
+        if (alpha != 1.f) {
+            float *o = obuf + r * D;
+            for (int64_t d = 0; d < D; d += VL) *(vf *)(o + d) *= splat(alpha);
+        }
+    }
+    memcpy(m, mn, sizeof(float) * rows);
+    return 1;
+}
+
 static void prefill_item(const float *restrict q, const float *restrict kt_all,
                          const float *restrict v_cache, const int32_t *restrict table,
                          int64_t q_start, int64_t q_len, int64_t ctx, const pitem_t *w, int64_t H,
                          int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
                          float *restrict out, float *restrict sbuf, float *restrict obuf,
-                         float *restrict m, float *restrict l, float *restrict qbuf) {
+                         float *restrict ms, int64_t rowsv, float *restrict qbuf) {
     const int64_t G = H / KVH, row = KVH * D, nq = w->nq;
     const int64_t rows = G * nq;              /* item rows: r = g * nq + i */
     const int64_t rowsp = ROWS_PADDED(rows); /* padded for the QK tile */
@@ -127,42 +196,15 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
                    sizeof(float) * D);
     memset(qbuf + rows * D, 0, sizeof(float) * (rowsp - rows) * D);
     memset(obuf, 0, sizeof(float) * rowsp * D);
-    for (int64_t r = 0; r < rowsp; r++) m[r] = -FLT_MAX, l[r] = 0.f;
+    float *m = ms, *l = ms + rowsv, *mn = ms + 2 * rowsv;
+    for (int64_t r = 0; r < rowsv; r++) m[r] = mn[r] = -FLT_MAX, l[r] = 0.f;
     const int64_t k_first = window > 0 && pos_lo - window + 1 > 0 ? pos_lo - window + 1 : 0;
     const float *vrows[KT];
     for (int64_t k0 = k_first / KT * KT; k0 <= pos_hi; k0 += KT) {
         const int64_t nk = k0 + KT <= ctx ? KT : ctx - k0;
         const float *kt = kt_all + k0 * D; /* [D][KT] tile of this KV head's transposed keys */
         for (int64_t r = 0; r < rowsp; r += QR) qk_tile(qbuf + r * D, D, kt, D, scale, sbuf + r * KT);
-        int any = 0;
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t pos = pos_lo + r % nq;
-            /* valid keys of this row in the tile: [a, b) */
-            int64_t a = window > 0 ? pos - window + 1 - k0 : 0, b = pos + 1 - k0;
-            if (a < 0) a = 0;
-            if (b > nk) b = nk;
-            float *s = sbuf + r * KT;
-            if (a >= b) {
-                memset(s, 0, sizeof(float) * KT);
-                continue;
-            }
-            any = 1;
-            float mx = m[r];
-            for (int64_t c = a; c < b; c++) mx = s[c] > mx ? s[c] : mx;
-            const float alpha = m[r] == -FLT_MAX ? 0.f : expf(m[r] - mx);
-            m[r] = mx;
-            for (int64_t c = 0; c < KT; c += VL) *(vf *)(s + c) = vexp_neg(*(vf *)(s + c) - splat(mx));
-            for (int64_t c = 0; c < a; c++) s[c] = 0.f;
-            for (int64_t c = b; c < KT; c++) s[c] = 0.f;
-            float sum = 0.f;
-            for (int64_t c = a; c < b; c++) sum += s[c];
-            l[r] = l[r] * alpha + sum;
-            if (alpha != 1.f) {
-                float *o = obuf + r * D;
-                for (int64_t d = 0; d < D; d += VL) *(vf *)(o + d) *= splat(alpha);
-            }
-        }
-        if (!any) continue;
+        if (!tile_softmax(sbuf, obuf, ms, rowsv, rows, nq, pos_lo, k0, nk, window, D)) continue;
         for (int64_t c = 0; c < nk; c++) {
             const int64_t pos = k0 + c;
             vrows[c] = v_cache + ((int64_t)table[pos / bs] * bs + pos % bs) * row + w->kvh * D;
@@ -265,7 +307,8 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
         float *sbuf = malloc(sizeof(float) * rowsp * KT);
         float *obuf = malloc(sizeof(float) * rowsp * D);
         float *qbuf = malloc(sizeof(float) * rowsp * D);
-        float *ml = malloc(sizeof(float) * rowsp * 2);
+        const int64_t rowsv = (rowsp + VL - 1) / VL * VL;
+        float *ml = malloc(sizeof(float) * rowsv * 4);
         if (!sbuf || !obuf || !qbuf || !ml) {
 #pragma omp atomic write
             failed = 1;
@@ -277,7 +320,7 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
             const int64_t j = w->span;
             prefill_item(q, kt + kt_off[j * KVH + w->kvh], v_cache, tables + j * W, q_start[j],
                          q_len[j], ctx_len[j], w, H, KVH, D, bs, scale, window, out, sbuf, obuf,
-                         ml, ml + rowsp, qbuf);
+                         ml, rowsv, qbuf);
         }
         free(sbuf), free(obuf), free(qbuf), free(ml);
     }

@@ -43,6 +43,38 @@ static inline vf vexp_neg(vf x) {
     return p * (vf)((n + 127) << 23);
 }
 
+/* The sum and the max of a vector's lanes, as a tree of lane swaps (log2 VL dependent steps,
+ * not VL: a running scalar chain costs a latency per lane). */
+#if VL == 16
+#define KVR_SWAP8 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
+#define KVR_SWAP4 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11
+#define KVR_SWAP2 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13
+#define KVR_SWAP1 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14
+#else
+#define KVR_SWAP4 4, 5, 6, 7, 0, 1, 2, 3
+#define KVR_SWAP2 2, 3, 0, 1, 6, 7, 4, 5
+#define KVR_SWAP1 1, 0, 3, 2, 5, 4, 7, 6
+#endif
+
+static inline float hsum_lanes(vf v) {
+#if VL == 16
+    v += __builtin_shufflevector(v, v, KVR_SWAP8);
+#endif
+    v += __builtin_shufflevector(v, v, KVR_SWAP4);
+    v += __builtin_shufflevector(v, v, KVR_SWAP2);
+    v += __builtin_shufflevector(v, v, KVR_SWAP1);
+    return v[0];
+}
+
+static inline float hmax_lanes(vf v) {
+#if VL == 16
+    v = vmax(v, __builtin_shufflevector(v, v, KVR_SWAP8));
+#endif
+    v = vmax(v, __builtin_shufflevector(v, v, KVR_SWAP4));
+    v = vmax(v, __builtin_shufflevector(v, v, KVR_SWAP2));
+    v = vmax(v, __builtin_shufflevector(v, v, KVR_SWAP1));
+    return v[0];
+}
 
 /* o[i0, i0 + W VL) += sum_t p[t] * rows[t][same]: W accumulator vectors held across the rows. */
 static inline __attribute__((always_inline)) void axpy_slice(
