@@ -5,9 +5,10 @@ choose_linear_kernel`) times both on the model's own linears at load: 0.2 s of a
 0.28 s warm engine start, longer on larger models, and on a busy machine a coin toss between two
 close kernels, so replicas of one deployment could differ. The result is kept in one small JSON
 file per key under the cache directory, beside the native build: the native kernels' build
-(its name holds their sources, flags, compiler and CPU), the torch build, the thread count and
-every linear's shape (a tensor-parallel shard has its own). A later engine of the same key
-packs only the kept kernel. Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
+(its name holds their sources, flags, compiler and CPU), the torch build, the thread count, the
+rows a prefill step was timed at (the engine's token budget) and every linear's shape (a
+tensor-parallel shard has its own). A later engine of the same key packs only the kept kernel.
+Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from kvrelay.engine import native
 logger = logging.getLogger(__name__)
 
 
-def cache_key(shapes: Sequence[tuple[int, int]], threads: int) -> str:
-    text = "|".join([native.library_name(), torch.__version__, str(threads),
+def cache_key(shapes: Sequence[tuple[int, int]], threads: int, prefill_rows: int) -> str:
+    text = "|".join([native.library_name(), torch.__version__, str(threads), str(prefill_rows),
                      ";".join(f"{a}x{b}" for a, b in shapes)])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 

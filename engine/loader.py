@@ -27,6 +27,10 @@ from kvrelay.engine.tensor_parallel import TPShard, shard_model, validate_tp
 
 logger = logging.getLogger(__name__)
 
+# The most rows ``linear_kernel=auto`` times a prefill-sized pass at (a full step of the default
+# token budget): ~0.2 s a pass of one layer of the ~150M demo model.
+PREFILL_ROWS = 2048
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -110,10 +114,12 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
                attn_fn: AttentionFn, max_positions: int,
                pack: bool | None = None,
                linear_kernel: str = "auto",
-               shard: TPShard | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
+               shard: TPShard | None = None,
+               prefill_rows: int = PREFILL_ROWS) -> tuple[LlamaForCausalLM, ModelArch]:
     """Build the model and load its weights. ``pack`` (default: on CPU in fp32) repacks the
-    linear weights for ``linear_kernel`` (see :func:`choose_linear_kernel`). With ``shard``
-    the model is cut to that tensor-parallel rank's part before packing."""
+    linear weights for ``linear_kernel`` (see :func:`choose_linear_kernel`, which times
+    ``auto`` at ``prefill_rows``, the rows of a full prefill step). With ``shard`` the model is
+    cut to that tensor-parallel rank's part before packing."""
     hf_cfg, arch = load_model_config(model_dir)
     inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
     with torch.device(device), _default_dtype(dtype):
@@ -146,7 +152,7 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     if pack is None:
         pack = device.type == "cpu" and dtype == torch.float32 and (
             onednn_packing_available() or gemm.available())
-    kernel = choose_linear_kernel(model, linear_kernel) if pack else "dense"
+    kernel = choose_linear_kernel(model, linear_kernel, prefill_rows) if pack else "dense"
     model.fused_decode = FusedDecode.for_model(model) if pack else None
     logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s, linears: %s%s",
                 model_dir, arch.architecture, arch.num_layers, n_params / 1e6, device, dtype,
@@ -154,14 +160,18 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     return model.eval(), arch
 
 
-def choose_linear_kernel(model: LlamaForCausalLM, kernel: str) -> str:
+def choose_linear_kernel(model: LlamaForCausalLM, kernel: str,
+                         prefill_rows: int = PREFILL_ROWS) -> str:
     """Pack the linears for ``kernel`` (CPU, fp32) and return the one kept: ``panels`` (the
     native panel GEMM, every row count), ``onednn`` (oneDNN's prepacked linear), ``mixed``
     (panels up to 64 rows, oneDNN above: two copies of the weights) or ``auto``: pack both, time
-    a decode-sized pass (8 rows through every linear) and a prefill-sized one (256 rows through
-    the first layer) each way, interleaved, and keep only what wins, both copies only where
-    oneDNN is > 10% faster at prefill sizes (which one wins depends on the CPU: on a Zen 3 the
-    panels won both by 1.1-1.3x)."""
+    a decode-sized pass (8 rows through every linear) and a prefill-sized one (``prefill_rows``
+    rows, at most :data:`PREFILL_ROWS`, through the first layer) each way, interleaved, and
+    keep only what wins, both copies only where oneDNN is > 10% faster at prefill sizes. Which
+    one wins depends on the CPU and on the rows: on a Zen 3 the panels won both by 1.1-1.3x; on
+    a Cascade Lake Xeon oneDNN's lead at prefill sizes grows with the rows (the tiny demo
+    model's first layer: 1.06x at 256 rows, 1.2x at 1024, 1.4x at 2048), so a step's real size
+    is what is timed."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {'|'.join(LINEAR_KERNELS)}, "
                          f"got {kernel!r}")
@@ -174,7 +184,9 @@ def choose_linear_kernel(model: LlamaForCausalLM, kernel: str) -> str:
     if kernel == "auto" and not (have_panels and have_onednn):
         kernel = "panels" if have_panels else "onednn"
     if kernel == "auto":  # measured before for this build, thread count and shapes?
-        key = kernel_choice.cache_key(model.linear_shapes(), torch.get_num_threads())
+        prefill_rows = max(65, min(prefill_rows, PREFILL_ROWS))  # oneDNN's side of mixed
+        key = kernel_choice.cache_key(model.linear_shapes(), torch.get_num_threads(),
+                                      prefill_rows)
         kernel = kernel_choice.load(key) or "auto"
         if kernel != "auto":
             logger.info("linear kernels: %s (as measured before, cache key %s)", kernel, key)
@@ -183,15 +195,16 @@ def choose_linear_kernel(model: LlamaForCausalLM, kernel: str) -> str:
         return kernel
     model.pack_weights(onednn=True, panels=True)
     small = model.time_linears(8)
-    large = model.time_linears(256, layers=1, reps=5)
+    large = model.time_linears(prefill_rows, layers=1, reps=3)
     # A second copy of the weights (mixed) only for a clear prefill-sized win: the one-layer
     # sample is short, and on a busy machine a few percent either way is noise.
     kernel = ("panels" if large[0] < 1.1 * large[1] else "mixed") if small[0] < small[1] \
         else "onednn"
     model.keep_linear_kernel(kernel)
-    logger.info("linear kernels, panels vs oneDNN: 8 rows %.1f vs %.1f ms, 256 rows (1 layer) "
-                "%.1f vs %.1f ms: keeping %s", small[0] * 1e3, small[1] * 1e3, large[0] * 1e3,
-                large[1] * 1e3, kernel)
+    logger.info("linear kernels, panels vs oneDNN: 8 rows %.1f vs %.1f ms, %d rows (1 layer) "
+                "%.1f vs %.1f ms: keeping %s", small[0] * 1e3, small[1] * 1e3, prefill_rows,
+                large[0] * 1e3, large[1] * 1e3, kernel)
     kernel_choice.save(key, kernel, {"panels_8": small[0] * 1e3, "onednn_8": small[1] * 1e3,
-                                     "panels_256": large[0] * 1e3, "onednn_256": large[1] * 1e3})
+                                     f"panels_{prefill_rows}": large[0] * 1e3,
+                                     f"onednn_{prefill_rows}": large[1] * 1e3})
     return kernel

@@ -77,7 +77,8 @@ class ModelRunner:
                       arch.max_position_embeddings)
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
                                            attn_fn=attn_fn, max_positions=max_len,
-                                           linear_kernel=mc.linear_kernel, shard=shard)
+                                           linear_kernel=mc.linear_kernel, shard=shard,
+                                           prefill_rows=config.scheduler.max_num_batched_tokens)
         self.shard = shard
         # Under TP each rank holds its own heads' KV (the budget is per rank).
         kv_heads = arch.num_kv_heads if shard is None else local_kv_heads(arch, shard.size)

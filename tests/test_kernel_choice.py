@@ -1,5 +1,6 @@
-"""``--linear-kernel auto`` measures once per CPU, torch build, native sources, thread count and
-linear shapes, and later engines of that key take the kept choice without timing."""
+"""``--linear-kernel auto`` measures once per CPU, torch build, native sources, thread count,
+prefill size and linear shapes, and later engines of that key take the kept choice without
+timing."""
 
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ def test_auto_measures_once_then_takes_the_kept_choice(demo_model_dir, tmp_path,
         LLM(demo_model_dir, num_blocks=16, num_threads=1)
 
 
-def test_the_key_follows_threads_and_shapes(monkeypatch, tmp_path) -> None:
+def test_the_key_follows_threads_prefill_size_and_shapes(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     shapes = [(256, 512), (256, 256)]
-    key = kernel_choice.cache_key(shapes, 1)
-    assert key == kernel_choice.cache_key(list(shapes), 1)
-    assert key != kernel_choice.cache_key(shapes, 2)
-    assert key != kernel_choice.cache_key([(256, 256), (256, 256)], 1)
+    key = kernel_choice.cache_key(shapes, 1, 2048)
+    assert key == kernel_choice.cache_key(list(shapes), 1, 2048)
+    assert key != kernel_choice.cache_key(shapes, 2, 2048)
+    assert key != kernel_choice.cache_key(shapes, 1, 512)
+    assert key != kernel_choice.cache_key([(256, 256), (256, 256)], 1, 2048)
     assert kernel_choice.load(key) is None
     kernel_choice.save(key, "panels", {"panels_8": 1.0})
     assert kernel_choice.load(key) == "panels"

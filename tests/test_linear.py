@@ -128,17 +128,24 @@ def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
 ])
 def test_auto_keeps_what_measures_faster(demo_model_dir, monkeypatch, tmp_path, small, large,
                                          kept: str) -> None:
-    """linear_kernel=auto times an 8-row and a 256-row pass both ways at load and keeps only
-    the copies that win (measured afresh: an empty cache of earlier choices)."""
+    """linear_kernel=auto times an 8-row pass and one of a full prefill step's rows both ways
+    at load and keeps only the copies that win (measured afresh: an empty cache of earlier
+    choices)."""
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     from kvrelay.engine.attention.sdpa import sdpa_attention
     from kvrelay.engine.loader import load_model
     from kvrelay.engine.models.llama import LlamaForCausalLM
 
-    monkeypatch.setattr(LlamaForCausalLM, "time_linears",
-                        lambda self, rows, layers=None, reps=3: small if rows == 8 else large)
+    timed: list[int] = []
+
+    def time_linears(self, rows, layers=None, reps=3):
+        timed.append(rows)
+        return small if rows == 8 else large
+
+    monkeypatch.setattr(LlamaForCausalLM, "time_linears", time_linears)
     model, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
-                          attn_fn=sdpa_attention, max_positions=64)
+                          attn_fn=sdpa_attention, max_positions=64, prefill_rows=512)
+    assert sorted(timed) == [8, 512]
     assert model.linear_kernel == kept
     lins = model._linears()
     assert all((m.panels is not None) == (kept != "onednn") for m in lins)
