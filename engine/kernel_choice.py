@@ -38,23 +38,25 @@ def _path(key: str) -> Path:
     return native.cache_root() / "linear_kernel" / f"{key}.json"
 
 
-def load(key: str) -> str | None:
-    """The kernel kept for ``key``, or None (never measured, or an unreadable file)."""
+def load(key: str) -> tuple[str, int] | None:
+    """The kernel kept for ``key`` and the rows up to which ``mixed`` takes the panels, or None
+    (never measured, or an unreadable file)."""
     try:
-        kernel = json.loads(_path(key).read_text())["kernel"]
+        doc = json.loads(_path(key).read_text())
+        kernel, panel_rows = doc["kernel"], int(doc["panel_rows"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return kernel if kernel in ("panels", "onednn", "mixed") else None
+    return (kernel, panel_rows) if kernel in ("panels", "onednn", "mixed") else None
 
 
-def save(key: str, kernel: str, measured: dict[str, float]) -> None:
+def save(key: str, kernel: str, panel_rows: int, measured: dict[str, float]) -> None:
     """Keep ``kernel`` for ``key`` (atomically: concurrent engines may race to write it)."""
     path = _path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"kernel": kernel, "measured_ms": measured}, f)
+            json.dump({"kernel": kernel, "panel_rows": panel_rows, "measured_ms": measured}, f)
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache: measure again next time
         logger.debug("could not keep the linear kernel choice in %s: %s", path, e)

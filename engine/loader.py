@@ -19,6 +19,7 @@ from kvrelay.engine.models.arch import ModelArch, load_model_config
 from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.models.llama import (
     LINEAR_KERNELS,
+    MIXED_PANEL_ROWS,
     LlamaForCausalLM,
     onednn_packing_available,
 )
@@ -164,14 +165,9 @@ def choose_linear_kernel(model: LlamaForCausalLM, kernel: str,
                          prefill_rows: int = PREFILL_ROWS) -> str:
     """Pack the linears for ``kernel`` (CPU, fp32) and return the one kept: ``panels`` (the
     native panel GEMM, every row count), ``onednn`` (oneDNN's prepacked linear), ``mixed``
-    (panels up to 64 rows, oneDNN above: two copies of the weights) or ``auto``: pack both, time
-    a decode-sized pass (8 rows through every linear) and a prefill-sized one (``prefill_rows``
-    rows, at most :data:`PREFILL_ROWS`, through the first layer) each way, interleaved, and
-    keep only what wins, both copies only where oneDNN is > 10% faster at prefill sizes. Which
-    one wins depends on the CPU and on the rows: on a Zen 3 the panels won both by 1.1-1.3x; on
-    a Cascade Lake Xeon oneDNN's lead at prefill sizes grows with the rows (the tiny demo
-    model's first layer: 1.06x at 256 rows, 1.2x at 1024, 1.4x at 2048), so a step's real size
-    is what is timed."""
+    (panels up to ``MIXED_PANEL_ROWS`` rows, oneDNN above: two copies of the weights) or
+    ``auto``: pack both and time them (:func:`_measure_linears`), keeping oneDNN's copy only
+    where it wins. Kept per build, threads, token budget and shapes (``kernel_choice``)."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {'|'.join(LINEAR_KERNELS)}, "
                          f"got {kernel!r}")
@@ -183,28 +179,59 @@ def choose_linear_kernel(model: LlamaForCausalLM, kernel: str,
         raise RuntimeError(f"linear_kernel={kernel}: this torch build cannot prepack for oneDNN")
     if kernel == "auto" and not (have_panels and have_onednn):
         kernel = "panels" if have_panels else "onednn"
+    panel_rows = MIXED_PANEL_ROWS
     if kernel == "auto":  # measured before for this build, thread count and shapes?
-        prefill_rows = max(65, min(prefill_rows, PREFILL_ROWS))  # oneDNN's side of mixed
+        prefill_rows = max(MIXED_PANEL_ROWS + 1, min(prefill_rows, PREFILL_ROWS))
         key = kernel_choice.cache_key(model.linear_shapes(), torch.get_num_threads(),
                                       prefill_rows)
-        kernel = kernel_choice.load(key) or "auto"
-        if kernel != "auto":
+        kept = kernel_choice.load(key)
+        if kept is not None:
+            kernel, panel_rows = kept
             logger.info("linear kernels: %s (as measured before, cache key %s)", kernel, key)
     if kernel != "auto":
         model.pack_weights(onednn=kernel != "panels", panels=kernel != "onednn")
+        model.keep_linear_kernel(kernel, panel_rows)
         return kernel
     model.pack_weights(onednn=True, panels=True)
-    small = model.time_linears(8)
-    large = model.time_linears(prefill_rows, layers=1, reps=3)
-    # A second copy of the weights (mixed) only for a clear prefill-sized win: the one-layer
-    # sample is short, and on a busy machine a few percent either way is noise.
-    kernel = ("panels" if large[0] < 1.1 * large[1] else "mixed") if small[0] < small[1] \
-        else "onednn"
-    model.keep_linear_kernel(kernel)
-    logger.info("linear kernels, panels vs oneDNN: 8 rows %.1f vs %.1f ms, %d rows (1 layer) "
-                "%.1f vs %.1f ms: keeping %s", small[0] * 1e3, small[1] * 1e3, prefill_rows,
-                large[0] * 1e3, large[1] * 1e3, kernel)
-    kernel_choice.save(key, kernel, {"panels_8": small[0] * 1e3, "onednn_8": small[1] * 1e3,
-                                     f"panels_{prefill_rows}": large[0] * 1e3,
-                                     f"onednn_{prefill_rows}": large[1] * 1e3})
+    kernel, panel_rows, measured = _measure_linears(model, prefill_rows)
+    model.keep_linear_kernel(kernel, panel_rows)
+    kernel_choice.save(key, kernel, panel_rows, measured)
     return kernel
+
+
+def _measure_linears(model: LlamaForCausalLM, prefill_rows: int) -> tuple[str, int,
+                                                                           dict[str, float]]:
+    """``auto``: time a decode-sized pass (8 rows through every linear) both ways, then
+    prefill-sized ones (128, 256, ... rows up to ``prefill_rows`` through the first layer),
+    interleaved, and return the kernel to keep, the rows up to which ``mixed`` takes the panels
+    and the times. Both copies only where oneDNN wins the larger passes by > 10% (a second copy
+    of the weights for a clear win only: one layer is a short sample, and on a busy machine a
+    few percent either way is noise); the panels keep every row count below the first such pass,
+    decode steps included (their fused native layers need the panels). Which wins, and from
+    which rows, depends on the CPU: on a Zen 3 the panels won every size by 1.1-1.3x; on a
+    Cascade Lake Xeon oneDNN's lead grows with the rows (the tiny demo model's first layer:
+    1.06x at 256 rows, 1.2x at 1024, 1.4x at 2048) while at 80 rows a decode step through
+    the panels took 2/3 of one through oneDNN."""
+    small = model.time_linears(8)
+    measured = {"panels_8": small[0] * 1e3, "onednn_8": small[1] * 1e3}
+    if small[1] <= small[0]:
+        kernel, panel_rows = "onednn", 0
+    else:
+        ladder = [r for r in (128, 256, 512, 1024, 2048) if r < prefill_rows] + [prefill_rows]
+        wins: list[int] = []  # rows at which oneDNN won clearly, ascending
+        for rows in ladder:
+            p, o = model.time_linears(rows, layers=1, reps=3)
+            measured[f"panels_{rows}"], measured[f"onednn_{rows}"] = p * 1e3, o * 1e3
+            wins = wins + [rows] if p > 1.1 * o else []
+            if len(wins) == 2:  # twice in a row: it only grows with the rows
+                break
+        if wins:
+            kernel, panel_rows = "mixed", max(MIXED_PANEL_ROWS, wins[0] // 2)
+        else:
+            kernel, panel_rows = "panels", 0
+    logger.info("linear kernels, panels vs oneDNN (ms): %s: keeping %s%s",
+                ", ".join(f"{k.split('_')[1]} rows {measured[k]:.1f} vs "
+                          f"{measured['onednn_' + k.split('_')[1]]:.1f}"
+                          for k in measured if k.startswith("panels_")),
+                kernel, f" (panels up to {panel_rows} rows)" if kernel == "mixed" else "")
+    return kernel, panel_rows, measured

@@ -28,6 +28,7 @@ def test_auto_measures_once_then_takes_the_kept_choice(demo_model_dir, tmp_path,
     monkeypatch.setattr(LlamaForCausalLM, "time_linears", no_timing)
     again = LLM(demo_model_dir, num_blocks=16, num_threads=1).engine.runner.model
     assert again.linear_kernel == chosen  # packed only what was kept
+    assert {m.panel_rows for m in again._linears()} == {m.panel_rows for m in first._linears()}
 
     kept.write_text("not json")  # unreadable: measured again
     with pytest.raises(AssertionError, match="timed again"):
@@ -43,5 +44,5 @@ def test_the_key_follows_threads_prefill_size_and_shapes(monkeypatch, tmp_path) 
     assert key != kernel_choice.cache_key(shapes, 1, 512)
     assert key != kernel_choice.cache_key([(256, 256), (256, 256)], 1, 2048)
     assert kernel_choice.load(key) is None
-    kernel_choice.save(key, "panels", {"panels_8": 1.0})
-    assert kernel_choice.load(key) == "panels"
+    kernel_choice.save(key, "mixed", 256, {"panels_8": 1.0})
+    assert kernel_choice.load(key) == ("mixed", 256)  # with the rows the panels keep

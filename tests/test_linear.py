@@ -118,38 +118,56 @@ def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
+_EVEN, _PANELS, _ONEDNN = (1.0, 1.0), (0.5, 1.0), (1.0, 0.5)  # (panels s, oneDNN s)
+
+
 @needs_onednn
 @needs_panels
-@pytest.mark.parametrize(("small", "large", "kept"), [
-    ((0.5, 1.0), (0.5, 1.0), "panels"),  # panels win both: oneDNN's copy is dropped
-    ((0.5, 1.0), (1.0, 0.5), "mixed"),  # panels win decode-sized passes only: both kept
-    ((0.5, 1.0), (1.05, 1.0), "panels"),  # ... unless oneDNN's prefill-sized win is within 10%
-    ((1.0, 0.5), (0.5, 1.0), "onednn"),  # panels lose the decode pass: their copy is dropped
+@pytest.mark.parametrize(("small", "large", "kept", "panel_rows", "timed"), [
+    # panels win everything: oneDNN's copy is dropped
+    (_PANELS, {}, "panels", None, [8, 128, 256, 512, 1024]),
+    # panels win the decode pass, oneDNN every prefill size: both kept, the panels below 128
+    # rows; measuring stops after two clear wins in a row
+    (_PANELS, {r: _ONEDNN for r in (128, 256)}, "mixed", 64, [8, 128, 256]),
+    # ... unless oneDNN's wins are within 10%
+    (_PANELS, dict.fromkeys((128, 256, 512, 1024), (1.05, 1.0)), "panels", None,
+     [8, 128, 256, 512, 1024]),
+    # oneDNN wins from 512 rows on: the panels keep up to 256 (decode steps of that size too)
+    (_PANELS, {512: _ONEDNN, 1024: _ONEDNN}, "mixed", 256, [8, 128, 256, 512, 1024]),
+    # a lone win (noise) is not a crossover: the first of two in a row is
+    (_PANELS, {128: _ONEDNN, 512: _ONEDNN, 1024: _ONEDNN}, "mixed", 256,
+     [8, 128, 256, 512, 1024]),
+    # panels lose the decode pass: their copy is dropped, nothing else timed
+    (_ONEDNN, {}, "onednn", None, [8]),
 ])
 def test_auto_keeps_what_measures_faster(demo_model_dir, monkeypatch, tmp_path, small, large,
-                                         kept: str) -> None:
-    """linear_kernel=auto times an 8-row pass and one of a full prefill step's rows both ways
-    at load and keeps only the copies that win (measured afresh: an empty cache of earlier
-    choices)."""
+                                         kept: str, panel_rows: int | None,
+                                         timed: list[int]) -> None:
+    """linear_kernel=auto times an 8-row pass and prefill-sized ones up to a full step's rows
+    both ways at load, keeps only the copies that win, and under ``mixed`` gives the panels the
+    rows below oneDNN's clear wins (measured afresh: an empty cache of earlier choices)."""
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     from kvrelay.engine.attention.sdpa import sdpa_attention
     from kvrelay.engine.loader import load_model
     from kvrelay.engine.models.llama import LlamaForCausalLM
 
-    timed: list[int] = []
+    seen: list[int] = []
 
     def time_linears(self, rows, layers=None, reps=3):
-        timed.append(rows)
-        return small if rows == 8 else large
+        seen.append(rows)
+        return small if rows == 8 else large.get(rows, _EVEN)
 
     monkeypatch.setattr(LlamaForCausalLM, "time_linears", time_linears)
     model, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
-                          attn_fn=sdpa_attention, max_positions=64, prefill_rows=512)
-    assert sorted(timed) == [8, 512]
+                          attn_fn=sdpa_attention, max_positions=64, prefill_rows=1024)
+    assert seen == timed
     assert model.linear_kernel == kept
     lins = model._linears()
     assert all((m.panels is not None) == (kept != "onednn") for m in lins)
     assert all((m.packed is not None) == (kept != "panels") for m in lins)
+    if panel_rows is not None:
+        assert {m.panel_rows for m in lins} == {panel_rows}
+        assert model.fused_decode is None or model.fused_decode.max_rows == panel_rows
 
 
 @needs_onednn

@@ -262,12 +262,14 @@ class LlamaForCausalLM(nn.Module):
             return "mixed" if lin.packed is not None else "panels"
         return "onednn" if lin.packed is not None else "dense"
 
-    def keep_linear_kernel(self, kernel: str) -> None:
+    def keep_linear_kernel(self, kernel: str, panel_rows: int = MIXED_PANEL_ROWS) -> None:
         """From both copies (``pack_weights(onednn=True, panels=True)``) keep ``kernel``'s:
-        ``panels``, ``onednn``, or ``mixed`` (both, panels up to ``MIXED_PANEL_ROWS`` rows)."""
-        if kernel != "mixed":
-            for m in self._linears():
+        ``panels``, ``onednn``, or ``mixed`` (both, the panels up to ``panel_rows`` rows)."""
+        for m in self._linears():
+            if kernel != "mixed":
                 m.drop("onednn" if kernel == "panels" else "panels")
+            elif m.panels is not None and m.packed is not None:
+                m.panel_rows = panel_rows
 
     @torch.inference_mode()
     def time_linears(self, rows: int, layers: int | None = None,
