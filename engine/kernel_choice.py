@@ -1,10 +1,11 @@
 """What ``--linear-kernel auto`` measured, kept for the next engine of the same kind.
 
 The choice between the native panel GEMM and oneDNN (:func:`kvrelay.engine.loader.
-choose_linear_kernel`) times both on the model's own linears at load: 0.2 s of a ~7M model's
-0.28 s warm engine start, longer on larger models, and on a busy machine a coin toss between two
-close kernels, so replicas of one deployment could differ. The result is kept in one small JSON
-file per key under the cache directory, beside the native build: the native kernels' build
+choose_linear_kernel`) times both on the model's own linears at load, from 8 rows to a full
+prefill step's: a fraction of a second on the ~7M model, longer on larger ones, and on a busy
+machine a coin toss between two close kernels, so replicas of one deployment could differ. The
+result (the kernel, and the rows up to which ``mixed`` takes the panels) is kept in one small
+JSON file per key under the cache directory, beside the native build: the native kernels' build
 (its name holds their sources, flags, compiler and CPU), the torch build, the thread count, the
 rows a prefill step was timed at (the engine's token budget) and every linear's shape (a
 tensor-parallel shard has its own). A later engine of the same key packs only the kept kernel.
