@@ -108,7 +108,10 @@ class ModelRunner:
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
         # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.
         # oneDNN compiles a primitive per row count (see padded_rows); the panel GEMM does not
-        self.pad_rows = self.model.lm_head.packed is not None
+        # (and a padded decode step would lose its fused native layers): under ``mixed`` only
+        # steps past the panels' rows are padded. None: never.
+        lm = self.model.lm_head
+        self.pad_above: int | None = lm.panel_rows if lm.packed is not None else None
         # CUDA graphs for decode steps (decided once, here): they take the last block as the
         # padding rows' scratch, so the block manager gets one block fewer.
         off = graphs_off_reason(self.device, enforce_eager=mc.enforce_eager,
@@ -230,13 +233,13 @@ class ModelRunner:
             self._add_flash_metadata(meta, scheduled, prefill + decode)
         else:
             meta.workspace = self._workspace(meta.gather_rows())
-        if self.pad_rows:  # pad rows: token 0 at position 0, no KV written, no attention
-            extra = padded_rows(len(ids)) - len(ids)
+        if self.pad_above is not None and len(ids) > self.pad_above:
+            extra = padded_rows(len(ids)) - len(ids)  # token 0 at position 0: no KV, no attention
             ids.extend([0] * extra)
             pos.extend([0] * extra)
-            if logits_rows:
-                logits_rows.extend([logits_rows[-1]] * (padded_rows(len(logits_rows))
-                                                        - len(logits_rows)))
+        if self.pad_above is not None and len(logits_rows) > self.pad_above:
+            logits_rows.extend([logits_rows[-1]] * (padded_rows(len(logits_rows))
+                                                    - len(logits_rows)))
         return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                           self._to_device(meta), torch.tensor(logits_rows, dtype=torch.long),
                           sampled_order)

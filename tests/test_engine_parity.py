@@ -280,10 +280,10 @@ def test_padded_steps_match_transformers_and_the_unpadded_path(hf_model_dir, arc
     """CPU steps are padded to a bucketed row count (``padded_rows``); the padding writes no KV,
     joins no attention and samples nothing: tokens match transformers, logits the unpadded
     step's, and every block comes back. (oneDNN's linears only: the panel GEMM compiles
-    nothing per shape, and its steps are not padded.)"""
+    nothing per shape, and its steps are not padded; see the next test for ``mixed``.)"""
     model_dir = hf_model_dir(arch)
     core = make_core(model_dir, max_num_batched_tokens=256, linear_kernel="onednn")
-    assert core.runner.pad_rows
+    assert core.runner.pad_above == 0  # oneDNN only: every step
     ps = prompts(11, (33, 70, 45, 5))  # one step of 153 prefill tokens: padded to 160
     free0 = core.block_manager.num_free_blocks
     got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
@@ -293,8 +293,8 @@ def test_padded_steps_match_transformers_and_the_unpadded_path(hf_model_dir, arc
 
     seqs = [Sequence(f"s{i}", p, GREEDY) for i, p in enumerate(ps[:3])]
     logits = []
-    for pad in (True, False):
-        core.runner.pad_rows = pad
+    for pad in (0, None):
+        core.runner.pad_above = pad
         for s in seqs:
             assert core.block_manager.allocate(s, len(s.token_ids))
         logits.append(core.runner.logits_for([ScheduledSeq(s, len(s.token_ids)) for s in seqs]))
@@ -302,3 +302,23 @@ def test_padded_steps_match_transformers_and_the_unpadded_path(hf_model_dir, arc
             core.block_manager.free(s)
     assert logits[0].shape == logits[1].shape == (148, logits[0].shape[1])
     assert (logits[0] - logits[1]).abs().max() / logits[1].abs().max() < 1e-5
+
+
+def test_mixed_pads_only_the_steps_onednn_runs(hf_model_dir) -> None:
+    """Under ``mixed`` the panels run every step up to their rows unpadded (a padded decode step
+    would also lose its fused native layers); longer ones, oneDNN's, are bucketed."""
+    from kvrelay.engine.model_runner import padded_rows
+
+    core = make_core(hf_model_dir("llama_bias"), max_num_batched_tokens=256,
+                     linear_kernel="mixed")
+    assert core.runner.pad_above == 64
+    seqs = [Sequence(f"s{i}", p, GREEDY) for i, p in enumerate(prompts(12, (40, 30, 35)))]
+    for s in seqs:
+        assert core.block_manager.allocate(s, len(s.token_ids))
+    one = core.runner.prepare([ScheduledSeq(seqs[0], 40)])  # 40 rows: the panels'
+    assert one.input_ids.shape[0] == 40 and one.logits_indices.shape[0] == 1
+    all3 = core.runner.prepare([ScheduledSeq(s, len(s.token_ids)) for s in seqs])  # 105 rows
+    assert all3.input_ids.shape[0] == padded_rows(105) > 105
+    assert all3.logits_indices.shape[0] == 3  # three sampled rows: the panels' again
+    for s in seqs:
+        core.block_manager.free(s)
