@@ -155,18 +155,11 @@ static int tile_softmax(float *restrict sbuf, float *restrict obuf, float *restr
         if (a >= b) continue;
         float *s = sbuf + r * KT;
         const vf mx = splat(mn[r]);
+        for (int64_t c = 0; c < KT; c += VL) *(vf *)(s + c) = vexp_neg(*(const vf *)(s + c) - mx);
+        for (int64_t c = 0; c < a; c++) s[c] = 0.f; /* the keys it does not see: exactly 0, */
+        for (int64_t c = b; c < KT; c++) s[c] = 0.f; /* not e^-87 */
         vf sum = splat(0.f);
-        for (int64_t c = 0; c < KT; c += VL) {
-            const vf e = vexp_neg(*(const vf *)(s + c) - mx);
-            *(vf *)(s + c) = e;
-            sum += e;
-        }
-        if (a > 0 || b < KT) { /* the keys it does not see: exactly 0, not e^-87 */
-            for (int64_t c = 0; c < a; c++) s[c] = 0.f;
-            for (int64_t c = b; c < KT; c++) s[c] = 0.f;
-            sum = splat(0.f);
-            for (int64_t c = 0; c < KT; c += VL) sum += *(const vf *)(s + c);
-        }
+        for (int64_t c = 0; c < KT; c += VL) sum += *(const vf *)(s + c);
         const float alpha = al[r];
         l[r] = l[r] * alpha + hsum_lanes(sum);
         if (alpha != 1.f) {
