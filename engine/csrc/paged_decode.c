@@ -69,12 +69,6 @@ static inline vf reduce_vl(const vf a[8]) {
 }
 #endif
 
-static inline float hsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-}
-
 static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
     float s = 0.f;
     for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
@@ -167,8 +161,7 @@ static void attend(const float *restrict q, const float *restrict k_cache,
         for (int64_t t = n; t < stride; t++) sh[t] = -FLT_MAX;
         vf mv = splat(-FLT_MAX);
         for (int64_t t = 0; t < stride; t += VL) mv = vmax(mv, *(const vf *)(sh + t));
-        float mx = -FLT_MAX;
-        for (int i = 0; i < VL; i++) mx = mv[i] > mx ? mv[i] : mx;
+        const float mx = hmax_lanes(mv);
         vf sum = splat(0.f);
         for (int64_t t = 0; t < stride; t += VL) {
             vf e = vexp_neg(*(const vf *)(sh + t) - splat(mx));
@@ -179,7 +172,7 @@ static void attend(const float *restrict q, const float *restrict k_cache,
             sum += e;
         }
         m[h] = mx;
-        l[h] = hsum(sum);
+        l[h] = hsum_lanes(sum);
     }
     /* Pass 2, V: a run's rows at a time (they stay in L1 while every head uses them). */
     memset(o, 0, sizeof(float) * H * D);
