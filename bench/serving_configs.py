@@ -49,6 +49,7 @@ class Settings:
     startup_timeout_s: float = 300.0
     vllm_venv: str = str(VLLM_VENV)
     extra_kvrelay_args: tuple[str, ...] = ()
+    extra_router_args: tuple[str, ...] = ()
     extra_vllm_args: tuple[str, ...] = ()
 
 
@@ -78,8 +79,8 @@ def start_kvrelay(name: str, st: Settings, workdir: Path) -> Deployment:
     dep.spawn(Proc("router", pinned(kvrelay_cmd(
         "router", "--model", st.model_dir, "--served-model-name", SERVED_NAME,
         "--port", "0", "--control-port", "0", "--http-port", str(http_port),
-        "--ready-file", str(router_ready)), both), {**env, "OMP_NUM_THREADS": "1"},
-        workdir / "router.log"))
+        "--ready-file", str(router_ready), *st.extra_router_args), both),
+        {**env, "OMP_NUM_THREADS": "1"}, workdir / "router.log"))
     ready = wait_file(router_ready, dep, st.startup_timeout_s)
     control = f"127.0.0.1:{ready['control_port']}"
     dep.base_url = f"http://127.0.0.1:{ready.get('http_port') or http_port}"

@@ -27,6 +27,7 @@ from kvrelay.common.convert import (
 )
 from kvrelay.common.logs import request_context
 from kvrelay.common.rpc import WORKER_DRAINING
+from kvrelay.common.session import SessionServer
 from kvrelay.common.timeline import mark
 from kvrelay.decode_worker.leases import LeaseError, LeaseTable
 from kvrelay.engine.async_engine import AsyncEngine
@@ -134,6 +135,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.draining = False
         self._busy: dict[str, asyncio.Future[None]] = {}  # Decode streams being torn down
         leases.after_free = self._forget_stream
+        # The router's Sessions: its Decode and GenerateLocal calls, many over one stream.
+        self.sessions = SessionServer({"decode": self.Decode,
+                                       "generate_local": self.GenerateLocal})
+
+    async def Session(self, request_iterator: AsyncIterator[wpb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.SessionResponse]:
+        async for resp in self.sessions.serve(request_iterator, context):
+            yield resp
 
     async def GetTransferInfo(self, request: wpb.TransferInfoRequest,
                               context: grpc.aio.ServicerContext) -> wpb.TransferInfo:

@@ -131,7 +131,8 @@ def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
                             max_migrations=int(args.max_migrations),
                             kv_wait_s=float(args.kv_wait),
                             worker_wait_s=float(args.worker_wait),
-                            prefill_ahead=bool(args.prefill_ahead)))
+                            prefill_ahead=bool(args.prefill_ahead),
+                            stream_sessions=bool(args.stream_sessions)))
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -256,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the Prefill beside the decode worker's Reserve and name its KV destination "
              "when the Reserve answers, hiding the Reserve's round trip (pays when the prefill "
              "worker has its own cores or GPU; default: Reserve first, then Prefill)")
+    opt(p, "--stream-sessions", action=argparse.BooleanOptionalAction,
+        default=rc.stream_sessions,
+        help="read each decode worker's token streams over one gRPC stream, a decode step's "
+             "tokens for all of its requests in one message (default); --no-stream-sessions: "
+             "one RPC per request, one message per token")
     opt(p, "--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S)
     opt(p, "--api-keys", default=None, help="comma-separated API keys (prefer the env var)")
     opt(p, "--api-key-file", default=None, help="file with one API key per line")

@@ -125,6 +125,62 @@ class DrainResponse(_message.Message):
     in_flight: int
     def __init__(self, in_flight: _Optional[int] = ...) -> None: ...
 
+class MetadataEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class SessionOp(_message.Message):
+    __slots__ = ("call", "decode", "generate_local", "cancel", "timeout_ms", "metadata")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    decode: DecodeRequest
+    generate_local: LocalGenerateRequest
+    cancel: bool
+    timeout_ms: int
+    metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    def __init__(self, call: _Optional[int] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., generate_local: _Optional[_Union[LocalGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("ops",)
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[SessionOp]
+    def __init__(self, ops: _Optional[_Iterable[_Union[SessionOp, _Mapping]]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details", "trailing_metadata")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailing_metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("call", "message", "status")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    message: DecodeResponse
+    status: CallStatus
+    def __init__(self, call: _Optional[int] = ..., message: _Optional[_Union[DecodeResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ...) -> None: ...
+
 class TransferInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

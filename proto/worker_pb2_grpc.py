@@ -311,6 +311,11 @@ class DecodeWorkerStub:
                 request_serializer=kvrelay_dot_proto_dot_worker__pb2.LocalGenerateRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_proto_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvrelay.v1.DecodeWorker/Session',
+                request_serializer=kvrelay_dot_proto_dot_worker__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_proto_dot_worker__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -355,6 +360,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Many Decode and GenerateLocal calls over one stream (the router keeps one per worker):
+        each call behaves as its own RPC would (messages, then a status with trailers), and the
+        worker sends everything its calls produced meanwhile, a decode step's tokens for all of
+        them, as one message. common/session.py holds both ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -387,6 +402,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GenerateLocal,
                     request_deserializer=kvrelay_dot_proto_dot_worker__pb2.LocalGenerateRequest.FromString,
                     response_serializer=kvrelay_dot_proto_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvrelay_dot_proto_dot_worker__pb2.SessionRequest.FromString,
+                    response_serializer=kvrelay_dot_proto_dot_worker__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -553,6 +573,33 @@ class DecodeWorker:
             '/kvrelay.v1.DecodeWorker/GenerateLocal',
             kvrelay_dot_proto_dot_worker__pb2.LocalGenerateRequest.SerializeToString,
             kvrelay_dot_proto_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvrelay.v1.DecodeWorker/Session',
+            kvrelay_dot_proto_dot_worker__pb2.SessionRequest.SerializeToString,
+            kvrelay_dot_proto_dot_worker__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

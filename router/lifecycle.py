@@ -241,7 +241,7 @@ class Lifecycle(Relay):
         try:
             t0 = time.monotonic()
             try:
-                call = w.identity.decode.GenerateLocal(
+                call = self._streams(w).GenerateLocal(
                     req, metadata=tracing.with_parent(self.md, span))
             except grpc.aio.UsageError as e:  # the registry dropped w (and closed its channel)
                 raise WorkerLost(f"{w.worker_id} left the registry: {e}") from e

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S, HEARTBEAT_INTERVAL_S, insecure_channel
+from kvrelay.common.session import SessionClient
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import ClusterPerf
@@ -277,12 +278,13 @@ def _connect(info: wpb.WorkerInfo) -> WorkerIdentity:
     """A joining worker's identity, with a channel (and its role's stubs) to reach it by."""
     ch = insecure_channel(info.address)
     role = ROLE_NAMES[info.role]
+    decode = worker_pb2_grpc.DecodeWorkerStub(ch) if role in ("decode", "both") else None
     return WorkerIdentity(
         worker_id=info.worker_id, role=role, address=info.address,
         incarnation=info.incarnation, model_identity=info.model_identity,
         block_size=info.block_size, max_model_len=info.max_model_len, channel=ch,
         drain_timeout_s=info.drain_timeout_s or DRAIN_TIMEOUT_S,
-        decode=worker_pb2_grpc.DecodeWorkerStub(ch) if role in ("decode", "both") else None,
+        decode=decode, streams=SessionClient(decode) if decode is not None else None,
         prefill=worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else None)
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from kvrelay.common import tracing
 from kvrelay.common.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
+from kvrelay.common.session import SessionCall
 from kvrelay.engine.outputs import FinishReason
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
@@ -32,6 +34,12 @@ class Relay(Handoff):
 
     probes: dict[str, bool]  # warm-up probes in flight: request id -> measurements recorded
     eos_token_ids: frozenset[int] = frozenset()
+
+    def _streams(self, w: WorkerState) -> Any:
+        """Where ``w``'s Decode and GenerateLocal calls go: its Session, or its stub."""
+        if self.config.stream_sessions and w.identity.streams is not None:
+            return w.identity.streams
+        return w.identity.decode
 
     def _first_chunks(self, first: wpb.PrefillResponse, cached: int, sampling: SamplingParams,
                       prompt_len: int, d: WorkerState) -> list[TokenChunk]:
@@ -77,8 +85,8 @@ class Relay(Handoff):
             # The request's deadline rides on the call (one timer for the stream, not a
             # wait_for task a token) and reaches the worker, which stops on it too.
             timeout = None if spec.deadline is None else self._remaining(spec, 3600.0)
-            call = d.identity.decode.Decode(req, metadata=tracing.with_parent(self.md, span),
-                                            timeout=timeout)
+            call = self._streams(d).Decode(req, metadata=tracing.with_parent(self.md, span),
+                                           timeout=timeout)
         except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
             tracing.end(span, error=e)
             raise WorkerLost(f"{d.worker_id} left the registry: {e}") from e
@@ -103,7 +111,7 @@ class Relay(Handoff):
             call.cancel()
             tracing.end(span)
 
-    async def _read_stream(self, spec: GenerateSpec, call: grpc.aio.UnaryStreamCall,
+    async def _read_stream(self, spec: GenerateSpec, call: grpc.aio.UnaryStreamCall | SessionCall,
                            w: WorkerState, trace: Trace) -> AsyncIterator[TokenChunk]:
         """Relay a DecodeResponse stream; a broken stream becomes WorkerLost."""
         last: float | None = None  # gaps between streamed tokens measure w's decode steps

@@ -41,6 +41,9 @@ class RouterConfig:
     # the prefill itself by more than it saved (bench/results/pd_latency.txt); it pays where
     # the prefill worker has its own cores or GPU.
     prefill_ahead: bool = False
+    # Read each decode worker's streams over one Session (one message per decode step for all
+    # of its requests) instead of one RPC per request (one message per token per request).
+    stream_sessions: bool = True
 
     def __post_init__(self) -> None:
         if self.max_prefill_attempts < 1 or self.max_migrations < 0 or self.max_inflight < 1:

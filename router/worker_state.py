@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S
+from kvrelay.common.session import SessionClient
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import WorkerPerf
@@ -42,6 +43,8 @@ class WorkerIdentity:
     max_model_len: int  # 0: not reported
     channel: grpc.aio.Channel
     decode: worker_pb2_grpc.DecodeWorkerStub | None = None
+    # Decode and GenerateLocal over one Session (``RouterConfig.stream_sessions``).
+    streams: SessionClient | None = None
     prefill: worker_pb2_grpc.PrefillWorkerStub | None = None
     drain_timeout_s: float = DRAIN_TIMEOUT_S  # how long it finishes its calls once draining
 

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from kvrelay.common.rpc import add_health
+from kvrelay.common.session import SessionServer
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -159,6 +160,7 @@ class _Servicer(worker_pb2_grpc.WorkerControlServicer, worker_pb2_grpc.DecodeWor
                 worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, w: FakeWorker) -> None:
         self.w = w
+        self.sessions = SessionServer({"decode": self.Decode})
 
     # -- decode worker -----------------------------------------------------------------------
     async def Reserve(self, request: wpb.ReserveRequest,
@@ -211,6 +213,11 @@ class _Servicer(worker_pb2_grpc.WorkerControlServicer, worker_pb2_grpc.DecodeWor
             yield wpb.DecodeResponse(token_ids=[t], finish_reason=pb.FINISH_REASON_LENGTH
                                      if last else pb.FINISH_REASON_UNSPECIFIED)
             await asyncio.sleep(self.w.token_gap_s)
+
+    async def Session(self, request_iterator: AsyncIterator[wpb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.SessionResponse]:
+        async for resp in self.sessions.serve(request_iterator, context):
+            yield resp
 
     # -- prefill worker ----------------------------------------------------------------------
     async def Prefill(self, request: wpb.PrefillRequest,

@@ -26,11 +26,16 @@ from kvrelay.router.requests import RouterConfig
 BEAT_S = 0.05
 PROMPT = [11, 12, 13, 14, 15]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+PER_CALL = pytest.mark.parametrize("router", [True, False], ids=["sessions", "per-call"],
+                                   indirect=True)
 
 
 @pytest.fixture(scope="module")
-def router(demo_model_dir: str) -> Iterator[RouterInProcess]:
-    config = RouterConfig(kv_wait_s=0.3, worker_wait_s=1.0, max_migrations=2)
+def router(demo_model_dir: str, request: pytest.FixtureRequest) -> Iterator[RouterInProcess]:
+    """The decode streams go over each worker's Session; ``PER_CALL`` tests run again with
+    one RPC per stream (``RouterConfig.stream_sessions`` off)."""
+    config = RouterConfig(kv_wait_s=0.3, worker_wait_s=1.0, max_migrations=2,
+                          stream_sessions=getattr(request, "param", True))
     with RouterInProcess(demo_model_dir, heartbeat_interval_s=BEAT_S, config=config) as r:
         yield r
 
@@ -82,6 +87,7 @@ def _names(trace: list[tuple[str, str]]) -> list[str]:
     return [name for name, _ in trace]
 
 
+@PER_CALL
 def test_a_decode_stream_broken_mid_way_resumes_on_another_decode_worker(router, start) -> None:
     p = start("prefill")
     d1 = start("decode")
@@ -164,6 +170,7 @@ def test_a_failed_kv_destination_moves_the_request_to_another_decode_worker(rout
     _no_open_lease(d1, d2)
 
 
+@PER_CALL
 def test_a_draining_decode_worker_is_passed_over_and_not_suspected(router, start) -> None:
     start("prefill")
     d1 = start("decode")
@@ -178,6 +185,7 @@ def test_a_draining_decode_worker_is_passed_over_and_not_suspected(router, start
     _no_open_lease(d1, d2)
 
 
+@PER_CALL
 def test_full_decode_workers_refuse_with_resource_exhausted(router, start) -> None:
     start("prefill")
     d1 = start("decode")
@@ -202,6 +210,7 @@ def test_migrations_are_bounded_and_the_output_so_far_is_right(router, start) ->
     _no_open_lease(*ds)
 
 
+@PER_CALL
 def test_a_client_leaving_mid_stream_ends_the_lease(router, start) -> None:
     start("prefill")
     d = start("decode")

@@ -257,6 +257,8 @@ class Worker:
         await self.heartbeater.stop()
         # Routers forget this worker now; its calls still in flight end with the server.
         await self.heartbeater.beat_now(leaving=True, timeout_s=1.0)
+        if self.decode_servicer is not None:  # sessions end once their calls did
+            self.decode_servicer.sessions.close()
         await self.server.stop(grace=1.0)
         if self.decode_servicer is not None:
             await self.leases.stop()
