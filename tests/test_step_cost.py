@@ -69,9 +69,29 @@ def test_slack_left_by_fast_steps_lets_a_larger_chunk_through_and_is_spent() -> 
     assert m.slack_s == pytest.approx(m.slack_steps * 0.05)  # banked, but bounded
     banked = m.prefill_budget(d, ctx)
     assert banked > plain
-    m.observe(StepShape(banked, banked * 200, d, ctx), 0.05 + m.slack_s)  # the chunk ran
+    # the chunk ran, as long as the aim plus the slack
+    m.observe(StepShape(banked, banked * 200, d, ctx), m.headroom * 0.05 + m.slack_s)
     assert m.slack_s == pytest.approx(0.0, abs=1e-9)
     assert m.prefill_budget(d, ctx) == pytest.approx(plain, rel=0.02)  # (the fit moved a hair)
+
+
+def test_a_loaded_engine_averages_the_aim_not_the_target() -> None:
+    """Prompts always waiting, decodes always running: every step takes the budget, and the
+    slack that fast steps bank is spent. The steps must average the aim below the target
+    (headroom), or the requests' TPOT sits at the target itself and half of them miss it."""
+    m = fitted()
+    rng = random.Random(1)
+    times = []
+    for _ in range(400):
+        d = rng.randint(8, 24)
+        ctx = d * rng.randint(100, 600)
+        p = m.prefill_budget(d, ctx)
+        shape = StepShape(p, p * 300 + p * (p + 1) // 2, d, ctx)
+        t = TRUE.predict(shape) * (1 + rng.uniform(-0.05, 0.05))
+        m.observe(shape, t)
+        times.append(t)
+    mean = sum(times[100:]) / len(times[100:])
+    assert mean == pytest.approx(m.headroom * 0.05, rel=0.03)
 
 
 def test_no_target_or_no_fit_means_the_configured_budget() -> None:
