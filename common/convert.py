@@ -3,12 +3,16 @@ message fit for the client (servicers turn it into INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from kvrelay.common.limits import MAX_ATTEMPT_ID, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured import StructuredOutput
 from kvrelay.proto import generate_pb2 as pb
+from kvrelay.proto import worker_pb2 as wpb
 
 DEFAULT_MAX_TOKENS = 16
 # How long a worker waits for a torn-down attempt of a request id to let go of it before it
@@ -149,3 +153,11 @@ def logprob_to_proto(lp: TokenLogprob | None) -> pb.TokenLogprob:
 
 def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
+
+
+def metadata_to_proto(md: Iterable[tuple[str, Any]]) -> list[wpb.MetadataEntry]:
+    return [wpb.MetadataEntry(key=k, value=str(v)) for k, v in md]
+
+
+def metadata_from_proto(entries: Iterable[wpb.MetadataEntry]) -> tuple[tuple[str, str], ...]:
+    return tuple((e.key, e.value) for e in entries)

@@ -27,9 +27,9 @@ from kvrelay.common.convert import (
 )
 from kvrelay.common.logs import request_context
 from kvrelay.common.rpc import WORKER_DRAINING
-from kvrelay.common.session import SessionServer
 from kvrelay.common.timeline import mark
 from kvrelay.decode_worker.leases import LeaseError, LeaseTable
+from kvrelay.decode_worker.sessions import SessionServer
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, RequestOutput
 from kvrelay.proto import worker_pb2 as wpb

@@ -364,7 +364,7 @@ class DecodeWorkerServicer:
         """Many Decode and GenerateLocal calls over one stream (the router keeps one per worker):
         each call behaves as its own RPC would (messages, then a status with trailers), and the
         worker sends everything its calls produced meanwhile, a decode step's tokens for all of
-        them, as one message. common/session.py holds both ends.
+        them, as one message. router/sessions.py and decode_worker/sessions.py hold the two ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S, HEARTBEAT_INTERVAL_S, insecure_channel
-from kvrelay.common.session import SessionClient
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import ClusterPerf
+from kvrelay.router.sessions import SessionClient
 from kvrelay.router.worker_state import MAX_WORKER_BLOCKS, WorkerIdentity, WorkerState
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ import grpc
 
 from kvrelay.common import tracing
 from kvrelay.common.convert import finish_from_proto, logprob_from_proto, sampling_to_proto
-from kvrelay.common.session import SessionCall
 from kvrelay.engine.outputs import FinishReason
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
@@ -25,6 +24,7 @@ from kvrelay.router.calls import call_cancelled
 from kvrelay.router.errors import RouterError
 from kvrelay.router.handoff import Handoff
 from kvrelay.router.requests import GenerateSpec, Pass, TokenChunk, WorkerLost
+from kvrelay.router.sessions import SessionCall
 from kvrelay.router.trace import Trace
 from kvrelay.router.worker_state import WorkerState
 

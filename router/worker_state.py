@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S
-from kvrelay.common.session import SessionClient
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import WorkerPerf
+from kvrelay.router.sessions import SessionClient
 
 # The most KV blocks a worker may claim (a beat's bound, see ``registry.validate_beat``); also
 # the most block hashes held for a worker that reports no num_blocks.

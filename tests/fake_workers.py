@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from kvrelay.common.rpc import add_health
-from kvrelay.common.session import SessionServer
+from kvrelay.decode_worker.sessions import SessionServer
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc

@@ -1,7 +1,8 @@
-"""``DecodeWorker.Session`` (common/session.py): many calls over one gRPC stream, each read as
-its own RPC would be: messages in order, then EOF or its status with details and trailers;
-cancellation and deadlines reach the handler; a broken session fails every call on it and the
-next call opens a new one; a step's messages for all calls go out as one."""
+"""``DecodeWorker.Session`` (decode_worker/sessions.py, router/sessions.py): many calls over
+one gRPC stream, each read as its own RPC would be: messages in order, then EOF or its status
+with details and trailers; cancellation and deadlines reach the handler; a broken session fails
+every call on it and the next call opens a new one; a step's messages for all calls go out as
+one."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any
 import grpc
 import pytest
 
-from kvrelay.common.session import SessionClient, SessionServer
+from kvrelay.decode_worker.sessions import SessionServer
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+from kvrelay.router.sessions import SessionClient
 
 TOKEN = (("x-kvrelay-cluster-token", "s3cret"),)
 
