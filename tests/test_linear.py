@@ -41,11 +41,11 @@ def make(n_in: int, n_out: int, bias: bool, *, onednn: bool = True,
 
 @needs_panels
 @pytest.mark.parametrize("bias", [False, True])
-# Row counts around the register tile (6 rows on AVX2, 8 on AVX-512): one tile, a full and a
+# Row counts around the register tile (6 rows on AVX2, 12 on AVX-512): one tile, a full and a
 # short one, many tiles; the decode-sized rows that take the kernel's one-pass order (up to 20),
 # the first beyond it; K = 300 leaves a partial K block; output widths with and without a
 # partial last panel.
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 20, 21, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 12, 13, 20, 21, 64, 300])
 @pytest.mark.parametrize("n_out", [200, 256])
 def test_panel_gemm_matches_f_linear(two_threads, bias: bool, rows: int, n_out: int) -> None:
     lin, (w, b) = make(300, n_out, bias, onednn=False, panels=True)

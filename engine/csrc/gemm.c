@@ -7,7 +7,13 @@
 
 #if defined(__AVX512F__)
 #define VW 16
-#define MR 8
+/* 12 rows x 2 vectors: 24 of the 32 zmm registers accumulate, so each k-row's two weight
+ * loads and 12 broadcasts feed 24 FMAs (8 rows: 16 FMAs for 10 loads), and a 32-64-row call
+ * re-reads each panel from L2 three to six times instead of four to eight. Paired against 8
+ * rows (both builds in one process, alternated per call, the ~150M model's projections on
+ * the 2-vCPU Cascade Lake): 1.03-1.10x at 16-64 rows for K = 768, level at 8 rows and for
+ * K = 3072. */
+#define MR 12
 typedef __m512 vreg;
 #define VLOAD _mm512_loadu_ps
 #define VSTORE _mm512_storeu_ps
@@ -42,7 +48,7 @@ typedef __m256 vreg;
 static inline __attribute__((always_inline)) void micro(const int mr, const float *x, int64_t ldx,
     const float *w, int64_t kn, float *acc, int64_t ldacc, int first, const int pf) {
     vreg a0[MR], a1[MR];
-    #pragma GCC unroll 8
+    #pragma GCC unroll 16
     for (int m = 0; m < MR; m++)
         if (m < mr) {
             a0[m] = first ? VZERO() : VLOAD(acc + m * ldacc);
@@ -55,7 +61,7 @@ static inline __attribute__((always_inline)) void micro(const int mr, const floa
         (void)pf;
 #endif
         const vreg w0 = VLOAD(w + k * NR), w1 = VLOAD(w + k * NR + VW);
-        #pragma GCC unroll 8
+        #pragma GCC unroll 16
         for (int m = 0; m < MR; m++)
             if (m < mr) {
                 const vreg xv = VBCAST(x[m * ldx + k]);
@@ -63,7 +69,7 @@ static inline __attribute__((always_inline)) void micro(const int mr, const floa
                 a1[m] = VFMA(xv, w1, a1[m]);
             }
     }
-    #pragma GCC unroll 8
+    #pragma GCC unroll 16
     for (int m = 0; m < MR; m++)
         if (m < mr) { VSTORE(acc + m * ldacc, a0[m]); VSTORE(acc + m * ldacc + VW, a1[m]); }
 }
@@ -75,6 +81,12 @@ static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w
         else micro(R, x, ldx, w, kn, acc, ldacc, first, 0); \
         break;
     switch (mr) {
+#if MR > 8
+    MICRO_CASE(12)
+    MICRO_CASE(11)
+    MICRO_CASE(10)
+    MICRO_CASE(9)
+#endif
 #if MR > 6
     MICRO_CASE(8)
     MICRO_CASE(7)
