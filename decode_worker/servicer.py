@@ -29,7 +29,7 @@ from kvrelay.common.logs import request_context
 from kvrelay.common.rpc import WORKER_DRAINING
 from kvrelay.common.timeline import mark
 from kvrelay.decode_worker.leases import LeaseError, LeaseTable
-from kvrelay.decode_worker.sessions import SessionServer
+from kvrelay.decode_worker.sessions import SessionServer, SessionServicer
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, RequestOutput
 from kvrelay.proto import worker_pb2 as wpb
@@ -127,7 +127,7 @@ class _DecodeCall:
         tracing.end(self.span)
 
 
-class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeServicer(SessionServicer, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine: AsyncEngine, leases: LeaseTable, kv: KVReceiver | None):
         self.engine = engine
         self.leases = leases
@@ -138,11 +138,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # The router's Sessions: its Decode and GenerateLocal calls, many over one stream.
         self.sessions = SessionServer({"decode": self.Decode,
                                        "generate_local": self.GenerateLocal})
-
-    async def Session(self, request_iterator: AsyncIterator[wpb.SessionRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.SessionResponse]:
-        async for resp in self.sessions.serve(request_iterator, context):
-            yield resp
 
     async def GetTransferInfo(self, request: wpb.TransferInfoRequest,
                               context: grpc.aio.ServicerContext) -> wpb.TransferInfo:

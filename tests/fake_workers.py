@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from kvrelay.common.rpc import add_health
-from kvrelay.decode_worker.sessions import SessionServer
+from kvrelay.decode_worker.sessions import SessionServer, SessionServicer
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -156,7 +156,8 @@ class FakeWorker:
             await context.abort(f.code, f"scripted {rpc} failure on {self.worker_id}")
 
 
-class _Servicer(worker_pb2_grpc.WorkerControlServicer, worker_pb2_grpc.DecodeWorkerServicer,
+class _Servicer(SessionServicer, worker_pb2_grpc.WorkerControlServicer,
+                worker_pb2_grpc.DecodeWorkerServicer,
                 worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, w: FakeWorker) -> None:
         self.w = w
@@ -213,11 +214,6 @@ class _Servicer(worker_pb2_grpc.WorkerControlServicer, worker_pb2_grpc.DecodeWor
             yield wpb.DecodeResponse(token_ids=[t], finish_reason=pb.FINISH_REASON_LENGTH
                                      if last else pb.FINISH_REASON_UNSPECIFIED)
             await asyncio.sleep(self.w.token_gap_s)
-
-    async def Session(self, request_iterator: AsyncIterator[wpb.SessionRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.SessionResponse]:
-        async for resp in self.sessions.serve(request_iterator, context):
-            yield resp
 
     # -- prefill worker ----------------------------------------------------------------------
     async def Prefill(self, request: wpb.PrefillRequest,
