@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for kvrelay's router (repeatable), e.g. "
                          "--router-arg=--no-stream-sessions for an A/B")
+    ap.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for kvrelay's workers (repeatable), e.g. "
+                         "--worker-arg=--itl-cap-ms=25")
     return ap
 
 
@@ -239,7 +242,8 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         goodput_duration_s=a.goodput_duration, goodput_min_requests=a.goodput_min_requests,
         slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
         request_timeout_s=a.request_timeout, startup_timeout_s=a.startup_timeout,
-        vllm_venv=a.vllm_venv, extra_router_args=tuple(a.router_arg))
+        vllm_venv=a.vllm_venv, extra_router_args=tuple(a.router_arg),
+        extra_kvrelay_args=tuple(a.worker_arg))
     if a.quick:
         st.sat_requests, st.rate_requests, st.long_requests, st.mixed_requests = 16, 12, 4, 20
         st.goodput_iters, st.goodput_duration_s, st.goodput_min_requests = 1, 3.0, 8
