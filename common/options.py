@@ -58,6 +58,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--tpot-slo-ms", type=float, default=None,
         help="time-per-output-token target: a step with decodes carries only the prefill tokens "
              "a fitted step-time model says keep it within this (default: fixed budget)")
+    opt(g, "--itl-cap-ms", type=float, default=None,
+        help="inter-token latency cap: no step with decodes is planned longer than this "
+             "(bounds every step, at a cost in TTFT; --tpot-slo-ms bounds their mean)")
     opt(g, "--num-threads", type=int, default=None,
         help="torch threads on CPU (per rank; default 1 per rank under tensor parallelism)")
     opt(g, "--tensor-parallel-size", type=int, default=1,
@@ -90,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),
         tpot_slo_ms=None if args.tpot_slo_ms is None else float(args.tpot_slo_ms),
+        itl_cap_ms=None if args.itl_cap_ms is None else float(args.itl_cap_ms),
         num_threads=args.num_threads, attention_backend=args.attention_backend,
         linear_kernel=args.linear_kernel,
         tensor_parallel_size=int(args.tensor_parallel_size),

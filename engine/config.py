@@ -108,6 +108,10 @@ class SchedulerConfig:
     # as an online fit of step time says fit within it (engine/step_cost.py). None: the fixed
     # token budget above.
     tpot_slo_ms: float | None = None
+    # Inter-token latency target: no step that carries decodes is planned past it (Sarathi-
+    # Serve's per-iteration cap). Unlike the TPOT target, a mean over a request's tokens that
+    # lets a step spend the slack earlier steps left, this bounds every step: the ITL tail.
+    itl_cap_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -121,9 +125,10 @@ class SchedulerConfig:
             raise ValueError("long_prefill_threshold must be positive")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be positive")
-        if self.tpot_slo_ms is not None and not (0 < self.tpot_slo_ms < 3_600_000):
-            raise ValueError(f"tpot_slo_ms must be a positive number of milliseconds, got "
-                             f"{self.tpot_slo_ms}")
+        for name in ("tpot_slo_ms", "itl_cap_ms"):
+            ms = getattr(self, name)
+            if ms is not None and not (0 < ms < 3_600_000):
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {ms}")
 
 
 @dataclass(frozen=True)

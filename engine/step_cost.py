@@ -22,8 +22,10 @@ step, which a prefill chunk may then spend). The slack is kept over about ``slac
 steps' worth of target: enough to let whole prompts through between decodes at light load,
 never so much that one step stalls the batch for long. Capping each step at the target alone
 (Sarathi-Serve's fixed chunk) starves prefills at moderate load, where most steps run far under
-it: measured on the ~150M model at 1.5 req/s, TTFT grew without bound. Until the model has seen
-enough steps, and when no target is set, the configured token budget applies.
+it: measured on the ~150M model at 1.5 req/s, TTFT grew without bound. Where the tail of the
+inter-token latency matters too, an ITL target bounds every step with decodes (no slack): that is
+Sarathi-Serve's own cap, and with both set a step takes the smaller room. Until the model has
+seen enough steps, and when no target is set, the configured token budget applies.
 """
 
 from __future__ import annotations
@@ -75,10 +77,12 @@ class StepCostFit:
 class StepCostModel:
     """Fits step time online and turns a TPOT target into a per-step prefill budget."""
 
-    def __init__(self, tpot_slo_s: float | None, max_tokens: int, *, window: int = 256,
-                 min_samples: int = 16, refit_every: int = 8, headroom: float = 0.9,
-                 min_prefill_tokens: int = 16, slack_steps: float = 4.0):
+    def __init__(self, tpot_slo_s: float | None, max_tokens: int, *,
+                 itl_cap_s: float | None = None, window: int = 256, min_samples: int = 16,
+                 refit_every: int = 8, headroom: float = 0.9, min_prefill_tokens: int = 16,
+                 slack_steps: float = 4.0):
         self.tpot_slo_s = tpot_slo_s
+        self.itl_cap_s = itl_cap_s
         self.max_tokens = max_tokens
         self.window = window
         self.min_samples = min_samples
@@ -142,13 +146,19 @@ class StepCostModel:
     def prefill_budget(self, decodes: int, decode_ctx_tokens: int) -> int:
         """Prefill tokens a step with these decodes may carry (the configured budget when no
         target is set, the step has no decodes, or the model is still warming up)."""
-        if self.tpot_slo_s is None or decodes == 0 or self.fit is None:
+        if (self.tpot_slo_s is None and self.itl_cap_s is None) or decodes == 0 \
+                or self.fit is None:
             self.last_budget = self.max_tokens
             return self.max_tokens
         f = self.fit
         fixed = f.base + f.decode * decodes + f.decode_ctx_token * decode_ctx_tokens
         per_token = f.prefill_token + f.attended_pair * self.pairs_per_token
-        room = self.headroom * self.tpot_slo_s + max(0.0, self.slack_s) - fixed
+        limits = []
+        if self.tpot_slo_s is not None:
+            limits.append(self.headroom * self.tpot_slo_s + max(0.0, self.slack_s))
+        if self.itl_cap_s is not None:
+            limits.append(self.headroom * self.itl_cap_s)
+        room = min(limits) - fixed
         if per_token <= 0:
             budget = self.max_tokens
         else:

@@ -23,9 +23,10 @@ def synthetic(rng: random.Random, prefill: bool = True, decodes: bool = True) ->
     return StepShape(p, p * c + p * (p + 1) // 2, d, d * rng.randint(10, 1500))
 
 
-def fitted(seed: int = 0, n: int = 200, noise: float = 0.03) -> StepCostModel:
+def fitted(seed: int = 0, n: int = 200, noise: float = 0.03, tpot_slo_s: float | None = 0.05,
+           itl_cap_s: float | None = None) -> StepCostModel:
     rng = random.Random(seed)
-    m = StepCostModel(tpot_slo_s=0.05, max_tokens=2048)
+    m = StepCostModel(tpot_slo_s=tpot_slo_s, max_tokens=2048, itl_cap_s=itl_cap_s)
     for _ in range(n):
         shape = synthetic(rng)
         m.observe(shape, TRUE.predict(shape) * (1 + rng.uniform(-noise, noise)))
@@ -94,6 +95,31 @@ def test_a_loaded_engine_averages_the_aim_not_the_target() -> None:
     assert mean == pytest.approx(m.headroom * 0.05, rel=0.03)
 
 
+def test_an_itl_target_bounds_every_step_slack_or_not() -> None:
+    """TPOT is a mean, so banked slack lets one step run long; an ITL target bounds each step
+    (the tail a client sees between two tokens), and with both set the smaller room wins."""
+    d, ctx = 4, 4 * 300
+    fast = StepShape(0, 0, d, ctx)
+    both = fitted(itl_cap_s=0.02)
+    tpot = fitted()
+    itl = fitted(tpot_slo_s=None, itl_cap_s=0.02)
+    for m in (both, tpot, itl):
+        for _ in range(50):  # fast steps bank slack where a TPOT target is set
+            m.observe(fast, TRUE.predict(fast))
+    assert tpot.slack_s > 0 and itl.slack_s == 0.0
+    capped = itl.prefill_budget(d, ctx)
+    assert both.prefill_budget(d, ctx) == pytest.approx(capped, rel=0.02)
+    assert 16 < capped < tpot.prefill_budget(d, ctx)
+    ppt = itl.pairs_per_token
+
+    def predicted(p: int) -> float:
+        return itl.fit.predict(StepShape(p, int(p * ppt), d, ctx))
+
+    assert predicted(capped) <= itl.headroom * 0.02 < predicted(capped + 8)
+    assert itl.prefill_budget(0, 0) == 2048  # no decodes in the step: no cap
+    assert itl.num_capped_steps > 0
+
+
 def test_no_target_or_no_fit_means_the_configured_budget() -> None:
     assert StepCostModel(None, 512).prefill_budget(8, 800) == 512
     m = StepCostModel(0.05, 512)
@@ -159,9 +185,10 @@ def test_step_shape_counts_what_the_step_computes() -> None:
     assert shape == StepShape(n, n * c + n * (n + 1) // 2, 1, 4)
 
 
-def test_tpot_target_changes_scheduling_not_results(demo_model_dir) -> None:
-    """An engine with a tight TPOT target learns its step cost, caps the prefill chunks that
-    ride with decodes, and still produces exactly the tokens of an engine without one."""
+def test_tpot_or_itl_target_changes_scheduling_not_results(demo_model_dir) -> None:
+    """An engine with a tight TPOT (or ITL) target learns its step cost, caps the prefill
+    chunks that ride with decodes, and still produces exactly the tokens of an engine without
+    one."""
     from kvrelay.engine.config import EngineConfig
 
     rng = random.Random(0)
@@ -185,16 +212,19 @@ def test_tpot_target_changes_scheduling_not_results(demo_model_dir) -> None:
 
     free, _ = run()
     # A target below any step's time: every step with decodes gets the minimum chunk.
-    capped, core = run(tpot_slo_ms=0.001)
-    assert capped == free
-    stats = core.stats()
-    # It fitted its steps (the coefficients are timings: their values belong to the unit tests).
-    assert stats.step_cost is not None and stats.step_cost.samples > 0
-    assert stats.num_capped_steps > 0
+    for target in ("tpot_slo_ms", "itl_cap_ms"):
+        capped, core = run(**{target: 0.001})
+        assert capped == free, target
+        stats = core.stats()
+        # It fitted its steps (the coefficients are timings: their values belong to the unit
+        # tests).
+        assert stats.step_cost is not None and stats.step_cost.samples > 0
+        assert stats.num_capped_steps > 0, target
 
 
-def test_tpot_slo_ms_is_validated() -> None:
-    with pytest.raises(ValueError, match="tpot_slo_ms"):
-        SchedulerConfig(tpot_slo_ms=0)
-    with pytest.raises(ValueError, match="tpot_slo_ms"):
-        SchedulerConfig(tpot_slo_ms=float("nan"))
+@pytest.mark.parametrize("name", ["tpot_slo_ms", "itl_cap_ms"])
+def test_slo_targets_are_validated(name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SchedulerConfig(**{name: 0})
+    with pytest.raises(ValueError, match=name):
+        SchedulerConfig(**{name: float("nan")})

@@ -52,10 +52,11 @@ class _EngineCollector(Collector):
         yield counter("kvrelay:num_preemptions", "Sequences preempted (recompute)",
                       s.num_preemptions)
         yield gauge("kvrelay:prefill_token_budget",
-                    "Prefill tokens the latest step with decodes could carry (TPOT target)",
+                    "Prefill tokens the latest step with decodes could carry (TPOT/ITL target)",
                     s.prefill_budget)
         yield counter("kvrelay:tpot_capped_steps",
-                      "Steps whose prefill tokens the TPOT target capped", s.num_capped_steps)
+                      "Steps whose prefill tokens the TPOT or ITL target capped",
+                      s.num_capped_steps)
         if s.kv_transfer:
             held = GaugeMetricFamily("kvrelay:kv_blocks_held_requests",
                                      "Aborted receivers whose blocks wait for their sender",
