@@ -7,7 +7,7 @@ import random
 import pytest
 from test_scheduler import add, make, shares, step
 
-from kvrelay.engine.config import SchedulerConfig
+from kvrelay.engine.config import EngineConfig, SchedulerConfig
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.step_cost import StepCostFit, StepCostModel, StepShape
@@ -189,7 +189,6 @@ def test_tpot_or_itl_target_changes_scheduling_not_results(demo_model_dir) -> No
     """An engine with a tight TPOT (or ITL) target learns its step cost, caps the prefill
     chunks that ride with decodes, and still produces exactly the tokens of an engine without
     one."""
-    from kvrelay.engine.config import EngineConfig
 
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 4000) for _ in range(rng.choice([8, 40, 300]))]
@@ -228,3 +227,19 @@ def test_slo_targets_are_validated(name: str) -> None:
         SchedulerConfig(**{name: 0})
     with pytest.raises(ValueError, match=name):
         SchedulerConfig(**{name: float("nan")})
+
+
+def test_slo_flags_reach_the_scheduler_config(demo_model_dir: str) -> None:
+    import argparse
+
+    from kvrelay.common.options import add_engine_options, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    sc = engine_config_from_args(p.parse_args(["--model", demo_model_dir])).scheduler
+    assert (sc.tpot_slo_ms, sc.itl_cap_ms) == (None, None)
+    sc = engine_config_from_args(p.parse_args(
+        ["--model", demo_model_dir, "--tpot-slo-ms", "50", "--itl-cap-ms", "25"])).scheduler
+    assert (sc.tpot_slo_ms, sc.itl_cap_ms) == (50.0, 25.0)
+    core = EngineCore(EngineConfig.from_kwargs(demo_model_dir, num_blocks=64, itl_cap_ms=25.0))
+    assert core.step_cost.itl_cap_s == pytest.approx(0.025) and core.step_cost.tpot_slo_s is None
