@@ -108,7 +108,7 @@ class SchedulerConfig:
     # as an online fit of step time says fit within it (engine/step_cost.py). None: the fixed
     # token budget above.
     tpot_slo_ms: float | None = None
-    # Inter-token latency target: no step that carries decodes is planned past it (Sarathi-
+    # Inter-token latency cap: no step that carries decodes is planned past it (Sarathi-
     # Serve's per-iteration cap). Unlike the TPOT target, a mean over a request's tokens that
     # lets a step spend the slack earlier steps left, this bounds every step: the ITL tail.
     itl_cap_ms: float | None = None

@@ -23,7 +23,7 @@ steps' worth of target: enough to let whole prompts through between decodes at l
 never so much that one step stalls the batch for long. Capping each step at the target alone
 (Sarathi-Serve's fixed chunk) starves prefills at moderate load, where most steps run far under
 it: measured on the ~150M model at 1.5 req/s, TTFT grew without bound. Where the tail of the
-inter-token latency matters too, an ITL target bounds every step with decodes (no slack): that is
+inter-token latency matters too, an ITL cap bounds every step with decodes (no slack): that is
 Sarathi-Serve's own cap, and with both set a step takes the smaller room. Until the model has
 seen enough steps, and when no target is set, the configured token budget applies.
 """
@@ -75,7 +75,8 @@ class StepCostFit:
 
 
 class StepCostModel:
-    """Fits step time online and turns a TPOT target into a per-step prefill budget."""
+    """Fits step time online and turns a TPOT target (and an ITL cap) into a per-step prefill
+    budget."""
 
     def __init__(self, tpot_slo_s: float | None, max_tokens: int, *,
                  itl_cap_s: float | None = None, window: int = 256, min_samples: int = 16,
