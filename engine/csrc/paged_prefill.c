@@ -29,8 +29,9 @@
  * AVX-512: 64 keys, 6 x 4 (24 of 32 registers: four key loads and six broadcasts feed 24
  * FMAs); with PV's 6-row tiles below, paired against 32 keys / 8 x 2 / 4 rows on the 2-vCPU
  * Cascade Lake (the ~150M model's heads, 12 x 64 over 4 KV heads): one 2048-token prompt
- * 1.23x, eight 256-token prompts 1.07x. The tile's softmax (max, rescale, sums: per row, not
- * per key) is paid half as often. AVX2 (16 registers): 32 keys, 6 x 2. */
+ * 1.22x, eight 256-token prompts 1.07x (the ~7M model's 8 x 32 over 4: 1.09-1.20x). The
+ * tile's softmax (max, rescale, sums: per row, not per key) is paid half as often. AVX2 (16
+ * registers): 32 keys, 6 x 2, as before. */
 #if VL == 16
 #define KT 64
 #define QR 6
