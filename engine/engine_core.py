@@ -55,7 +55,7 @@ class EngineCore:
                                           config.cache.enable_prefix_caching)
         sc = config.scheduler
         # Fitted on every step (its coefficients are exported as metrics); it caps a step's
-        # prefill tokens only when a TPOT or ITL target is set.
+        # prefill tokens only when a TPOT target or an ITL cap is set.
         self.step_cost = StepCostModel(
             None if sc.tpot_slo_ms is None else sc.tpot_slo_ms / 1e3, sc.max_num_batched_tokens,
             itl_cap_s=None if sc.itl_cap_ms is None else sc.itl_cap_ms / 1e3)

@@ -95,8 +95,8 @@ def test_a_loaded_engine_averages_the_aim_not_the_target() -> None:
     assert mean == pytest.approx(m.headroom * 0.05, rel=0.03)
 
 
-def test_an_itl_target_bounds_every_step_slack_or_not() -> None:
-    """TPOT is a mean, so banked slack lets one step run long; an ITL target bounds each step
+def test_an_itl_cap_bounds_every_step_slack_or_not() -> None:
+    """TPOT is a mean, so banked slack lets one step run long; an ITL cap bounds each step
     (the tail a client sees between two tokens), and with both set the smaller room wins."""
     d, ctx = 4, 4 * 300
     fast = StepShape(0, 0, d, ctx)
@@ -185,11 +185,10 @@ def test_step_shape_counts_what_the_step_computes() -> None:
     assert shape == StepShape(n, n * c + n * (n + 1) // 2, 1, 4)
 
 
-def test_tpot_or_itl_target_changes_scheduling_not_results(demo_model_dir) -> None:
-    """An engine with a tight TPOT (or ITL) target learns its step cost, caps the prefill
+def test_tpot_target_or_itl_cap_changes_scheduling_not_results(demo_model_dir) -> None:
+    """An engine with a tight TPOT target (or ITL cap) learns its step cost, caps the prefill
     chunks that ride with decodes, and still produces exactly the tokens of an engine without
     one."""
-
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 4000) for _ in range(rng.choice([8, 40, 300]))]
                for _ in range(12)]

@@ -52,10 +52,10 @@ class _EngineCollector(Collector):
         yield counter("kvrelay:num_preemptions", "Sequences preempted (recompute)",
                       s.num_preemptions)
         yield gauge("kvrelay:prefill_token_budget",
-                    "Prefill tokens the latest step with decodes could carry (TPOT/ITL target)",
-                    s.prefill_budget)
+                    "Prefill tokens the latest step with decodes could carry (TPOT target, "
+                    "ITL cap)", s.prefill_budget)
         yield counter("kvrelay:tpot_capped_steps",
-                      "Steps whose prefill tokens the TPOT or ITL target capped",
+                      "Steps whose prefill tokens the TPOT target or ITL cap capped",
                       s.num_capped_steps)
         if s.kv_transfer:
             held = GaugeMetricFamily("kvrelay:kv_blocks_held_requests",
