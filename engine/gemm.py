@@ -13,6 +13,9 @@ per machine, see :func:`kvrelay.engine.loader.load_model`).
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
+
 import torch
 
 from kvrelay.engine import native
@@ -57,3 +60,28 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     if rc != 0:
         raise RuntimeError(f"native panel GEMM failed ({rc})")
     return y
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The kernel's choices that measured differently on different cores (``gemm.c``'s
+    ``tuning``, picked for the CPU when the library loads): the largest row count that takes the
+    one-pass fused order (0: none), whether row chunks are always balanced, and the fewest rows
+    that prefetch the thread's next panel beside their own (AVX-512 only)."""
+
+    fuse_rows: int
+    balance: bool
+    pf_min_rows: int
+
+
+def tuning(set_to: Tuning | None = None) -> Tuning:
+    """The kernel's tuning; with ``set_to`` it is replaced (process-wide: for tests and paired
+    benchmarks, not while a step runs) and the previous one returned."""
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError("the native panel GEMM is unavailable on this machine")
+    out = (ctypes.c_int * 3)()
+    new = None if set_to is None else (ctypes.c_int * 3)(
+        set_to.fuse_rows, int(set_to.balance), set_to.pf_min_rows)
+    lib.kvr_gemm_tuning(out, new)
+    return Tuning(out[0], bool(out[1]), out[2])

@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 SOURCES = ("paged_decode.c", "paged_prefill.c", "gemm.c", "pointwise.c", "decode_layer.c",
            "kernels.h", "vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
@@ -130,6 +130,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr] * 4 + [i64] * 4 + [cint]
     fn.restype = cint
     lib.kvr_gemm_panel_width.restype = cint
+    lib.kvr_gemm_tuning.argtypes = [ptr, ptr]
+    lib.kvr_gemm_tuning.restype = None
     fn = lib.kvr_add_rmsnorm_f32
     fn.argtypes = [ptr] * 4 + [i64, i64, f32, cint]
     fn.restype = cint

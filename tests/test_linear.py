@@ -61,6 +61,25 @@ def test_panel_gemm_matches_f_linear(two_threads, bias: bool, rows: int, n_out: 
 
 
 @needs_panels
+# Both CPUs' choices on this one: the fused order up to 20 rows, chunks of 12 + 4 (Cascade Lake);
+# no fused order, balanced chunks, next-panel prefetch from 9 rows (Zen 4).
+@pytest.mark.parametrize("choice", [gemm.Tuning(20, False, 1), gemm.Tuning(0, True, 9)])
+@pytest.mark.parametrize("rows", [5, 9, 13, 16, 20, 40, 64])
+def test_panel_gemm_is_exact_under_each_cores_tuning(two_threads, choice: gemm.Tuning,
+                                                      rows: int) -> None:
+    lin, (w, b) = make(300, 200, True, onednn=False, panels=True)
+    x = torch.randn(rows, 300)
+    before = gemm.tuning(choice)
+    try:
+        assert gemm.tuning() == choice
+        with torch.inference_mode():
+            got = lin(x)
+    finally:
+        gemm.tuning(before)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_panels
 def test_panel_gemm_uses_the_threads_it_was_packed_with(two_threads) -> None:
     torch.set_num_threads(1)
     lin, (w, b) = make(64, 96, True, onednn=False, panels=True)

@@ -110,12 +110,36 @@ static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w
 #undef MICRO_CASE
 }
 
+/* Choices that measured differently on different cores (AVX-512 only; AVX2 keeps the first):
+ * fuse_rows, the largest call that takes panel_rows_fused (0: none); balance, whether chunks are
+ * always balanced; pf_min_rows, the fewest rows that pull the next panel in beside their own.
+ * On a 2-vCPU Zen 4, paired against the Cascade Lake choices over the ~150M model's
+ * projections (12 layers of weights, from memory): the fused order 1.2-1.5x slower at 13-20
+ * rows, balanced chunks 1.09-1.2x faster at 13-20 and 40 rows (12 + 4 leaves a 4-row chunk
+ * re-reading the panel), and the next panel's prefetch 1.12-1.18x slower at 1-4 rows (the
+ * stream is already at the memory's rate there), level at 8, 1.05x faster from 10. */
+#define FUSE_ROWS 20 /* see panel_rows_fused */
+static struct {
+    int fuse_rows, balance, pf_min_rows;
+} tuning = {FUSE_ROWS, 0, 1};
+
+__attribute__((constructor)) static void pick_tuning(void) {
+#if VW == 16
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd")) {
+        tuning.fuse_rows = 0;
+        tuning.balance = 1;
+        tuning.pf_min_rows = 9;
+    }
+#endif
+}
+
 /* The next row chunk's size with `left` rows in `chunks` chunks still to go: balanced (8 rows
- * as 4 + 4, not 6 + 2), except that chunks shorter than MR - 1 run slower than an MR chunk and
- * a short tail. */
+ * as 4 + 4, not 6 + 2), except that, unless tuning.balance, chunks shorter than MR - 1 run
+ * slower than an MR chunk and a short tail. */
 static inline int chunk_size(int64_t left, int64_t chunks) {
     const int mr = (int)((left + chunks - 1) / chunks);
-    return mr < MR - 1 ? (int)(left < MR ? left : MR) : mr;
+    return mr < MR - 1 && !tuning.balance ? (int)(left < MR ? left : MR) : mr;
 }
 
 /* The chunk sizes of `rows` rows into mrs; returns the chunk count. */
@@ -148,9 +172,8 @@ static void store_rows(const float *acc, const float *bias, float *y, int64_t m,
  * blocks keep the prefetches (issued by the first chunk only) spread evenly over the time.
  * Measured on a 2-core Zen 3, the ~150M demo model's projections: 1.08-1.15x at 7-16 rows,
  * 1.04x at 20, level at 24 and slower beyond (there the chunk-by-chunk order runs near the
- * matmul ceiling), hence FUSE_ROWS. Packing the rows KBF floats apart (against L1 set
+ * matmul ceiling), hence FUSE_ROWS (above). Packing the rows KBF floats apart (against L1 set
  * conflicts of rows K floats apart) measured no better. */
-#define FUSE_ROWS 20
 #define KBF 32
 static void panel_rows_fused(const float *x, const float *wpan, const float *bias, float *y,
                              int64_t m0, int64_t m1, int64_t K, int64_t N, int64_t p) {
@@ -182,13 +205,13 @@ static void panel_rows_fused(const float *x, const float *wpan, const float *bia
  * 24-40, level at 1-4 rows; beside the fused order (13-20 rows) it measured level or worse. */
 static void panel_rows(const float *x, const float *wpan, const float *bias, float *y,
                        int64_t m0, int64_t m1, int64_t K, int64_t N, int64_t p, int next) {
-    if (m1 - m0 > MR && m1 - m0 <= FUSE_ROWS) {
+    if (m1 - m0 > MR && m1 - m0 <= tuning.fuse_rows) {
         panel_rows_fused(x, wpan, bias, y, m0, m1, K, N, p);
         return;
     }
     float acc[MR * NR] __attribute__((aligned(64)));
     const int64_t rows = m1 - m0, chunks = (rows + MR - 1) / MR;
-    const float *nxt = NEXT_PANEL_PF && next ? wpan + K * NR : NULL;
+    const float *nxt = NEXT_PANEL_PF && next && rows >= tuning.pf_min_rows ? wpan + K * NR : NULL;
     int64_t m = m0;
     for (int64_t c = 0; c < chunks; c++) {
         const int mr = chunk_size(m1 - m, chunks - c);
@@ -230,6 +253,19 @@ void kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y,
 #else
     (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)K; (void)N;
 #endif
+}
+
+/* The tuning's three fields, read into out[3] (then set from set[3] where set is not NULL), so a
+ * test can cover every branch on any machine and a benchmark can pair the choices. */
+void kvr_gemm_tuning(int *out, const int *set) {
+    out[0] = tuning.fuse_rows;
+    out[1] = tuning.balance;
+    out[2] = tuning.pf_min_rows;
+    if (set) {
+        tuning.fuse_rows = set[0];
+        tuning.balance = set[1];
+        tuning.pf_min_rows = set[2];
+    }
 }
 
 int kvr_gemm_panel_width(void) {

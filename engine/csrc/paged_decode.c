@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVR_ABI_VERSION 7
+#define KVR_ABI_VERSION 8
 
 int kvr_abi_version(void) { return KVR_ABI_VERSION; }
 
