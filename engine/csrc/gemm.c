@@ -116,8 +116,9 @@ static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w
  * On a 2-vCPU Zen 4, paired against the Cascade Lake choices over the ~150M model's
  * projections (12 layers of weights, from memory): the fused order 1.2-1.5x slower at 13-20
  * rows, balanced chunks 1.09-1.2x faster at 13-20 and 40 rows (12 + 4 leaves a 4-row chunk
- * re-reading the panel), and the next panel's prefetch 1.12-1.18x slower at 1-4 rows (the
- * stream is already at the memory's rate there), level at 8, 1.05x faster from 10. */
+ * re-reading the panel), and the next panel's prefetch slower up to 9 rows (1.12-1.18x at 1-4
+ * over the projections alone, where the stream is already at the memory's rate; 1.04-1.07x at
+ * 6-9 in whole decode steps), level at 10, 1.03-1.07x faster from 11 (decode steps). */
 #define FUSE_ROWS 20 /* see panel_rows_fused */
 static struct {
     int fuse_rows, balance, pf_min_rows;
@@ -129,7 +130,7 @@ __attribute__((constructor)) static void pick_tuning(void) {
     if (__builtin_cpu_is("amd")) {
         tuning.fuse_rows = 0;
         tuning.balance = 1;
-        tuning.pf_min_rows = 9;
+        tuning.pf_min_rows = 10;
     }
 #endif
 }
