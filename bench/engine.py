@@ -197,6 +197,16 @@ def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, cei
     return t, statistics.median(ratios)
 
 
+def gemm_tuning() -> str:
+    """The panel GEMM's per-CPU choices (they differ between vendors), for the header."""
+    if not gemm.available():
+        return "no panel GEMM"
+    t = gemm.tuning()
+    fused = f"fused order up to {t.fuse_rows} rows" if t.fuse_rows else "no fused order"
+    return (f"gemm: {fused}, balanced chunks {'on' if t.balance else 'off'}, "
+            f"next-panel prefetch from {t.pf_min_rows} rows")
+
+
 # -- transformers ------------------------------------------------------------------------------
 def hf_prefill(model: torch.nn.Module, n: int, reps: int, vocab: int) -> float:
     ids = torch.tensor([prompt(n, 7, vocab)])
@@ -270,7 +280,7 @@ def main() -> int:
 
     print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32; "
           f"{args.threads} threads; attention {core.runner.backend}; "
-          f"linears {core.runner.model.linear_kernel}; "
+          f"linears {core.runner.model.linear_kernel}; {gemm_tuning()}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     ceil = Ceilings(hf_cfg.hidden_size, hf_cfg.intermediate_size, weight_bytes)
     mm0 = max(ceil.gflops() for _ in range(args.reps + 2))

@@ -2,8 +2,8 @@
 
 The weight ``[N, K]`` is stored once as ``P = ceil(N / NR)`` panels ``[P, K, NR]`` (NR output
 columns each, zero padded): one panel is a single sequential stream, and the kernel's register
-tile (up to 6 rows x 16 columns with AVX2, 8 x 32 with AVX-512) takes each weight element from
-it once per 6 (8) rows. The threads split the panels, so at decode-sized row counts every
+tile (up to 6 rows x 16 columns with AVX2, 12 x 32 with AVX-512) takes each weight element from
+it once per 6 (12) rows. The threads split the panels, so at decode-sized row counts every
 weight is read from memory exactly once per step, at the stream bandwidth; at prefill sizes the
 same tile runs compute-bound. Measured on a 2-core AMD EPYC (Zen 3, AVX2), ~150M demo model's
 projection shapes, against oneDNN's prepacked linear: 1.2-1.36x faster at 1-64 rows, 1.2x at
