@@ -225,6 +225,11 @@ class Load:
             t.join(max(0.1, deadline - time.monotonic()))
         assert not any(t.is_alive() for t in self._threads), "a client is stuck"
 
+    def done_since(self, t: float) -> list[Done]:
+        """The requests answered so far that were sent at or after ``t``."""
+        with self._lock:
+            return [d for d in self.done if d.started >= t]
+
     def each_client_started_after(self, t: float) -> bool:
         with self._lock:
             return len({d.client for d in self.done if d.started >= t}) == self.clients
