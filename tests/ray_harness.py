@@ -231,8 +231,7 @@ class Load:
             return [d for d in self.done if d.started >= t]
 
     def each_client_started_after(self, t: float) -> bool:
-        with self._lock:
-            return len({d.client for d in self.done if d.started >= t}) == self.clients
+        return len({d.client for d in self.done_since(t)}) == self.clients
 
     def check(self, jobs: list[Job] | None) -> None:
         assert not self.errors, f"{len(self.errors)} requests failed: {self.errors[:3]}"
