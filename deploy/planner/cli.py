@@ -15,6 +15,7 @@ def add_planner_options(p: argparse.ArgumentParser, *, slo_options: bool = False
     """The planner's options; ``slo_options`` adds the SLO and minimum flags too (``kvrelay
     serve`` has them already, shared with ``--autoscale``)."""
     from kvrelay.common.options import opt
+    from kvrelay.deploy.planner.predictor import PREDICTORS
 
     g = p.add_argument_group("SLO planner (with --planner; uses --ttft-slo-ms, --itl-slo-ms, "
                              "--min-prefill, --min-decode)")
@@ -23,7 +24,7 @@ def add_planner_options(p: argparse.ArgumentParser, *, slo_options: bool = False
     opt(g, "--profile", default=None, help="profile file written by `kvrelay profile`")
     opt(g, "--max-replicas", type=int, default=4, help="prefill + decode replicas at most")
     opt(g, "--planner-interval", type=float, default=2.0, help="seconds between decisions")
-    opt(g, "--planner-predictor", default="holt", choices=["holt", "ewma"])
+    opt(g, "--planner-predictor", default="seasonal", choices=list(PREDICTORS))
     opt(g, "--planner-down-delay", type=float, default=20.0,
         help="seconds a lower need must last before a pool shrinks")
     opt(g, "--planner-up-step", type=int, default=2, help="replicas a pool grows by at most a step")

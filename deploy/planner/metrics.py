@@ -29,6 +29,9 @@ class PlannerMetrics:
         self.correction = Gauge("kvrelay:planner_profile_correction",
                                 "Observed / profiled time factor per pool", ["pool"],
                                 registry=r)
+        self.period = Gauge("kvrelay:planner_load_period_seconds",
+                            "Period of the request rate's repeating pattern (0: none found)",
+                            registry=r)
         self.decisions = Counter("kvrelay:planner_decisions",
                                  "Planner decisions by pool and action", ["pool", "action"],
                                  registry=r)
@@ -45,6 +48,7 @@ class PlannerMetrics:
             self.decisions.labels(pool, action).inc()
         self.rate.labels("observed").set(x.get("observed_rate", 0.0))
         self.rate.labels("predicted").set(x.get("predicted_rate", 0.0))
+        self.period.set(x.get("load_period_s", 0.0))
         for slo in ("ttft", "itl"):
             v = x.get(f"{slo}_margin")
             if v is not None:

@@ -6,14 +6,18 @@
    TTFT p90 at the observed rate and replicas equal to the observed TTFT p90 (likewise decode:
    the ITL at the observed batch against the observed ITL p90). They are smoothed and clamped,
    so queueing, cache hits and a replica slower or faster than profiled all show up there.
-3. The predicted rate one horizon ahead (a replica's start-up plus an interval), plus the
-   predictor's recent error as headroom, and the prefill backlog to drain, are sized into
-   replicas per pool with ``margin`` of each SLO kept free. The backlog counted is the queue
-   now plus its observed growth carried on for a start-up: what a replica started now finds.
+3. The highest predicted rate up to one horizon ahead (a replica's start-up plus an
+   interval), plus the predictor's recent error as headroom, and the prefill backlog to
+   drain, are sized into replicas per pool with ``margin`` of each SLO kept free. The backlog
+   counted is the queue now plus its observed growth carried on for a start-up: what a
+   replica started now finds.
 4. The total is held within ``max_replicas`` (shortfall shared in proportion to need); a step
    moves a pool by at most ``up_step``/``down_step``; a pool with a change in flight holds
    unless it needs more still (a growing backlog does not wait out a start-up per replica);
-   scale-down waits until the need has stayed lower for ``down_delay_s``.
+   scale-down waits until the need has stayed lower for ``down_delay_s`` (with a known period
+   of the load, ``periodic_down_delay_s``: the forecast already sees its return). After an
+   abrupt drop, the rate it fell from is kept for ``burst_memory_s`` unless the load's
+   period is known.
 
 Every decision carries a reason and numbers (``PlanDecision.details``) that are logged and
 exported as metrics. Pure: no I/O, time comes from the observation.
@@ -50,11 +54,14 @@ class PlannerConfig:
     min_prefill: int = 1
     min_decode: int = 1
     interval_s: float = 2.0
-    predictor: str = "holt"
+    predictor: str = "seasonal"
     margin: float = 0.15  # of each SLO kept free
     up_step: int = 2
     down_step: int = 1
     down_delay_s: float = 20.0
+    # while the load follows a known period: the forecast covers the start-up horizon, so a
+    # scale-down only waits out a reading or two
+    periodic_down_delay_s: float = 4.0
     correction_alpha: float = 0.3
     min_samples: int = 8  # finished requests an interval needs to update the corrections
     startup_s: float | None = None  # default: the profile's
@@ -167,9 +174,11 @@ class Planner:
         self._learn(obs)
         startup = self.profile.startup_s if c.startup_s is None else c.startup_s
         horizon = (startup + c.interval_s) / c.interval_s
-        rate = max(self.predictor.predict(horizon), self.predictor.predict(1)) \
+        # the most the load will ask of a replica started now, or of one kept until it is up
+        rate = max(self.predictor.predict(k) for k in range(1, math.ceil(horizon) + 1)) \
             + self.predictor.error
-        rate = max(rate, self._peak)
+        if self.predictor.period is None:  # a known period forecasts the bursts' return
+            rate = max(rate, self._peak)
         load = self._load(rate, self._projected_backlog(obs, startup))
         ttft_t = c.ttft_slo_ms / 1000 * (1 - c.margin)
         itl_t = c.itl_slo_ms / 1000 * (1 - c.margin)
@@ -211,8 +220,12 @@ class Planner:
             "itl_margin": 1 - itl_pred * 1000 / c.itl_slo_ms,
             "correction_prefill": self.corr["prefill"], "correction_decode": self.corr["decode"],
             "cache_hit": self.cache_hit,
+            "load_period_s": (self.predictor.period or 0) * c.interval_s,
         }
-        reason = (f"predicted {rate:.1f} req/s (seen {obs.rate:.1f}), prompt "
+        period = self.predictor.period
+        reason = (f"predicted {rate:.1f} req/s (seen {obs.rate:.1f}"
+                  + (f", load repeats every {period * c.interval_s:.0f}s" if period else "")
+                  + f"), prompt "
                   f"{load.prompt_len:.0f} (hit {self.cache_hit:.0%}) output "
                   f"{load.output_len:.0f}: need {need_p}P {need_d}D"
                   + "".join(f" ({g})" for g in guard) + "; " + "; ".join(why))
@@ -243,7 +256,9 @@ class Planner:
         since = self._lower_since[pool]
         if since is None:
             self._lower_since[pool] = since = obs.t
-        wait = max(since, self._last_change[pool]) + c.down_delay_s - obs.t
+        delay = c.down_delay_s if self.predictor.period is None else \
+            min(c.down_delay_s, c.periodic_down_delay_s)
+        wait = max(since, self._last_change[pool]) + delay - obs.t
         if wait > 0:
             return cur, f"lower need, scale-down in {wait:.0f}s"
         self._lower_since[pool] = None

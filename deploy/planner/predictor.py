@@ -6,13 +6,21 @@
   ``L <- alpha x + (1 - alpha)(L + T)``, ``T <- beta (L - L_prev) + (1 - beta) T``; predicts
   ``L + h T``. Follows a ramp without lag, overshoots a little where a ramp ends.
 
-Both also keep an EWMA of their own absolute one-step error, which the planner adds as headroom
+* ``seasonal``: where the rate repeats a pattern (``season``: a period found by
+  autocorrelation), what the same phase of the last periods saw, shifted by the recent
+  deviation from it and never below the current level: load that returns on a schedule is
+  expected a start-up ahead instead of chased after it arrived. With no period found it is
+  ``holt``.
+
+All keep an EWMA of their own absolute one-step error, which the planner adds as headroom
 (a Poisson count over a short interval is noisy: the error is mostly that noise).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvrelay.deploy.planner.season import Season
 
 
 @dataclass
@@ -23,13 +31,21 @@ class Predictor:
     level: float | None = None
     slope: float = 0.0
     error: float = 0.0
+    season: Season | None = None
     _last_forecast: float | None = None
 
     @property
     def name(self) -> str:
-        return "holt" if self.trend else "ewma"
+        return "seasonal" if self.season is not None else "holt" if self.trend else "ewma"
+
+    @property
+    def period(self) -> int | None:
+        """The load's period in intervals, while one is trusted."""
+        return self.season.period if self.season is not None else None
 
     def update(self, x: float) -> None:
+        if self.season is not None:
+            self.season.update(x)
         if self.level is None:
             self.level = x
             self._last_forecast = x
@@ -48,7 +64,14 @@ class Predictor:
         """Rate ``horizon`` intervals ahead (never negative)."""
         if self.level is None:
             return 0.0
+        if self.season is not None:
+            seen = self.season.forecast(max(1, round(horizon)))
+            if seen is not None:  # the pattern carries the shape; never below today's level
+                return max(seen, self.level)
         return max(0.0, self.level + (self.slope * horizon if self.trend else 0.0))
+
+
+PREDICTORS = ("holt", "ewma", "seasonal")
 
 
 def make_predictor(name: str) -> Predictor:
@@ -56,7 +79,9 @@ def make_predictor(name: str) -> Predictor:
         return Predictor(alpha=0.4, beta=0.2, trend=True)
     if name == "ewma":
         return Predictor(alpha=0.4, trend=False)
-    raise ValueError(f"unknown predictor {name!r} (holt | ewma)")
+    if name == "seasonal":
+        return Predictor(alpha=0.4, beta=0.2, trend=True, season=Season())
+    raise ValueError(f"unknown predictor {name!r} ({' | '.join(PREDICTORS)})")
 
 
 def one_step_error(name: str, series: list[float], horizon: int = 1) -> float:
