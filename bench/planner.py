@@ -1,10 +1,10 @@
 """Planner benchmark on the simulator: per trace, SLO attainment and replica-seconds of
 
-(a) the SLO planner (Holt predictor; and with the plain EWMA predictor, the second one
-    evaluated), (b) today's threshold autoscaler (``deploy/autoscaler.py``'s own decision code,
-    its ``--autoscale`` defaults, given the same SLOs and pool bounds), (c) the best static P:D
-    split found by search in hindsight (fewest replica-seconds with attainment >= 95 %, else the
-    best attainment).
+(a) the SLO planner (its default predictor, ``seasonal``: Holt's trend plus a period found by
+    autocorrelation; and with plain Holt and plain EWMA), (b) today's threshold autoscaler
+    (``deploy/autoscaler.py``'s own decision code, its ``--autoscale`` defaults, given the
+    same SLOs and pool bounds), (c) the best static P:D split found by search in hindsight
+    (fewest replica-seconds with attainment >= 95 %, else the best attainment).
 
     .venv/bin/python bench/planner.py [--profile bench/results/planner/profile-demo.json]
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
 from kvrelay.deploy.planner.baseline import ThresholdPolicy
 from kvrelay.deploy.planner.planner import Planner, PlannerConfig
+from kvrelay.deploy.planner.predictor import PREDICTORS as _ALL
 from kvrelay.deploy.planner.predictor import one_step_error
 from kvrelay.deploy.planner.profile import Profile
 from kvrelay.deploy.planner.simulator import SimConfig, SimResult, simulate
@@ -30,6 +31,8 @@ from kvrelay.deploy.planner.trace import TraceRequest, generate, load, shapes
 
 HERE = Path(__file__).resolve().parent
 TARGET_ATTAINMENT = 0.95
+PRIMARY = PlannerConfig.predictor  # plotted, logged and held to the targets
+PREDICTORS = (PRIMARY, *(p for p in _ALL if p != PRIMARY))
 
 
 def rate_series(trace: list[TraceRequest], interval: float) -> list[float]:
@@ -148,11 +151,11 @@ def main() -> None:
     for name, trace in traces.items():
         sim = SimConfig(*slo, prefill=1, decode=1, interval_s=plan_cfg.interval_s)
         res = {}
-        for pred in ("holt", "ewma"):
+        for pred in PREDICTORS:
             cfg = replace(plan_cfg, predictor=pred)
             r = simulate(profile, trace, sim, Planner(profile, cfg))
             res[f"planner_{pred}"] = row(r)
-            if pred == "holt":
+            if pred == PRIMARY:
                 plot(name, r.timeline, out, slo)
                 (out / f"decisions_{name}.jsonl").write_text(
                     "".join(json.dumps(x) + "\n" for x in r.timeline))
@@ -160,12 +163,12 @@ def main() -> None:
                      ThresholdPolicy(thr_cfg))
         res["threshold"] = row(r)
         res["threshold_tuned"] = threshold_search(profile, trace, sim, thr_cfg,
-                                                  res["planner_holt"]["attainment"])
+                                                  res[f"planner_{PRIMARY}"]["attainment"])
         res["static_best"] = static_search(profile, trace, sim, a.max_pool, a.max_replicas)
         series = rate_series(trace, plan_cfg.interval_s)
         h = round((profile.startup_s + plan_cfg.interval_s) / plan_cfg.interval_s)
         res["predictor_error"] = {f"{p}_h{k}": one_step_error(p, series, k)
-                                  for p in ("holt", "ewma") for k in (1, h)}
+                                  for p in PREDICTORS for k in (1, h)}
         results[name] = res
         print(name, json.dumps({k: (round(v["attainment"], 3), round(v["replica_seconds"]))
                                 for k, v in res.items() if "attainment" in v}), flush=True)
@@ -187,15 +190,15 @@ def report(results: dict[str, dict], meta: dict) -> str:
              "(queued tokens, running, sustain) that reaches the planner's attainment, in "
              "hindsight; static best: the cheapest fixed P:D split at >= 95 %, in hindsight.",
              "",
-             "| trace | planner (holt) | planner (ewma) | threshold | threshold tuned | "
-             "static best | targets |",
-             "|---|---|---|---|---|---|---|"]
+             "| trace | " + " | ".join(f"planner ({p})" for p in PREDICTORS)
+             + " | threshold | threshold tuned | static best | targets |",
+             "|---|" + "---|" * (len(PREDICTORS) + 4)]
     for name, r in results.items():
         def cell(k: str, r: dict = r) -> str:
             x = r[k]
             return f"{x['attainment']:.1%} / {x['replica_seconds']:.0f} rs" + (
                 f" ({x['split']})" if "split" in x else "")
-        p, s = r["planner_holt"], r["static_best"]
+        p, s = r[f"planner_{PRIMARY}"], r["static_best"]
         checks = [f"att>=95%: {'yes' if p['attainment'] >= TARGET_ATTAINMENT else 'NO'}"]
         if name in ("ramp", "bursty"):
             for key, label in (("threshold", "threshold"), ("threshold_tuned", "tuned")):
@@ -208,8 +211,9 @@ def report(results: dict[str, dict], meta: dict) -> str:
         if name == "steady":
             ratio = p["replica_seconds"] / s["replica_seconds"]
             checks.append(f"rs {ratio:.2f}x static best ({'yes' if ratio <= 1.1 else 'NO'})")
-        lines.append(f"| {name} | {cell('planner_holt')} | {cell('planner_ewma')} | "
-                     f"{cell('threshold')} | {cell('threshold_tuned')} | "
+        lines.append(f"| {name} | "
+                     + "".join(f"{cell('planner_' + pred)} | " for pred in PREDICTORS)
+                     + f"{cell('threshold')} | {cell('threshold_tuned')} | "
                      f"{cell('static_best')} | {'; '.join(checks)} |")
     lines += ["", "Predictor error (mean absolute error / mean rate; h = intervals ahead):", "",
               "| trace | " + " | ".join(next(iter(results.values()))["predictor_error"]) + " |",
