@@ -1,9 +1,11 @@
-"""The planner's seasonal predictor: a period found in the request rate, the forecast it gives a
-start-up ahead, and the planner scaling up for a burst before it arrives."""
+"""The planner and bursts: a period found in the request rate, the forecast it gives a start-up
+ahead, the planner scaling up for a burst before it arrives, and a remembered burst's return
+planned at its level."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +13,7 @@ from kvrelay.deploy.planner.planner import Planner, PlannerConfig
 from kvrelay.deploy.planner.predictor import make_predictor
 from kvrelay.deploy.planner.profile import Profile
 from kvrelay.deploy.planner.season import Season, find_period
+from kvrelay.deploy.planner.signals import Observation
 from kvrelay.deploy.planner.simulator import SimConfig, simulate
 from kvrelay.deploy.planner.trace import generate, shapes
 
@@ -95,3 +98,30 @@ def test_planner_scales_up_before_known_bursts_for_fewer_replica_seconds() -> No
         # and the capacity goes back down between bursts
         quiet = [x for x in seasonal.timeline if start - 40 <= x["t"] < start - 20]
         assert min(x["prefill"] + x["decode"] for x in quiet) == 2
+
+
+def _obs(t: float, rate: float) -> Observation:
+    n = round(rate * 2)
+    return Observation(t=t, interval_s=2.0, prefill_replicas=2, decode_replicas=2, arrivals=n,
+                       finished=n, prompt_tokens=512 * n, cached_tokens=0, output_tokens=64 * n)
+
+
+def test_a_remembered_burst_coming_back_is_planned_at_its_level_not_its_edges_trend() -> None:
+    def returning_edge(pl: Planner) -> float:
+        t = 0.0
+        for rate in [30.0] * 20 + [90.0] * 10 + [30.0] * 20 + [60.0, 90.0]:  # a burst, its edge
+            t += 2.0
+            d = pl.decide(_obs(t, rate))
+        return d.details["predicted_rate"]
+
+    prof = replace(PROFILE, startup_s=10.0)  # a start-up is 6 intervals of the edge's trend
+    cfg = PlannerConfig(*SLO, max_replicas=8, predictor="holt")
+    remembered = returning_edge(Planner(prof, cfg))
+    forgotten = returning_edge(Planner(prof, replace(cfg, burst_memory_s=0)))
+    # Holt alone extrapolates the edge's jump a start-up ahead, past the burst's level; with
+    # the burst remembered the plan is that level plus the predictor's error headroom
+    assert forgotten > 100
+    assert 90 <= remembered < forgotten
+    pl = Planner(prof, cfg)
+    returning_edge(pl)
+    assert remembered <= 90 + pl.predictor.error + 1e-6

@@ -177,7 +177,11 @@ class Planner:
         # the most the load will ask of a replica started now, or of one kept until it is up
         rate = max(self.predictor.predict(k) for k in range(1, math.ceil(horizon) + 1)) \
             + self.predictor.error
-        if self.predictor.period is None:  # a known period forecasts the bursts' return
+        if self.predictor.period is None and self._peak > 0:  # (a period forecasts the bursts)
+            # A burst coming back to the level it was remembered at is not a ramp: the trend of
+            # its rising edge would carry the forecast past that level.
+            if obs.rate <= self._peak + self.predictor.error:
+                rate = min(rate, self._peak + self.predictor.error)
             rate = max(rate, self._peak)
         load = self._load(rate, self._projected_backlog(obs, startup))
         ttft_t = c.ttft_slo_ms / 1000 * (1 - c.margin)
