@@ -20,6 +20,8 @@ import torch
 
 from kvrelay.engine import native
 
+UNAVAILABLE = "the native panel GEMM is unavailable on this machine"
+
 
 def panel_width() -> int:
     """Output columns per panel of this machine's kernel; 0 where there is none (no AVX2+FMA
@@ -36,7 +38,7 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """``w`` (``[N, K]``) as contiguous panels ``[ceil(N / NR), K, NR]``, zero padded."""
     nr = panel_width()
     if nr == 0:
-        raise RuntimeError("the native panel GEMM is unavailable on this machine")
+        raise RuntimeError(UNAVAILABLE)
     n, k = w.shape
     p = -(-n // nr)
     padded = w.new_zeros(p * nr, k)
@@ -79,7 +81,7 @@ def tuning(set_to: Tuning | None = None) -> Tuning:
     benchmarks, not while a step runs) and the previous one returned."""
     lib = native.load()
     if lib is None:
-        raise RuntimeError("the native panel GEMM is unavailable on this machine")
+        raise RuntimeError(UNAVAILABLE)
     out = (ctypes.c_int * 3)()
     new = None if set_to is None else (ctypes.c_int * 3)(
         set_to.fuse_rows, int(set_to.balance), set_to.pf_min_rows)
