@@ -43,7 +43,7 @@ from kvrelay.kv_transfer.layout import (
     head_runs,
 )
 from kvrelay.kv_transfer.messages import PeerInfo
-from kvrelay.kv_transfer.staging import Stager, needs_staging
+from kvrelay.kv_transfer.staging import Stager
 from kvrelay.kv_transfer.transport_types import (  # WriteHandle, Notification: from here too
     Notification,
     PreparedPeer,
@@ -161,13 +161,12 @@ class NixlTransport:
             runs, ranks_dlist = None, None
             if self.layout.tp_size > 1 or info.layout.tp_size > 1:
                 runs = head_runs(self.layout, info.layout)
-                if needs_staging(self.layout, info.layout, runs):
-                    try:
-                        ranks_dlist = self._stager.prep_ranks(info)
-                    except _NIXL_ERRORS as e:
-                        dlist.release()  # type: ignore[attr-defined]
-                        self._agent.remove_remote_agent(info.agent_name)
-                        raise self._error(e, info.agent_name, "preparing descriptors of") from e
+                try:
+                    ranks_dlist = self._stager.prep_ranks(info)
+                except _NIXL_ERRORS as e:
+                    dlist.release()  # type: ignore[attr-defined]
+                    self._agent.remove_remote_agent(info.agent_name)
+                    raise self._error(e, info.agent_name, "preparing descriptors of") from e
             self._peers[info.agent_name] = PreparedPeer(info, dlist, runs, ranks_dlist)
             self._incarnations[info.agent_name] = info.incarnation
         logger.info("added KV peer %s (%d blocks)", info.agent_name, info.layout.num_blocks)
@@ -243,8 +242,7 @@ class NixlTransport:
                     nbytes = len(lidx) * self._block_bytes
                     xfer = self._agent.make_prepped_xfer("WRITE", self._local, lidx, p.dlist,
                                                          ridx)
-                else:
-                    # Another head split: staged, or per token (see ``Stager.write``).
+                else:  # several ranks: rank to rank, staged or per token (``Stager.write``)
                     xfer, nbytes, staged = self._stager.write(
                         p, self._rank_kvs, self.layout, self._addrs, planes, local_block_ids,
                         remote_block_ids)

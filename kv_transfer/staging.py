@@ -1,4 +1,6 @@
-"""Staging for writes between engines whose KV heads are split over ranks differently.
+"""Writes between engines with several ranks on a side; staging where the head splits differ.
+
+Equal splits (P=N -> D=N) go rank to rank as whole blocks (``Stager.rank_to_rank``).
 
 Across TP sizes a receiving rank's block holds heads that sit, on the sender, in another layout
 (P=1 -> D=2: half of each token's heads; P=2 -> D=1: each token's heads from two ranks). Written
@@ -135,6 +137,7 @@ class Stager:
         self.area: StagingArea | None = None
         self._reg: object | None = None
         self._dlists: dict[int, object] = {}
+        self._local_ranks: object | None = None  # every local rank's regions (rank to rank)
 
     def prep_ranks(self, info: Any) -> object:
         """The peer's every rank's (layer, K|V, block) regions, rank after rank, as one
@@ -147,11 +150,15 @@ class Stager:
     def write(self, p: PreparedPeer, rank_kvs: Sequence[torch.Tensor], local: KVLayout,
               local_addrs: Sequence[int], planes: Sequence[int], local_block_ids: Sequence[int],
               remote_block_ids: Sequence[int]) -> tuple[object, int, int | None]:
-        """A write to a peer of another head split: staged and sent as whole blocks when the
-        buffer has room, else one descriptor per token of each head run. Returns the transfer,
-        its bytes and the staging offset (None: not staged) to free once it is done."""
+        """A write to a peer with several ranks on a side: rank to rank where the head splits
+        are equal; else staged and sent as whole blocks when the buffer has room, else one
+        descriptor per token of each head run. Returns the transfer, its bytes and the staging
+        offset (None: not staged) to free once it is done."""
         assert p.runs is not None
         info = p.info
+        if p.ranks_dlist is not None and not needs_staging(local, info.layout, p.runs):
+            return (*self.rank_to_rank(p, local, local_addrs, planes, local_block_ids,
+                                       remote_block_ids), None)
         offset = None
         if p.ranks_dlist is not None:
             offset = self.pack(rank_kvs, local, info.layout, p.runs, planes, local_block_ids)
@@ -171,6 +178,27 @@ class Stager:
             self._agent.get_xfer_descs(dst, mem_type(info.layout.device_kind)),
             info.agent_name)
         return xfer, int(src[:, 1].sum()), None
+
+    def rank_to_rank(self, p: PreparedPeer, local: KVLayout, local_addrs: Sequence[int],
+                     planes: Sequence[int], local_block_ids: Sequence[int],
+                     remote_block_ids: Sequence[int]) -> tuple[object, int]:
+        """Equal head splits: each of our ranks' whole blocks to its peer rank, through
+        prepared lists of every rank's regions on both sides. Prepared, regions adjacent on
+        both sides (a sequence's consecutive blocks) go as one copy: NIXL merges them, where
+        per-write descriptors (``initialize_xfer``) cost ~3-4 us of CMA set-up each (P=2 -> D=2
+        ran at half the rate of P=1 -> D=1 that way, measured on a 2-vCPU Zen 4)."""
+        if self._local_ranks is None:
+            rows = np.concatenate([region_descs(a, local, self._device_id) for a in local_addrs])
+            self._local_ranks = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
+        remote = p.info.layout
+        per_l, per_r = (x.num_layers * 2 * x.num_blocks for x in (local, remote))
+        li = np.asarray(plane_block_indices(planes, local_block_ids, local.num_blocks))
+        ri = np.asarray(plane_block_indices(planes, remote_block_ids, remote.num_blocks))
+        src = np.concatenate([run.src * per_l + li for run in p.runs]).astype(np.int32)
+        dst = np.concatenate([run.dst * per_r + ri for run in p.runs]).astype(np.int32)
+        xfer = self._agent.make_prepped_xfer("WRITE", self._local_ranks, src, p.ranks_dlist,
+                                             dst)
+        return xfer, len(src) * local.block_bytes
 
     def pack(self, rank_kvs: Sequence[torch.Tensor], local: KVLayout, remote: KVLayout,
              runs: Sequence[HeadRun], planes: Sequence[int],
@@ -209,9 +237,11 @@ class Stager:
             self.area.free(offset)
 
     def close(self) -> None:
-        for dl in self._dlists.values():
-            dl.release()  # type: ignore[attr-defined]
+        for dl in [*self._dlists.values(), self._local_ranks]:
+            if dl is not None:
+                dl.release()  # type: ignore[attr-defined]
         self._dlists.clear()
+        self._local_ranks = None
         if self._reg is not None:
             self._agent.deregister_memory(self._reg)
             self._reg = None

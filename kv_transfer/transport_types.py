@@ -45,8 +45,8 @@ class PreparedPeer(NamedTuple):
     info: PeerInfo
     dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, kv, block) regions
     runs: list[HeadRun] | None  # None: one rank each side, whole blocks through ``dlist``
-    # Another head split: every rank's (layer, kv, block) regions, rank after rank (the rows
-    # staged writes address); None when writes need no staging.
+    # Several ranks on a side: every rank's (layer, kv, block) regions, rank after rank (the
+    # rows rank-to-rank and staged writes address); None with one rank each side.
     ranks_dlist: object | None = None
 
 

@@ -72,8 +72,10 @@ def _write_and_wait(src: NixlTransport, dst: NixlTransport, local: list[int],
 
 
 # staging: the default buffer (blocks packed as the receiver lays them out, whole blocks on the
-# wire), none that fits (token by token), and many scattered blocks (an indexed pack).
-STAGING = {"staged": (1 << 20, 12), "no-room": (1, 12), "scattered": (1 << 20, 120)}
+# wire), none that fits (token by token), many scattered blocks (an indexed pack), and a run of
+# consecutive blocks on both sides (regions NIXL merges into one copy).
+STAGING = {"staged": (1 << 20, 12), "no-room": (1, 12), "scattered": (1 << 20, 120),
+           "consecutive": (1 << 20, 12)}
 
 
 @pytest.mark.parametrize("staging", sorted(STAGING))
@@ -96,6 +98,8 @@ def test_each_receiving_rank_gets_exactly_its_heads(kv_heads: int, p_tp: int, d_
         if staging == "scattered":  # every other block: more runs than the pack slices
             local = list(range(0, nb, 2))
             remote = [nb + 3 - i for i in local]
+        elif staging == "consecutive":
+            local, remote = [2, 3, 4, 5], [6, 7, 8, 9]
         nbytes = _write_and_wait(src, dst, local, remote)
         # Every head of every receiving rank, each block once: per rank a whole block's bytes.
         assert nbytes == len(local) * LAYERS * 2 * d_tp * dst_layout.block_bytes
