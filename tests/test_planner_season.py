@@ -125,3 +125,19 @@ def test_a_remembered_burst_coming_back_is_planned_at_its_level_not_its_edges_tr
     pl = Planner(prof, cfg)
     returning_edge(pl)
     assert remembered <= 90 + pl.predictor.error + 1e-6
+
+
+def test_the_periodic_down_delay_is_a_flag_and_not_negative(tmp_path) -> None:
+    import argparse
+
+    from kvrelay.deploy.planner.cli import add_planner_options, build_planner
+
+    PROFILE.save(tmp_path / "p.json")
+    ap = argparse.ArgumentParser()
+    add_planner_options(ap, slo_options=True)
+    args = ap.parse_args(["--planner", "--profile", str(tmp_path / "p.json"), "--ttft-slo-ms",
+                          "300", "--itl-slo-ms", "8", "--planner-periodic-down-delay", "6"])
+    cfg = build_planner(args).config
+    assert (cfg.predictor, cfg.periodic_down_delay_s, cfg.down_delay_s) == ("seasonal", 6.0, 20.0)
+    with pytest.raises(ValueError, match="down delays"):
+        PlannerConfig(*SLO, periodic_down_delay_s=-1.0)

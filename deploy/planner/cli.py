@@ -27,6 +27,8 @@ def add_planner_options(p: argparse.ArgumentParser, *, slo_options: bool = False
     opt(g, "--planner-predictor", default="seasonal", choices=list(PREDICTORS))
     opt(g, "--planner-down-delay", type=float, default=20.0,
         help="seconds a lower need must last before a pool shrinks")
+    opt(g, "--planner-periodic-down-delay", type=float, default=4.0,
+        help="the same while the load repeats a known period (its forecast sees the return)")
     opt(g, "--planner-up-step", type=int, default=2, help="replicas a pool grows by at most a step")
     opt(g, "--planner-down-step", type=int, default=1,
         help="replicas a pool shrinks by at most a step (each after --planner-down-delay)")
@@ -59,6 +61,7 @@ def build_planner(args: argparse.Namespace) -> Any:
             max_replicas=int(args.max_replicas), min_prefill=int(args.min_prefill),
             min_decode=int(args.min_decode), interval_s=float(args.planner_interval),
             predictor=args.planner_predictor, down_delay_s=float(args.planner_down_delay),
+            periodic_down_delay_s=float(args.planner_periodic_down_delay),
             up_step=int(args.planner_up_step), down_step=int(args.planner_down_step),
             startup_s=_opt_float(args.replica_startup),
             burst_memory_s=float(args.planner_burst_memory))

@@ -76,6 +76,8 @@ class PlannerConfig:
             raise ValueError("need min_prefill, min_decode >= 1 and max_replicas >= their sum")
         if not 0 <= self.margin < 1 or self.up_step < 1 or self.down_step < 1:
             raise ValueError("margin in [0, 1), up_step and down_step >= 1")
+        if self.down_delay_s < 0 or self.periodic_down_delay_s < 0:
+            raise ValueError("down delays must not be negative")
         make_predictor(self.predictor)
 
 
