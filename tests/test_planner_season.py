@@ -64,6 +64,23 @@ def test_season_forecasts_a_burst_ahead_and_follows_a_level_shift() -> None:
     assert s.forecast(5) == pytest.approx(95, rel=0.25)
 
 
+def test_a_horizon_longer_than_the_period_reads_older_periods() -> None:
+    s = Season()
+    xs = noisy(bursts(200, period=10, width=3), 4)
+    for x in xs:
+        s.update(x)
+    assert s.period == 10
+    for h in range(1, 30):  # a start-up may outlast a short period
+        burst = (len(xs) - 1 + h) % 10 >= 7
+        near = any((len(xs) - 1 + h + d) % 10 >= 7 for d in (-1, 1))
+        got = s.forecast(h)
+        assert got is not None
+        if burst:
+            assert got == pytest.approx(75, rel=0.25), h
+        elif not near:
+            assert got == pytest.approx(30, rel=0.35), h
+
+
 def test_seasonal_predictor_is_holt_until_a_period_is_found() -> None:
     seasonal, holt = make_predictor("seasonal"), make_predictor("holt")
     for x in noisy([10.0 + 0.5 * i for i in range(200)], 3):

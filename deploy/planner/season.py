@@ -79,11 +79,12 @@ class Season:
         if p is None:
             return None
         n, vals = len(xs), []
-        for k in range(1, self.periods + 1):
-            i = n - 1 + horizon - k * p  # the same phase k periods back
-            if i < 1:
-                break
+        i = n - 1 + horizon - p  # the same phase one period back ...
+        while i > n - 1:  # ... or more, where the horizon reaches past a period
+            i -= p
+        while i >= 1 and len(vals) < self.periods:
             vals.append(max(xs[j] for j in range(i - 1, min(i + 2, n))))
+            i -= p
         return sum(vals) / len(vals) if vals else None
 
 
