@@ -80,7 +80,8 @@ STAGING = {"staged": (1 << 20, 12), "no-room": (1, 12), "scattered": (1 << 20, 1
 
 @pytest.mark.parametrize("staging", sorted(STAGING))
 @pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"),
-                         [(4, 1, 2), (4, 2, 1), (4, 2, 2), (1, 1, 2), (1, 2, 1), (2, 2, 1)])
+                         [(4, 1, 2), (4, 2, 1), (4, 2, 2), (1, 1, 2), (1, 2, 1), (2, 2, 1),
+                          (1, 2, 2)])
 def test_each_receiving_rank_gets_exactly_its_heads(kv_heads: int, p_tp: int, d_tp: int,
                                                     staging: str) -> None:
     staging_bytes, nb = STAGING[staging]
