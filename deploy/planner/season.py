@@ -2,8 +2,8 @@
 rate was at the same phase of the last periods.
 
 Load that comes back on a schedule (a batch job every few minutes, a client that polls in
-waves, the top of each hour) cannot be followed by a trend predictor: the rise is over before a
-replica started for it is up. Its shape repeats, though, so the rate one start-up ahead is the
+waves) cannot be followed by a trend predictor: the rise is over before a replica started for
+it is up. Its shape repeats, though, so the rate one start-up ahead is the
 rate seen one period before that moment. This is the seasonal part of Holt-Winters, with the
 period found rather than configured:
 
@@ -20,7 +20,9 @@ period found rather than configured:
   forecast is the pattern plus the smoothed deviation of the recent rates from it, so a load
   that keeps its shape but shifts its level is followed.
 
-Pure: the caller feeds one rate per interval.
+Periods from ``min_period`` intervals to half the ``window`` are found (16 s to 400 s at the
+planner's 2 s interval); a daily cycle is the trend predictor's to follow. Pure: the caller
+feeds one rate per interval.
 """
 
 from __future__ import annotations
