@@ -8,6 +8,10 @@ import json
 import re
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
+from kvrelay.deploy.planner.metrics import PlannerMetrics
+from kvrelay.deploy.planner.signals import PlanDecision
 from kvrelay.engine.engine_core import EngineStats
 from kvrelay.engine.step_cost import StepCostFit
 from kvrelay.router.metrics import RouterMetrics
@@ -31,8 +35,13 @@ def _exported() -> dict[str, set[str]]:
     stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),
                                 kv_transfer={"held": 1, "hold_ended_notice": 1})
     worker = WorkerMetrics(lambda: stats, "decode", "decode-0")
+    planner = CollectorRegistry()  # the planner's series, on the router's registry or its own
+    PlannerMetrics(planner).record(
+        PlanDecision(2, 1, "test", {"required_prefill": 2.0, "ttft_margin": 0.1,
+                                    "itl_margin": 0.2, "load_period_s": 100.0}),
+        {"prefill": 1, "decode": 1})
     out: dict[str, set[str]] = {}
-    for reg in (router.registry, worker.registry):
+    for reg in (router.registry, worker.registry, planner):
         for fam in reg.collect():
             types = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",)}
             for suffix in ("", *types.get(fam.type, ())):

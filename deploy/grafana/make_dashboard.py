@@ -69,6 +69,17 @@ PANELS: list[tuple[str, str, list[dict]]] = [
       q("sum(increase(kvrelay:num_preemptions_total[$__rate_interval]))", "preemptions")]),
     ("Engine step time", "s", quantiles("kvrelay:engine_step_seconds", "pool")),
     ("Live workers per pool", "short", [q("kvrelay:workers", "{{pool}}")]),
+    # The SLO planner (`--planner`; on the router's /metrics, or the `kvrelay planner` process's)
+    ("Planner: replicas per pool", "short",
+     [q("kvrelay:planner_current_replicas", "current {{pool}}"),
+      q("kvrelay:planner_desired_replicas", "desired {{pool}}"),
+      q("kvrelay:planner_required_replicas", "required {{pool}}")]),
+    ("Planner: request rate and the load's period", "short",
+     [q("kvrelay:planner_request_rate", "{{kind}} req/s"),
+      q("kvrelay:planner_load_period_seconds", "period (s)")]),
+    ("Planner: SLO margin and profile correction", "short",
+     [q("kvrelay:planner_slo_margin", "margin {{slo}}"),
+      q("kvrelay:planner_profile_correction", "correction {{pool}}")]),
 ]
 
 
