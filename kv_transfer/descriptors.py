@@ -23,6 +23,13 @@ def region_descs(base_address: int, layout: KVLayout, device_id: int) -> np.ndar
                          layout.block_bytes, device_id)
 
 
+def rank_region_descs(rank_addresses: Sequence[int], layout: KVLayout,
+                      device_id: int) -> np.ndarray:
+    """``region_descs`` of every rank's KV tensor, rank after rank: rank ``r``'s (plane, block)
+    row at ``r * num_layers * 2 * num_blocks`` plus its own index."""
+    return np.concatenate([region_descs(a, layout, device_id) for a in rank_addresses])
+
+
 def uniform_descs(base_address: int, n: int, nbytes: int, device_id: int) -> np.ndarray:
     """``[n, 3]`` rows of ``n`` adjacent regions of ``nbytes`` each from ``base_address``."""
     descs = np.empty((n, 3), dtype=np.uint64)
