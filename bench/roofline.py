@@ -1,7 +1,8 @@
 """The machine's ceilings for bench/engine.py's roofline ratios: fp32 matmul GFLOP/s (the
 fastest of MKL's mm, oneDNN's prepacked linear and the native panel GEMM, on the model's own
-projection shapes) and ``copy_`` bandwidth over a weight-sized buffer. Sampled beside each
-measurement, because this machine's speed drifts minute to minute."""
+projection shapes), ``copy_`` bandwidth over a weight-sized buffer and the rate of a read-only
+pass over it. Sampled beside each measurement, because this machine's speed drifts minute to
+minute."""
 
 from __future__ import annotations
 
@@ -64,6 +65,13 @@ class Ceilings:
             t = min(t, timed(lambda: [gemm.panel_linear(x, p, None, n, threads)
                                       for x, p, n in self._panels]))
         return self._flops / t / 1e9
+
+    def read_gbs(self) -> float:
+        """GB/s of one read-only pass over a weight-sized buffer (the faster of a sum and a max:
+        a decode step reads its weights and writes next to nothing, and on some hosts a read
+        stream runs well above or below half of ``copy_``'s read+write rate)."""
+        t = min(timed(self._src.sum), timed(self._src.amax))
+        return self._src.numel() * 4 / t / 1e9
 
     def copy_gbs(self) -> float:
         """GB/s (read + write) of one weight-sized ``copy_``."""
