@@ -49,6 +49,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
         help="on CUDA the KV cache also stays within this fraction of the GPU's memory")
     opt(g, "--num-kv-blocks", type=int, default=None, help="exact KV blocks (overrides budget)")
     opt(g, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    opt(g, "--kv-head-groups", type=int, default=1,
+        help="keep the KV heads in this many groups, laid out as the ranks of a replica of that "
+             "TP size lay them out: KV then moves to or from such a replica rank to rank (set "
+             "it to the other pool's TP size on a TP=1 worker)")
     opt(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     opt(g, "--max-num-seqs", type=int, default=128)
     opt(g, "--no-chunked-prefill", action="store_true", help="prefill whole prompts only")
@@ -89,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         num_blocks=args.num_kv_blocks,
         gpu_memory_utilization=float(getattr(args, "gpu_memory_utilization", 0.9)),
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_head_groups=int(getattr(args, "kv_head_groups", 1)),
         max_num_batched_tokens=int(args.max_num_batched_tokens),
         max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),

@@ -81,8 +81,12 @@ class CacheConfig:
     # On CUDA the KV budget also stays within this fraction of the GPU's memory (after weights).
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Keep the KV heads in this many groups, each a tensor of its own (see engine/kv_cache.py).
+    kv_head_groups: int = 1
 
     def __post_init__(self) -> None:
+        if self.kv_head_groups < 1:
+            raise ValueError(f"kv_head_groups must be positive, got {self.kv_head_groups}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))

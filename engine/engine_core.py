@@ -71,9 +71,9 @@ class EngineCore:
                                  "(every rank's KV shared with rank 0); on GPUs serve TP "
                                  "replicas with role both")
             if rank_kv is not None:
-                connector.register_kv_cache(self.runner.kv, self.runner.kv_spec, rank_kv)
+                connector.register_kv_cache(self.runner.transfer_kv, self.runner.kv_spec, rank_kv)
             else:
-                connector.register_kv_cache(self.runner.kv, self.runner.kv_spec)
+                connector.register_kv_cache(self.runner.transfer_kv, self.runner.kv_spec)
         self.seqs: dict[str, Sequence] = {}
         # Finished requests whose blocks the connector still reads, with the output to report
         # once they are delivered (None when nobody waits for one).

@@ -3,6 +3,12 @@
 Layout: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (2 = K, V). A token's
 slot is ``block_id * block_size + offset``; each layer gets views of its K and V planes. This one
 tensor is what a KV transport registers, so its address arithmetic lives here, in one place.
+
+KV head groups (``CacheConfig.kv_head_groups`` = G > 1): ``[G, ...]`` of that layout, group g
+holding KV heads ``[g * H / G, (g + 1) * H / G)``: each group is laid out as a rank of a
+tensor-parallel replica of G ranks lays out its KV, and the transport registers the groups as
+such ranks, so KV moves between a replica of TP=G and this engine rank to rank, whole blocks,
+where one tensor would make the sender repack every token's heads first.
 """
 
 from __future__ import annotations
@@ -94,9 +100,27 @@ def blocks_for_budget(
     return int(n)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Allocate the cache zero-filled: padded attention gathers may read never-written slots."""
-    return torch.zeros(spec.shape, dtype=spec.torch_dtype, device=device)
+def allocate_kv_cache(spec: KVCacheSpec, device: torch.device | str = "cpu",
+                      groups: int = 1) -> torch.Tensor:
+    """Allocate the cache zero-filled: padded attention gathers may read never-written slots.
+    ``groups`` > 1 (KV head groups): ``[groups, *spec.shape]``, ``spec`` one group's."""
+    shape = spec.shape if groups == 1 else (groups, *spec.shape)
+    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+
+
+def kv_groups_of(kv: torch.Tensor) -> list[torch.Tensor]:
+    """The head groups of an engine's KV tensor, each a contiguous ``spec.shape`` tensor (one:
+    the tensor itself)."""
+    return [kv] if kv.dim() == 6 else list(kv.unbind(0))
+
+
+def check_kv_head_groups(groups: int, kv_heads: int, tensor_parallel: bool) -> None:
+    if groups > 1 and tensor_parallel:
+        raise ValueError("--kv-head-groups with --tensor-parallel-size > 1 is not supported: "
+                         "a replica's ranks already keep their heads apart")
+    if kv_heads % groups:
+        raise ValueError(f"--kv-head-groups {groups} must divide the model's {kv_heads} KV "
+                         f"heads")
 
 
 def layer_views(kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

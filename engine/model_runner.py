@@ -30,10 +30,12 @@ from kvrelay.engine.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
     blocks_for_budget,
+    check_kv_head_groups,
     dtype_from_name,
     dtype_name,
+    kv_groups_of,
 )
-from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq
+from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.loader import load_model
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.sampler import TokenLogprob, sample
@@ -96,14 +98,22 @@ class ModelRunner:
             kv_budget_for(self.device, cc.kv_cache_memory, cc.gpu_memory_utilization),
             num_layers=arch.num_layers, num_kv_heads=kv_heads,
             head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.dtype))
-        self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads, arch.head_dim,
+        self.kv_groups = groups = cc.kv_head_groups
+        check_kv_head_groups(groups, kv_heads, shard is not None)
+        self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads // groups, arch.head_dim,
                                    block_size, num_blocks, dtype_name(self.dtype))
         if shard is not None and shard.kv_shm:
             self.kv = shared_kv_cache(shard.kv_shm, shard.rank, self.kv_spec.shape,
                                       self.kv_spec.torch_dtype)
         else:
-            self.kv = allocate_kv_cache(self.kv_spec, self.device)
+            self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
         self.model.bind_kv_cache(self.kv)
+        # What a KV transport registers: the tensor, or group 0 and the others as its ranks.
+        self.transfer_kv = kv_groups_of(self.kv)[0]
+        if groups > 1:
+            hg = kv_heads // groups
+            self.rank_kv = RankKV(kv_groups_of(self.kv)[1:],
+                                  tuple((g * hg, (g + 1) * hg) for g in range(groups)), kv_heads)
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
         # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.
@@ -114,7 +124,8 @@ class ModelRunner:
         self.pad_above: int | None = lm.panel_rows if lm.packed is not None else None
         # CUDA graphs for decode steps (decided once, here): they take the last block as the
         # padding rows' scratch, so the block manager gets one block fewer.
-        off = graphs_off_reason(self.device, enforce_eager=mc.enforce_eager,
+        off = "KV head groups" if groups > 1 else graphs_off_reason(
+            self.device, enforce_eager=mc.enforce_eager,
                                 max_batch=mc.cuda_graph_max_batch, paged_flash=self.paged_flash,
                                 tensor_parallel=shard is not None, num_blocks=num_blocks)
         if off is not None and self.device.type == "cuda":
@@ -144,7 +155,8 @@ class ModelRunner:
                                 threads=1 if overlap else torch.get_num_threads())
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
-                    num_blocks, block_size, self.kv_spec.total_bytes / 2**20, self.backend,
+                    num_blocks, block_size, self.kv.numel() * self.kv.element_size() / 2**20,
+                    self.backend,
                     self.max_model_len)
 
     def static_decode(self, max_batch: int, scratch_block: int | None = None) \
@@ -304,7 +316,7 @@ class ModelRunner:
         block forked sequences shared)."""
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        self.kv[:, :, dst] = self.kv[:, :, src]
+        self.kv[..., dst, :, :, :] = self.kv[..., src, :, :, :]  # every head group
 
     # -- the forward ---------------------------------------------------------------------------
     @torch.inference_mode()

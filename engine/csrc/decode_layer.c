@@ -13,6 +13,12 @@
  *
  * The kernels are the same ones the per-op path calls (kernels.h), so both give identical
  * results. Rows are the step's decodes, one each: h and x [rows, hidden] are updated in place.
+ *
+ * KV head groups (kv_groups > 1): the cache keeps each group of kv_heads / kv_groups heads in a
+ * tensor of its own, group_stride floats after the previous one (the layout of a rank of that
+ * many tensor-parallel ranks, so KV moves between TP sizes rank to rank). K and V go to their
+ * group's rows, q is roped group-major (each group's heads of every row together), attention
+ * runs per group over its cache, and its output is put back in row-major order for Wo.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,9 +29,10 @@
 typedef struct {
     const float *qkv, *qkv_b, *o, *o_b, *gu, *gu_b, *down, *down_b; /* panels; biases or NULL */
     const float *post_w, *next_w; /* RMSNorm weights; next_w NULL after the last layer */
-    float *k_cache, *v_cache;     /* flat [slots, kv_heads, head_dim] */
+    float *k_cache, *v_cache;     /* flat [slots, kv_heads / kv_groups, head_dim]: group 0's */
     int64_t hidden, heads, kv_heads, head_dim, inter, window;
     float eps, next_eps, scale;
+    int64_t kv_groups, group_stride; /* head groups (1: none); floats from one group to the next */
 } kvr_layer_t;
 
 typedef struct {
@@ -42,17 +49,19 @@ typedef struct {
 int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     const int64_t M = S->rows, hid = L->hidden, H = L->heads, KVH = L->kv_heads;
     const int64_t D = L->head_dim, I = L->inter, qs = H * D, kvs = KVH * D, nqkv = qs + 2 * kvs;
+    const int64_t G = L->kv_groups, gs = L->group_stride;
     if (M <= 0) return 0;
     if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % 2 || S->block_size <= 0 ||
-        S->min_part <= 0 || S->nthreads < 1)
+        S->min_part <= 0 || S->nthreads < 1 || G < 1 || KVH % G || (G > 1 && gs <= 0))
         return -1;
+    const int64_t hq = H / G, hk = KVH / G, gq = hq * D, gk = hk * D; /* per group */
     for (int64_t r = 0; r < M; r++)
         if (S->slots[r] < 0) return -1;
     kvr_decode_plan_t pl;
     int rc = kvr__decode_plan(S->lens, M, H, D, S->block_size, S->width, L->window, S->min_part,
                               S->nthreads, &pl);
     if (rc) return rc;
-    const int64_t floats = M * (nqkv + 2 * qs + hid + 2 * I + I);
+    const int64_t floats = M * (nqkv + (G > 1 ? 3 : 2) * qs + hid + 2 * I + I);
     float *buf = malloc(sizeof(float) * floats);
     if (!buf) {
         kvr__decode_plan_free(&pl);
@@ -60,6 +69,7 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     }
     float *qkv = buf, *q = qkv + M * nqkv, *att = q + M * qs, *delta = att + M * qs;
     float *gu = delta + M * hid, *act = gu + M * 2 * I;
+    float *att_g = G > 1 ? act + M * I : att; /* attention's output, group-major */
     const int64_t half = D / 2;
     int failed = 0;
 #pragma omp parallel num_threads(S->nthreads) reduction(|:failed)
@@ -68,12 +78,24 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             const float *row = qkv + r * nqkv, *c = S->cos + r * half, *s = S->sin + r * half;
-            kvr__rope_row(row, q + r * qs, H, D, c, s);
-            kvr__rope_row(row + qs, L->k_cache + S->slots[r] * kvs, KVH, D, c, s);
-            memcpy(L->v_cache + S->slots[r] * kvs, row + qs + kvs, sizeof(float) * kvs);
+            for (int64_t g = 0; g < G; g++) { /* G == 1: q [rows, H, D], one cache row */
+                kvr__rope_row(row + g * gq, q + (g * M + r) * gq, hq, D, c, s);
+                kvr__rope_row(row + qs + g * gk, L->k_cache + g * gs + S->slots[r] * gk, hk, D,
+                              c, s);
+                memcpy(L->v_cache + g * gs + S->slots[r] * gk, row + qs + kvs + g * gk,
+                       sizeof(float) * gk);
+            }
         }
-        failed |= kvr__decode_run(&pl, q, L->k_cache, L->v_cache, S->tables, att, H, KVH, D,
-                                  S->block_size, S->width, L->scale);
+        for (int64_t g = 0; g < G; g++)
+            failed |= kvr__decode_run(&pl, q + g * M * gq, L->k_cache + g * gs,
+                                      L->v_cache + g * gs, S->tables, att_g + g * M * gq, hq, hk,
+                                      D, S->block_size, S->width, L->scale);
+        if (G > 1) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t g = 0; g < G; g++)
+                    memcpy(att + r * qs + g * gq, att_g + (g * M + r) * gq, sizeof(float) * gq);
+        }
         kvr__gemm_for(att, L->o, L->o_b, delta, M, qs, hid);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)

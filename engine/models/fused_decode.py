@@ -10,7 +10,8 @@ path, bit for bit.
 It applies to steps whose rows are all decodes (one token per sequence, no padding rows) on a
 CPU fp32 model with the native attention backend, whose linears hold panel-packed weights and
 are not tensor-parallel shards, without per-head q/k norms and without a per-layer KV hook
-(layer-by-layer KV streaming); any other step takes the per-op path.
+(layer-by-layer KV streaming); any other step takes the per-op path. A cache in KV head groups
+(``--kv-head-groups``) is passed as group 0's views and the distance between groups.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("qkv", "qkv_b", "o", "o_b", "gu", "gu_b", "down", "down_b",
                                   "post_w", "next_w", "k_cache", "v_cache")] + \
         [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "window")] + \
-        [(n, _F32) for n in ("eps", "next_eps", "scale")]
+        [(n, _F32) for n in ("eps", "next_eps", "scale")] + \
+        [(n, _I64) for n in ("kv_groups", "group_stride")]
 
 
 class _Step(ctypes.Structure):
@@ -90,6 +92,13 @@ class FusedDecode:
             nxt = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else None
             assert a.k_cache is not None and a.v_cache is not None
             assert a.k_cache.is_contiguous() and a.v_cache.is_contiguous()
+            groups = max(1, len(a.kv_groups))
+            # KV head groups: every group's views equally far apart (one [G, ...] tensor).
+            stride = (a.kv_groups[1][0].data_ptr() - a.k_cache.data_ptr()) // 4 \
+                if groups > 1 else 0
+            assert all(k.data_ptr() - a.k_cache.data_ptr() == g * stride * 4 and
+                       v.data_ptr() - a.v_cache.data_ptr() == g * stride * 4
+                       for g, (k, v) in enumerate(a.kv_groups))
             layers.append(_Layer(
                 _ptr(a.qkv.panels), _ptr(a.qkv.bias), _ptr(a.o.panels), _ptr(a.o.bias),
                 _ptr(m.gate_up.panels), _ptr(m.gate_up.bias), _ptr(m.down.panels),
@@ -97,7 +106,7 @@ class FusedDecode:
                 _ptr(None if nxt is None else nxt.weight), _ptr(a.k_cache), _ptr(a.v_cache),
                 arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, m.inter,
                 a.window or 0, layer.post_attn_norm.eps, 0.0 if nxt is None else nxt.eps,
-                a.scale))
+                a.scale, groups, stride))
         self._cache_ptr = model.layers[0].attn.k_cache.data_ptr()
         return layers
 

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.engine.attention import AttentionFn, current_metadata, write_kv
+from kvrelay.engine.attention import AttentionFn, AttentionMetadata, current_metadata, write_kv
 from kvrelay.engine.gemm import pack_panels, panel_linear
+from kvrelay.engine.kv_cache import kv_groups_of
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.pointwise import add_rms_norm, rope, silu_mul
@@ -149,6 +150,8 @@ class Attention(nn.Module):
         self.attn_fn = attn_fn
         self.k_cache: torch.Tensor | None = None  # flat [slots, kv_heads, head_dim] views
         self.v_cache: torch.Tensor | None = None
+        # Under KV head groups, every group's (K, V) views (k_cache/v_cache: group 0's).
+        self.kv_groups: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: Rotary) -> torch.Tensor:
@@ -162,11 +165,32 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         meta = current_metadata()
+        if len(self.kv_groups) > 1:
+            return self.o(self._grouped(q, k, v, meta).reshape(t, self.q_size))
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         if meta.on_kv_written is not None:
             meta.on_kv_written(self.layer)
         o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
         return self.o(o.reshape(t, self.q_size))
+
+    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over a cache in KV head groups: each group's K/V into its own tensor, then
+        its query heads (those its KV heads serve) over it."""
+        n = len(self.kv_groups)
+        hq, hk = self.num_heads // n, self.num_kv_heads // n
+        for g, (kc, vc) in enumerate(self.kv_groups):
+            write_kv(kc, vc, k[:, g * hk:(g + 1) * hk], v[:, g * hk:(g + 1) * hk],
+                     meta.slot_mapping)
+        if meta.on_kv_written is not None:
+            meta.on_kv_written(self.layer)
+        out = torch.empty_like(q)
+        for g, (kc, vc) in enumerate(self.kv_groups):
+            qs, ks = slice(g * hq, (g + 1) * hq), slice(g * hk, (g + 1) * hk)
+            out[:, qs] = self.attn_fn(q[:, qs].contiguous(), k[:, ks].contiguous(),
+                                      v[:, ks].contiguous(), kc, vc, meta, self.scale,
+                                      self.window)
+        return out
 
 
 class MLP(nn.Module):
@@ -297,11 +321,15 @@ class LlamaForCausalLM(nn.Module):
         return best[0], best[1]
 
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
-        """Give each layer flat views of its K and V planes of the engine's one KV tensor."""
+        """Give each layer flat views of its K and V planes of the engine's KV tensor (of every
+        head group's, under KV head groups)."""
+        groups = kv_groups_of(kv)
+        _, _, nb, bs, kvh, hd = groups[0].shape
         for i, layer in enumerate(self.layers):
-            _, _, nb, bs, kvh, hd = kv.shape
-            layer.attn.k_cache = kv[i, 0].view(nb * bs, kvh, hd)
-            layer.attn.v_cache = kv[i, 1].view(nb * bs, kvh, hd)
+            views = [(g[i, 0].view(nb * bs, kvh, hd), g[i, 1].view(nb * bs, kvh, hd))
+                     for g in groups]
+            layer.attn.k_cache, layer.attn.v_cache = views[0]
+            layer.attn.kv_groups = views
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place

@@ -1,0 +1,124 @@
+"""KV head groups (``--kv-head-groups G``): an engine that keeps each group of its KV heads in a
+tensor of its own, laid out as a tensor-parallel rank of G ranks would lay out its KV.
+
+The engine computes exactly what it computes with one tensor (tokens and logprobs, through the
+fused native decode layers, the per-op path, torch SDPA, chunked prefill, prefix hits and
+copy-on-write of blocks), and it presents its groups to the KV transport as ranks: a prefill
+replica of TP=G writes a decode engine of TP=1 in G groups rank to rank, with no repacking copy
+(the cluster-level check is in ``test_disaggregated_tp.py``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvrelay.engine.config import CacheConfig
+from kvrelay.engine.kv_cache import KVCacheSpec
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kv_transfer.layout import KVLayout, head_runs
+from kvrelay.kv_transfer.staging import needs_staging
+
+GEN = 10
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 120) for _ in range(n)]
+
+
+def _llm(model_dir: str, groups: int, backend: str) -> LLM:
+    # Chunks of 16 tokens: prompts prefill over several steps beside running decodes.
+    return LLM(model_dir, num_blocks=96, block_size=8, attention_backend=backend,
+               max_num_batched_tokens=16, kv_head_groups=groups)
+
+
+@pytest.mark.parametrize("backend", ["native", "sdpa"])
+@pytest.mark.parametrize(("arch", "groups"),
+                         [("llama", 2), ("llama_mha", 2), ("llama_mha", 4), ("llama_bias", 2)])
+def test_grouped_cache_computes_what_one_tensor_does(hf_model_dir, arch: str, groups: int,
+                                                     backend: str) -> None:
+    model_dir = hf_model_dir(arch)
+    prompts = [_prompt(n, i) for i, n in enumerate((5, 17, 70))]
+    sp = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True, logprobs=2)
+    one, grouped = _llm(model_dir, 1, backend), _llm(model_dir, groups, backend)
+    runner = grouped.engine.runner
+    assert runner.kv_groups == groups
+    assert runner.kv.shape[0] == groups and runner.kv_spec.num_kv_heads * groups == \
+        one.engine.runner.kv_spec.num_kv_heads
+    if backend == "native":  # decode-only steps go through the fused layers, in groups
+        assert runner.model.fused_decode is not None
+    for _ in range(2):  # the second pass hits the prefix cache
+        want, got = one.generate(prompts, sp), grouped.generate(prompts, sp)
+        for w, g in zip(want, got, strict=True):
+            assert g.token_ids == w.token_ids
+            assert g.num_cached_tokens == w.num_cached_tokens
+            for a, b in zip(w.logprobs, g.logprobs, strict=True):
+                assert a is not None and b is not None
+                assert abs(a.logprob - b.logprob) <= 1e-5
+    assert got[2].num_cached_tokens > 0
+
+
+def test_per_op_decode_in_groups(hf_model_dir, monkeypatch) -> None:
+    """The per-op decode path (fused layers off) gives the same tokens in groups."""
+    monkeypatch.setenv("KVRELAY_FUSED_DECODE", "0")
+    model_dir = hf_model_dir("llama_mha")
+    sp = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    prompts = [_prompt(n, 7 + i) for i, n in enumerate((9, 33))]
+    grouped = _llm(model_dir, 2, "native")
+    assert grouped.engine.runner.model.fused_decode is None
+    want = [o.token_ids for o in _llm(model_dir, 1, "native").generate(prompts, sp)]
+    assert [o.token_ids for o in grouped.generate(prompts, sp)] == want
+
+
+def test_copy_on_write_copies_every_group(hf_model_dir) -> None:
+    runner = _llm(hf_model_dir("llama_mha"), 2, "native").engine.runner
+    kv = runner.kv
+    kv.copy_(torch.randn(kv.shape))
+    runner.copy_blocks([(3, 10), (4, 11)])
+    for g in range(2):
+        assert torch.equal(kv[g][:, :, 10], kv[g][:, :, 3])
+        assert torch.equal(kv[g][:, :, 11], kv[g][:, :, 4])
+
+
+def test_groups_are_the_transports_ranks(hf_model_dir) -> None:
+    """What the KV connector registers: group 0's tensor, the others as ranks, each group's
+    heads; a prefill replica of TP=2 then writes it rank to rank (no staging)."""
+    runner = _llm(hf_model_dir("llama_mha"), 2, "native").engine.runner
+    rk = runner.rank_kv
+    assert rk is not None and rk.head_ranges == ((0, 2), (2, 4)) and rk.model_kv_heads == 4
+    assert runner.transfer_kv.data_ptr() == runner.kv[0].data_ptr()
+    assert [t.data_ptr() for t in rk.others] == [runner.kv[1].data_ptr()]
+    ours = KVLayout.from_spec(runner.kv_spec, "m", head_ranges=rk.head_ranges,
+                              model_kv_heads=rk.model_kv_heads)
+    s = runner.kv_spec
+    tp2 = KVLayout.from_spec(KVCacheSpec(s.num_layers, 2, s.head_dim, s.block_size, 40), "m",
+                             head_ranges=((0, 2), (2, 4)), model_kv_heads=4)
+    one = KVLayout.from_spec(KVCacheSpec(s.num_layers, 4, s.head_dim, s.block_size, 40), "m")
+    assert not needs_staging(tp2, ours, head_runs(tp2, ours))
+    assert not needs_staging(ours, tp2, head_runs(ours, tp2))
+    assert needs_staging(tp2, one, head_runs(tp2, one))  # without groups: repacked
+
+
+def test_bad_group_counts_are_refused(hf_model_dir) -> None:
+    with pytest.raises(ValueError, match="kv_head_groups must be positive"):
+        CacheConfig(kv_head_groups=0)
+    with pytest.raises(ValueError, match="--kv-head-groups 3 must divide"):
+        LLM(hf_model_dir("llama"), num_blocks=16, kv_head_groups=3)
+    with pytest.raises(ValueError, match="--kv-head-groups with --tensor-parallel-size"):
+        LLM(hf_model_dir("llama_mha"), num_blocks=16, kv_head_groups=2, tensor_parallel_size=2)
+
+
+def test_the_cli_takes_kv_head_groups(hf_model_dir) -> None:
+    import argparse
+
+    from kvrelay.common.options import add_engine_options, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    args = p.parse_args(["--model", hf_model_dir("llama"), "--kv-head-groups", "2"])
+    assert engine_config_from_args(args).cache.kv_head_groups == 2
+
