@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import (
 from kvrelay.deploy.actors import RouterActor, WorkerActor
 from kvrelay.deploy.autoscaler import AutoscaleConfig
 from kvrelay.deploy.ray_connect import NAMESPACE, worker_env
-from kvrelay.deploy.spec import PoolSpec, ServeSpec
+from kvrelay.deploy.spec import PoolSpec, ServeSpec, model_kv_heads
 
 if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
     from kvrelay.deploy.planner.ray_loop import PlannerSpec
@@ -66,6 +66,7 @@ class Controller:
     def __init__(self, spec: ServeSpec, node_id: str | None = None):
         self.spec = spec
         self.node_id = node_id  # the driver's node: the router runs there
+        self._kv_heads = model_kv_heads(spec.engine.model.model)
         self.pools: dict[str, list[Replica]] = {p: [] for p in POOLS}
         self._serial = {p: 0 for p in POOLS}
         self._lock = asyncio.Lock()
@@ -166,9 +167,11 @@ class Controller:
             # None: the actor fills in its node's IP (it may land on any node)
             advertise_host="127.0.0.1" if self.spec.loopback else None)
         threads = self.spec.engine.model.num_threads or max(1, int(ps.cpus))
+        groups = self.spec.kv_head_groups(pool, self._kv_heads)
         engine = replace(self.spec.engine, role=pool,
                          model=replace(self.spec.engine.model, num_threads=threads,
-                                       tensor_parallel_size=ps.tp))
+                                       tensor_parallel_size=ps.tp),
+                         cache=replace(self.spec.engine.cache, kv_head_groups=groups))
         # The actor's process imports torch before start() runs: what its environment (this
         # node's Ray's) lacks travels in a runtime env (see common/omp_env.py); an embedded Ray
         # has it all (init_ray), so the actor can take an idle, already started Ray worker.

@@ -3,6 +3,7 @@ and each pool's replicas and per-replica resources (one bundle per tensor-parall
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,19 @@ from kvrelay.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from kvrelay.deploy.planner.ray_loop import PlannerSpec
+
+logger = logging.getLogger(__name__)
+
+
+def model_kv_heads(model_dir: str) -> int:
+    """The checkpoint's KV heads (0 where this node cannot read its config)."""
+    from kvrelay.engine.models.arch import load_model_config
+
+    try:
+        return load_model_config(model_dir)[1].num_kv_heads
+    except (OSError, ValueError, KeyError) as e:
+        logger.warning("KV head groups left off: cannot read %s (%s)", model_dir, e)
+        return 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,19 @@ class ServeSpec:
     # How long a new replica may wait for its placement group (on KubeRay: for a node to be
     # added) before the scale-up fails.
     placement_timeout_s: float = 600.0
+
+    def kv_head_groups(self, pool: str, kv_heads: int) -> int:
+        """The KV head groups of ``pool``'s engines (see engine/kv_cache.py): on a TP=1
+        prefill or decode pool, the engine template's setting, or else the other pool's TP
+        size where it is larger and divides the model's ``kv_heads`` (0: unknown), so that KV
+        moves between the pools rank to rank; 1 (none) anywhere else."""
+        own = self.pools.get(pool, PoolSpec()).tp
+        if own > 1 or pool not in ("prefill", "decode"):
+            return 1
+        if self.engine.cache.kv_head_groups > 1:
+            return self.engine.cache.kv_head_groups
+        other = self.pools.get("decode" if pool == "prefill" else "prefill", PoolSpec()).tp
+        return other if other > 1 and kv_heads and kv_heads % other == 0 else 1
 
     def __post_init__(self) -> None:
         for pool in ("prefill", "decode"):

@@ -122,3 +122,33 @@ def test_the_cli_takes_kv_head_groups(hf_model_dir) -> None:
     args = p.parse_args(["--model", hf_model_dir("llama"), "--kv-head-groups", "2"])
     assert engine_config_from_args(args).cache.kv_head_groups == 2
 
+
+def test_serve_puts_the_tp1_pool_in_the_other_pools_groups(hf_model_dir) -> None:
+    """``kvrelay serve --prefill-tp A --decode-tp B``: the TP=1 pool's engines keep their KV
+    heads in the other pool's TP size of groups where it divides them; never a TP>1 pool."""
+    pytest.importorskip("ray")
+    from kvrelay.cli import build_parser
+    from kvrelay.deploy.ray_cli import build_spec
+    from kvrelay.deploy.spec import ServeSpec, model_kv_heads
+
+    model_dir = hf_model_dir("llama_mha")  # 4 KV heads
+
+    def spec(*extra: str) -> ServeSpec:
+        return build_spec(build_parser().parse_args([
+            "serve", "--model", model_dir, "--grpc-port", "0", "--control-port", "0",
+            "--http-port", "-1", "--prefill", "1", "--decode", "1", *extra]), loopback=True)
+
+    heads = model_kv_heads(model_dir)
+    assert heads == 4 and model_kv_heads(str(model_dir) + "-missing") == 0
+
+    def groups(s: ServeSpec) -> tuple[int, int]:
+        return s.kv_head_groups("prefill", heads), s.kv_head_groups("decode", heads)
+
+    assert groups(spec("--prefill-tp", "2")) == (1, 2)
+    assert groups(spec("--decode-tp", "2")) == (2, 1)
+    assert groups(spec("--decode-tp", "4")) == (4, 1)
+    assert groups(spec("--prefill-tp", "2", "--decode-tp", "2")) == (1, 1)
+    assert groups(spec()) == (1, 1)
+    assert spec("--decode-tp", "2").kv_head_groups("decode", 3) == 1  # 3 heads: no groups
+    # Set by hand: on TP=1 pools only (a TP>1 engine refuses groups).
+    assert groups(spec("--decode-tp", "2", "--kv-head-groups", "4")) == (4, 1)
