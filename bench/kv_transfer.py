@@ -17,8 +17,10 @@ Numbers on a shared machine move with its load; the load average is printed besi
 model's 8 KV heads) between engines whose heads are split over tensor-parallel ranks: P=1->D=1,
 P=2->D=2 (whole blocks rank to rank), P=2->D=1 (each token's heads gathered from two ranks) and
 P=1->D=2 (split over two ranks; both packed by the sender into a staging buffer as the
-receiver lays its blocks out, then sent as whole blocks). Every rank's KV is registered by one
-agent per engine.
+receiver lays its blocks out, then sent as whole blocks), and the last two again with the TP=1
+side in two KV head groups (``--kv-head-groups 2``: one allocation laid out as two ranks' KV, as
+the engine keeps it), which go rank to rank with no repacking. Every rank's KV is registered by
+one agent per engine.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import torch
 
-from kvrelay.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvrelay.engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_groups_of
 from kvrelay.kv_transfer.layout import KVLayout
 from kvrelay.kv_transfer.messages import PeerInfo
 
@@ -72,12 +74,20 @@ def _tp_spec(tp: int) -> tuple[KVCacheSpec, KVLayout]:
                                     model_kv_heads=SPEC.num_kv_heads)
 
 
-def _tp_receiver(conn: Connection, tp: int) -> None:
+def _tp_kvs(spec: KVCacheSpec, tp: int, groups: int) -> list[torch.Tensor]:
+    """A side's KV tensors: one per rank, or one engine's KV head groups (``groups`` > 1, TP=1:
+    one allocation, as the engine keeps it)."""
+    if groups > 1:
+        return kv_groups_of(allocate_kv_cache(spec, groups=groups))
+    return [allocate_kv_cache(spec) for _ in range(tp)]
+
+
+def _tp_receiver(conn: Connection, tp: int, groups: int) -> None:
     torch.set_num_threads(1)
     from kvrelay.kv_transfer.nixl_transport import NixlTransport
 
-    spec, layout = _tp_spec(tp)
-    kvs = [allocate_kv_cache(spec) for _ in range(tp)]
+    spec, layout = _tp_spec(max(tp, groups))
+    kvs = _tp_kvs(spec, tp, groups)
     tr = NixlTransport(f"bench-tp-recv-{tp}", kvs[0], layout, rank_kvs=kvs[1:])
     conn.send(tr.peer_info().to_bytes())
     while True:
@@ -98,14 +108,15 @@ def _tp_rows(reps: int) -> None:
           f"{SPEC.num_layers} layers, K and V), median of {reps}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'P -> D':<10}{'payload MiB':>12}{'regions':>9}{'GB/s':>8}{'vs 1 -> 1':>12}"
-          f"{'vs 2 -> 2':>10}")
+          f"{'vs 2 -> 2':>10}   (g: that side's one rank in 2 KV head groups)")
     same: dict[int, float] = {}
-    for p_tp, d_tp in ((1, 1), (2, 2), (2, 1), (1, 2)):
+    for p_tp, d_tp, p_g, d_g in ((1, 1, 1, 1), (2, 2, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1),
+                                 (2, 1, 1, 2), (1, 2, 2, 1)):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_tp_receiver, args=(child, d_tp), daemon=True)
+        proc = ctx.Process(target=_tp_receiver, args=(child, d_tp, d_g), daemon=True)
         proc.start()
-        spec, layout = _tp_spec(p_tp)
-        kvs = [allocate_kv_cache(spec) for _ in range(p_tp)]
+        spec, layout = _tp_spec(max(p_tp, p_g))
+        kvs = _tp_kvs(spec, p_tp, p_g)
         for kv in kvs:
             kv.copy_(torch.rand(spec.shape))
         tr = NixlTransport(f"bench-tp-send-{p_tp}-{d_tp}", kvs[0], layout, rank_kvs=kvs[1:],
@@ -136,12 +147,12 @@ def _tp_rows(reps: int) -> None:
         if p_tp == d_tp:
             same[p_tp] = gbs
         base = same.get(1)
-        # A row per receiving rank's block (across sizes, from the sender's staging buffer).
-        n_regions = len(blocks) * SPEC.num_layers * 2 * d_tp
+        # A row per receiving rank's (or group's) block.
+        n_regions = len(blocks) * SPEC.num_layers * 2 * max(d_tp, d_g)
         vs = f"{gbs / base:.0%}" if base and p_tp != d_tp else "-"
         vs2 = f"{gbs / same[2]:.0%}" if 2 in same and p_tp != d_tp else "-"
-        print(f"{f'{p_tp} -> {d_tp}':<10}{nbytes / MiB:>12.0f}{n_regions:>9}{gbs:>8.2f}{vs:>12}"
-              f"{vs2:>10}")
+        name = f"{p_tp}{'g' * (p_g > 1)} -> {d_tp}{'g' * (d_g > 1)}"
+        print(f"{name:<10}{nbytes / MiB:>12.0f}{n_regions:>9}{gbs:>8.2f}{vs:>12}{vs2:>10}")
         tr.close()
         parent.send("exit")
         proc.join(10)
