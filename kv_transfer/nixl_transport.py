@@ -43,7 +43,7 @@ from kvrelay.kv_transfer.layout import (
     head_runs,
 )
 from kvrelay.kv_transfer.messages import PeerInfo
-from kvrelay.kv_transfer.staging import Stager
+from kvrelay.kv_transfer.staging import Stager, repack_note
 from kvrelay.kv_transfer.transport_types import (  # WriteHandle, Notification: from here too
     Notification,
     PreparedPeer,
@@ -169,7 +169,9 @@ class NixlTransport:
                     raise self._error(e, info.agent_name, "preparing descriptors of") from e
             self._peers[info.agent_name] = PreparedPeer(info, dlist, runs, ranks_dlist)
             self._incarnations[info.agent_name] = info.incarnation
-        logger.info("added KV peer %s (%d blocks)", info.agent_name, info.layout.num_blocks)
+        note = repack_note(self.layout, info.layout, runs)
+        logger.log(logging.WARNING if note else logging.INFO, "added KV peer %s (%d blocks)%s",
+                   info.agent_name, info.layout.num_blocks, note)
         return True
 
     def _load(self, info: PeerInfo) -> str:

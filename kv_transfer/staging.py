@@ -73,6 +73,19 @@ def needs_staging(local: KVLayout, remote: KVLayout, runs: Sequence[HeadRun]) ->
     return not all(r.count == local.num_kv_heads == remote.num_kv_heads for r in runs)
 
 
+def repack_note(local: KVLayout, remote: KVLayout, runs: Sequence[HeadRun] | None) -> str:
+    """Empty where writes to ``remote`` move whole blocks; else a note for the log saying they
+    repack and, where one side is a single tensor, the KV head groups that would spare it."""
+    if runs is None or not needs_staging(local, remote, runs):
+        return ""
+    note = (f"; our KV heads are split {local.tp_size} way(s), its {remote.tp_size}: every "
+            f"write repacks each token's heads first")
+    if 1 in (local.tp_size, remote.tp_size):
+        note += (f" (--kv-head-groups {max(local.tp_size, remote.tp_size)} on the side of one "
+                 f"rank makes them whole-block writes)")
+    return note
+
+
 def staged_bytes(remote: KVLayout, planes: int, blocks: int) -> int:
     return remote.tp_size * planes * blocks * remote.block_bytes
 

@@ -152,3 +152,21 @@ def test_serve_puts_the_tp1_pool_in_the_other_pools_groups(hf_model_dir) -> None
     assert spec("--decode-tp", "2").kv_head_groups("decode", 3) == 1  # 3 heads: no groups
     # Set by hand: on TP=1 pools only (a TP>1 engine refuses groups).
     assert groups(spec("--decode-tp", "2", "--kv-head-groups", "4")) == (4, 1)
+
+
+def test_a_peer_whose_writes_repack_is_named_in_the_log() -> None:
+    from kvrelay.kv_transfer.staging import repack_note
+
+    def layout(tp: int) -> KVLayout:
+        spec = KVCacheSpec(2, 4 // tp, 8, 4, 10)
+        return KVLayout.from_spec(spec, "m", head_ranges=tuple(
+            (r * 4 // tp, (r + 1) * 4 // tp) for r in range(tp)), model_kv_heads=4)
+
+    one, two, four = layout(1), layout(2), layout(4)
+    assert repack_note(two, two, head_runs(two, two)) == ""
+    assert repack_note(one, one, None) == ""
+    note = repack_note(two, one, head_runs(two, one))
+    assert "split 2 way(s), its 1" in note and "--kv-head-groups 2" in note
+    assert "--kv-head-groups 4" in repack_note(one, four, head_runs(one, four))
+    note = repack_note(four, two, head_runs(four, two))
+    assert "repacks" in note and "--kv-head-groups" not in note  # groups need one rank
