@@ -75,17 +75,22 @@ class ServeSpec:
     placement_timeout_s: float = 600.0
 
     def kv_head_groups(self, pool: str, kv_heads: int) -> int:
-        """The KV head groups of ``pool``'s engines (see engine/kv_cache.py): on a TP=1
-        prefill or decode pool, the engine template's setting, or else the other pool's TP
-        size where it is larger and divides the model's ``kv_heads`` (0: unknown), so that KV
-        moves between the pools rank to rank; 1 (none) anywhere else."""
+        """The KV head groups of ``pool``'s engines (see engine/kv_cache.py), where its TP size
+        is at most the other prefill/decode pool's: the engine template's setting, or else,
+        when the other's TP size is N times this one's, N if it divides the KV heads each of
+        this pool's ranks holds (``kv_heads``: the model's; 0: unknown), so that KV moves
+        between the pools rank to rank. 1 (none) anywhere else."""
+        if pool not in ("prefill", "decode"):
+            return 1
         own = self.pools.get(pool, PoolSpec()).tp
-        if own > 1 or pool not in ("prefill", "decode"):
+        other = self.pools.get("decode" if pool == "prefill" else "prefill", PoolSpec()).tp
+        if own > other:
             return 1
         if self.engine.cache.kv_head_groups > 1:
             return self.engine.cache.kv_head_groups
-        other = self.pools.get("decode" if pool == "prefill" else "prefill", PoolSpec()).tp
-        return other if other > 1 and kv_heads and kv_heads % other == 0 else 1
+        n = other // own
+        fits = other % own == 0 and kv_heads >= own and (kv_heads // own) % n == 0
+        return n if n > 1 and fits else 1
 
     def __post_init__(self) -> None:
         for pool in ("prefill", "decode"):

@@ -104,8 +104,7 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device | str = "cpu",
                       groups: int = 1) -> torch.Tensor:
     """Allocate the cache zero-filled: padded attention gathers may read never-written slots.
     ``groups`` > 1 (KV head groups): ``[groups, *spec.shape]``, ``spec`` one group's."""
-    shape = spec.shape if groups == 1 else (groups, *spec.shape)
-    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+    return torch.zeros(kv_shape(spec, groups), dtype=spec.torch_dtype, device=device)
 
 
 def kv_groups_of(kv: torch.Tensor) -> list[torch.Tensor]:
@@ -114,13 +113,23 @@ def kv_groups_of(kv: torch.Tensor) -> list[torch.Tensor]:
     return [kv] if kv.dim() == 6 else list(kv.unbind(0))
 
 
-def check_kv_head_groups(groups: int, kv_heads: int, tensor_parallel: bool) -> None:
-    if groups > 1 and tensor_parallel:
-        raise ValueError("--kv-head-groups with --tensor-parallel-size > 1 is not supported: "
-                         "a replica's ranks already keep their heads apart")
+def kv_shape(spec: KVCacheSpec, groups: int) -> tuple[int, ...]:
+    return spec.shape if groups == 1 else (groups, *spec.shape)
+
+
+def group_views(kv: torch.Tensor, heads: range) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+    """Each head group of ``kv``, which holds the model's KV heads ``heads``, with the range of
+    them it holds (what a transport registers as a rank's tensor and head range)."""
+    groups = kv_groups_of(kv)
+    n = len(heads) // len(groups)
+    return [(t, (heads.start + g * n, heads.start + (g + 1) * n)) for g, t in enumerate(groups)]
+
+
+def check_kv_head_groups(groups: int, kv_heads: int) -> None:
+    """``kv_heads``: the engine's (a rank's, under tensor parallelism)."""
     if kv_heads % groups:
-        raise ValueError(f"--kv-head-groups {groups} must divide the model's {kv_heads} KV "
-                         f"heads")
+        raise ValueError(f"--kv-head-groups {groups} must divide the {kv_heads} KV heads each "
+                         f"engine (each tensor-parallel rank) holds")
 
 
 def layer_views(kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,9 @@ from kvrelay.engine.kv_cache import (
     check_kv_head_groups,
     dtype_from_name,
     dtype_name,
+    group_views,
     kv_groups_of,
+    kv_shape,
 )
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.loader import load_model
@@ -99,21 +101,21 @@ class ModelRunner:
             num_layers=arch.num_layers, num_kv_heads=kv_heads,
             head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.dtype))
         self.kv_groups = groups = cc.kv_head_groups
-        check_kv_head_groups(groups, kv_heads, shard is not None)
+        check_kv_head_groups(groups, kv_heads)
         self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads // groups, arch.head_dim,
                                    block_size, num_blocks, dtype_name(self.dtype))
         if shard is not None and shard.kv_shm:
-            self.kv = shared_kv_cache(shard.kv_shm, shard.rank, self.kv_spec.shape,
+            self.kv = shared_kv_cache(shard.kv_shm, shard.rank, kv_shape(self.kv_spec, groups),
                                       self.kv_spec.torch_dtype)
         else:
             self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
         self.model.bind_kv_cache(self.kv)
-        # What a KV transport registers: the tensor, or group 0 and the others as its ranks.
+        # What a KV transport registers: the tensor, or group 0 and the others as its ranks
+        # (under TP, rank 0 maps every rank's groups: TPModelRunner).
         self.transfer_kv = kv_groups_of(self.kv)[0]
-        if groups > 1:
-            hg = kv_heads // groups
-            self.rank_kv = RankKV(kv_groups_of(self.kv)[1:],
-                                  tuple((g * hg, (g + 1) * hg) for g in range(groups)), kv_heads)
+        if groups > 1 and shard is None:
+            parts = group_views(self.kv, range(kv_heads))
+            self.rank_kv = RankKV([t for t, _ in parts[1:]], tuple(r for _, r in parts), kv_heads)
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
         # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.kv_cache import group_views
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.model_runner import ModelRunner, SampledTokens
 from kvrelay.engine.tensor_parallel import (
@@ -79,17 +80,19 @@ class TPModelRunner(ModelRunner):
 
     def _map_rank_kv(self) -> RankKV | None:
         """The other ranks' KV tensors (they exist: ``check_blocks`` ran after every rank
-        allocated), then the files go (the mappings stay)."""
+        allocated), then the files go (the mappings stay). Under KV head groups every rank's
+        groups, rank after rank, are the transport's ranks."""
         shm = self.ranks.kv_shm
         if not shm:
             return None
         size = self.ranks.size
-        others = [shared_kv_cache(shm, r, self.kv_spec.shape, self.kv_spec.torch_dtype)
-                  for r in range(1, size)]
+        kvs = [self.kv, *(shared_kv_cache(shm, r, tuple(self.kv.shape), self.kv_spec.torch_dtype)
+                          for r in range(1, size))]
         unlink_kv_shm(shm, size)
-        ranges = tuple((r.start, r.stop) for r in (kv_head_range(self.arch, i, size)
-                                                   for i in range(size)))
-        return RankKV(others, ranges, self.arch.num_kv_heads)
+        parts = [p for i, kv in enumerate(kvs)
+                 for p in group_views(kv, kv_head_range(self.arch, i, size))]
+        return RankKV([t for t, _ in parts[1:]], tuple(r for _, r in parts),
+                      self.arch.num_kv_heads)
 
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:

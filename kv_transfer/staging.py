@@ -75,14 +75,16 @@ def needs_staging(local: KVLayout, remote: KVLayout, runs: Sequence[HeadRun]) ->
 
 def repack_note(local: KVLayout, remote: KVLayout, runs: Sequence[HeadRun] | None) -> str:
     """Empty where writes to ``remote`` move whole blocks; else a note for the log saying they
-    repack and, where one side is a single tensor, the KV head groups that would spare it."""
+    repack and, where one side's split is a multiple of the other's, the KV head groups on the
+    other side that would spare it."""
     if runs is None or not needs_staging(local, remote, runs):
         return ""
     note = (f"; our KV heads are split {local.tp_size} way(s), its {remote.tp_size}: every "
             f"write repacks each token's heads first")
-    if 1 in (local.tp_size, remote.tp_size):
-        note += (f" (--kv-head-groups {max(local.tp_size, remote.tp_size)} on the side of one "
-                 f"rank makes them whole-block writes)")
+    lo, hi = sorted((local.tp_size, remote.tp_size))
+    if hi % lo == 0:
+        note += (f" (--kv-head-groups {hi // lo} on the side split {lo} way(s) makes them "
+                 f"whole-block writes)")
     return note
 
 

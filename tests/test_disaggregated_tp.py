@@ -1,9 +1,9 @@
 """Disaggregated serving with tensor parallelism in the pools: a prefill worker of TP=A streams
 its prompt KV to a decode worker of TP=B (real router, worker and rank processes, real NIXL).
 
-For (A, B) in (2, 1), (1, 2), (2, 2), and (2, 1) / (1, 2) with the TP=1 side in two KV head
-groups: greedy tokens equal the engine alone and transformers, for prompts within one block,
-across blocks and chunked; every KV block of both workers comes back.
+For (A, B) in (2, 1), (1, 2), (2, 2), and (2, 1) / (1, 2) / (2, 4) with the smaller side in two
+KV head groups: greedy tokens equal the engine alone and transformers, for prompts within one
+block, across blocks and chunked; every KV block of both workers comes back.
 A rank of a TP=2 decode worker killed mid-stream: its requests migrate, output identical.
 """
 
@@ -56,8 +56,9 @@ GROUPS = ("--kv-head-groups", "2")
 
 @pytest.mark.parametrize(("p_tp", "d_tp", "p_extra", "d_extra"), [
     (2, 1, (), ()), (1, 2, (), ()), (2, 2, (), ()),
-    # The TP=1 side in two KV head groups: the writes go rank to rank, no repacking.
-    (2, 1, (), GROUPS), (1, 2, GROUPS, ())], ids=["2-1", "1-2", "2-2", "2-1g", "1g-2"])
+    # The smaller side in two KV head groups: the writes go rank to rank, no repacking.
+    (2, 1, (), GROUPS), (1, 2, GROUPS, ()), (2, 4, GROUPS, ())],
+    ids=["2-1", "1-2", "2-2", "2-1g", "1g-2", "2g-4"])
 def test_greedy_identical_across_tp_sizes(demo_model_dir, tmp_path, want, p_tp: int,
                                           d_tp: int, p_extra: tuple[str, ...],
                                           d_extra: tuple[str, ...]) -> None:

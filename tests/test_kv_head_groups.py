@@ -108,8 +108,35 @@ def test_bad_group_counts_are_refused(hf_model_dir) -> None:
         CacheConfig(kv_head_groups=0)
     with pytest.raises(ValueError, match="--kv-head-groups 3 must divide"):
         LLM(hf_model_dir("llama"), num_blocks=16, kv_head_groups=3)
-    with pytest.raises(ValueError, match="--kv-head-groups with --tensor-parallel-size"):
-        LLM(hf_model_dir("llama_mha"), num_blocks=16, kv_head_groups=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--kv-head-groups 2 must divide the 1 KV heads"):
+        LLM(hf_model_dir("llama"), num_blocks=16, kv_head_groups=2, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_in_groups(hf_model_dir) -> None:
+    """TP=2, each rank's two KV heads in two groups: the same tokens as one engine alone, and
+    rank 0 registers every rank's groups as the transport's ranks (so a replica of TP=4
+    writes it rank to rank)."""
+    model_dir = hf_model_dir("llama_mha")  # 4 KV heads
+    sp = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    prompts = [_prompt(n, 3 + i) for i, n in enumerate((6, 40))]
+    want = [o.token_ids for o in _llm(model_dir, 1, "native").generate(prompts, sp)]
+    llm = LLM(model_dir, num_blocks=96, block_size=8, max_num_batched_tokens=16,
+              tensor_parallel_size=2, kv_head_groups=2)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+        runner = llm.engine.runner
+        rk = runner.rank_kv
+        assert rk.head_ranges == ((0, 1), (1, 2), (2, 3), (3, 4)) and len(rk.others) == 3
+        assert runner.transfer_kv.data_ptr() == runner.kv[0].data_ptr()
+        s = runner.kv_spec
+        ours = KVLayout.from_spec(s, "m", head_ranges=rk.head_ranges, model_kv_heads=4)
+        tp4 = KVLayout.from_spec(KVCacheSpec(s.num_layers, 1, s.head_dim, s.block_size, 40),
+                                 "m", head_ranges=((0, 1), (1, 2), (2, 3), (3, 4)),
+                                 model_kv_heads=4)
+        assert not needs_staging(ours, tp4, head_runs(ours, tp4))
+    finally:
+        llm.engine.runner.close()
 
 
 def test_the_cli_takes_kv_head_groups(hf_model_dir) -> None:
@@ -147,10 +174,13 @@ def test_serve_puts_the_tp1_pool_in_the_other_pools_groups(hf_model_dir) -> None
     assert groups(spec("--prefill-tp", "2")) == (1, 2)
     assert groups(spec("--decode-tp", "2")) == (2, 1)
     assert groups(spec("--decode-tp", "4")) == (4, 1)
+    assert groups(spec("--prefill-tp", "2", "--decode-tp", "4")) == (2, 1)  # 2 heads a rank
+    assert groups(spec("--prefill-tp", "4", "--decode-tp", "2")) == (1, 2)
     assert groups(spec("--prefill-tp", "2", "--decode-tp", "2")) == (1, 1)
     assert groups(spec()) == (1, 1)
-    assert spec("--decode-tp", "2").kv_head_groups("decode", 3) == 1  # 3 heads: no groups
-    # Set by hand: on TP=1 pools only (a TP>1 engine refuses groups).
+    assert spec("--decode-tp", "2").kv_head_groups("prefill", 3) == 1  # 3 heads: no groups
+    assert spec("--decode-tp", "2").kv_head_groups("prefill", 0) == 1  # unknown: none
+    # Set by hand: on the pool of the smaller TP size (or both where they are equal).
     assert groups(spec("--decode-tp", "2", "--kv-head-groups", "4")) == (4, 1)
 
 
@@ -166,7 +196,7 @@ def test_a_peer_whose_writes_repack_is_named_in_the_log() -> None:
     assert repack_note(two, two, head_runs(two, two)) == ""
     assert repack_note(one, one, None) == ""
     note = repack_note(two, one, head_runs(two, one))
-    assert "split 2 way(s), its 1" in note and "--kv-head-groups 2" in note
+    assert "split 2 way(s), its 1" in note and "--kv-head-groups 2 on the side split 1" in note
     assert "--kv-head-groups 4" in repack_note(one, four, head_runs(one, four))
     note = repack_note(four, two, head_runs(four, two))
-    assert "repacks" in note and "--kv-head-groups" not in note  # groups need one rank
+    assert "repacks" in note and "--kv-head-groups 2 on the side split 2 way(s)" in note
