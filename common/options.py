@@ -50,9 +50,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--num-kv-blocks", type=int, default=None, help="exact KV blocks (overrides budget)")
     opt(g, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
     opt(g, "--kv-head-groups", type=int, default=1,
-        help="keep the KV heads in this many groups, laid out as the ranks of a replica of that "
-             "TP size lay them out: KV then moves to or from such a replica rank to rank (set "
-             "it to the other pool's TP size on a TP=1 worker)")
+        help="keep the KV heads (each rank's) in this many groups, laid out as the ranks of a "
+             "replica of this many times our TP size lay them out: KV then moves to or from "
+             "such a replica rank to rank (on the workers of the smaller TP size: the ratio)")
     opt(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     opt(g, "--max-num-seqs", type=int, default=128)
     opt(g, "--no-chunked-prefill", action="store_true", help="prefill whole prompts only")
