@@ -127,9 +127,9 @@ class ModelRunner:
         # CUDA graphs for decode steps (decided once, here): they take the last block as the
         # padding rows' scratch, so the block manager gets one block fewer.
         off = "KV head groups" if groups > 1 else graphs_off_reason(
-            self.device, enforce_eager=mc.enforce_eager,
-                                max_batch=mc.cuda_graph_max_batch, paged_flash=self.paged_flash,
-                                tensor_parallel=shard is not None, num_blocks=num_blocks)
+            self.device, enforce_eager=mc.enforce_eager, max_batch=mc.cuda_graph_max_batch,
+            paged_flash=self.paged_flash, tensor_parallel=shard is not None,
+            num_blocks=num_blocks)
         if off is not None and self.device.type == "cuda":
             logger.info("CUDA graphs off: %s", off)
         self.num_usable_blocks = num_blocks if off is not None else num_blocks - 1
@@ -158,8 +158,7 @@ class ModelRunner:
         self.generator.manual_seed(mc.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
                     num_blocks, block_size, self.kv.numel() * self.kv.element_size() / 2**20,
-                    self.backend,
-                    self.max_model_len)
+                    self.backend, self.max_model_len)
 
     def static_decode(self, max_batch: int, scratch_block: int | None = None) \
             -> DecodeGraphRunner:

@@ -94,10 +94,11 @@ class FusedDecode:
             assert a.k_cache.is_contiguous() and a.v_cache.is_contiguous()
             groups = max(1, len(a.kv_groups))
             # KV head groups: every group's views equally far apart (one [G, ...] tensor).
-            stride = (a.kv_groups[1][0].data_ptr() - a.k_cache.data_ptr()) // 4 \
+            esz = a.k_cache.element_size()
+            stride = (a.kv_groups[1][0].data_ptr() - a.k_cache.data_ptr()) // esz \
                 if groups > 1 else 0
-            assert all(k.data_ptr() - a.k_cache.data_ptr() == g * stride * 4 and
-                       v.data_ptr() - a.v_cache.data_ptr() == g * stride * 4
+            assert all(k.data_ptr() - a.k_cache.data_ptr() == g * stride * esz and
+                       v.data_ptr() - a.v_cache.data_ptr() == g * stride * esz
                        for g, (k, v) in enumerate(a.kv_groups))
             layers.append(_Layer(
                 _ptr(a.qkv.panels), _ptr(a.qkv.bias), _ptr(a.o.panels), _ptr(a.o.bias),
