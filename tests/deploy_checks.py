@@ -35,8 +35,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-KUSTOMIZATIONS = ("base", "overlays/cpu-demo", "overlays/gpu")
-OVERLAYS = ("overlays/cpu-demo", "overlays/gpu")
+KUSTOMIZATIONS = ("base", "overlays/cpu-demo", "overlays/cpu-demo-tp", "overlays/gpu")
+OVERLAYS = ("overlays/cpu-demo", "overlays/cpu-demo-tp", "overlays/gpu")
 RAYCLUSTER = DEPLOY / "kuberay" / "raycluster.yaml"
 DOCKERFILES = (DEPLOY / "docker" / "Dockerfile", DEPLOY / "docker" / "Dockerfile.cuda")
 README = DEPLOY / "README.md"

@@ -200,3 +200,20 @@ def test_a_peer_whose_writes_repack_is_named_in_the_log() -> None:
     assert "--kv-head-groups 4" in repack_note(one, four, head_runs(one, four))
     note = repack_note(four, two, head_runs(four, two))
     assert "repacks" in note and "--kv-head-groups 2 on the side split 2 way(s)" in note
+
+
+def test_the_k8s_tp_overlay_puts_decode_in_the_prefill_ranks_groups() -> None:
+    """overlays/cpu-demo-tp: prefill pods of TP=2 and decode pods of TP=1 whose KV heads sit in
+    two groups, the pairing serve would choose; the prefill ranks' KV fits the pod's /dev/shm."""
+    from deploy_checks import pool_deployment, pool_proc, render
+
+    from kvrelay.engine.config import parse_bytes
+
+    docs = render("overlays/cpu-demo-tp")
+    p, d = pool_proc(docs, "prefill").ns, pool_proc(docs, "decode").ns
+    assert (int(p.tensor_parallel_size), int(p.kv_head_groups)) == (2, 1)
+    assert (int(d.tensor_parallel_size), int(d.kv_head_groups)) == (1, 2)
+    [shm] = [v for v in pool_deployment(docs, "prefill")["spec"]["template"]["spec"]["volumes"]
+             if v["name"] == "dshm"]
+    assert parse_bytes(shm["emptyDir"]["sizeLimit"].replace("Gi", "GiB")) >= \
+        2 * parse_bytes(p.kv_cache_memory)
