@@ -1,5 +1,6 @@
-"""KV head groups (``--kv-head-groups G``): an engine that keeps each group of its KV heads in a
-tensor of its own, laid out as a tensor-parallel rank of G ranks would lay out its KV.
+"""KV head groups (``--kv-head-groups G``): an engine (each rank, under TP) that keeps each group
+of its KV heads in a tensor of its own, laid out as a rank of G times as many ranks lays out its
+KV.
 
 The engine computes exactly what it computes with one tensor (tokens and logprobs, through the
 fused native decode layers, the per-op path, torch SDPA, chunked prefill, prefix hits and
