@@ -75,6 +75,21 @@ def test_per_op_decode_in_groups(hf_model_dir, monkeypatch) -> None:
     assert [o.token_ids for o in grouped.generate(prompts, sp)] == want
 
 
+def test_preemption_in_groups(hf_model_dir) -> None:
+    """Too few blocks for every sequence: preempted ones recompute into their groups and end
+    with the tokens of an engine that had room; every block comes back."""
+    model_dir = hf_model_dir("llama_mha")
+    prompts = [_prompt(n, 20 + i) for i, n in enumerate((30, 25, 35, 20))]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in _llm(model_dir, 1, "native").generate(prompts, sp)]
+    tight = LLM(model_dir, num_blocks=14, block_size=8, max_num_batched_tokens=64,
+                enable_prefix_caching=False, kv_head_groups=2)
+    assert [o.token_ids for o in tight.generate(prompts, sp)] == want
+    core = tight.engine
+    assert core.num_preemptions > 0
+    assert core.block_manager.num_free_blocks == core.runner.num_usable_blocks
+
+
 def test_copy_on_write_copies_every_group(hf_model_dir) -> None:
     runner = _llm(hf_model_dir("llama_mha"), 2, "native").engine.runner
     kv = runner.kv
