@@ -66,7 +66,9 @@ class Controller:
     def __init__(self, spec: ServeSpec, node_id: str | None = None):
         self.spec = spec
         self.node_id = node_id  # the driver's node: the router runs there
-        self._kv_heads = model_kv_heads(spec.engine.model.model)
+        tps = {spec.pools.get(p, PoolSpec()).tp for p in ("prefill", "decode")}
+        # Head groups pair pools of different TP sizes: only then the checkpoint's heads matter.
+        self._kv_heads = model_kv_heads(spec.engine.model.model) if len(tps) > 1 else 0
         self.pools: dict[str, list[Replica]] = {p: [] for p in POOLS}
         self._serial = {p: 0 for p in POOLS}
         self._lock = asyncio.Lock()
