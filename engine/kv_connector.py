@@ -52,12 +52,19 @@ class ScheduledSeq(NamedTuple):
 
 @dataclass(frozen=True)
 class RankKV:
-    """Under tensor parallelism: the KV tensors of ranks 1..N-1 (rank 0's is ``kv``), mapped into
-    rank 0's process, and the model's KV heads each rank holds (``[start, stop)``, rank order)."""
+    """Under tensor parallelism or KV head groups: the KV tensors of the transport's ranks
+    1..N-1 (rank 0's is ``kv``), in rank 0's process, and the model's KV heads each rank holds
+    (``[start, stop)``, rank order)."""
 
     others: list[torch.Tensor]
     head_ranges: tuple[tuple[int, int], ...]
     model_kv_heads: int
+
+    @classmethod
+    def from_views(cls, views: Seq[tuple[torch.Tensor, tuple[int, int]]],
+                   model_kv_heads: int) -> RankKV:
+        """From every rank's tensor and head range, rank 0's first (``kv_cache.group_views``)."""
+        return cls([t for t, _ in views[1:]], tuple(r for _, r in views), model_kv_heads)
 
 
 class TransferEvents(NamedTuple):

@@ -114,8 +114,7 @@ class ModelRunner:
         # (under TP, rank 0 maps every rank's groups: TPModelRunner).
         self.transfer_kv = kv_groups_of(self.kv)[0]
         if groups > 1 and shard is None:
-            parts = group_views(self.kv, range(kv_heads))
-            self.rank_kv = RankKV([t for t, _ in parts[1:]], tuple(r for _, r in parts), kv_heads)
+            self.rank_kv = RankKV.from_views(group_views(self.kv, range(kv_heads)), kv_heads)
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
         # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.

@@ -89,10 +89,9 @@ class TPModelRunner(ModelRunner):
         kvs = [self.kv, *(shared_kv_cache(shm, r, tuple(self.kv.shape), self.kv_spec.torch_dtype)
                           for r in range(1, size))]
         unlink_kv_shm(shm, size)
-        parts = [p for i, kv in enumerate(kvs)
-                 for p in group_views(kv, kv_head_range(self.arch, i, size))]
-        return RankKV([t for t, _ in parts[1:]], tuple(r for _, r in parts),
-                      self.arch.num_kv_heads)
+        return RankKV.from_views([v for i, kv in enumerate(kvs)
+                                  for v in group_views(kv, kv_head_range(self.arch, i, size))],
+                                 self.arch.num_kv_heads)
 
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
