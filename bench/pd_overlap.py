@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="prefill engine compute threads")
+    ap.add_argument("--layerwise", default="auto", choices=["auto", "on", "off"],
+                    help="the connector's KV streaming (NixlConnectorConfig.layerwise)")
     args = ap.parse_args()
     tmp = None
     model = args.model
@@ -103,7 +105,8 @@ def main() -> int:
     from kvrelay.kv_transfer.messages import KVDestination, PeerInfo
 
     torch.set_num_threads(args.threads)
-    c = NixlConnector(NixlConnectorConfig(SENDER, model_identity(model)))
+    c = NixlConnector(NixlConnectorConfig(SENDER, model_identity(model),
+                                          layerwise=args.layerwise))
     core = engine(model, "prefill", args.threads, blocks, c)
     if not parent.poll(120):
         raise SystemExit("receiver did not start")

@@ -332,7 +332,8 @@ class ModelRunner:
         masks = self.masks.start(seqs)
         if connector is not None:
             connector.start_step(scheduled)
-            meta.on_kv_written = self._kv_written_hook(connector)
+            if connector.wants_layer_hooks(scheduled):
+                meta.on_kv_written = self._kv_written_hook(connector)
         with forward_context(meta):
             hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         if connector is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LAYERWISE = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class NixlConnectorConfig:
@@ -19,6 +21,12 @@ class NixlConnectorConfig:
     sender_gone_grace_s: float = 10.0
     # ... and a hold that nothing ends is released after this backstop, with a warning.
     quarantine_backstop_s: float = 120.0
+    # Stream a step's KV layer by layer while later layers compute ("on"), or post it whole
+    # when the step's forward ends ("off"). "auto": layer by layer where the copy can overlap
+    # the compute: on a GPU (its copy engines), or on a CPU where this process may run on a
+    # core its compute threads leave free. On a CPU the UCX copy runs in the posting thread:
+    # with no free core a per-layer post only adds its wake-ups and overhead to the step.
+    layerwise: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.agent_name:
@@ -30,6 +38,8 @@ class NixlConnectorConfig:
         if self.sender_gone_grace_s < 0 or not self.quarantine_backstop_s > 0:
             raise ValueError(f"sender_gone_grace_s must be >= 0 and quarantine_backstop_s > 0, "
                              f"got {self.sender_gone_grace_s}, {self.quarantine_backstop_s}")
+        if self.layerwise not in LAYERWISE:
+            raise ValueError(f"layerwise must be one of {LAYERWISE}, got {self.layerwise!r}")
         if not 0 < self.max_poll_interval_s <= 0.1:
             raise ValueError(f"max_poll_interval_s must be in (0, 0.1], got "
                              f"{self.max_poll_interval_s}")

@@ -78,6 +78,7 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout),
         kv_sender_grace_s=None if args.kv_sender_grace in (None, "")
         else float(args.kv_sender_grace),
+        kv_layerwise=args.kv_layerwise,
         metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None)
 
@@ -216,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--kv-sender-grace", type=float, default=ws.kv_sender_grace_s,
         help="seconds after a prefill worker left every router's list before the blocks it "
              "was promised (and may still have been writing) are reused (default 10)")
+    opt(p, "--kv-layerwise", choices=["auto", "on", "off"], default=ws.kv_layerwise,
+        help="a prefill worker sends each step's KV layer by layer while later layers "
+             "compute (on) or whole as the step's forward ends (off); auto: layer by layer "
+             "on a GPU, and on a CPU only with a core the compute threads leave free")
     opt(p, "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     add_engine_options(p)
     add_common_process_options(p)

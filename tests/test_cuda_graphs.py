@@ -319,6 +319,8 @@ def test_connector_wants_layer_hooks_only_for_sending_steps() -> None:
     assert not c.wants_layer_hooks(step)  # a decode worker's decodes
     assert c.wants_layer_hooks(step + [ScheduledSeq(sending, 1)])
     assert c.wants_layer_hooks(step + [ScheduledSeq(pending, 1)])  # may be named mid-step
+    c._tx._layerwise = False  # as attach leaves it where the copy cannot overlap the compute
+    assert not c.wants_layer_hooks(step + [ScheduledSeq(sending, 1)])
 
 
 def test_engine_takes_the_graph_path_end_to_end(demo_model_dir: str,

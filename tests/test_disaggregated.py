@@ -37,9 +37,12 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 def cluster(demo_model_dir, tmp_path_factory):
     # The Prefill-ahead hand-off here (Reserve-first is the default, tested everywhere else).
     # Leases outlive every wait below: blocks come back because someone ended their lease.
+    # The KV goes whole at each step's end here (the harness's one-thread workers on unpinned
+    # cores stream it layer by layer everywhere else: --kv-layerwise auto).
     with Cluster(demo_model_dir, tmp_path_factory.mktemp("pd"), prefill=1, decode=1,
                  router_args=("--prefill-ahead", "--lease-ttl", str(LEASE_TTL_S)),
-                 worker_args=("--kv-sender-grace", str(SENDER_GRACE_S))) as c:
+                 worker_args=("--kv-sender-grace", str(SENDER_GRACE_S),
+                              "--kv-layerwise", "off")) as c:
         yield c
 
 

@@ -45,13 +45,15 @@ def write_tokens(kv: torch.Tensor, seq: Sequence, layer: int, start: int, end: i
 
 
 @contextlib.contextmanager
-def connected() -> Iterator[tuple[NixlConnector, torch.Tensor, Any, Any, str]]:
+def connected(layerwise: str = "on") -> Iterator[tuple[NixlConnector, torch.Tensor, Any, Any,
+                                                      str]]:
     """A sending connector in this process, added as a peer to a spawned receiver:
     (connector, its KV tensor, the child's pipe, the child process, the receiver's name)."""
     recv_name, send_name = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
     p, conn = spawn(connector_receiver, recv_name, spec_dict(RECV_SPEC), MODEL_ID)
     kv = allocate_kv_cache(SEND_SPEC)
-    c = NixlConnector(NixlConnectorConfig(send_name, MODEL_ID, write_timeout_s=10.0))
+    c = NixlConnector(NixlConnectorConfig(send_name, MODEL_ID, write_timeout_s=10.0,
+                                          layerwise=layerwise))
     try:
         c.register_kv_cache(kv, SEND_SPEC)
         _, info, _ = recv_until(conn, "info", 30)
@@ -121,9 +123,28 @@ def check_delivered(conn: Any, reqs: tuple[Req, ...]) -> tuple[list[str], bool]:
     return failed, pending
 
 
+def posted_layers(c: NixlConnector) -> list[tuple[int, ...]]:
+    """The layers of every write job the connector hands its I/O thread, from now on."""
+    io = c._tx._io()
+    seen: list[tuple[int, ...]] = []
+    submit = io.submit
+
+    def record(job: Any) -> None:
+        if hasattr(job, "layers"):
+            seen.append(job.layers)
+        submit(job)
+
+    io.submit = record  # type: ignore[method-assign]
+    return seen
+
+
 @pytest.mark.slow
-def test_connector_streams_chunked_prefills_and_notifies_once_after_the_data() -> None:
-    with connected() as (c, kv, conn, _, recv_name):
+@pytest.mark.parametrize("layerwise", ["on", "off"])
+def test_connector_streams_chunked_prefills_and_notifies_once_after_the_data(
+        layerwise: str) -> None:
+    """Layer by layer or whole at each step's end: the same bytes, one notification each."""
+    with connected(layerwise) as (c, kv, conn, _, recv_name):
+        jobs = posted_layers(c)
         # a: chunked 16+16+5 · b: 2 blocks in our prefix cache, 1 in theirs · c: aborted
         # d: they have 2 cached blocks, we have only 1 (their blocks are never written)
         a = Req("a", recv_name, 37, [3, 9, 4, 20, 1], [50, 2, 33, 7, 12])
@@ -167,6 +188,11 @@ def test_connector_streams_chunked_prefills_and_notifies_once_after_the_data() -
 
         failed, pending = check_delivered(conn, (a, b, d))  # once each; c never notified
         assert failed == [] and pending is True  # c's expectation is open until its deadline
+        every = tuple(range(SEND_SPEC.num_layers))
+        if layerwise == "on":  # one job per layer and step
+            assert jobs and all(len(j) == 1 for j in jobs), jobs
+        else:  # one job per step, every layer
+            assert jobs and all(j == every for j in jobs), jobs
 
 
 @pytest.mark.slow
@@ -233,11 +259,12 @@ class PendingReq(Req):
 
 
 @pytest.mark.slow
-def test_destinations_named_late_still_deliver_every_block_once() -> None:
+@pytest.mark.parametrize("layerwise", ["on", "off"])
+def test_destinations_named_late_still_deliver_every_block_once(layerwise: str) -> None:
     """Named before the step, mid-step (after some layers were saved), after the request
     finished, or never (abandoned / aborted): the received KV is exact, one notification
     each, and an unnamed request's blocks come back without one."""
-    with connected() as (c, kv, conn, _, recv_name):
+    with connected(layerwise) as (c, kv, conn, _, recv_name):
         early = PendingReq("early", recv_name, 20, [0, 1, 2], [10, 11, 12])
         mid = PendingReq("mid", recv_name, 37, [3, 4, 5, 6, 7], [13, 14, 15, 16, 17])
         late = PendingReq("late", recv_name, 12, [8, 9], [18, 19])
@@ -279,3 +306,17 @@ def test_destinations_named_late_still_deliver_every_block_once() -> None:
         assert sorted(sent) == ["early", "late", "mid", "never"]
         assert [rid for rid, _ in failed] == ["never"]
         assert check_delivered(conn, (early, mid, late))[0] == []
+
+
+def test_layerwise_auto_streams_only_where_the_copy_can_overlap_the_compute() -> None:
+    from kvrelay.kv_transfer.sending import streams_layerwise
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert streams_layerwise("auto", cuda, cores=1, threads=1)  # the copy engines
+    assert not streams_layerwise("auto", cpu, cores=1, threads=1)  # pinned to one core
+    assert not streams_layerwise("auto", cpu, cores=2, threads=2)  # every core computes
+    assert streams_layerwise("auto", cpu, cores=4, threads=2)  # the I/O thread has a core
+    assert streams_layerwise("on", cpu, cores=1, threads=1)
+    assert not streams_layerwise("off", cuda, cores=8, threads=1)
+    with pytest.raises(ValueError, match="layerwise"):
+        NixlConnectorConfig("prefill-x", MODEL_ID, layerwise="sometimes")

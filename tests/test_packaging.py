@@ -81,3 +81,8 @@ def test_process_flags_default_to_the_settings_dataclasses() -> None:
         worker = worker_settings_from_args(
             parser.parse_args(["worker", "--role", role, "--model", "m"]))
         assert worker == WorkerSettings(role=role)
+    worker = worker_settings_from_args(parser.parse_args(
+        ["worker", "--role", "prefill", "--model", "m", "--kv-layerwise", "off"]))
+    assert worker.kv_layerwise == "off"
+    with pytest.raises(ValueError, match="kv_layerwise"):
+        WorkerSettings(role="prefill", kv_layerwise="sometimes")

@@ -20,12 +20,12 @@ def notif_for(request_id: str, lease_id: str) -> bytes:
 
 class KVEndpoint:
     def __init__(self, agent_name: str, model_dir: str, *, kv_timeout_s: float | None = None,
-                 sender_gone_grace_s: float | None = None):
+                 sender_gone_grace_s: float | None = None, layerwise: str = "auto"):
         self.agent_name = agent_name
         self.kv_timeout_s = kv_timeout_s
         grace = {} if sender_gone_grace_s is None else {"sender_gone_grace_s": sender_gone_grace_s}
         self.connector = NixlConnector(NixlConnectorConfig(agent_name, model_identity(model_dir),
-                                                           **grace))
+                                                           layerwise=layerwise, **grace))
         self._spec: KVCacheSpec | None = None
 
     def bind(self, spec: KVCacheSpec) -> None:

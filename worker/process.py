@@ -109,7 +109,8 @@ class Worker:
                 # data plane on loopback too.
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")
             self.kv = KVEndpoint(self.worker_id, model_dir,
-                                 sender_gone_grace_s=self.settings.kv_sender_grace_s)
+                                 sender_gone_grace_s=self.settings.kv_sender_grace_s,
+                                 layerwise=self.settings.kv_layerwise)
         # From the files: the worker never tokenizes (structured output reads tokenizer.json
         # when a request first needs it, without transformers).
         eos = eos_token_ids(model_dir)

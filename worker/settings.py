@@ -29,6 +29,8 @@ class WorkerSettings:
     # after it left (its writes time out by then). None: the connector's default
     # (kv_transfer.config.NixlConnectorConfig.sender_gone_grace_s, 10 s).
     kv_sender_grace_s: float | None = None
+    # A prefill worker's KV: layer by layer, whole per step, or "auto" (NixlConnectorConfig)
+    kv_layerwise: str = "auto"
     metrics_port: int | None = None  # Prometheus /metrics over HTTP when set (0 = any free)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
 
@@ -41,6 +43,8 @@ class WorkerSettings:
             raise ValueError("heartbeat_interval_s and lease_ttl_s must be positive")
         if self.kv_sender_grace_s is not None and self.kv_sender_grace_s < 0:
             raise ValueError("kv_sender_grace_s must be >= 0")
+        if self.kv_layerwise not in ("auto", "on", "off"):
+            raise ValueError(f"kv_layerwise must be auto, on or off, got {self.kv_layerwise!r}")
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
