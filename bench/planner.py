@@ -4,7 +4,10 @@
     autocorrelation; and with plain Holt and plain EWMA), (b) today's threshold autoscaler
     (``deploy/autoscaler.py``'s own decision code, its ``--autoscale`` defaults, given the
     same SLOs and pool bounds), (c) the best static P:D split found by search in hindsight
-    (fewest replica-seconds with attainment >= 95 %, else the best attainment).
+    (fewest replica-seconds with attainment >= 95 %, else the best attainment), and (d) a
+    hindsight bound (``deploy/planner/oracle.py``): the fewest replica-seconds of a policy that
+    knew the trace and changed replicas per 20 s window with no start-up, at each policy's
+    attainment; "below the oracle" means no policy can.
 
     .venv/bin/python bench/planner.py [--profile bench/results/planner/profile-demo.json]
 
@@ -15,6 +18,7 @@ virtual time: the numbers do not depend on the machine's load, only on the profi
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from dataclasses import asdict, replace
@@ -22,6 +26,7 @@ from pathlib import Path
 
 from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
 from kvrelay.deploy.planner.baseline import ThresholdPolicy
+from kvrelay.deploy.planner.oracle import cheapest, window_options
 from kvrelay.deploy.planner.planner import Planner, PlannerConfig
 from kvrelay.deploy.planner.predictor import PREDICTORS as _ALL
 from kvrelay.deploy.planner.predictor import one_step_error
@@ -71,15 +76,14 @@ def threshold_search(profile: Profile, trace: list[TraceRequest], sim: SimConfig
     replica-seconds at ``attainment`` or better, else the best attainment. Its defaults
     under-provision these traces, so this is the comparison at equal attainment."""
     tried = []
-    for queued in (2048, 1024, 512):
-        for running in (24, 12):
-            for sustain in (1,):
-                cfg = replace(base, prefill_queued_tokens_per_replica=queued,
-                              decode_running_per_replica=running, sustain=sustain)
-                r = row(simulate(profile, trace, replace(sim, interval_s=cfg.interval_s),
-                                 ThresholdPolicy(cfg)))
-                r["split"] = f"q{queued} r{running} s{sustain}"
-                tried.append(r)
+    for queued, running, sustain, idle in itertools.product((2048, 1024, 512), (24, 12),
+                                                            (1, 2), (5, 15)):
+        cfg = replace(base, prefill_queued_tokens_per_replica=queued,
+                      decode_running_per_replica=running, sustain=sustain, idle_ticks=idle)
+        r = row(simulate(profile, trace, replace(sim, interval_s=cfg.interval_s),
+                         ThresholdPolicy(cfg)))
+        r["split"] = f"q{queued} r{running} s{sustain} i{idle}"
+        tried.append(r)
     ok = [r for r in tried if r["attainment"] >= attainment]
     return min(ok, key=lambda r: r["replica_seconds"]) if ok else \
         max(tried, key=lambda r: r["attainment"])
@@ -165,6 +169,10 @@ def main() -> None:
         res["threshold_tuned"] = threshold_search(profile, trace, sim, thr_cfg,
                                                   res[f"planner_{PRIMARY}"]["attainment"])
         res["static_best"] = static_search(profile, trace, sim, a.max_pool, a.max_replicas)
+        windows = window_options(profile, trace, sim, max_pool=a.max_pool,
+                                 max_total=a.max_replicas)
+        res["oracle"] = {k: cheapest(windows, res[k]["attainment"])
+                         for k in (f"planner_{PRIMARY}", "threshold", "threshold_tuned")}
         series = rate_series(trace, plan_cfg.interval_s)
         h = round((profile.startup_s + plan_cfg.interval_s) / plan_cfg.interval_s)
         res["predictor_error"] = {f"{p}_h{k}": one_step_error(p, series, k)
@@ -179,6 +187,12 @@ def main() -> None:
     print(f"wrote {out / 'REPORT.md'}")
 
 
+def oracle_cell(r: dict) -> str:
+    o, p = r["oracle"][f"planner_{PRIMARY}"], r[f"planner_{PRIMARY}"]
+    return (f"{p['attainment']:.1%} / {o['replica_seconds']:.0f} rs "
+            f"(planner {p['replica_seconds'] / o['replica_seconds']:.2f}x)")
+
+
 def report(results: dict[str, dict], meta: dict) -> str:
     lines = ["# SLO planner on the simulator", "",
              f"Profile `{meta['profile']}`; SLOs TTFT p90 <= {meta['planner']['ttft_slo_ms']} ms "
@@ -187,12 +201,17 @@ def report(results: dict[str, dict], meta: dict) -> str:
              "meeting both SLOs (failed ones do not).", "",
              "Cells: attainment / replica-seconds. threshold: `--autoscale` defaults with the "
              "same SLOs and bounds; threshold tuned: the cheapest of a grid of tighter targets "
-             "(queued tokens, running, sustain) that reaches the planner's attainment, in "
-             "hindsight; static best: the cheapest fixed P:D split at >= 95 %, in hindsight.",
+             "(queued tokens q, running r, sustain s, idle ticks before a scale-down i) that "
+             "reaches the planner's attainment, in hindsight; static best: the cheapest fixed "
+             "P:D split at >= 95 %, in hindsight; "
+             "oracle: the hindsight bound (per 20 s window, the cheapest split that serves it, "
+             "no start-up) at the planner's attainment. Where 0.8x a threshold's "
+             "replica-seconds lies below the oracle at that threshold's attainment, no policy "
+             "can meet the 0.8x bar: the targets cell says so.",
              "",
              "| trace | " + " | ".join(f"planner ({p})" for p in PREDICTORS)
-             + " | threshold | threshold tuned | static best | targets |",
-             "|---|" + "---|" * (len(PREDICTORS) + 4)]
+             + " | threshold | threshold tuned | static best | oracle | targets |",
+             "|---|" + "---|" * (len(PREDICTORS) + 5)]
     for name, r in results.items():
         def cell(k: str, r: dict = r) -> str:
             x = r[k]
@@ -206,15 +225,18 @@ def report(results: dict[str, dict], meta: dict) -> str:
                 ratio = p["replica_seconds"] / t["replica_seconds"]
                 ok = ratio <= 0.8 and p["attainment"] >= t["attainment"]
                 cmp = ">=" if p["attainment"] >= t["attainment"] else "<"
+                bound = r["oracle"][key]["replica_seconds"]
+                reach = "" if bound <= 0.8 * t["replica_seconds"] else \
+                    f"; unreachable: the oracle needs {bound / t['replica_seconds']:.2f}x"
                 checks.append(f"rs {ratio:.2f}x {label}'s, att {cmp} "
-                              f"({'yes' if ok else 'NO'})")
+                              f"({'yes' if ok else 'NO'}{reach})")
         if name == "steady":
             ratio = p["replica_seconds"] / s["replica_seconds"]
             checks.append(f"rs {ratio:.2f}x static best ({'yes' if ratio <= 1.1 else 'NO'})")
         lines.append(f"| {name} | "
                      + "".join(f"{cell('planner_' + pred)} | " for pred in PREDICTORS)
                      + f"{cell('threshold')} | {cell('threshold_tuned')} | "
-                     f"{cell('static_best')} | {'; '.join(checks)} |")
+                     f"{cell('static_best')} | {oracle_cell(r)} | {'; '.join(checks)} |")
     lines += ["", "Predictor error (mean absolute error / mean rate; h = intervals ahead):", "",
               "| trace | " + " | ".join(next(iter(results.values()))["predictor_error"]) + " |",
               "|---|" + "---|" * len(next(iter(results.values()))["predictor_error"])]
