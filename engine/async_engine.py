@@ -39,11 +39,9 @@ T = TypeVar("T")
 
 
 IDLE_WAIT_S = 0.5  # longest block on the command queue (a backstop; wake-ups come sooner)
-# While a request waits for its KV and nothing else can step. The sender's write completes only
-# when this side progresses UCX, and the notification is seen only then: at 2 ms the 32-token
-# hand-off's write tail was 1.3-1.5 ms and the notification 1.5-1.9 ms late, at 0.5 ms
-# 0.16 and 0.3 ms (bench/pd_latency). A poll costs ~6 % of a core while it lasts.
-KV_POLL_INTERVAL_S = 0.0005
+# Waiting for KV with nothing to step: the sender's write completes, and its notification is
+# seen, only when this side progresses UCX (at 2 ms: 1.4 + 1.7 ms of a 32-token hand-off).
+KV_POLL_INTERVAL_S = 0.0005  # ~6 % of a core while it lasts
 
 
 class AsyncEngine:
@@ -51,9 +49,8 @@ class AsyncEngine:
                  on_step: Callable[[float, int], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None):
         self.core = core
-        # Called (engine thread) instead of failing the requests when a step leaves the engine
-        # unusable (a tensor-parallel rank died): the owner ends the process so that the
-        # requests migrate elsewhere, as after any crash. The engine steps no more.
+        # Called (engine thread) when a step leaves the engine unusable (a TP rank died): the
+        # owner ends the process so that the requests migrate, as after any crash.
         self.on_fatal = on_fatal
         self.fatal: BaseException | None = None
         self.poll_interval = poll_interval
@@ -65,9 +62,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._flushes: list[asyncio.Future[None]] = []  # engine thread's: resolved after a step
         self.stats: EngineStats = core.stats()
-        # Times the engine thread ended a wait (a command, a wake-up, a poll, the idle backstop):
-        # shows whether it sleeps or polls while it waits.
-        self.wakeups = 0
+        self.wakeups = 0  # waits ended (command, wake-up, poll, backstop): does it sleep or poll
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
