@@ -221,7 +221,10 @@ def test_client_reuses_a_request_id_after_every_way_a_request_ends(cluster, llm)
             time.sleep(delay)
             call.cancel()
             again(rid)
-        call = c.stream(short, sampling(500, 0.0, ignore_eos=True), request_id="reuse-busy")
+        # Long enough to outlast the router's wait for an earlier request of the id to leave
+        # (DUPLICATE_ID_WAIT_S, 1 s): 500 tokens took 0.84 s once decode workers ran the fused
+        # native decode layer.
+        call = c.stream(short, sampling(4000, 0.0, ignore_eos=True), request_id="reuse-busy")
         next(call)
         with pytest.raises(grpc.RpcError) as e:
             c.generate(short, sampling(2), request_id="reuse-busy", timeout=CALL_TIMEOUT_S)

@@ -10,7 +10,7 @@ from hf_models import hf_greedy
 from kvrelay.engine import gemm
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore
-from kvrelay.engine.kv_connector import ScheduledSeq
+from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
 from kvrelay.engine.models import fused_decode
 from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.sampling_params import SamplingParams
@@ -114,3 +114,57 @@ def test_declined_where_it_does_not_apply(hf_model_dir, monkeypatch) -> None:
     assert onednn is not None and onednn.max_rows == 64  # mixed: panels up to 64 rows only
     monkeypatch.setattr(fused_decode, "enabled", lambda: False)
     assert make_core(llama).runner.model.fused_decode is None
+
+
+class _Connector(KVConnector):
+    """A connector with nothing to send unless ``sending``: what a decode worker's engine has."""
+
+    def __init__(self, sending: bool = False) -> None:
+        self.sending, self.saved = sending, 0
+
+    def register_kv_cache(self, kv: torch.Tensor, spec: object, ranks: object = None) -> None:
+        pass
+
+    def wants_layer_hooks(self, scheduled: object) -> bool:
+        return self.sending
+
+    def save_layer(self, layer: int) -> None:
+        self.saved += 1
+
+    def request_finished(self, seq: Sequence) -> bool:
+        return False
+
+    def take_events(self) -> TransferEvents:
+        return TransferEvents([], [], [])
+
+    def has_pending(self) -> bool:
+        return False
+
+
+def test_an_engine_with_a_connector_decodes_through_the_fused_layers(hf_model_dir,
+                                                                     monkeypatch) -> None:
+    """A decode worker's engine has a KV connector: its decode steps still take the fused
+    path (they send nothing, so no per-layer hook is installed), one that sends does not."""
+    model_dir = hf_model_dir("llama")
+    ran: list[bool] = []
+    run = FusedDecode.run
+
+    def counted(self: FusedDecode, *args: object) -> bool:
+        ran.append(run(self, *args))
+        return ran[-1]
+
+    monkeypatch.setattr(FusedDecode, "run", counted)
+    for sending in (False, True):
+        ran.clear()
+        conn = _Connector(sending)
+        core = EngineCore(EngineConfig.from_kwargs(
+            model_dir, block_size=8, num_blocks=256, max_num_batched_tokens=64, seed=0,
+            linear_kernel="panels", attention_backend="native"), conn)
+        core.add_request("a", list(range(5, 20)), GREEDY)
+        while core.has_unfinished():
+            core.step()
+        took = [r for r in ran if r]
+        if sending:  # every layer of every step reported, the per-op path throughout
+            assert not took and conn.saved > 0
+        else:
+            assert len(took) == GREEDY.max_tokens - 1 and conn.saved == 0
