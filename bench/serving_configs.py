@@ -17,7 +17,7 @@ from bench.serving_procs import ROOT, Deployment, Proc, free_port, pinned, wait_
 from bench.vllm_cpu import vllm_cpu_env
 
 CONFIGS = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-1p1d",
-           "kvrelay-dp2-tpot", "vllm-agg", "vllm-dp2", "vllm-pd")
+           "kvrelay-dp2", "kvrelay-dp2-tpot", "vllm-agg", "vllm-dp2", "vllm-pd")
 VLLM_VENV = ROOT / ".bench-venv-vllm"
 SERVED_NAME = "demo"
 RUN_SERVING = Path(__file__).resolve().with_name("run_serving.py")  # runs the pd-proxy
@@ -86,7 +86,7 @@ def start_kvrelay(name: str, st: Settings, workdir: Path) -> Deployment:
     dep.base_url = f"http://127.0.0.1:{ready.get('http_port') or http_port}"
     if name == "kvrelay-1p1d":
         workers = [("prefill", [st.cores[0]], 1, True), ("decode", [st.cores[1]], 1, True)]
-    elif name == "kvrelay-dp2-tpot":  # data parallel: one aggregated engine per core
+    elif name.startswith("kvrelay-dp2"):  # data parallel: one aggregated engine per core
         workers = [("both", [c], 1, True) for c in both]
     else:
         workers = [("both", both, len(both), name != "kvrelay-agg")]
