@@ -52,7 +52,8 @@ def bucket_for(n: int, sizes: Seq[int]) -> int | None:
 
 
 def graphs_off_reason(device: torch.device, *, enforce_eager: bool, max_batch: int,
-                      paged_flash: bool, tensor_parallel: bool, num_blocks: int) -> str | None:
+                      paged_flash: bool, tensor_parallel: bool, num_blocks: int,
+                      kv_head_groups: int = 1) -> str | None:
     """Why decode steps run eagerly on this runner, or None when they replay CUDA graphs.
     Decided once, when the runner is built: the CPU path never pays for graphs per step."""
     if device.type != "cuda":
@@ -68,6 +69,8 @@ def graphs_off_reason(device: torch.device, *, enforce_eager: bool, max_batch: i
         return "not under tensor parallelism (its collectives were never captured)"
     if num_blocks < 2:
         return "the KV cache has no block to spare for padding rows"
+    if kv_head_groups > 1:
+        return "not with KV head groups (attention runs per group, never captured)"
     return None
 
 

@@ -125,10 +125,10 @@ class ModelRunner:
         self.pad_above: int | None = lm.panel_rows if lm.packed is not None else None
         # CUDA graphs for decode steps (decided once, here): they take the last block as the
         # padding rows' scratch, so the block manager gets one block fewer.
-        off = "KV head groups" if groups > 1 else graphs_off_reason(
-            self.device, enforce_eager=mc.enforce_eager, max_batch=mc.cuda_graph_max_batch,
-            paged_flash=self.paged_flash, tensor_parallel=shard is not None,
-            num_blocks=num_blocks)
+        off = graphs_off_reason(self.device, enforce_eager=mc.enforce_eager,
+                                max_batch=mc.cuda_graph_max_batch, paged_flash=self.paged_flash,
+                                tensor_parallel=shard is not None, num_blocks=num_blocks,
+                                kv_head_groups=groups)
         if off is not None and self.device.type == "cuda":
             logger.info("CUDA graphs off: %s", off)
         self.num_usable_blocks = num_blocks if off is not None else num_blocks - 1

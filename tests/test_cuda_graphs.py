@@ -56,7 +56,8 @@ def test_graphs_only_on_cuda_with_paged_flash() -> None:
                         (dict(max_batch=0), "max-batch 0"),
                         (dict(paged_flash=False), "block_table"),
                         (dict(tensor_parallel=True), "tensor parallel"),
-                        (dict(num_blocks=1), "no block to spare")):
+                        (dict(num_blocks=1), "no block to spare"),
+                        (dict(kv_head_groups=2), "KV head groups")):
         reason = graphs_off_reason(cuda, **{**ok, **change})
         assert reason is not None and why in reason
 
