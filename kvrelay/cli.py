@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("worker", help="run a prefill, decode or aggregated worker")
-    from kvrelay.worker.settings import ROLES, WorkerSettings
+    from kvrelay.worker.settings import KV_LAYERWISE, ROLES, WorkerSettings
 
     ws = WorkerSettings(role="both")  # the defaults the flags show and pass on
     opt(p, "--role", required=env_name("--role") not in os.environ, choices=list(ROLES))
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--kv-sender-grace", type=float, default=ws.kv_sender_grace_s,
         help="seconds after a prefill worker left every router's list before the blocks it "
              "was promised (and may still have been writing) are reused (default 10)")
-    opt(p, "--kv-layerwise", choices=["auto", "on", "off"], default=ws.kv_layerwise,
+    opt(p, "--kv-layerwise", choices=list(KV_LAYERWISE), default=ws.kv_layerwise,
         help="a prefill worker sends each step's KV layer by layer while later layers "
              "compute (on) or whole as the step's forward ends (off); auto: layer by layer "
              "on a GPU, and on a CPU only with a core the compute threads leave free")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S, HEARTBEAT_INTERVAL_S, LEASE_TTL_S
 
 ROLES = ("prefill", "decode", "both")
+KV_LAYERWISE = ("auto", "on", "off")  # NixlConnectorConfig.layerwise's (that module loads torch)
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ class WorkerSettings:
             raise ValueError("heartbeat_interval_s and lease_ttl_s must be positive")
         if self.kv_sender_grace_s is not None and self.kv_sender_grace_s < 0:
             raise ValueError("kv_sender_grace_s must be >= 0")
-        if self.kv_layerwise not in ("auto", "on", "off"):
-            raise ValueError(f"kv_layerwise must be auto, on or off, got {self.kv_layerwise!r}")
+        if self.kv_layerwise not in KV_LAYERWISE:
+            raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got "
+                             f"{self.kv_layerwise!r}")
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
