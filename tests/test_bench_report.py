@@ -122,6 +122,41 @@ def test_report_writes_tables_targets_and_plots(tmp_path: Path) -> None:
         assert f"]({png})" in md
 
 
+def test_report_says_where_the_time_goes_for_a_missed_target(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text(json.dumps({"settings": {"rate": 4.0}}))
+    for c, scale in (("kvrelay-agg", 1.0), ("kvrelay-agg-tpot", 0.8)):
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "mixed.json").write_text(json.dumps(_synthetic_doc(c, "mixed", scale,
+                                                                           4.0)))
+    from bench.profile_missed import wanted
+
+    res = report.load_results(tmp_path)
+    # the ITL target fails (0.8 > 0.5): both its sides' mixed runs are to be profiled
+    assert wanted(res) == [("kvrelay-agg-tpot", "mixed"), ("kvrelay-agg", "mixed")]
+    md = report.generate(tmp_path).read_text()
+    assert "## Where the time goes (missed targets)" in md
+    assert "Not profiled: `kvrelay-agg-tpot/mixed`, `kvrelay-agg/mixed`" in md
+    thread = {"tid": 7, "name": "python (main)", "cpu_s": 9.0}
+    profile = {"wall_s": 10.0, "rate_hz": 100, "py_spy": True, "client": {
+        "label": "client (load generator)", "pid": 1, "cpu_s": 2.0, "cores": 0.2},
+        "processes": [{"label": "router", "pid": 7, "cpu_s": 9.0, "cores": 0.9, "threads": 4,
+                       "top_threads": [thread], "samples": 700, "sampled_cores": 0.7,
+                       "top_functions": [["encode (router/http.py)", 0.25]]}],
+        "engines": [{"pid": 8, "steps": 10, "busy_s": 5.0, "prefill_steps": 2,
+                     "prefill_s": 3.0, "prefill_tokens": 512, "decode_steps": 8,
+                     "decode_s": 2.0, "decode_rows": 16}]}
+    (tmp_path / "kvrelay-agg-tpot" / "profile-mixed.json").write_text(json.dumps({
+        "config": "kvrelay-agg-tpot", "run": "mixed", "summary": {"ttft_ms": {"p99": 80.0}},
+        "plan": {"workload": "mixed", "num_requests": 20, "rate": "4.0"},
+        "profile": profile}))
+    md = report.generate(tmp_path).read_text()
+    assert "| router | 0.90 | python (main) 0.90 | 0.70 | 25% `encode (router/http.py)` |" in md
+    assert "| client (load generator) | 0.20 |" in md
+    assert "2 with prefill, 3.0 s, 1500.0 ms/step, 256 tokens/step" in md
+    assert "8 decode-only, 2.0 s, 250.0 ms/step, 2.0 rows/step" in md
+    assert "Not profiled: `kvrelay-agg/mixed`" in md
+
+
 def test_report_handles_missing_peers(tmp_path: Path) -> None:
     d = tmp_path / "kvrelay-agg"
     d.mkdir()
