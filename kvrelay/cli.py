@@ -78,7 +78,7 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout),
         kv_sender_grace_s=None if args.kv_sender_grace in (None, "")
         else float(args.kv_sender_grace),
-        kv_layerwise=args.kv_layerwise, compute_nice=int(args.compute_nice),
+        kv_layerwise=args.kv_layerwise,
         metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None)
 
@@ -221,9 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prefill worker sends each step's KV layer by layer while later layers "
              "compute (on) or whole as the step's forward ends (off); auto: layer by layer "
              "on a GPU, and on a CPU only with a core the compute threads leave free")
-    opt(p, "--compute-nice", type=int, default=ws.compute_nice,
-        help="added to the nice value of the engine's compute threads (0-19), so that the "
-             "worker's RPC threads and a router on the same cores preempt a step at once")
     opt(p, "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     add_engine_options(p)
     add_common_process_options(p)

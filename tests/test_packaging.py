@@ -86,38 +86,3 @@ def test_process_flags_default_to_the_settings_dataclasses() -> None:
     assert worker.kv_layerwise == "off"
     with pytest.raises(ValueError, match="kv_layerwise"):
         WorkerSettings(role="prefill", kv_layerwise="sometimes")
-    worker = worker_settings_from_args(parser.parse_args(
-        ["worker", "--role", "both", "--model", "m", "--compute-nice", "7"]))
-    assert worker.compute_nice == 7
-    with pytest.raises(ValueError, match="compute_nice"):
-        WorkerSettings(role="both", compute_nice=20)
-
-
-def test_compute_threads_lower_their_own_priority_and_pass_it_on() -> None:
-    """The engine thread raises its nice before its OpenMP pools start: the threads it starts
-    inherit it, the thread that started it (the RPC loop) keeps its own."""
-    import os
-    import threading
-
-    from kvrelay.worker.process import lower_thread_priority
-
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    base, seen = nice(), {}
-
-    def child() -> None:
-        seen["child"] = nice()
-
-    def engine() -> None:
-        lower_thread_priority(3)
-        seen["engine"] = nice()
-        t = threading.Thread(target=child)
-        t.start()
-        t.join()
-
-    t = threading.Thread(target=engine)
-    t.start()
-    t.join()
-    assert seen == {"engine": min(19, base + 3), "child": min(19, base + 3)}
-    assert nice() == base

@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import signal
-import threading
 import time
 from collections.abc import Callable
 
@@ -39,18 +38,6 @@ from kvrelay.worker.heartbeat import Heartbeater
 from kvrelay.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Add ``nice`` to the calling thread's nice value (Linux: per thread; threads and
-    processes it starts afterwards inherit it). Raising it needs no privilege."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError as e:
-        logger.warning("could not lower the compute threads' priority: %s", e)
 
 _ROLE = {"prefill": wpb.ROLE_PREFILL, "decode": wpb.ROLE_DECODE, "both": wpb.ROLE_BOTH}
 
@@ -128,15 +115,10 @@ class Worker:
         # when a request first needs it, without transformers).
         eos = eos_token_ids(model_dir)
         connector = self.kv.connector if self.kv else None
-        nice = self.settings.compute_nice
-
-        def build() -> EngineCore:
-            lower_thread_priority(nice)  # before the OpenMP pools start: they inherit it
-            return EngineCore(self.engine_config, connector, eos)
-
         # Loaded on the engine thread itself (see AsyncEngine.spawn: one OpenMP pool).
-        self.engine = await AsyncEngine.spawn(build, on_step=self._on_step,
-                                              on_fatal=self._on_fatal)
+        self.engine = await AsyncEngine.spawn(
+            lambda: EngineCore(self.engine_config, connector, eos), on_step=self._on_step,
+            on_fatal=self._on_fatal)
         if self.kv is not None:
             self.kv.bind(self.engine.core.runner.kv_spec)
 

@@ -32,10 +32,6 @@ class WorkerSettings:
     kv_sender_grace_s: float | None = None
     # A prefill worker's KV: layer by layer, whole per step, or "auto" (NixlConnectorConfig)
     kv_layerwise: str = "auto"
-    # Added to the engine's compute threads' nice value (the engine thread, and the OpenMP
-    # workers it starts, inherit it): on shared cores the worker's RPC threads and the router
-    # preempt a step at once instead of waiting out the scheduler's slice. 0: unchanged.
-    compute_nice: int = 0
     metrics_port: int | None = None  # Prometheus /metrics over HTTP when set (0 = any free)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
 
@@ -48,8 +44,6 @@ class WorkerSettings:
             raise ValueError("heartbeat_interval_s and lease_ttl_s must be positive")
         if self.kv_sender_grace_s is not None and self.kv_sender_grace_s < 0:
             raise ValueError("kv_sender_grace_s must be >= 0")
-        if not 0 <= self.compute_nice <= 19:
-            raise ValueError(f"compute_nice must be in [0, 19], got {self.compute_nice}")
         if self.kv_layerwise not in KV_LAYERWISE:
             raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got "
                              f"{self.kv_layerwise!r}")
