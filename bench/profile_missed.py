@@ -137,7 +137,8 @@ def profile_section(res: Results) -> str | None:
     out = ["## Where the time goes (missed targets)", "",
            "Each missed target's run again, on a fresh deployment of each side, every process "
            "profiled (`bench/profile_missed.py`, `bench/proc_profile.py`): separate from the "
-           "measured runs above, and a little slower for the sampler.", ""]
+           "measured runs above, and slower than them (py-spy samples on the same two cores; "
+           "each title gives that run's own latencies). Read the shares, not the totals.", ""]
     for t in targets:
         pairs = ", ".join(f"`{c}/{t['run']}`" for c in t["configs"])
         out.append(f"- {t['target']}: {fmt(t['ours'])} against {fmt(t['peer'])} "
