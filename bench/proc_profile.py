@@ -32,21 +32,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.serving_procs import ROOT, Deployment, process_tree
+from bench.serving_procs import ROOT, Deployment, process_tree, stat_cpu
 
 logger = logging.getLogger("bench.run_serving")
 TOP_THREADS, TOP_FUNCTIONS = 3, 6
-
-
-def _stat(path: Path) -> tuple[str, float] | None:
-    """(comm, user + system seconds) of a /proc stat file."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    comm = text[text.index("(") + 1:text.rindex(")")]
-    f = text.rsplit(")", 1)[1].split()
-    return comm, (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
@@ -57,7 +46,7 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     except OSError:
         return out
     for tid in tids:
-        s = _stat(Path(f"/proc/{pid}/task/{tid}/stat"))
+        s = stat_cpu(f"/proc/{pid}/task/{tid}/stat")
         if s is not None:
             out[tid] = s
     return out
@@ -138,13 +127,13 @@ class ProcessProfiler:
                 self._spies.append((subprocess.Popen(cmd, stdout=log, stderr=log), out, p))
                 log.close()
         time.sleep(0.5)  # py-spy attaches
-        self._client0 = _stat(Path("/proc/self/stat"))
+        self._client0 = stat_cpu("/proc/self/stat")
         self._t0, self._wall0 = time.monotonic(), time.time()
 
     def stop(self) -> dict[str, Any]:
         t1 = time.monotonic()
         wall = t1 - self._t0
-        client1 = _stat(Path("/proc/self/stat"))
+        client1 = stat_cpu("/proc/self/stat")
         procs = [self._proc_doc(p, wall) for p in self._procs]
         for spy, _, _ in self._spies:
             with contextlib.suppress(ProcessLookupError):

@@ -157,16 +157,20 @@ def process_tree(pids: Sequence[int]) -> list[int]:
     return out
 
 
+def stat_cpu(path: str | Path) -> tuple[str, float] | None:
+    """(name, user + system CPU seconds) from a /proc ``stat`` file (a process's, or a
+    thread's under ``task/``); None when it is gone."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    name = text[text.index("(") + 1:text.rindex(")")]
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pids: Sequence[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return total
+    return sum(s[1] for p in pids if (s := stat_cpu(f"/proc/{p}/stat")) is not None)
 
 
 def idle_cpu_cores(dep: Deployment, seconds: float = 5.0) -> float:
