@@ -20,8 +20,10 @@ Every row prints its ratio to its **roofline**: the larger of its compute floor 
 ceiling) and its memory floor (bytes it must read / copy bandwidth), over the measured time.
 FLOPs count the decoder layers' matmuls (2 x params x tokens), the LM head for the rows that
 sample, and attention (2 x 2 x head_dim x heads x layers per visible query-key pair; causal
-pairs only). Bytes count every weight read once per step (all but the input embedding) plus the
-cached K and V each decode reads.
+pairs only), but the last layer only as far as the result needs it: its K/V projections for
+every token, the rest for the rows that sample (the engine skips the others). Bytes count every
+weight read once per step (all but the input embedding) plus the cached K and V each decode
+reads.
 
 Prefill rows: one prompt of 128 / 512 / 2048 tokens (time to its first token); 8 x 256-token
 prompts prefilled in one step; a 2048-token prompt whose first 1536 tokens are a cached prefix
@@ -73,11 +75,21 @@ class Model:
     layers: int
     vocab: int
 
-    def flops(self, new_tokens: int, sampled: int, attended_pairs: int) -> float:
-        """Matmul FLOPs of a step: the layers for every new token, the LM head for the rows that
-        sample, attention for every (query, visible key) pair."""
-        return (2 * self.body_params * new_tokens + 2 * self.embed * sampled
-                + 4 * attended_pairs * self.heads * self.head_dim * self.layers)
+    kv_proj: int  # K and V projection weights of one layer
+
+    def flops(self, new_tokens: int, sampled: int, attended_pairs: int,
+              sampled_pairs: int | None = None) -> float:
+        """Matmul FLOPs a step needs: the layers for every new token, the LM head for the rows
+        that sample, attention for every (query, visible key) pair; except that in the last
+        layer only the K/V projections need every token, the rest only the ``sampled`` rows,
+        which attend over ``sampled_pairs`` keys (every row, ``attended_pairs``, by default:
+        decodes all sample). The engine skips the rest (``AttentionMetadata.last_layer``), so
+        counting it would flatter a prefill row."""
+        layer = self.body_params / self.layers
+        pairs = attended_pairs if sampled_pairs is None else sampled_pairs
+        last = 2 * self.kv_proj * new_tokens + 2 * (layer - self.kv_proj) * sampled
+        return (2 * layer * (self.layers - 1) * new_tokens + last + 2 * self.embed * sampled
+                + 4 * self.heads * self.head_dim * (attended_pairs * (self.layers - 1) + pairs))
 
     def kv_bytes(self, keys: int) -> int:
         """Bytes of cached K and V that ``keys`` visible keys (over all sequences) make a step
@@ -276,7 +288,9 @@ def main() -> int:
         # Bytes a step must read: everything but the input embedding table (a gather).
         step_bytes=weight_bytes - (0 if hf_cfg.tie_word_embeddings else embed * 4),
         heads=heads, kv_heads=getattr(hf_cfg, "num_key_value_heads", None) or heads,
-        head_dim=hd, layers=hf_cfg.num_hidden_layers, vocab=hf_cfg.vocab_size)
+        head_dim=hd, layers=hf_cfg.num_hidden_layers, vocab=hf_cfg.vocab_size,
+        kv_proj=2 * hf_cfg.hidden_size * (getattr(hf_cfg, "num_key_value_heads", None) or heads)
+        * hd)
     vocab = model.vocab
 
     print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32; "
@@ -309,11 +323,12 @@ def main() -> int:
 
     for n in PREFILL_LENS:
         t, cxt = ours_prefill(core, lambda n=n: [prompt(n, next(_seeds), vocab)], args.reps, ceil)
-        prefill_row(str(n), t, cxt, n, model.flops(n, 1, causal_pairs(n)), n)
+        prefill_row(str(n), t, cxt, n, model.flops(n, 1, causal_pairs(n), n), n)
     # Eight 256-token prompts in one step (the budget is 2048 tokens).
     t, cxt = ours_prefill(core, lambda: [prompt(256, next(_seeds), vocab) for _ in range(8)],
                           args.reps, ceil)
-    prefill_row("8 x 256", t, cxt, 2048, model.flops(2048, 8, 8 * causal_pairs(256)), None)
+    prefill_row("8 x 256", t, cxt, 2048, model.flops(2048, 8, 8 * causal_pairs(256), 8 * 256),
+               None)
     # 2048 tokens of which the first 1536 are cached: the prefix is prefilled (untimed) by a
     # request of its own, then the full prompt computes only its last 512 tokens.
     cached = make_core(model_dir, args.threads, num_blocks=1024, prefix_caching=True,
@@ -326,8 +341,8 @@ def main() -> int:
 
     warm_prefix()
     t, cxt = ours_prefill(cached, lambda: [holder["p"]], args.reps, ceil, warm=warm_prefix)
-    prefill_row("2048 (1536 cached)", t, cxt, 512, model.flops(512, 1, causal_pairs(512, 1536)),
-                None)
+    prefill_row("2048 (1536 cached)", t, cxt, 512, model.flops(512, 1, causal_pairs(512, 1536),
+                                                           2048), None)
 
     print(f"\n{'decode B':>18} {'ours tok/s':>11} {'step ms':>8} {'of roof':>8} {'of read':>8} "
           f"{'hf tok/s':>9} {'ours/hf':>8}")

@@ -45,6 +45,7 @@ from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.step_inputs import (  # padded_rows: imported from here by the tests too
     StepInputs,
     cache_slots,
+    last_layer_rows,
     padded_rows,
     padded_tables,
     row_order,
@@ -117,6 +118,8 @@ class ModelRunner:
             self.rank_kv = RankKV.from_views(group_views(self.kv, range(kv_heads)), kv_heads)
         # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
+        # The last layer on the rows read alone (last_layer_rows); TP ranks run every row.
+        self.prune_last = self.native_prefill and shard is None
         # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.
         # oneDNN compiles a primitive per row count (see padded_rows); the panel GEMM does not
         # (and a padded decode step would lose its fused native layers): under ``mixed`` only
@@ -189,7 +192,8 @@ class ModelRunner:
                              f"give every rank the same)")
 
     # -- inputs --------------------------------------------------------------------------------
-    def prepare(self, scheduled: Seq[ScheduledSeq]) -> StepInputs:
+    def prepare(self, scheduled: Seq[ScheduledSeq], all_rows: bool = False) -> StepInputs:
+        """The step's inputs (the model's output: the rows read alone unless ``all_rows``)."""
         bs = self.block_size
         prefill, decode = row_order(scheduled)
         ids: list[int] = []
@@ -198,6 +202,7 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sampled_order: list[int] = []
+        sampling: list[int] = []  # the spans that sample
         for i in prefill + decode:
             seq, n = scheduled[i]
             c = seq.num_computed_tokens
@@ -213,6 +218,7 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampled_order.append(i)
+                sampling += [len(spans) - 1] if n > 1 else []
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_prefill_tokens=sum(scheduled[i].num_new_tokens for i in prefill),
@@ -245,6 +251,10 @@ class ModelRunner:
             self._add_flash_metadata(meta, scheduled, prefill + decode)
         else:
             meta.workspace = self._workspace(meta.gather_rows())
+        if self.prune_last and not all_rows and not any(
+                scheduled[i].seq.sampling.prompt_logprobs is not None for i in prefill):
+            index = last_layer_rows(meta, sampling)
+            logits_rows = logits_rows if index is None else [index[r] for r in logits_rows]
         if self.pad_above is not None and len(ids) > self.pad_above:
             extra = padded_rows(len(ids)) - len(ids)  # token 0 at position 0: no KV, no attention
             ids.extend([0] * extra)
@@ -383,7 +393,7 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
         """Logits of every new token of a step (tests compare them with transformers)."""
-        inputs = self.prepare(scheduled)
+        inputs = self.prepare(scheduled, all_rows=True)
         with forward_context(inputs.meta):
             hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         return self.model.compute_logits(hidden[:inputs.meta.slot_mapping.shape[0]])

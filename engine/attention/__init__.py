@@ -12,6 +12,7 @@ import torch
 from kvrelay.engine.attention.metadata import (
     AttentionMetadata,
     DecodeGroup,
+    LastLayerRows,
     PrefillSpan,
     current_metadata,
     forward_context,
@@ -19,7 +20,8 @@ from kvrelay.engine.attention.metadata import (
 )
 from kvrelay.engine.attention.sdpa import sdpa_attention, write_kv
 
-__all__ = ["AttentionFn", "AttentionMetadata", "DecodeGroup", "PrefillSpan", "current_metadata",
+__all__ = ["AttentionFn", "AttentionMetadata", "DecodeGroup", "LastLayerRows", "PrefillSpan",
+           "current_metadata",
            "flash_supports_paged", "forward_context", "group_by_length", "select_backend",
            "write_kv"]
 

@@ -96,6 +96,21 @@ def group_by_length(lengths: list[int], block_size: int, max_waste: float = 0.25
 
 
 @dataclass
+class LastLayerRows:
+    """The rows of a step that the model's last layer runs past its K/V projection: the rows
+    whose hidden states are read (those that sample, and every decode). Every row's K and V
+    are still written (later steps attend to them); only these rows' queries attend, and only
+    they go through the output projection and the MLP. A 256-token prompt's last layer is then
+    one row of attention and MLP instead of 256.
+
+    ``meta`` is the attention over just these rows as queries: each sampling prefill span as a
+    one-row span (same visible keys), then the step's decodes as they were."""
+
+    rows: torch.Tensor  # [R] long, ascending rows of the flat batch
+    meta: AttentionMetadata
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     num_prefill_tokens: int
@@ -123,6 +138,9 @@ class AttentionMetadata:
     flash_block_table: torch.Tensor | None = None  # int32 [N, W]: paged flash-attn, no gather
     # Called with the layer index right after that layer's K/V are written to the cache.
     on_kv_written: Callable[[int], None] | None = None
+    # Where set, the model's last layer runs only these rows past its K/V (its output then
+    # holds them alone, in this order).
+    last_layer: LastLayerRows | None = None
 
     @property
     def num_decodes(self) -> int:

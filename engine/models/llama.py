@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.engine.attention import AttentionFn, AttentionMetadata, current_metadata, write_kv
+from kvrelay.engine.attention import (
+    AttentionFn,
+    AttentionMetadata,
+    LastLayerRows,
+    current_metadata,
+    write_kv,
+)
 from kvrelay.engine.gemm import pack_panels, panel_linear
 from kvrelay.engine.kv_cache import kv_groups_of
 from kvrelay.engine.models.arch import ModelArch
@@ -164,19 +170,37 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        meta = current_metadata()
-        if len(self.kv_groups) > 1:
-            return self.o(self._grouped(q, k, v, meta).reshape(t, self.q_size))
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        if meta.on_kv_written is not None:
-            meta.on_kv_written(self.layer)
-        o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
-        return self.o(o.reshape(t, self.q_size))
+        return self._attend(q, k, v, current_metadata(), None)
 
-    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over a cache in KV head groups: each group's K/V into its own tensor, then
-        its query heads (those its KV heads serve) over it."""
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     rotary: Rotary, last: LastLayerRows) -> torch.Tensor:
+        """:meth:`forward` for the rows ``last.rows`` only (``[R, hidden]``): K/V of every row
+        still go to the cache; only those rows' queries attend and reach the output projection.
+        ``cos``/``sin`` are every row's."""
+        t, r = x.shape[0], last.rows.numel()
+        q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.index_select(0, last.rows).view(r, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q, cos.index_select(0, last.rows), sin.index_select(0, last.rows))
+        k = rotary(k, cos, sin)
+        return self._attend(q, k, v, current_metadata(), last.meta)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, queries: AttentionMetadata | None) -> torch.Tensor:
+        """Every row's K/V into the cache, then ``q``'s rows attend (laid out as ``queries``
+        says; the step's ``meta`` by default) and go through the output projection. Under KV
+        head groups each group's K/V go to its own tensor and its query heads attend over it."""
+        queries = meta if queries is None else queries
+        if len(self.kv_groups) <= 1:
+            write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+            if meta.on_kv_written is not None:
+                meta.on_kv_written(self.layer)
+            o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, queries, self.scale,
+                             self.window)
+            return self.o(o.reshape(q.shape[0], self.q_size))
         n = len(self.kv_groups)
         hq, hk = self.num_heads // n, self.num_kv_heads // n
         for g, (kc, vc) in enumerate(self.kv_groups):
@@ -188,9 +212,9 @@ class Attention(nn.Module):
         for g, (kc, vc) in enumerate(self.kv_groups):
             qs, ks = slice(g * hq, (g + 1) * hq), slice(g * hk, (g + 1) * hk)
             out[:, qs] = self.attn_fn(q[:, qs].contiguous(), k[:, ks].contiguous(),
-                                      v[:, ks].contiguous(), kc, vc, meta, self.scale,
+                                      v[:, ks].contiguous(), kc, vc, queries, self.scale,
                                       self.window)
-        return out
+        return self.o(out.reshape(q.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -244,6 +268,16 @@ class DecoderLayer(nn.Module):
             h.add_(m)
             return None
         return next_norm.add_and_norm(h, m)
+
+    def forward_rows(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, rotary: Rotary, last: LastLayerRows) -> torch.Tensor:
+        """The last layer for the rows ``last.rows`` alone: returns their residual stream after
+        it (``[R, hidden]``, a new tensor: ``h`` is not updated)."""
+        hr = h.index_select(0, last.rows)
+        x = self.post_attn_norm.add_and_norm(hr, self.attn.forward_rows(x, cos, sin, rotary,
+                                                                         last))
+        hr.add_(self.mlp(x))
+        return hr
 
 
 class LlamaForCausalLM(nn.Module):
@@ -340,8 +374,11 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_decode is not None and self.fused_decode.run(h, x, cos, sin,
                                                                    current_metadata()):
             return h
+        last = current_metadata().last_layer
         for i, layer in enumerate(layers):
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
+            if nxt is None and last is not None:
+                return layer.forward_rows(h, x, cos, sin, self.rotary, last)
             x = layer(h, x, cos, sin, self.rotary, nxt)
         return h
 
