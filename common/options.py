@@ -67,6 +67,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
              "(bounds every step, at a cost in TTFT; --tpot-slo-ms bounds their mean)")
     opt(g, "--num-threads", type=int, default=None,
         help="torch threads on CPU (per rank; default 1 per rank under tensor parallelism)")
+    opt(g, "--thread-binding", default="auto", choices=["auto", "on", "off"],
+        help="pin the engine's CPU threads one per core: auto does where the process may run "
+             "on exactly --num-threads CPUs (taskset, cpuset)")
     opt(g, "--tensor-parallel-size", type=int, default=1,
         help="ranks of one replica, one process each (heads and MLP columns split over them)")
     opt(g, "--tp-timeout-s", type=float, default=60.0,
@@ -100,6 +103,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         tpot_slo_ms=None if args.tpot_slo_ms is None else float(args.tpot_slo_ms),
         itl_cap_ms=None if args.itl_cap_ms is None else float(args.itl_cap_ms),
         num_threads=args.num_threads, attention_backend=args.attention_backend,
+        thread_binding=getattr(args, "thread_binding", "auto"),
         linear_kernel=args.linear_kernel,
         tensor_parallel_size=int(args.tensor_parallel_size),
         tp_timeout_s=float(args.tp_timeout_s),

@@ -32,6 +32,7 @@ from kvrelay.engine.engine_core import (
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.tensor_parallel import TensorParallelError
+from kvrelay.engine.thread_pinning import pin_engine_threads
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class AsyncEngine:
         self._flushes: list[asyncio.Future[None]] = []  # engine thread's: resolved after a step
         self.stats: EngineStats = core.stats()
         self.wakeups = 0  # waits ended (command, wake-up, poll, backstop): does it sleep or poll
+        self.pinned: dict[int, int] = {}  # engine thread ids -> CPU (engine.thread_pinning)
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -306,6 +308,9 @@ class AsyncEngine:
             import torch
 
             torch.cuda.set_device(core.runner.device)
+        elif core.config.model.tensor_parallel_size == 1:  # TP ranks run in processes of their own
+            self.pinned = pin_engine_threads(core.config.model.thread_binding,
+                                             core.runner.device)
         conn = core.connector
         while not self._stop.is_set():
             if core.has_schedulable():

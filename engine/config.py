@@ -48,6 +48,9 @@ class ModelConfig:
     # replay graphs captured at start; enforce_eager (or 0) keeps every step eager. CUDA only.
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 64
+    # Serving on CPU: pin the engine's OpenMP threads one per CPU (engine.thread_pinning):
+    # "auto" where the process has exactly as many CPUs as threads, "on", or "off".
+    thread_binding: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -62,6 +65,8 @@ class ModelConfig:
         if self.linear_kernel not in ("auto", "panels", "onednn", "mixed"):
             raise ValueError(f"linear_kernel must be auto|panels|onednn|mixed, got "
                              f"{self.linear_kernel!r}")
+        if self.thread_binding not in ("auto", "on", "off"):
+            raise ValueError(f"thread_binding must be auto|on|off, got {self.thread_binding!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.tensor_parallel_size < 1:

@@ -31,9 +31,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 SOURCES = ("paged_decode.c", "paged_prefill.c", "gemm.c", "pointwise.c", "decode_layer.c",
-           "kernels.h", "vec.h")
+           "threads.c", "kernels.h", "vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
 
@@ -146,6 +146,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvr_write_kv_f32
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint]
     fn.restype = cint
+    lib.kvr_pin_threads.argtypes = [ptr, cint, ptr]
+    lib.kvr_pin_threads.restype = cint
 
 
 def load() -> ctypes.CDLL | None:
