@@ -308,7 +308,7 @@ class AsyncEngine:
             import torch
 
             torch.cuda.set_device(core.runner.device)
-        elif core.config.model.tensor_parallel_size == 1:  # TP ranks run in processes of their own
+        elif core.config.model.tensor_parallel_size == 1:  # not rank 0 alone of a TP replica
             self.pinned = pin_engine_threads(core.config.model.thread_binding,
                                              core.runner.device)
         conn = core.connector

@@ -21,9 +21,8 @@ from kvrelay.engine.attention.metadata import (
 from kvrelay.engine.attention.sdpa import sdpa_attention, write_kv
 
 __all__ = ["AttentionFn", "AttentionMetadata", "DecodeGroup", "LastLayerRows", "PrefillSpan",
-           "current_metadata",
-           "flash_supports_paged", "forward_context", "group_by_length", "select_backend",
-           "write_kv"]
+           "current_metadata", "flash_supports_paged", "forward_context", "group_by_length",
+           "select_backend", "write_kv"]
 
 logger = logging.getLogger(__name__)
 

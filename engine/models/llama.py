@@ -2,7 +2,8 @@
 
 Tokens of a step arrive flattened (``[T]``), so one matmul serves every sequence in the batch.
 q/k/v and gate/up projections are fused into single weights at load time. Logits are computed
-only for the rows that sample.
+only for the rows that sample, and the last layer runs past its K/V projection only for the rows
+that are read (``AttentionMetadata.last_layer``).
 """
 
 from __future__ import annotations
