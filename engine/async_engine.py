@@ -32,7 +32,7 @@ from kvrelay.engine.engine_core import (
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.tensor_parallel import TensorParallelError
-from kvrelay.engine.thread_pinning import pin_engine_threads
+from kvrelay.engine.thread_pinning import place_engine_thread
 
 logger = logging.getLogger(__name__)
 
@@ -304,13 +304,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
-        if core.runner.device.type == "cuda":  # each thread starts on GPU 0
-            import torch
-
-            torch.cuda.set_device(core.runner.device)
-        elif core.config.model.tensor_parallel_size == 1:  # not rank 0 alone of a TP replica
-            self.pinned = pin_engine_threads(core.config.model.thread_binding,
-                                             core.runner.device)
+        self.pinned = place_engine_thread(core.config.model, core.runner.device)
         conn = core.connector
         while not self._stop.is_set():
             if core.has_schedulable():

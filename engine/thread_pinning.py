@@ -22,10 +22,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvrelay.engine import native
+
+if TYPE_CHECKING:
+    from kvrelay.engine.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,3 +69,16 @@ def pin_engine_threads(mode: str, device: torch.device) -> dict[int, int]:
     else:
         logger.info("engine threads pinned to CPUs %s", cpus)
     return pinned
+
+
+def place_engine_thread(model: ModelConfig, device: torch.device) -> dict[int, int]:
+    """Put the calling thread, the one that steps an engine, where it runs: on CUDA on its
+    device (a new thread starts on GPU 0); on the CPU with its OpenMP threads pinned per
+    ``model.thread_binding``, except in a tensor-parallel replica, whose other ranks are not
+    pinned (so neither is rank 0). Returns ``{thread id: cpu}`` of the threads pinned."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        return {}
+    if model.tensor_parallel_size > 1:
+        return {}
+    return pin_engine_threads(model.thread_binding, device)
