@@ -162,15 +162,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: Rotary) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        q, k, v = self._project(x, cos, sin, rotary, None)
         return self._attend(q, k, v, current_metadata(), None)
 
     def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -178,16 +170,23 @@ class Attention(nn.Module):
         """:meth:`forward` for the rows ``last.rows`` only (``[R, hidden]``): K/V of every row
         still go to the cache; only those rows' queries attend and reach the output projection.
         ``cos``/``sin`` are every row's."""
-        t, r = x.shape[0], last.rows.numel()
+        q, k, v = self._project(x, cos, sin, rotary, last.rows)
+        return self._attend(q, k, v, current_metadata(), last.meta)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary,
+                 rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (of ``rows`` only, where given), k and v of every row, normed and rotated."""
+        t = x.shape[0]
         q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.index_select(0, last.rows).view(r, self.num_heads, self.head_dim)
+        qcos, qsin = cos, sin
+        if rows is not None:
+            q, qcos, qsin = (a.index_select(0, rows) for a in (q, cos, sin))
+        q = q.view(q.shape[0], self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary(q, cos.index_select(0, last.rows), sin.index_select(0, last.rows))
-        k = rotary(k, cos, sin)
-        return self._attend(q, k, v, current_metadata(), last.meta)
+        return rotary(q, qcos, qsin), rotary(k, cos, sin), v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, queries: AttentionMetadata | None) -> torch.Tensor:
