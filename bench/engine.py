@@ -282,15 +282,14 @@ def main() -> int:
     embed = hf_cfg.vocab_size * hf_cfg.hidden_size
     heads, hd = hf_cfg.num_attention_heads, hf_cfg.hidden_size // hf_cfg.num_attention_heads
     hd = getattr(hf_cfg, "head_dim", None) or hd
+    kvh = getattr(hf_cfg, "num_key_value_heads", None) or heads
     model = Model(
         body_params=params - embed * (1 if hf_cfg.tie_word_embeddings else 2),
         embed=embed,
         # Bytes a step must read: everything but the input embedding table (a gather).
         step_bytes=weight_bytes - (0 if hf_cfg.tie_word_embeddings else embed * 4),
-        heads=heads, kv_heads=getattr(hf_cfg, "num_key_value_heads", None) or heads,
-        head_dim=hd, layers=hf_cfg.num_hidden_layers, vocab=hf_cfg.vocab_size,
-        kv_proj=2 * hf_cfg.hidden_size * (getattr(hf_cfg, "num_key_value_heads", None) or heads)
-        * hd)
+        heads=heads, kv_heads=kvh, head_dim=hd, layers=hf_cfg.num_hidden_layers,
+        vocab=hf_cfg.vocab_size, kv_proj=2 * hf_cfg.hidden_size * kvh * hd)
     vocab = model.vocab
 
     print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32; "
