@@ -15,6 +15,7 @@ import contextlib
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,6 +89,25 @@ class RouteCounters:
     kv_blocks_skipped: int = 0  # prompt blocks this decode worker already held (not sent)
 
 
+class Stalls:
+    """Spans in which the router could not read a beat: its loop ran late (blocked, or the
+    process starved of CPU). A worker's silence counts only the time the router was listening,
+    so a router that stalls past the timeout does not drop every worker on waking for beats
+    that sat unread in its own sockets."""
+
+    def __init__(self) -> None:
+        self._spans: deque[tuple[float, float]] = deque(maxlen=64)
+
+    def note(self, start: float, end: float) -> None:
+        if end > start:
+            self._spans.append((start, end))
+
+    def silence(self, since: float, now: float) -> float:
+        """Seconds from ``since`` to ``now`` in which the router was listening."""
+        away = sum(max(0.0, end - max(start, since)) for start, end in self._spans)
+        return now - since - away
+
+
 class WorkerRegistry:
     def __init__(self, *, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, missed_beats: int = 3,
                  suspect_s: float = 2.0, model_identity: str | None = None,
@@ -103,6 +123,7 @@ class WorkerRegistry:
         self._task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()  # channels of removed workers (strong refs)
         self._changed = asyncio.Event()
+        self.stalls = Stalls()
         self.perf = ClusterPerf()
         self.counters: dict[tuple[str, str], RouteCounters] = {}
         # Called with each worker that joins; set by a policy that measures workers first (the
@@ -258,20 +279,30 @@ class WorkerRegistry:
         self.workers.clear()
 
     async def _reap(self) -> None:
+        period = self.heartbeat_interval_s / 2
+        due = time.monotonic() + period
         while True:
-            await asyncio.sleep(self.heartbeat_interval_s / 2)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
-            for w in list(self.workers.values()):
-                w.accounting.drop_expired(now)
-                seen = w.reported
-                if now - seen.last_seen > self.timeout_s:
-                    # A worker that announced draining and then went quiet has exited as
-                    # planned (scale-in, SIGTERM): that is not worth a warning.
-                    log = logger.info if seen.draining else logger.warning
-                    log("worker %s %s for %.1fs: removed", w.worker_id,
-                        "drained and silent" if seen.draining else "missed heartbeats",
-                        now - seen.last_seen)
-                    self._remove(w.worker_id)
+            if now - due > period / 2:  # this loop ran late: no beat was read meanwhile
+                self.stalls.note(due, now)
+            due = now + period
+            self.expire(now)
+
+    def expire(self, now: float) -> None:
+        """Remove each worker silent for longer than the timeout (counting only the time the
+        router was listening)."""
+        for w in list(self.workers.values()):
+            w.accounting.drop_expired(now)
+            seen = w.reported
+            silent = self.stalls.silence(seen.last_seen, now)
+            if silent > self.timeout_s:
+                # A worker that announced draining and then went quiet has exited as
+                # planned (scale-in, SIGTERM): that is not worth a warning.
+                log = logger.info if seen.draining else logger.warning
+                log("worker %s %s for %.1fs: removed", w.worker_id,
+                    "drained and silent" if seen.draining else "missed heartbeats", silent)
+                self._remove(w.worker_id)
 
 
 def _connect(info: wpb.WorkerInfo) -> WorkerIdentity:
