@@ -46,16 +46,17 @@ class SchedulerOutput(NamedTuple):
     def shape(self) -> StepShape:
         """What the step computes, in the step-cost model's units; read before it runs (the
         counters still at their old values)."""
-        prefill = pairs = decodes = ctx = 0
+        prefill = pairs = decodes = ctx = chunks = 0
         for seq, n in self.scheduled:
             c = seq.num_computed_tokens
             if n > 1:
                 prefill += n
                 pairs += n * c + n * (n + 1) // 2
+                chunks += 1
             else:
                 decodes += 1
                 ctx += c + 1
-        return StepShape(prefill, pairs, decodes, ctx)
+        return StepShape(prefill, pairs, decodes, ctx, chunks)
 
 
 class Scheduler:
@@ -64,6 +65,7 @@ class Scheduler:
                  cost_model: StepCostModel | None = None):
         self.config = config
         self.cost_model = cost_model
+        self._room: float | None = None  # seconds the step being scheduled has left for prefill
         self.eos_token_ids = eos_token_ids
         self.bm = block_manager
         self.max_model_len = max_model_len
@@ -122,9 +124,11 @@ class Scheduler:
             budget -= 1
 
         # 2. prefills: running partial prefills first, then the queue, short before long
+        self._room = None
         if scheduled and self.cost_model is not None:
             ctx = sum(s.seq.num_tokens for s in scheduled)
             budget = min(budget, self.cost_model.prefill_budget(len(scheduled), ctx))
+            self._room = self.cost_model.prefill_room(len(scheduled), ctx)
         chunked = self.config.enable_chunked_prefill
         threshold = self.config.long_prefill_threshold
         partial = [s for s in self.running
@@ -166,6 +170,10 @@ class Scheduler:
             self.bm.allocate_prefix(seq, match)
             seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
         remaining = seq.num_uncomputed_tokens
+        if self._room is not None:  # the time left in the step, at this chunk's own context
+            assert self.cost_model is not None
+            limit = min(limit, self.cost_model.chunk_tokens(
+                self._room, seq.num_computed_tokens, first=not prefilling))
         if remaining <= limit:
             n = remaining
         elif chunked:
@@ -185,6 +193,9 @@ class Scheduler:
                 seq.num_computed_tokens = 0
             return 0
         assert self.bm.prepare_write(seq, seq.num_computed_tokens + n)
+        if self._room is not None:
+            assert self.cost_model is not None and self.cost_model.fit is not None
+            self._room -= self.cost_model.fit.chunk_seconds(n, seq.num_computed_tokens)
         if admitting:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING

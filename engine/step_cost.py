@@ -8,29 +8,38 @@ and the contexts, so the engine learns it: each step's duration is fitted online
 the step did,
 
     t = base + per_prefill_token * P + per_attended_pair * A + per_decode * D + per_ctx * K
+          + per_chunk * C
 
-with P prefill tokens, A (query, key) pairs those tokens attend over, D decodes and K keys the
-decodes attend over. The fit is least squares over the last ``window`` steps (refit every few
-steps; it is a few microseconds of numpy), with a small ridge so that a window with no prefill
-(or no decodes) leaves that coefficient near its last value instead of wild.
+with P prefill tokens, A (query, key) pairs those tokens attend over, D decodes, K keys the
+decodes attend over and C prefill chunks. A chunk has a cost of its own, whatever its length: a
+step that carries one leaves the fused decode path for the per-op one and runs the chunk's
+attention call (served on the ~7M model, ~2.5 ms a step, against ~0.06 ms a prefill token; a
+model without this term under-predicted every step that mixed a small chunk with decodes). The
+fit is least squares over the last ``window`` steps (refit every few steps; it is a few
+microseconds of numpy), with a small ridge so that a window with no prefill (or no decodes)
+leaves that coefficient near its last value instead of wild.
 
 :meth:`StepCostModel.prefill_budget` then answers: with these decodes in the step, how many
-prefill tokens keep the predicted step time within what the target allows? TPOT is a mean over
-a request's tokens, so a step may run past the target by the slack that the steps before it
-left under it (a batch of five decodes stepping in 20 ms against a 150 ms target banks 130 ms a
-step, which a prefill chunk may then spend). The slack is kept over about ``slack_steps``
-steps' worth of target: enough to let whole prompts through between decodes at light load,
-never so much that one step stalls the batch for long. Capping each step at the target alone
-(Sarathi-Serve's fixed chunk) starves prefills at moderate load, where most steps run far under
-it: measured on the ~150M model at 1.5 req/s, TTFT grew without bound. Where the tail of the
-inter-token latency matters too, an ITL cap bounds every step with decodes (no slack): that is
-Sarathi-Serve's own cap, and with both set a step takes the smaller room. Until the model has
-seen enough steps, and when no target is set, the configured token budget applies.
-"""
+prefill tokens keep the predicted step time within what the target allows? That count assumes
+the recent chunks' context; the scheduler then holds each chunk to the time left
+(:meth:`StepCostModel.prefill_room`, :meth:`StepCostModel.chunk_tokens`) at its own context, so
+a chunk deep into a long prompt, whose every token attends over the whole prefix, is cut shorter
+than a fresh prompt's. TPOT is a mean over a request's tokens, so a step may run past the target
+by the slack that the steps before it left under it (a batch of five decodes stepping in 20 ms
+against a 150 ms target banks 130 ms a step, which a prefill chunk may then spend). The slack is
+kept over about ``slack_steps`` steps' worth of target: enough to let whole prompts through
+between decodes at light load, never so much that one step stalls the batch for long. Capping
+each step at the target alone (Sarathi-Serve's fixed chunk) starves prefills at moderate load,
+where most steps run far under it: measured on the ~150M model at 1.5 req/s, TTFT grew without
+bound. Where the tail of the inter-token latency matters too, an ITL cap bounds every step with
+decodes (no slack): that is Sarathi-Serve's own cap, and with both set a step takes the smaller
+room. Until the model has seen enough steps, and when no target is set, the configured token
+budget applies. """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -38,7 +47,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-FEATURES = ("base", "prefill_token", "attended_pair", "decode", "decode_ctx_token")
+FEATURES = ("base", "prefill_token", "attended_pair", "decode", "decode_ctx_token",
+            "prefill_chunk")
 
 
 @dataclass(frozen=True)
@@ -49,10 +59,11 @@ class StepShape:
     attended_pairs: int = 0  # sum over prefill chunks of q_len x visible keys (causal)
     decodes: int = 0
     decode_ctx_tokens: int = 0  # keys the decodes attend over
+    prefill_chunks: int = 0  # sequences with more than one token in the step
 
     def features(self) -> np.ndarray:
         return np.array([1.0, self.prefill_tokens, self.attended_pairs, self.decodes,
-                         self.decode_ctx_tokens], dtype=np.float64)
+                         self.decode_ctx_tokens, self.prefill_chunks], dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -65,13 +76,18 @@ class StepCostFit:
     decode: float
     decode_ctx_token: float
     samples: int
+    prefill_chunk: float = 0.0
 
     def predict(self, shape: StepShape) -> float:
         return float(np.dot(self.as_array(), shape.features()))
 
     def as_array(self) -> np.ndarray:
-        return np.array([self.base, self.prefill_token, self.attended_pair, self.decode,
-                         self.decode_ctx_token])
+        return np.array([getattr(self, term) for term in FEATURES])
+
+    def chunk_seconds(self, tokens: int, context: int) -> float:
+        """What one prefill chunk of ``tokens`` over ``context`` cached tokens adds to a step."""
+        pairs = tokens * context + tokens * (tokens + 1) // 2
+        return self.prefill_chunk + self.prefill_token * tokens + self.attended_pair * pairs
 
 
 class StepCostModel:
@@ -141,25 +157,57 @@ class StepCostModel:
         except np.linalg.LinAlgError:
             return
         coef = np.maximum(coef, 0.0)  # no feature makes a step faster
-        self.fit = StepCostFit(*map(float, coef), samples=len(y))
+        self.fit = StepCostFit(**dict(zip(FEATURES, map(float, coef), strict=True)),
+                               samples=len(y))
         self._since_fit = 0
 
-    def prefill_budget(self, decodes: int, decode_ctx_tokens: int) -> int:
-        """Prefill tokens a step with these decodes may carry (the configured budget when no
-        target is set, the step has no decodes, or the model is still warming up)."""
+    def prefill_room(self, decodes: int, decode_ctx_tokens: int) -> float | None:
+        """Seconds the prefill chunks of a step with these decodes may add to it; None for no
+        limit (no target set, no decodes in the step, or the model still warming up)."""
         if (self.tpot_slo_s is None and self.itl_cap_s is None) or decodes == 0 \
                 or self.fit is None:
-            self.last_budget = self.max_tokens
-            return self.max_tokens
+            return None
         f = self.fit
         fixed = f.base + f.decode * decodes + f.decode_ctx_token * decode_ctx_tokens
-        per_token = f.prefill_token + f.attended_pair * self.pairs_per_token
         limits = []
         if self.tpot_slo_s is not None:
             limits.append(self.headroom * self.tpot_slo_s + max(0.0, self.slack_s))
         if self.itl_cap_s is not None:
             limits.append(self.headroom * self.itl_cap_s)
-        room = min(limits) - fixed
+        return min(limits) - fixed
+
+    def chunk_tokens(self, room: float, context: int, *, first: bool) -> int:
+        """The most tokens one chunk over ``context`` computed tokens may take within ``room``
+        seconds, its own cost per chunk included. The step's first chunk gets at least
+        ``min_prefill_tokens``: prefills always move."""
+        assert self.fit is not None
+        f = self.fit
+        floor = self.min_prefill_tokens if first else 0
+        r = room - f.prefill_chunk
+        if r <= 0:
+            return floor
+        # attended_pair * n^2 / 2 + (prefill_token + attended_pair * (context + 1/2)) * n <= r
+        a = f.attended_pair
+        lin = f.prefill_token + a * (context + 0.5)
+        if a > 0:
+            n = (math.sqrt(lin * lin + 2.0 * a * r) - lin) / a
+        elif lin > 0:
+            n = r / lin
+        else:
+            n = self.max_tokens
+        return max(floor, min(self.max_tokens, int(n)))
+
+    def prefill_budget(self, decodes: int, decode_ctx_tokens: int) -> int:
+        """Prefill tokens a step with these decodes may carry, as one chunk at the recent
+        chunks' context (the configured budget when :meth:`prefill_room` sets no limit)."""
+        room = self.prefill_room(decodes, decode_ctx_tokens)
+        if room is None:
+            self.last_budget = self.max_tokens
+            return self.max_tokens
+        f = self.fit
+        assert f is not None
+        per_token = f.prefill_token + f.attended_pair * self.pairs_per_token
+        room -= f.prefill_chunk
         if per_token <= 0:
             budget = self.max_tokens
         else:

@@ -3,9 +3,9 @@
 
 With ``KVRELAY_STEP_LOG=PATH`` set, every engine of a process appends one line per step to
 ``PATH.<pid>``: the step's start (``time.monotonic()``), its seconds, and its shape (prefill
-tokens, attended pairs, decodes, decode context tokens; :class:`StepShape`). Off by default: no
-cost beyond one attribute test per step. :func:`read` parses a file; ``bench/step_log.py``
-summarizes them.
+tokens, attended pairs, decodes, decode context tokens, prefill chunks; :class:`StepShape`). Off
+by default: no cost beyond one attribute test per step. :func:`read` parses a file;
+``bench/step_log.py`` summarizes them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class StepRecord(NamedTuple):
     attended_pairs: int
     decodes: int
     decode_ctx_tokens: int
+    prefill_chunks: int = 0  # (not in logs written before it was recorded)
 
 
 def read(path: str | os.PathLike[str]) -> list[StepRecord]:
@@ -52,7 +53,8 @@ class StepLog:
 
     def record(self, start: float, seconds: float, shape: StepShape) -> None:
         self._f.write(f"{start:.6f} {seconds:.6f} {shape.prefill_tokens} "
-                      f"{shape.attended_pairs} {shape.decodes} {shape.decode_ctx_tokens}\n")
+                      f"{shape.attended_pairs} {shape.decodes} {shape.decode_ctx_tokens} "
+                      f"{shape.prefill_chunks}\n")
 
     def close(self) -> None:
         self._f.close()

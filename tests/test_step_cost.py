@@ -10,17 +10,18 @@ from test_scheduler import add, make, shares, step
 from kvrelay.engine.config import EngineConfig, SchedulerConfig
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.step_cost import StepCostFit, StepCostModel, StepShape
+from kvrelay.engine.step_cost import FEATURES, StepCostFit, StepCostModel, StepShape
 
 TRUE = StepCostFit(base=2e-3, prefill_token=5e-5, attended_pair=2e-9, decode=3e-4,
-                   decode_ctx_token=4e-7, samples=0)
+                   decode_ctx_token=4e-7, samples=0, prefill_chunk=1.5e-3)
 
 
 def synthetic(rng: random.Random, prefill: bool = True, decodes: bool = True) -> StepShape:
     p = rng.choice([0, 16, 64, 256, 512, 1024]) if prefill else 0
     c = rng.randint(0, 2000)
     d = rng.randint(0, 64) if decodes else 0
-    return StepShape(p, p * c + p * (p + 1) // 2, d, d * rng.randint(10, 1500))
+    chunks = rng.randint(1, 3) if p else 0
+    return StepShape(p, p * c + p * (p + 1) // 2, d, d * rng.randint(10, 1500), chunks)
 
 
 def fitted(seed: int = 0, n: int = 200, noise: float = 0.03, tpot_slo_s: float | None = 0.05,
@@ -36,7 +37,7 @@ def fitted(seed: int = 0, n: int = 200, noise: float = 0.03, tpot_slo_s: float |
 def test_fit_recovers_the_cost_of_each_term() -> None:
     m = fitted()
     assert m.fit is not None and m.fit.samples >= 150
-    for term in ("base", "prefill_token", "attended_pair", "decode", "decode_ctx_token"):
+    for term in FEATURES:
         assert getattr(m.fit, term) == pytest.approx(getattr(TRUE, term), rel=0.15), term
 
 
@@ -49,7 +50,7 @@ def test_budget_fills_the_target_and_no_more() -> None:
     ppt = m.pairs_per_token
 
     def predicted(p: int) -> float:
-        return m.fit.predict(StepShape(p, int(p * ppt), d, ctx))
+        return m.fit.predict(StepShape(p, int(p * ppt), d, ctx, 1))
 
     assert predicted(budget) <= m.headroom * 0.05 < predicted(budget + 8)
     # Without decodes the step takes the whole budget; more decodes leave less room.
@@ -71,7 +72,7 @@ def test_slack_left_by_fast_steps_lets_a_larger_chunk_through_and_is_spent() -> 
     banked = m.prefill_budget(d, ctx)
     assert banked > plain
     # the chunk ran, as long as the aim plus the slack
-    m.observe(StepShape(banked, banked * 200, d, ctx), m.headroom * 0.05 + m.slack_s)
+    m.observe(StepShape(banked, banked * 200, d, ctx, 1), m.headroom * 0.05 + m.slack_s)
     assert m.slack_s == pytest.approx(0.0, abs=1e-9)
     assert m.prefill_budget(d, ctx) == pytest.approx(plain, rel=0.02)  # (the fit moved a hair)
 
@@ -87,7 +88,7 @@ def test_a_loaded_engine_averages_the_aim_not_the_target() -> None:
         d = rng.randint(8, 24)
         ctx = d * rng.randint(100, 600)
         p = m.prefill_budget(d, ctx)
-        shape = StepShape(p, p * 300 + p * (p + 1) // 2, d, ctx)
+        shape = StepShape(p, p * 300 + p * (p + 1) // 2, d, ctx, 1)
         t = TRUE.predict(shape) * (1 + rng.uniform(-0.05, 0.05))
         m.observe(shape, t)
         times.append(t)
@@ -113,7 +114,7 @@ def test_an_itl_cap_bounds_every_step_slack_or_not() -> None:
     ppt = itl.pairs_per_token
 
     def predicted(p: int) -> float:
-        return itl.fit.predict(StepShape(p, int(p * ppt), d, ctx))
+        return itl.fit.predict(StepShape(p, int(p * ppt), d, ctx, 1))
 
     assert predicted(capped) <= itl.headroom * 0.02 < predicted(capped + 8)
     assert itl.prefill_budget(0, 0) == 2048  # no decodes in the step: no cap
@@ -171,6 +172,45 @@ def test_scheduler_caps_prefill_tokens_only_in_steps_with_decodes() -> None:
     assert cost.num_capped_steps >= 2
 
 
+def test_a_chunk_is_held_to_the_time_left_at_its_own_context() -> None:
+    """The same room buys a fresh prompt more tokens than a chunk deep into a long one (whose
+    every token attends over the whole prefix), each chunk pays its own fixed cost, and the
+    chunk chosen is the longest whose predicted cost fits."""
+    m = StepCostModel(0.05, 4096)
+    m.fit = StepCostFit(base=1e-3, prefill_token=5e-5, attended_pair=2e-8, decode=3e-4,
+                        decode_ctx_token=0.0, samples=100, prefill_chunk=2e-3)
+    room = 0.02
+    fresh = m.chunk_tokens(room, 0, first=True)
+    deep = m.chunk_tokens(room, 3000, first=True)
+    assert 16 < deep < fresh < 4096
+    for n, ctx in ((fresh, 0), (deep, 3000)):
+        assert m.fit.chunk_seconds(n, ctx) <= room < m.fit.chunk_seconds(n + 1, ctx)
+    # Less room than a chunk's own cost: only the step's first chunk moves (by the minimum).
+    assert m.chunk_tokens(1.5e-3, 0, first=False) == 0
+    assert m.chunk_tokens(1.5e-3, 0, first=True) == m.min_prefill_tokens
+
+
+def test_scheduler_charges_every_chunk_its_fixed_cost() -> None:
+    """With 6 ms of room and 2 ms a chunk, a 20-token prompt (4 ms) leaves too little for a
+    second chunk, which waits for the next step; without the chunk cost both would run."""
+    s = make(num_blocks=256, max_num_batched_tokens=512, long_prefill_threshold=64)
+    cost = StepCostModel(0.01, 512)
+    cost.fit = StepCostFit(1e-3, 1e-4, 0.0, 1e-3, 0.0, samples=100, prefill_chunk=2e-3)
+    cost.slack_steps = 0.0
+    s.cost_model = cost
+    add(s, "a", 8, max_tokens=50)
+    add(s, "b", 8, max_tokens=50)
+    step(s)
+    add(s, "short", 20)
+    add(s, "long", 500)
+    out, _ = step(s)
+    # 0.9 * 10 ms - 1 ms base - 2 decodes x 1 ms = 6 ms; "short" takes 2 + 20 x 0.1 = 4 ms
+    assert shares(out) == {"a": 1, "b": 1, "short": 20}
+    assert cost.fit.predict(out.shape) <= cost.headroom * 0.01
+    out, _ = step(s)  # three decodes now: 5 ms of room, "long" gets (5 - 2) / 0.1 tokens
+    assert shares(out) == {"a": 1, "b": 1, "short": 1, "long": 30}
+
+
 def test_step_shape_counts_what_the_step_computes() -> None:
     s = make(max_num_batched_tokens=16, long_prefill_threshold=16)
     add(s, "a", 40)
@@ -182,7 +222,7 @@ def test_step_shape_counts_what_the_step_computes() -> None:
               for sc in out.scheduled}
     assert chunks["b"] == (3, 1)  # b decodes
     c, n = chunks["a"]
-    assert shape == StepShape(n, n * c + n * (n + 1) // 2, 1, 4)
+    assert shape == StepShape(n, n * c + n * (n + 1) // 2, 1, 4, 1)
 
 
 def test_tpot_target_or_itl_cap_changes_scheduling_not_results(demo_model_dir) -> None:

@@ -76,7 +76,7 @@ class _EngineCollector(Collector):
                 "kvrelay:step_cost_seconds",
                 "Online fit of engine step time: seconds per unit of each term (base per step, "
                 "per prefill token, per attended query-key pair, per decode, per decode "
-                "context token)", labels=[*names, "term"])
+                "context token, per prefill chunk)", labels=[*names, "term"])
             for term in STEP_COST_TERMS:
                 fam.add_metric([*self.labels, term], getattr(s.step_cost, term))
             yield fam
