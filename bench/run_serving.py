@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,11 @@ def _brief(doc: dict[str, Any]) -> str:
 
 
 # -- CLI -------------------------------------------------------------------------------------------
+def _default(name: str) -> Any:
+    """A Settings field's default: the command line's defaults are the settings' own."""
+    return {f.name: f.default for f in fields(Settings)}[name]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=None,
@@ -194,31 +199,39 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--cores", default=None, help="two cores, e.g. 0,1 (default: first two)")
-    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate", type=float, default=4.0, help="fixed Poisson rate (req/s)")
-    ap.add_argument("--sat-requests", type=int, default=200)
-    ap.add_argument("--rate-requests", type=int, default=200)
-    ap.add_argument("--long-requests", type=int, default=50)
-    ap.add_argument("--mixed-requests", type=int, default=200)
-    ap.add_argument("--goodput-range", default="0.25:128")
-    ap.add_argument("--goodput-iters", type=int, default=8)
-    ap.add_argument("--goodput-duration", type=float, default=30.0,
+    ap.add_argument("--kv-cache-gib", type=float, default=_default("kv_cache_gib"))
+    ap.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"))
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    default=_default("max_num_batched_tokens"))
+    ap.add_argument("--max-model-len", type=int, default=_default("max_model_len"))
+    ap.add_argument("--seed", type=int, default=_default("seed"))
+    ap.add_argument("--rate", type=float, default=_default("rate"),
+                    help="fixed Poisson rate (req/s)")
+    ap.add_argument("--sat-requests", type=int, default=_default("sat_requests"))
+    ap.add_argument("--rate-requests", type=int, default=_default("rate_requests"))
+    ap.add_argument("--long-requests", type=int, default=_default("long_requests"))
+    ap.add_argument("--mixed-requests", type=int,
+                    default=_default("mixed_requests"))
+    ap.add_argument("--goodput-range",
+                    default="{:g}:{:g}".format(*_default("goodput_range")))
+    ap.add_argument("--goodput-iters", type=int, default=_default("goodput_iters"))
+    ap.add_argument("--goodput-duration", type=float,
+                    default=_default("goodput_duration_s"),
                     help="seconds of arrivals per probed rate")
-    ap.add_argument("--goodput-min-requests", type=int, default=50)
-    ap.add_argument("--slo-ttft-ms", type=float, default=loadgen.DEFAULT_SLO_TTFT_MS)
-    ap.add_argument("--slo-tpot-ms", type=float, default=loadgen.DEFAULT_SLO_TPOT_MS)
-    ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--goodput-min-requests", type=int,
+                    default=_default("goodput_min_requests"))
+    ap.add_argument("--slo-ttft-ms", type=float, default=_default("slo_ttft_ms"))
+    ap.add_argument("--slo-tpot-ms", type=float, default=_default("slo_tpot_ms"))
+    ap.add_argument("--request-timeout", type=float,
+                    default=_default("request_timeout_s"))
+    ap.add_argument("--startup-timeout", type=float,
+                    default=_default("startup_timeout_s"))
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: a few requests per run, a 2-step goodput search")
     ap.add_argument("--no-report", action="store_true", help="skip bench/report.py at the end")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip profiling the runs of missed targets (bench/profile_missed.py)")
-    ap.add_argument("--vllm-venv", default=str(VLLM_VENV))
+    ap.add_argument("--vllm-venv", default=_default("vllm_venv"))
     ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for kvrelay's router (repeatable), e.g. "
                          "--router-arg=--no-stream-sessions for an A/B")

@@ -39,7 +39,7 @@ class Settings:
     rate_requests: int = 200
     long_requests: int = 50
     mixed_requests: int = 200
-    goodput_range: tuple[float, float] = (0.25, 32.0)
+    goodput_range: tuple[float, float] = (0.25, 128.0)
     goodput_iters: int = 8  # log bisection: 8 steps narrow run_serving's 0.25-128 req/s to ~2.5 %
     goodput_duration_s: float = 30.0
     goodput_min_requests: int = 50

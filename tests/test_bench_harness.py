@@ -358,3 +358,13 @@ def test_pd_proxy_follows_kv_transfer_flow(fake: FakeServer) -> None:
                and "stream_options" not in b for b in pre)
     assert all(b["kv_transfer_params"] == {"remote": 256} and b["max_tokens"] == 32
                for b in dec)
+
+
+def test_run_serving_command_line_defaults_are_the_settings_defaults() -> None:
+    """One source of defaults: ``run_serving`` with no options gives ``Settings()``'s values
+    (the goodput range once disagreed: 0.25-128 on the command line, 0.25-32 in Settings)."""
+    st = run_serving.settings_from_args(run_serving.build_parser().parse_args([]))
+    plain = run_serving.Settings(model_dir=st.model_dir, results_dir=st.results_dir,
+                                 cores=st.cores)
+    assert st == plain
+    assert st.goodput_range == (0.25, 128.0)
