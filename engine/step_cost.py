@@ -20,22 +20,21 @@ microseconds of numpy), with a small ridge so that a window with no prefill (or 
 leaves that coefficient near its last value instead of wild.
 
 :meth:`StepCostModel.prefill_budget` then answers: with these decodes in the step, how many
-prefill tokens keep the predicted step time within what the target allows? That count assumes
-the recent chunks' context; the scheduler then holds each chunk to the time left
-(:meth:`StepCostModel.prefill_room`, :meth:`StepCostModel.chunk_tokens`) at its own context, so
-a chunk deep into a long prompt, whose every token attends over the whole prefix, is cut shorter
-than a fresh prompt's. TPOT is a mean over a request's tokens, so a step may run past the target
-by the slack that the steps before it left under it (a batch of five decodes stepping in 20 ms
-against a 150 ms target banks 130 ms a step, which a prefill chunk may then spend). The slack is
-kept over about ``slack_steps`` steps' worth of target: enough to let whole prompts through
-between decodes at light load, never so much that one step stalls the batch for long. Capping
-each step at the target alone (Sarathi-Serve's fixed chunk) starves prefills at moderate load,
-where most steps run far under it: measured on the ~150M model at 1.5 req/s, TTFT grew without
-bound. Where the tail of the inter-token latency matters too, an ITL cap bounds every step with
-decodes (no slack): that is Sarathi-Serve's own cap, and with both set a step takes the smaller
-room. Until the model has seen enough steps, and when no target is set, the configured token
-budget applies.
-"""
+prefill tokens keep the predicted step time within what the target allows? That count is a fresh
+prompt's, whose tokens attend over their own chunk only; the scheduler then holds each chunk to
+the time left (:meth:`StepCostModel.prefill_room`, :meth:`StepCostModel.chunk_tokens`) at its
+own context, so a chunk deep into a long prompt, whose every token attends over the whole
+prefix, is cut shorter than a fresh prompt's. TPOT is a mean over a request's tokens, so a step
+may run past the target by the slack that the steps before it left under it (a batch of five
+decodes stepping in 20 ms against a 150 ms target banks 130 ms a step, which a prefill chunk may
+then spend). The slack is kept over about ``slack_steps`` steps' worth of target: enough to let
+whole prompts through between decodes at light load, never so much that one step stalls the
+batch for long. Capping each step at the target alone (Sarathi-Serve's fixed chunk) starves
+prefills at moderate load, where most steps run far under it: measured on the ~150M model at 1.5
+req/s, TTFT grew without bound. Where the tail of the inter-token latency matters too, an ITL
+cap bounds every step with decodes (no slack): that is Sarathi-Serve's own cap, and with both
+set a step takes the smaller room. Until the model has seen enough steps, and when no target is
+set, the configured token budget applies. """
 
 from __future__ import annotations
 
@@ -117,9 +116,6 @@ class StepCostModel:
         self.fit: StepCostFit | None = None
         self.last_budget: int = max_tokens
         self.num_capped_steps = 0
-        # Attended pairs per prefill token, smoothed over steps: what a prefill token of the
-        # next step will likely cost in attention (its chunk's visible context).
-        self.pairs_per_token = 0.0
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.prefill_tokens == 0 and shape.decodes == 0:
@@ -131,9 +127,6 @@ class StepCostModel:
             cap = self.slack_steps * self.tpot_slo_s
             aim = self.headroom * self.tpot_slo_s
             self.slack_s = max(-cap, min(cap, self.slack_s + aim - seconds))
-        if shape.prefill_tokens:
-            ppt = shape.attended_pairs / shape.prefill_tokens
-            self.pairs_per_token += 0.2 * (ppt - self.pairs_per_token)
         self._x.append(shape.features())
         self._y.append(seconds)
         self._since_fit += 1
@@ -199,21 +192,15 @@ class StepCostModel:
         return max(floor, min(self.max_tokens, int(n)))
 
     def prefill_budget(self, decodes: int, decode_ctx_tokens: int) -> int:
-        """Prefill tokens a step with these decodes may carry, as one chunk at the recent
-        chunks' context (the configured budget when :meth:`prefill_room` sets no limit)."""
+        """Prefill tokens a step with these decodes may carry: as many as one fresh prompt's
+        chunk (no context before it) could take, an upper bound that the scheduler then cuts
+        chunk by chunk at each one's own context (the configured budget when
+        :meth:`prefill_room` sets no limit)."""
         room = self.prefill_room(decodes, decode_ctx_tokens)
         if room is None:
             self.last_budget = self.max_tokens
             return self.max_tokens
-        f = self.fit
-        assert f is not None
-        per_token = f.prefill_token + f.attended_pair * self.pairs_per_token
-        room -= f.prefill_chunk
-        if per_token <= 0:
-            budget = self.max_tokens
-        else:
-            budget = int(room / per_token) if room > 0 else 0
-        budget = max(self.min_prefill_tokens, min(self.max_tokens, budget))
+        budget = self.chunk_tokens(room, 0, first=True)
         if budget < self.max_tokens:
             self.num_capped_steps += 1
         self.last_budget = budget

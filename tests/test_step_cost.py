@@ -47,15 +47,29 @@ def test_budget_fills_the_target_and_no_more() -> None:
     d, ctx = 24, 24 * 600
     budget = m.prefill_budget(d, ctx)
     assert 16 < budget < 2048
-    ppt = m.pairs_per_token
-
-    def predicted(p: int) -> float:
-        return m.fit.predict(StepShape(p, int(p * ppt), d, ctx, 1))
+    def predicted(p: int) -> float:  # a fresh prompt's chunk: it attends over itself
+        return m.fit.predict(StepShape(p, p * (p + 1) // 2, d, ctx, 1))
 
     assert predicted(budget) <= m.headroom * 0.05 < predicted(budget + 8)
     # Without decodes the step takes the whole budget; more decodes leave less room.
     assert m.prefill_budget(0, 0) == 2048
     assert m.prefill_budget(48, 48 * 600) < budget
+
+
+def test_the_budget_prices_a_fresh_prompt_not_the_last_chunks_context() -> None:
+    """Chunks deep into a long prompt (each token attending over 20k others) must not shrink
+    the token budget a fresh short prompt gets in the next step: the scheduler cuts each chunk
+    at its own context, and the budget is the fresh prompt's upper bound."""
+    m = fitted()
+    m.slack_s = 0.0
+    d, ctx = 8, 8 * 300
+    before = m.prefill_budget(d, ctx)
+    for _ in range(64):
+        deep = StepShape(64, 64 * 20_000 + 64 * 65 // 2, d, ctx, 1)
+        m.observe(deep, TRUE.predict(deep))
+    m.slack_s = 0.0
+    assert m.prefill_budget(d, ctx) == pytest.approx(before, rel=0.03)
+    assert m.chunk_tokens(m.prefill_room(d, ctx), 20_000, first=True) < 0.7 * before
 
 
 def test_slack_left_by_fast_steps_lets_a_larger_chunk_through_and_is_spent() -> None:
@@ -111,10 +125,8 @@ def test_an_itl_cap_bounds_every_step_slack_or_not() -> None:
     capped = itl.prefill_budget(d, ctx)
     assert both.prefill_budget(d, ctx) == pytest.approx(capped, rel=0.02)
     assert 16 < capped < tpot.prefill_budget(d, ctx)
-    ppt = itl.pairs_per_token
-
     def predicted(p: int) -> float:
-        return itl.fit.predict(StepShape(p, int(p * ppt), d, ctx, 1))
+        return itl.fit.predict(StepShape(p, p * (p + 1) // 2, d, ctx, 1))
 
     assert predicted(capped) <= itl.headroom * 0.02 < predicted(capped + 8)
     assert itl.prefill_budget(0, 0) == 2048  # no decodes in the step: no cap
