@@ -34,7 +34,8 @@ prefills at moderate load, where most steps run far under it: measured on the ~1
 req/s, TTFT grew without bound. Where the tail of the inter-token latency matters too, an ITL
 cap bounds every step with decodes (no slack): that is Sarathi-Serve's own cap, and with both
 set a step takes the smaller room. Until the model has seen enough steps, and when no target is
-set, the configured token budget applies. """
+set, the configured token budget applies.
+"""
 
 from __future__ import annotations
 
