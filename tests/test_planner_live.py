@@ -65,9 +65,7 @@ def test_planner_scales_up_under_a_ramp_and_back_down_with_no_failed_request(ser
             return sum(served.counts().values()) > 2
         wait_for(grown, 180, "the planner scaled up", every=0.5)
         added = set(served.replicas()) - first
-        # Requests on the grown pools: a new worker serves once it has started, loaded the
-        # model and been measured, which on a starved host takes as long as growing did.
-        wait_for(lambda: workers_used(high.done) & added, 180,
+        wait_for(lambda: workers_used(high.done) & added, 60,  # requests on the grown pools
                  f"a request served by {sorted(added)}", every=0.2)
     high.check(None)
     with Load(served.target, light, clients=1, max_per_client=10_000) as back:
