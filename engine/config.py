@@ -27,6 +27,9 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+THREAD_BINDINGS = ("auto", "on", "off")  # where the engine threads run: engine.thread_pinning
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # checkpoint directory (config.json + *.safetensors)
@@ -65,7 +68,7 @@ class ModelConfig:
         if self.linear_kernel not in ("auto", "panels", "onednn", "mixed"):
             raise ValueError(f"linear_kernel must be auto|panels|onednn|mixed, got "
                              f"{self.linear_kernel!r}")
-        if self.thread_binding not in ("auto", "on", "off"):
+        if self.thread_binding not in THREAD_BINDINGS:
             raise ValueError(f"thread_binding must be auto|on|off, got {self.thread_binding!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")

@@ -22,18 +22,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvrelay.engine import native
-
-if TYPE_CHECKING:
-    from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.config import THREAD_BINDINGS as MODES
+from kvrelay.engine.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-MODES = ("auto", "on", "off")
 
 
 def plan(mode: str, threads: int, allowed: set[int]) -> list[int] | None:
