@@ -65,6 +65,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--itl-cap-ms", type=float, default=None,
         help="inter-token latency cap: no step with decodes is planned longer than this "
              "(bounds every step, at a cost in TTFT; --tpot-slo-ms bounds their mean)")
+    opt(g, "--itl-cap-max-queue-ms", type=float, default=250.0,
+        help="the ITL cap yields in steps whose oldest queued prompt has waited this long, so "
+             "the queue drains at full speed under load (inf: never)")
     opt(g, "--num-threads", type=int, default=None,
         help="torch threads on CPU (per rank; default 1 per rank under tensor parallelism)")
     opt(g, "--thread-binding", default="auto", choices=["auto", "on", "off"],
@@ -102,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),
         tpot_slo_ms=None if args.tpot_slo_ms is None else float(args.tpot_slo_ms),
         itl_cap_ms=None if args.itl_cap_ms is None else float(args.itl_cap_ms),
+        itl_cap_max_queue_ms=float(args.itl_cap_max_queue_ms),
         num_threads=args.num_threads, attention_backend=args.attention_backend,
         thread_binding=getattr(args, "thread_binding", "auto"),
         linear_kernel=args.linear_kernel,

@@ -124,6 +124,10 @@ class SchedulerConfig:
     # Serve's per-iteration cap). Unlike the TPOT target, a mean over a request's tokens that
     # lets a step spend the slack earlier steps left, this bounds every step: the ITL tail.
     itl_cap_ms: float | None = None
+    # The cap yields (only the TPOT target then limits the step) in a step whose oldest queued
+    # prompt has waited this long: under load a capped step would cap prefill throughput too,
+    # and the queue (TTFT, goodput) would pay for the ITL tail. inf: never.
+    itl_cap_max_queue_ms: float = 250.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -141,6 +145,9 @@ class SchedulerConfig:
             ms = getattr(self, name)
             if ms is not None and not (0 < ms < 3_600_000):
                 raise ValueError(f"{name} must be a positive number of milliseconds, got {ms}")
+        if not self.itl_cap_max_queue_ms >= 0:
+            raise ValueError("itl_cap_max_queue_ms must be a number of milliseconds >= 0 "
+                             f"(inf: the cap never yields), got {self.itl_cap_max_queue_ms}")
 
 
 @dataclass(frozen=True)

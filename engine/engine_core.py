@@ -58,7 +58,8 @@ class EngineCore:
         # prefill tokens only when a TPOT target or an ITL cap is set.
         self.step_cost = StepCostModel(
             None if sc.tpot_slo_ms is None else sc.tpot_slo_ms / 1e3, sc.max_num_batched_tokens,
-            itl_cap_s=None if sc.itl_cap_ms is None else sc.itl_cap_ms / 1e3)
+            itl_cap_s=None if sc.itl_cap_ms is None else sc.itl_cap_ms / 1e3,
+            itl_cap_max_queue_s=sc.itl_cap_max_queue_ms / 1e3)
         self.scheduler = Scheduler(sc, self.block_manager, self.runner.max_model_len,
                                    eos_token_ids, self.step_cost)
         self.step_log = StepLog.from_env()  # KVRELAY_STEP_LOG: a line per step, for benches
@@ -111,6 +112,7 @@ class EngineCore:
             step_cost=self.step_cost.fit,
             prefill_budget=self.step_cost.last_budget,
             num_capped_steps=self.step_cost.num_capped_steps,
+            num_cap_yields=self.step_cost.num_cap_yields,
             kv_transfer=self.connector.counters() if self.connector is not None else {},
         )
 

@@ -73,6 +73,7 @@ class EngineStats:
     step_cost: StepCostFit | None = None
     prefill_budget: int = 0
     num_capped_steps: int = 0
+    num_cap_yields: int = 0  # steps in which the ITL cap yielded to a backed-up queue
     kv_transfer: dict[str, int] = field(default_factory=dict)  # the connector's counters
 
     @property

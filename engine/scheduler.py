@@ -4,9 +4,10 @@ One step, in order:
   1. Every running sequence in its decode phase gets one token (decodes first: a prefill can
      never stall them for longer than one step). Out of blocks, the most recently admitted
      running sequence is preempted: its blocks are freed and it waits to be recomputed.
-  2. Prefills share what is left of the budget, which a TPOT target can cap further when the
-     step carries decodes (``StepCostModel.prefill_budget``: the prefill tokens that keep the
-     step's predicted time within the target). Short prompts (at most
+  2. Prefills share what is left of the budget, which a TPOT target or an ITL cap can cap
+     further when the step carries decodes (``StepCostModel.prefill_room``: the time that keeps
+     the step's predicted time within the target; the ITL cap yields in a step whose oldest
+     queued prompt has waited too long). Short prompts (at most
      ``long_prefill_threshold`` tokens left) go first, in arrival order, so several can share
      a step; at most one long prompt prefills at a time, chunked, and keeps a reserve of the
      budget so a stream of short prompts cannot starve it.
@@ -17,6 +18,7 @@ scheduled until their KV has arrived and their first token is known.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -127,8 +129,8 @@ class Scheduler:
         self._room = None
         if scheduled and self.cost_model is not None:
             ctx = sum(s.seq.num_tokens for s in scheduled)
-            budget = min(budget, self.cost_model.prefill_budget(len(scheduled), ctx))
-            self._room = self.cost_model.prefill_room(len(scheduled), ctx)
+            self._room = self.cost_model.prefill_room(len(scheduled), ctx, self._queue_wait())
+            budget = min(budget, self.cost_model.budget_for(self._room))
         chunked = self.config.enable_chunked_prefill
         threshold = self.config.long_prefill_threshold
         partial = [s for s in self.running
@@ -149,6 +151,12 @@ class Scheduler:
         for seq in (long_running or long_)[:1]:
             budget -= self._try_prefill(seq, budget, chunked, prefilling, scheduled)
         return SchedulerOutput(scheduled, preempted)
+
+    def _queue_wait(self) -> float | None:
+        """Seconds the oldest queued prompt has waited (None with none queued)."""
+        if not self.waiting:
+            return None
+        return time.monotonic() - min(s.arrival_time for s in self.waiting)
 
     def _remaining(self, seq: Sequence) -> int:
         if not seq.block_table and seq.status == SequenceStatus.WAITING:

@@ -57,6 +57,9 @@ class _EngineCollector(Collector):
         yield counter("kvrelay:tpot_capped_steps",
                       "Steps whose prefill tokens the TPOT target or ITL cap capped",
                       s.num_capped_steps)
+        yield counter("kvrelay:itl_cap_yielded_steps",
+                      "Steps with decodes in which the ITL cap yielded: the oldest queued "
+                      "prompt had waited --itl-cap-max-queue-ms", s.num_cap_yields)
         if s.kv_transfer:
             held = GaugeMetricFamily("kvrelay:kv_blocks_held_requests",
                                      "Aborted receivers whose blocks wait for their sender",
