@@ -11,10 +11,11 @@ the step did,
           + per_chunk * C
 
 with P prefill tokens, A (query, key) pairs those tokens attend over, D decodes, K keys the
-decodes attend over and C prefill chunks. A chunk has a cost of its own, whatever its length: a
-step that carries one leaves the fused decode path for the per-op one and runs the chunk's
-attention call (served on the ~7M model, ~2.5 ms a step, against ~0.06 ms a prefill token; a
-model without this term under-predicted every step that mixed a small chunk with decodes). The
+decodes attend over and C prefill chunks. A chunk has a cost of its own, whatever its length:
+its attention call over its context, and past the fused layers' rows the per-op path (served
+on the ~7M model, ~2.5 ms a step before steps with small chunks were fused, ~1.3 ms after,
+against ~0.06 ms a prefill token; a model without this term under-predicted every step that
+mixed a small chunk with decodes). The
 fit is least squares over the last ``window`` steps (refit every few steps; it is a few
 microseconds of numpy), with a small ridge so that a window with no prefill (or no decodes)
 leaves that coefficient near its last value instead of wild.

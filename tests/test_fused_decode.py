@@ -1,5 +1,6 @@
 """The fused decode layers (engine/models/fused_decode.py, engine/csrc/decode_layer.c) give the
-per-op path's results exactly, take every all-decode step they can, and decline the rest."""
+per-op path's results exactly, take every decode step they can (the small prefill steps too:
+tests/test_fused_mixed.py), and decline the rest."""
 
 from __future__ import annotations
 
@@ -78,8 +79,10 @@ def test_fused_decode_equals_the_per_op_path_and_transformers(hf_model_dir, arch
 
     monkeypatch.setattr(FusedDecode, "run", counting)
     fused = decode_logits(fused_core, prompt, ref.token_ids)
-    assert taken.count(True) == len(ref.token_ids) - 1  # every decode step, no prefill
-    assert taken.count(False) == 3
+    # every decode step; the prompts' steps too where the native prefill kernel runs them
+    prompts = 3 if fused_core.runner.native_prefill else 0
+    assert taken.count(True) == len(ref.token_ids) - 1 + prompts
+    assert taken.count(False) == 3 - prompts
     plain = decode_logits(plain_core, prompt, ref.token_ids)
     torch.testing.assert_close(fused, plain, rtol=0, atol=0)  # the same kernels, bit for bit
     # and transformers' logits for sequence 0 (the full prompt): 1e-4 relative
@@ -143,8 +146,8 @@ class _Connector(KVConnector):
 
 def test_an_engine_with_a_connector_decodes_through_the_fused_layers(hf_model_dir,
                                                                      monkeypatch) -> None:
-    """A decode worker's engine has a KV connector: its decode steps still take the fused
-    path (they send nothing, so no per-layer hook is installed), one that sends does not."""
+    """A decode worker's engine has a KV connector: its steps still take the fused path (they
+    send nothing, so no per-layer hook is installed), one that sends does not."""
     model_dir = hf_model_dir("llama")
     ran: list[bool] = []
     run = FusedDecode.run
@@ -167,4 +170,4 @@ def test_an_engine_with_a_connector_decodes_through_the_fused_layers(hf_model_di
         if sending:  # every layer of every step reported, the per-op path throughout
             assert not took and conn.saved > 0
         else:
-            assert len(took) == GREEDY.max_tokens - 1 and conn.saved == 0
+            assert len(took) == GREEDY.max_tokens and conn.saved == 0  # the prompt's step too

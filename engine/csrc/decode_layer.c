@@ -1,4 +1,5 @@
-/* A Llama-family decoder layer for a decode-only step, in one call and one parallel region.
+/* A Llama-family decoder layer for a step of decodes and small prefill chunks, in one call and
+ * one parallel region.
  *
  * Called from Python, a layer is ~10 native calls and as many torch ops: each a ctypes call, an
  * OpenMP fork and join, a fresh output tensor. At decode sizes that glue, not the arithmetic,
@@ -12,7 +13,10 @@
  *   delta = act Wdown^T                     h += delta, x = next_norm(h) (if there is one)
  *
  * The kernels are the same ones the per-op path calls (kernels.h), so both give identical
- * results. Rows are the step's decodes, one each: h and x [rows, hidden] are updated in place.
+ * results. Rows are the step's prefill chunks' tokens (the first prefill_rows, spans of them,
+ * each chunk's attention causal over its cached prefix and itself: the paged prefill kernel)
+ * and then its decodes, one each: h and x [rows, hidden] are updated in place. A step of
+ * decodes alone has no spans.
  *
  * KV head groups (kv_groups > 1): the cache keeps each group of kv_heads / kv_groups heads in a
  * tensor of its own, group_stride floats after the previous one (the layout of a rank of that
@@ -39,10 +43,14 @@ typedef struct {
     int64_t rows;
     const float *cos, *sin;       /* [rows, head_dim / 2] */
     const int64_t *slots;         /* [rows] */
-    const int32_t *tables, *lens; /* [rows, width], [rows] */
+    const int32_t *tables, *lens; /* the decodes': [rows - prefill_rows, width], [..] */
     int64_t width, block_size, min_part;
     float *h, *x; /* the residual stream and input_norm(h), [rows, hidden] */
     int nthreads;
+    /* Prefill chunks: spans of the first prefill_rows rows (first row, rows, keys visible to
+     * the last row, [spans] each), their block tables [spans, span_width]. */
+    int64_t prefill_rows, spans, span_width;
+    const int32_t *span_start, *span_len, *span_ctx, *span_tables;
 } kvr_step_t;
 
 /* Returns 0; -1 on bad arguments, -2 for a context outside its block table, -3 out of memory. */
@@ -50,22 +58,35 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     const int64_t M = S->rows, hid = L->hidden, H = L->heads, KVH = L->kv_heads;
     const int64_t D = L->head_dim, I = L->inter, qs = H * D, kvs = KVH * D, nqkv = qs + 2 * kvs;
     const int64_t G = L->kv_groups, gs = L->group_stride;
+    const int64_t P = S->prefill_rows, N = M - P; /* prefill rows, then N decodes */
     if (M <= 0) return 0;
     if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % 2 || S->block_size <= 0 ||
-        S->min_part <= 0 || S->nthreads < 1 || G < 1 || KVH % G || (G > 1 && gs <= 0))
+        S->min_part <= 0 || S->nthreads < 1 || G < 1 || KVH % G || (G > 1 && gs <= 0) ||
+        P < 0 || P > M || (P > 0) != (S->spans > 0))
         return -1;
     const int64_t hq = H / G, hk = KVH / G, gq = hq * D, gk = hk * D; /* per group */
     for (int64_t r = 0; r < M; r++)
         if (S->slots[r] < 0) return -1;
-    kvr_decode_plan_t pl;
-    int rc = kvr__decode_plan(S->lens, M, H, D, S->block_size, S->width, L->window, S->min_part,
-                              S->nthreads, &pl);
-    if (rc) return rc;
+    int64_t covered = 0;
+    for (int64_t j = 0; j < S->spans; j++) {
+        if (S->span_start[j] != covered) return -1; /* the spans tile the prefill rows */
+        covered += S->span_len[j];
+    }
+    if (covered != P) return -1;
+    kvr_decode_plan_t pl = {0};
+    kvr_prefill_plan_t pp = {0};
+    int rc = N ? kvr__decode_plan(S->lens, N, H, D, S->block_size, S->width, L->window,
+                                  S->min_part, S->nthreads, &pl)
+               : 0;
+    if (!rc && P)
+        rc = kvr__prefill_plan(S->span_start, S->span_len, S->span_ctx, S->spans, hk, D,
+                               S->block_size, S->span_width, &pp);
     const int64_t floats = M * (nqkv + (G > 1 ? 3 : 2) * qs + hid + 2 * I + I);
-    float *buf = malloc(sizeof(float) * floats);
+    float *buf = rc ? NULL : malloc(sizeof(float) * floats);
     if (!buf) {
-        kvr__decode_plan_free(&pl);
-        return -3;
+        if (N) kvr__decode_plan_free(&pl);
+        if (P) kvr__prefill_plan_free(&pp);
+        return rc ? rc : -3;
     }
     float *qkv = buf, *q = qkv + M * nqkv, *att = q + M * qs, *delta = att + M * qs;
     float *gu = delta + M * hid, *act = gu + M * 2 * I;
@@ -86,10 +107,16 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
                        sizeof(float) * gk);
             }
         }
-        for (int64_t g = 0; g < G; g++)
-            failed |= kvr__decode_run(&pl, q + g * M * gq, L->k_cache + g * gs,
-                                      L->v_cache + g * gs, S->tables, att_g + g * M * gq, hq, hk,
-                                      D, S->block_size, S->width, L->scale);
+        for (int64_t g = 0; g < G; g++) { /* group g's rows: prefill, then decodes */
+            const float *qg = q + g * M * gq, *kc = L->k_cache + g * gs, *vc = L->v_cache + g * gs;
+            float *og = att_g + g * M * gq;
+            if (P)
+                failed |= kvr__prefill_run(&pp, qg, kc, vc, S->span_tables, og, hq, hk, D,
+                                           S->block_size, S->span_width, L->scale, L->window);
+            if (N)
+                failed |= kvr__decode_run(&pl, qg + P * gq, kc, vc, S->tables, og + P * gq, hq,
+                                          hk, D, S->block_size, S->width, L->scale);
+        }
         if (G > 1) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++)
@@ -118,6 +145,7 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
         }
     }
     free(buf);
-    kvr__decode_plan_free(&pl);
+    if (N) kvr__decode_plan_free(&pl);
+    if (P) kvr__prefill_plan_free(&pp);
     return failed ? -3 : 0;
 }

@@ -38,4 +38,29 @@ void kvr__decode_plan_free(kvr_decode_plan_t *pl);
 int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const float *k_cache,
                     const float *v_cache, const int32_t *tables, float *out, int64_t H,
                     int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale);
+/* paged_prefill.c: prefill attention as a plan and its run, the same way. */
+typedef struct {
+    int32_t span;
+    int32_t kvh;
+    int32_t q0; /* first query row of the tile, within the span */
+    int32_t nq; /* rows in the tile */
+} kvr_pitem_t;
+
+typedef struct {
+    kvr_pitem_t *items;
+    int64_t n_items;
+    int64_t *kt_off; /* per (span, KV head): its transposed keys' offset in kt */
+    float *kt;
+    const int32_t *q_start, *q_len, *ctx_len; /* the spans, [S] each (the caller's arrays) */
+    int64_t S;
+} kvr_prefill_plan_t;
+
+int kvr__prefill_plan(const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
+                      int64_t S, int64_t KVH, int64_t D, int64_t bs, int64_t W,
+                      kvr_prefill_plan_t *pl);
+void kvr__prefill_plan_free(kvr_prefill_plan_t *pl);
+int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const float *k_cache,
+                     const float *v_cache, const int32_t *tables, float *out, int64_t H,
+                     int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale,
+                     int64_t window);
 #endif

@@ -42,13 +42,6 @@
 #define NV 2
 #endif
 
-typedef struct {
-    int32_t span;
-    int32_t kvh;
-    int32_t q0; /* first query row of the tile, within the span */
-    int32_t nq; /* rows in the tile */
-} pitem_t;
-
 #define ROWS_PADDED(n) (((n) + QR - 1) / QR * QR)
 
 /* S[r][0..KT) = sum_d Q[r][d] Kt[d][0..KT) for QR rows (rows `ldq` apart), scaled; NV VL
@@ -185,8 +178,8 @@ static int tile_softmax(float *restrict sbuf, float *restrict obuf, float *restr
 
 static void prefill_item(const float *restrict q, const float *restrict kt_all,
                          const float *restrict v_cache, const int32_t *restrict table,
-                         int64_t q_start, int64_t q_len, int64_t ctx, const pitem_t *w, int64_t H,
-                         int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
+                         int64_t q_start, int64_t q_len, int64_t ctx, const kvr_pitem_t *w,
+                         int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
                          float *restrict out, float *restrict sbuf, float *restrict obuf,
                          float *restrict ms, int64_t rowsv, float *restrict qbuf) {
     const int64_t G = H / KVH, row = KVH * D, nq = w->nq;
@@ -247,16 +240,11 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
         }
 }
 
-/* Returns 0, or a negative number on bad arguments / out of memory. */
-int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache,
-                          const int32_t *tables, const int32_t *q_start, const int32_t *q_len,
-                          const int32_t *ctx_len, float *out, int64_t S, int64_t H, int64_t KVH,
-                          int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
-                          int num_threads) {
-    if (S <= 0) return 0;
-    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % VL || bs <= 0 || num_threads < 1)
-        return -1;
-    const int64_t G = H / KVH, row = KVH * D;
+/* The work of one call: its items and where each (span, KV head)'s transposed keys go. */
+int kvr__prefill_plan(const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
+                      int64_t S, int64_t KVH, int64_t D, int64_t bs, int64_t W,
+                      kvr_prefill_plan_t *pl) {
+    memset(pl, 0, sizeof(*pl));
     int64_t n_items = 0, kt_floats = 0;
     int64_t *kt_off = malloc(sizeof(int64_t) * S * KVH);
     if (!kt_off) return -3;
@@ -269,7 +257,7 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
         const int64_t padded = (ctx_len[j] + KT - 1) / KT * KT;
         for (int64_t h = 0; h < KVH; h++) kt_off[j * KVH + h] = kt_floats, kt_floats += padded * D;
     }
-    pitem_t *items = malloc(sizeof(pitem_t) * n_items);
+    kvr_pitem_t *items = malloc(sizeof(kvr_pitem_t) * n_items);
     float *kt = malloc(sizeof(float) * kt_floats);
     if (!items || !kt) {
         free(kt_off), free(items), free(kt);
@@ -280,55 +268,84 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
     for (int64_t j = 0; j < S; j++)
         for (int64_t q0 = (q_len[j] - 1) / QT * QT; q0 >= 0; q0 -= QT)
             for (int64_t h = 0; h < KVH; h++)
-                items[it++] = (pitem_t){(int32_t)j, (int32_t)h, (int32_t)q0,
-                                        (int32_t)(q0 + QT <= q_len[j] ? QT : q_len[j] - q0)};
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        /* Phase 1: every span's keys, per KV head, transposed into [D][KT] tiles. */
+                items[it++] = (kvr_pitem_t){(int32_t)j, (int32_t)h, (int32_t)q0,
+                                            (int32_t)(q0 + QT <= q_len[j] ? QT : q_len[j] - q0)};
+    *pl = (kvr_prefill_plan_t){items, n_items, kt_off, kt, q_start, q_len, ctx_len, S};
+    return 0;
+}
+
+void kvr__prefill_plan_free(kvr_prefill_plan_t *pl) {
+    free(pl->items), free(pl->kt_off), free(pl->kt);
+    memset(pl, 0, sizeof(*pl));
+}
+
+/* Every thread of the enclosing parallel region calls this; nonzero where this thread ran out
+ * of memory (its share of the items then undone). */
+int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const float *k_cache,
+                     const float *v_cache, const int32_t *tables, float *out, int64_t H,
+                     int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale,
+                     int64_t window) {
+    const int64_t G = H / KVH, row = KVH * D, S = pl->S;
+    const int32_t *ctx_len = pl->ctx_len;
+    /* Phase 1: every span's keys, per KV head, transposed into [D][KT] tiles. */
 #pragma omp for schedule(dynamic, 1) collapse(2)
-        for (int64_t j = 0; j < S; j++)
-            for (int64_t h = 0; h < KVH; h++) {
-                float *dst = kt + kt_off[j * KVH + h];
-                const int64_t n = ctx_len[j], padded = (n + KT - 1) / KT * KT;
-                const int32_t *table = tables + j * W;
-                for (int64_t k0 = 0; k0 < padded; k0 += KT) {
-                    float *tile = dst + k0 * D;
-                    for (int64_t c = 0; c < KT; c++) {
-                        const int64_t pos = k0 + c;
-                        if (pos < n) {
-                            const float *kr = k_cache +
-                                              ((int64_t)table[pos / bs] * bs + pos % bs) * row +
-                                              h * D;
-                            for (int64_t d = 0; d < D; d++) tile[d * KT + c] = kr[d];
-                        } else {
-                            for (int64_t d = 0; d < D; d++) tile[d * KT + c] = 0.f;
-                        }
+    for (int64_t j = 0; j < S; j++)
+        for (int64_t h = 0; h < KVH; h++) {
+            float *dst = pl->kt + pl->kt_off[j * KVH + h];
+            const int64_t n = ctx_len[j], padded = (n + KT - 1) / KT * KT;
+            const int32_t *table = tables + j * W;
+            for (int64_t k0 = 0; k0 < padded; k0 += KT) {
+                float *tile = dst + k0 * D;
+                for (int64_t c = 0; c < KT; c++) {
+                    const int64_t pos = k0 + c;
+                    if (pos < n) {
+                        const float *kr = k_cache +
+                                          ((int64_t)table[pos / bs] * bs + pos % bs) * row +
+                                          h * D;
+                        for (int64_t d = 0; d < D; d++) tile[d * KT + c] = kr[d];
+                    } else {
+                        for (int64_t d = 0; d < D; d++) tile[d * KT + c] = 0.f;
                     }
                 }
             }
-        /* Phase 2: the attention tiles. */
-        const int64_t rowsp = ROWS_PADDED(G * QT);
-        float *sbuf = malloc(sizeof(float) * rowsp * KT);
-        float *obuf = malloc(sizeof(float) * rowsp * D);
-        float *qbuf = malloc(sizeof(float) * rowsp * D);
-        const int64_t rowsv = (rowsp + VL - 1) / VL * VL;
-        float *ml = malloc(sizeof(float) * rowsv * 4);
-        if (!sbuf || !obuf || !qbuf || !ml) {
-#pragma omp atomic write
-            failed = 1;
         }
+    /* Phase 2: the attention tiles. */
+    const int64_t rowsp = ROWS_PADDED(G * QT);
+    float *sbuf = malloc(sizeof(float) * rowsp * KT);
+    float *obuf = malloc(sizeof(float) * rowsp * D);
+    float *qbuf = malloc(sizeof(float) * rowsp * D);
+    const int64_t rowsv = (rowsp + VL - 1) / VL * VL;
+    float *ml = malloc(sizeof(float) * rowsv * 4);
+    const int ok = sbuf && obuf && qbuf && ml;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; i++) {
-            if (!sbuf || !obuf || !qbuf || !ml) continue;
-            const pitem_t *w = &items[i];
-            const int64_t j = w->span;
-            prefill_item(q, kt + kt_off[j * KVH + w->kvh], v_cache, tables + j * W, q_start[j],
-                         q_len[j], ctx_len[j], w, H, KVH, D, bs, scale, window, out, sbuf, obuf,
-                         ml, rowsv, qbuf);
-        }
-        free(sbuf), free(obuf), free(qbuf), free(ml);
+    for (int64_t i = 0; i < pl->n_items; i++) {
+        if (!ok) continue;
+        const kvr_pitem_t *w = &pl->items[i];
+        const int64_t j = w->span;
+        prefill_item(q, pl->kt + pl->kt_off[j * KVH + w->kvh], v_cache, tables + j * W,
+                     pl->q_start[j], pl->q_len[j], ctx_len[j], w, H, KVH, D, bs, scale, window,
+                     out, sbuf, obuf, ml, rowsv, qbuf);
     }
-    free(kt_off), free(items), free(kt);
+    free(sbuf), free(obuf), free(qbuf), free(ml);
+    return !ok;
+}
+
+/* Returns 0, or a negative number on bad arguments / out of memory. */
+int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache,
+                          const int32_t *tables, const int32_t *q_start, const int32_t *q_len,
+                          const int32_t *ctx_len, float *out, int64_t S, int64_t H, int64_t KVH,
+                          int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
+                          int num_threads) {
+    if (S <= 0) return 0;
+    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % VL || bs <= 0 || num_threads < 1)
+        return -1;
+    kvr_prefill_plan_t pl;
+    int rc = kvr__prefill_plan(q_start, q_len, ctx_len, S, KVH, D, bs, W, &pl);
+    if (rc) return rc;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    failed |= kvr__prefill_run(&pl, q, k_cache, v_cache, tables, out, H, KVH, D, bs, W, scale,
+                               window);
+    kvr__prefill_plan_free(&pl);
     return failed ? -3 : 0;
 }

@@ -371,10 +371,10 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rotary.sin[positions]
         layers = self.layers
         x = layers[0].input_norm.add_and_norm(h, None)
-        if self.fused_decode is not None and self.fused_decode.run(h, x, cos, sin,
-                                                                   current_metadata()):
-            return h
-        last = current_metadata().last_layer
+        meta = current_metadata()
+        last = meta.last_layer
+        if self.fused_decode is not None and self.fused_decode.run(h, x, cos, sin, meta):
+            return h if last is None else h.index_select(0, last.rows)
         for i, layer in enumerate(layers):
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
             if nxt is None and last is not None:
