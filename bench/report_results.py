@@ -15,13 +15,15 @@ from typing import Any
 
 logger = logging.getLogger("bench.report")  # the report's: its log lines read as before
 
-CONFIG_ORDER = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-1p1d",
-                "kvrelay-dp2", "kvrelay-dp2-tpot", "vllm-agg", "vllm-dp2", "vllm-pd")
+CONFIG_ORDER = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-agg-itl",
+                "kvrelay-1p1d", "kvrelay-dp2", "kvrelay-dp2-tpot", "vllm-agg", "vllm-dp2",
+                "vllm-pd")
 PEER = {"kvrelay-agg": "vllm-agg", "kvrelay-agg-chunked": "vllm-agg",
-        "kvrelay-agg-tpot": "vllm-agg", "kvrelay-1p1d": "vllm-pd", "kvrelay-dp2": "vllm-dp2",
-        "kvrelay-dp2-tpot": "vllm-dp2"}
+        "kvrelay-agg-tpot": "vllm-agg", "kvrelay-agg-itl": "vllm-agg", "kvrelay-1p1d": "vllm-pd",
+        "kvrelay-dp2": "vllm-dp2", "kvrelay-dp2-tpot": "vllm-dp2"}
 LABEL = {"kvrelay-agg": "kvrelay agg (no chunking)", "kvrelay-agg-chunked": "kvrelay agg chunked",
-         "kvrelay-agg-tpot": "kvrelay agg TPOT-aware", "kvrelay-1p1d": "kvrelay 1P1D",
+         "kvrelay-agg-tpot": "kvrelay agg TPOT-aware",
+         "kvrelay-agg-itl": "kvrelay agg TPOT-aware + ITL cap", "kvrelay-1p1d": "kvrelay 1P1D",
          "kvrelay-dp2": "kvrelay 2x agg chunked (a core each)",
          "kvrelay-dp2-tpot": "kvrelay 2x agg TPOT-aware (a core each)",
          "vllm-agg": "vLLM-cpu agg", "vllm-dp2": "vLLM-cpu DP=2 (a core each)",

@@ -44,10 +44,10 @@ TARGETS = [  # issue 17 (serving path) and issue 18's 7M-model bars
       for m, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"))],
     # issue 18: aggregated with the TPOT-aware budget, one engine on both cores or one per core
     *[Target(f"{LABEL[c]}: goodput ≥ 1.2x vLLM-cpu agg", c, "vllm-agg", _goodput, ">=", 1.2,
-             "goodput") for c in ("kvrelay-agg-tpot", "kvrelay-dp2-tpot")],
+             "goodput") for c in ("kvrelay-agg-tpot", "kvrelay-agg-itl", "kvrelay-dp2-tpot")],
     *[Target(f"mixed: short requests' ITL p99, {LABEL[c]} ≤ 0.5x kvrelay agg (no chunking)",
              c, "kvrelay-agg", _at("mixed", "by_kind.short.itl_ms.p99"), "<=", 0.5, "mixed")
-      for c in ("kvrelay-agg-tpot", "kvrelay-dp2-tpot")],
+      for c in ("kvrelay-agg-tpot", "kvrelay-agg-itl", "kvrelay-dp2-tpot")],
     Target("kvrelay 1P1D: goodput ≥ 2x vLLM-cpu P/D", "kvrelay-1p1d", "vllm-pd",
            _goodput, ">=", 2.0, "goodput"),
     Target("mixed: short requests' ITL p99, kvrelay 1P1D ≤ 0.5x kvrelay agg (no chunking)",

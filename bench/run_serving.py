@@ -6,7 +6,8 @@ Configurations (all fp32, same KV budget, same scheduler limits, same cores):
   cores 0-1;
 * ``kvrelay-agg-chunked``: the same with chunked prefill;
 * ``kvrelay-agg-tpot``: chunked, with the TPOT-aware token budget (``--tpot-slo-ms`` = the
-  TPOT SLO);
+  TPOT SLO); ``kvrelay-agg-itl``: the same with an ITL cap (``--itl-cap-ms``, which yields to a
+  backed-up queue);
 * ``kvrelay-1p1d``: router + prefill worker (1 thread, ``taskset -c 0``) + decode worker
   (1 thread, ``taskset -c 1``), KV over NIXL;
 * ``kvrelay-dp2``: router + two ``role=both`` workers, one per core (1 thread each), chunked:
@@ -222,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default=_default("goodput_min_requests"))
     ap.add_argument("--slo-ttft-ms", type=float, default=_default("slo_ttft_ms"))
     ap.add_argument("--slo-tpot-ms", type=float, default=_default("slo_tpot_ms"))
+    ap.add_argument("--itl-cap-ms", type=float, default=_default("itl_cap_ms"),
+                    help="kvrelay-agg-itl's ITL cap")
     ap.add_argument("--request-timeout", type=float,
                     default=_default("request_timeout_s"))
     ap.add_argument("--startup-timeout", type=float,
@@ -259,7 +262,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         long_requests=a.long_requests, mixed_requests=a.mixed_requests,
         goodput_range=(lo, hi), goodput_iters=a.goodput_iters,
         goodput_duration_s=a.goodput_duration, goodput_min_requests=a.goodput_min_requests,
-        slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
+        slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, itl_cap_ms=a.itl_cap_ms,
         request_timeout_s=a.request_timeout, startup_timeout_s=a.startup_timeout,
         vllm_venv=a.vllm_venv, extra_router_args=tuple(a.router_arg),
         extra_kvrelay_args=tuple(a.worker_arg))

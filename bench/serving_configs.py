@@ -16,8 +16,8 @@ from bench.metrics import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from bench.serving_procs import ROOT, Deployment, Proc, free_port, pinned, wait_file, wait_http
 from bench.vllm_cpu import vllm_cpu_env
 
-CONFIGS = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-1p1d",
-           "kvrelay-dp2", "kvrelay-dp2-tpot", "vllm-agg", "vllm-dp2", "vllm-pd")
+CONFIGS = ("kvrelay-agg", "kvrelay-agg-chunked", "kvrelay-agg-tpot", "kvrelay-agg-itl",
+           "kvrelay-1p1d", "kvrelay-dp2", "kvrelay-dp2-tpot", "vllm-agg", "vllm-dp2", "vllm-pd")
 VLLM_VENV = ROOT / ".bench-venv-vllm"
 SERVED_NAME = "demo"
 RUN_SERVING = Path(__file__).resolve().with_name("run_serving.py")  # runs the pd-proxy
@@ -45,6 +45,10 @@ class Settings:
     goodput_min_requests: int = 50
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
+    # kvrelay-agg-itl's ITL cap: on the ~7M model on two cores, 5 ms holds short requests' ITL
+    # p99 near 8.5 ms (the client sees ~4 ms of relay past the step); a slower machine or a
+    # larger model needs a larger one (bench/results/itl_cap_ab.txt)
+    itl_cap_ms: float = 5.0
     request_timeout_s: float = 120.0
     startup_timeout_s: float = 300.0
     vllm_venv: str = str(VLLM_VENV)
@@ -70,6 +74,15 @@ def kvrelay_engine_args(st: Settings, threads: int, *, chunked: bool = True) -> 
     return [*args, *st.extra_kvrelay_args]
 
 
+def slo_args(name: str, st: Settings) -> list[str]:
+    """The workers' SLO flags a kvrelay configuration asks for by its name: ``-tpot`` the TPOT
+    target, ``-itl`` the TPOT target and the ITL cap."""
+    if not name.endswith(("-tpot", "-itl")):
+        return []
+    args = ["--tpot-slo-ms", f"{st.slo_tpot_ms:g}"]
+    return args + ["--itl-cap-ms", f"{st.itl_cap_ms:g}"] if name.endswith("-itl") else args
+
+
 def start_kvrelay(name: str, st: Settings, workdir: Path) -> Deployment:
     dep = Deployment(name)
     both = list(st.cores)
@@ -90,7 +103,7 @@ def start_kvrelay(name: str, st: Settings, workdir: Path) -> Deployment:
         workers = [("both", [c], 1, True) for c in both]
     else:
         workers = [("both", both, len(both), name != "kvrelay-agg")]
-    extra = ["--tpot-slo-ms", f"{st.slo_tpot_ms:g}"] if name.endswith("-tpot") else []
+    extra = slo_args(name, st)
     names = []
     for role, cores, threads, chunked in workers:
         wid = f"{role}-{sum(1 for n in names if n.startswith(role)) + 1}"

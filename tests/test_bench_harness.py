@@ -368,3 +368,15 @@ def test_run_serving_command_line_defaults_are_the_settings_defaults() -> None:
                                  cores=st.cores)
     assert st == plain
     assert st.goodput_range == (0.25, 128.0)
+
+
+def test_the_tpot_and_itl_configurations_pass_their_slo_flags() -> None:
+    from bench.serving_configs import CONFIGS, slo_args
+
+    st = run_serving.settings_from_args(run_serving.build_parser().parse_args(
+        ["--slo-tpot-ms", "40", "--itl-cap-ms", "6"]))
+    assert slo_args("kvrelay-agg", st) == slo_args("kvrelay-1p1d", st) == []
+    assert slo_args("kvrelay-agg-tpot", st) == slo_args("kvrelay-dp2-tpot", st) \
+        == ["--tpot-slo-ms", "40"]
+    assert slo_args("kvrelay-agg-itl", st) == ["--tpot-slo-ms", "40", "--itl-cap-ms", "6"]
+    assert "kvrelay-agg-itl" in CONFIGS
