@@ -9,6 +9,7 @@ import torch
 from hf_models import hf_greedy
 
 from kvrelay.engine import gemm
+from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
@@ -31,6 +32,23 @@ def make_core(model_dir: str, **kw: object) -> EngineCore:
                 linear_kernel="panels", attention_backend="native")
     opts.update(kw)
     return EngineCore(EngineConfig.from_kwargs(model_dir, **opts))
+
+
+def count_fused(monkeypatch: pytest.MonkeyPatch, mixed_only: bool = False) -> list[bool]:
+    """Records, step by step, whether the fused path took the step (with ``mixed_only``: took
+    a step of prefill chunks and decodes)."""
+    taken: list[bool] = []
+    real_run = FusedDecode.run
+
+    def counting(self: FusedDecode, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, meta: AttentionMetadata) -> bool:
+        ok = real_run(self, h, x, cos, sin, meta)
+        taken.append(ok and (not mixed_only or bool(meta.num_prefill_tokens
+                                                    and meta.num_decodes)))
+        return ok
+
+    monkeypatch.setattr(FusedDecode, "run", counting)
+    return taken
 
 
 def decode_logits(core: EngineCore, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -69,15 +87,7 @@ def test_fused_decode_equals_the_per_op_path_and_transformers(hf_model_dir, arch
     fd = fused_core.runner.model.fused_decode
     assert fd is not None
     plain_core.runner.model.fused_decode = None
-    taken = []
-    real_run = FusedDecode.run
-
-    def counting(self, *a, **kw):
-        ok = real_run(self, *a, **kw)
-        taken.append(ok)
-        return ok
-
-    monkeypatch.setattr(FusedDecode, "run", counting)
+    taken = count_fused(monkeypatch)
     fused = decode_logits(fused_core, prompt, ref.token_ids)
     # every decode step; the prompts' steps too where the native prefill kernel runs them
     prompts = 3 if fused_core.runner.native_prefill else 0
@@ -149,14 +159,7 @@ def test_an_engine_with_a_connector_decodes_through_the_fused_layers(hf_model_di
     """A decode worker's engine has a KV connector: its steps still take the fused path (they
     send nothing, so no per-layer hook is installed), one that sends does not."""
     model_dir = hf_model_dir("llama")
-    ran: list[bool] = []
-    run = FusedDecode.run
-
-    def counted(self: FusedDecode, *args: object) -> bool:
-        ran.append(run(self, *args))
-        return ran[-1]
-
-    monkeypatch.setattr(FusedDecode, "run", counted)
+    ran = count_fused(monkeypatch)
     for sending in (False, True):
         ran.clear()
         conn = _Connector(sending)

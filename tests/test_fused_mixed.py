@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_decode import GREEDY, make_core
+from test_fused_decode import GREEDY, count_fused, make_core
 
 from kvrelay.engine import gemm
-from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import ScheduledSeq
-from kvrelay.engine.models.fused_decode import MAX_MIXED_ROWS, FusedDecode
+from kvrelay.engine.models.fused_decode import MAX_MIXED_ROWS
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import Sequence
 
@@ -53,14 +52,7 @@ def test_mixed_steps_equal_the_per_op_path(hf_model_dir, monkeypatch, arch: str,
     fused_core, plain_core = make_core(model_dir, **kw), make_core(model_dir, **kw)
     assert fused_core.runner.model.fused_decode is not None
     plain_core.runner.model.fused_decode = None
-    taken: list[bool] = []
-    real_run = FusedDecode.run
-
-    def counting(self: FusedDecode, *a: object) -> bool:
-        taken.append(real_run(self, *a))
-        return taken[-1]
-
-    monkeypatch.setattr(FusedDecode, "run", counting)
+    taken = count_fused(monkeypatch)
     fused = mixed_logits(fused_core, 20)  # 20 tokens a chunk: past mistral_swa's 48 by the end
     assert taken == [True] * 6  # three prompts alone, then the three mixed steps
     plain = mixed_logits(plain_core, 20)
@@ -71,14 +63,7 @@ def test_mixed_steps_equal_the_per_op_path(hf_model_dir, monkeypatch, arch: str,
 
 def test_a_large_mixed_step_takes_the_per_op_path(hf_model_dir, monkeypatch) -> None:
     core = make_core(hf_model_dir("llama"), max_num_batched_tokens=512)
-    taken: list[bool] = []
-    real_run = FusedDecode.run
-
-    def counting(self: FusedDecode, *a: object) -> bool:
-        taken.append(real_run(self, *a))
-        return taken[-1]
-
-    monkeypatch.setattr(FusedDecode, "run", counting)
+    taken = count_fused(monkeypatch)
     mixed_logits(core, MAX_MIXED_ROWS)  # a chunk of 128 rows and three decodes: 131 rows
     assert taken == [True] * 3 + [False] * 3
 
@@ -88,16 +73,7 @@ def test_the_engine_samples_what_the_per_op_path_samples(hf_model_dir, monkeypat
     the rows the last layer keeps (``last_layer``); tokens and logprobs identical."""
     model_dir = hf_model_dir("llama")
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    taken: list[bool] = []
-    real_run = FusedDecode.run
-
-    def counting(self: FusedDecode, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, meta: AttentionMetadata) -> bool:
-        ok = real_run(self, h, x, cos, sin, meta)
-        taken.append(ok and meta.num_prefill_tokens > 0 and meta.num_decodes > 0)
-        return ok
-
-    monkeypatch.setattr(FusedDecode, "run", counting)
+    taken = count_fused(monkeypatch, mixed_only=True)
 
     def generate(core: EngineCore) -> dict[str, list]:
         core.add_request("a", list(range(3, 12)), sp)
