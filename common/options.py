@@ -37,6 +37,8 @@ def opt(p: argparse.ArgumentParser | Any, flag: str, *, env: bool = True, **kw: 
 
 # -- option groups --------------------------------------------------------------------------
 def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    from kvrelay.engine.config import THREAD_BINDINGS  # stdlib only: cheap to import
+
     g = p.add_argument_group("engine")
     opt(g, "--model", required=model_required and env_name("--model") not in os.environ,
         help="checkpoint directory (config.json + *.safetensors + tokenizer)")
@@ -70,7 +72,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
              "the queue drains at full speed under load (inf: never)")
     opt(g, "--num-threads", type=int, default=None,
         help="torch threads on CPU (per rank; default 1 per rank under tensor parallelism)")
-    opt(g, "--thread-binding", default="auto", choices=["auto", "on", "off"],
+    opt(g, "--thread-binding", default="auto", choices=list(THREAD_BINDINGS),
         help="pin the engine's CPU threads one per core: auto does where the process may run "
              "on exactly --num-threads CPUs (taskset, cpuset)")
     opt(g, "--tensor-parallel-size", type=int, default=1,
