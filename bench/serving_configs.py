@@ -45,10 +45,10 @@ class Settings:
     goodput_min_requests: int = 50
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
-    # kvrelay-agg-itl's ITL cap: on the ~7M model on two cores, 5 ms holds short requests' ITL
-    # p99 near 8.5 ms (the client sees ~4 ms of relay past the step); a slower machine or a
+    # kvrelay-agg-itl's ITL cap: on the ~7M model on two cores, 4 ms holds short requests' ITL
+    # p99 near 8 ms (the client sees ~4 ms of relay past the step); a slower machine or a
     # larger model needs a larger one (bench/results/itl_cap_ab.txt)
-    itl_cap_ms: float = 5.0
+    itl_cap_ms: float = 4.0
     request_timeout_s: float = 120.0
     startup_timeout_s: float = 300.0
     vllm_venv: str = str(VLLM_VENV)
