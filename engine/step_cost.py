@@ -15,10 +15,9 @@ decodes attend over and C prefill chunks. A chunk has a cost of its own, whateve
 its attention call over its context, and past the fused layers' rows the per-op path (served
 on the ~7M model, ~2.5 ms a step before steps with small chunks were fused, ~1.3 ms after,
 against ~0.06 ms a prefill token; a model without this term under-predicted every step that
-mixed a small chunk with decodes). The
-fit is least squares over the last ``window`` steps (refit every few steps; it is a few
-microseconds of numpy), with a small ridge so that a window with no prefill (or no decodes)
-leaves that coefficient near its last value instead of wild.
+mixed a small chunk with decodes). The fit is least squares over the last ``window`` steps
+(refit every few steps; it is a few microseconds of numpy), with a small ridge so that a window
+with no prefill (or no decodes) leaves that coefficient near its last value instead of wild.
 
 :meth:`StepCostModel.prefill_budget` then answers: with these decodes in the step, how many
 prefill tokens keep the predicted step time within what the target allows? That count is a fresh
@@ -168,8 +167,8 @@ class StepCostModel:
                      queue_wait_s: float | None = None) -> float | None:
         """Seconds the prefill chunks of a step with these decodes may add to it; None for no
         limit (no target set, no decodes in the step, the model still warming up, or only an
-        ITL cap that yields because the oldest queued prompt has waited ``queue_wait_s``: None with
-        none queued)."""
+        ITL cap, which yields because the oldest queued prompt has waited ``queue_wait_s``;
+        None: none queued)."""
         if (self.tpot_slo_s is None and self.itl_cap_s is None) or decodes == 0 \
                 or self.fit is None:
             return None

@@ -17,8 +17,8 @@ the per-op path. A mixed step was ~1 ms of glue slower than its arithmetic on th
 (a 16-token chunk beside 8 decodes: 4.1 ms against 1.5 for the decodes alone), which an ITL
 cap has to leave room for. Where the model's last layer would run only the rows that are
 read (``AttentionMetadata.last_layer``), the fused path runs it for every row and returns
-those rows: the chunk rows' last-layer arithmetic is small at these sizes. A cache in KV head groups
-(``--kv-head-groups``) is passed as group 0's views and the distance between groups.
+those rows: the chunk rows' last-layer arithmetic is small at these sizes. A cache in KV head
+groups (``--kv-head-groups``) is passed as group 0's views and the distance between groups.
 """
 
 from __future__ import annotations
