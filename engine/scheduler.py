@@ -129,7 +129,9 @@ class Scheduler:
         self._room = None
         if scheduled and self.cost_model is not None:
             ctx = sum(s.seq.num_tokens for s in scheduled)
-            self._room = self.cost_model.prefill_room(len(scheduled), ctx, self._queue_wait())
+            # The queue's wait only where an ITL cap may yield to it (a pass over the queue).
+            wait = self._queue_wait() if self.cost_model.watches_queue else None
+            self._room = self.cost_model.prefill_room(len(scheduled), ctx, wait)
             budget = min(budget, self.cost_model.budget_for(self._room))
         chunked = self.config.enable_chunked_prefill
         threshold = self.config.long_prefill_threshold

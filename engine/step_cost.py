@@ -163,6 +163,11 @@ class StepCostModel:
                                samples=len(y))
         self._since_fit = 0
 
+    @property
+    def watches_queue(self) -> bool:
+        """Whether :meth:`prefill_room` reads the queue's wait: an ITL cap that may yield."""
+        return self.itl_cap_s is not None and self.itl_cap_max_queue_s is not None
+
     def prefill_room(self, decodes: int, decode_ctx_tokens: int,
                      queue_wait_s: float | None = None) -> float | None:
         """Seconds the prefill chunks of a step with these decodes may add to it; None for no

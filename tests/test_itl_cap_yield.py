@@ -43,6 +43,8 @@ def test_the_cap_holds_until_the_oldest_queued_prompt_has_waited_long_enough() -
     never = model(None, max_queue_s=None)
     assert never.prefill_room(2, 0, 1e9) == pytest.approx(capped)
     assert never.num_cap_yields == 0
+    # The scheduler reads the queue's wait only for a cap that may yield.
+    assert m.watches_queue and not never.watches_queue and not model(0.05, None).watches_queue
 
 
 def test_the_scheduler_drains_a_backed_up_queue_at_full_speed() -> None:

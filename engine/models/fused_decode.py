@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 MAX_MIXED_ROWS = 128  # rows of a step with prefill chunks that the fused path takes
+# Stand-ins for the decodes' tables and lengths, or the spans, of a step without them (read by
+# nothing: the native layer sees zero rows of that kind).
+_NO_TABLES = torch.zeros((1, 1), dtype=torch.int32)
+_NO_SPANS = torch.zeros((3, 0), dtype=torch.int32)
 
 
 class _Layer(ctypes.Structure):
@@ -142,11 +146,10 @@ class FusedDecode:
         if self._layers is None or k0 is None or k0.data_ptr() != self._cache_ptr:
             self._layers = self._build()
         p = meta.num_prefill_tokens
-        empty = torch.zeros((1, 1), dtype=torch.int32)
-        tables = meta.decode_tables.contiguous() if meta.num_decodes else empty
-        lens = meta.decode_lens if meta.num_decodes else empty
-        spans = meta.prefill_spans if p else torch.zeros((3, 0), dtype=torch.int32)
-        span_tables = meta.prefill_tables.contiguous() if p else empty
+        tables = meta.decode_tables.contiguous() if meta.num_decodes else _NO_TABLES
+        lens = meta.decode_lens if meta.num_decodes else _NO_TABLES
+        spans = meta.prefill_spans if p else _NO_SPANS
+        span_tables = meta.prefill_tables.contiguous() if p else _NO_TABLES
         assert spans is not None and spans.is_contiguous() and spans.dtype == torch.int32
         step = _Step(rows, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
                      tables.data_ptr(), lens.data_ptr(), tables.shape[1],
