@@ -68,12 +68,14 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 class Tuning:
     """The kernel's choices that measured differently on different cores (``gemm.c``'s
     ``tuning``, picked for the CPU when the library loads): the largest row count that takes the
-    one-pass fused order (0: none), whether row chunks are always balanced, and the fewest rows
-    that prefetch the thread's next panel beside their own (AVX-512 only)."""
+    one-pass fused order (0: none), whether row chunks are always balanced, the fewest rows
+    that prefetch the thread's next panel beside their own (AVX-512 only), and the smallest K
+    whose calls of a few rows read the input from a k-major copy (0: never)."""
 
     fuse_rows: int
     balance: bool
     pf_min_rows: int
+    pack_min_k: int = 0
 
 
 def tuning(set_to: Tuning | None = None) -> Tuning:
@@ -82,8 +84,8 @@ def tuning(set_to: Tuning | None = None) -> Tuning:
     lib = native.load()
     if lib is None:
         raise RuntimeError(UNAVAILABLE)
-    out = (ctypes.c_int * 3)()
-    new = None if set_to is None else (ctypes.c_int * 3)(
-        set_to.fuse_rows, int(set_to.balance), set_to.pf_min_rows)
+    out = (ctypes.c_int * 4)()
+    new = None if set_to is None else (ctypes.c_int * 4)(
+        set_to.fuse_rows, int(set_to.balance), set_to.pf_min_rows, set_to.pack_min_k)
     lib.kvr_gemm_tuning(out, new)
-    return Tuning(out[0], bool(out[1]), out[2])
+    return Tuning(out[0], bool(out[1]), out[2], out[3])

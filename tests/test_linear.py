@@ -80,6 +80,29 @@ def test_panel_gemm_is_exact_under_each_cores_tuning(two_threads, choice: gemm.T
 
 
 @needs_panels
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 12, 13])
+@pytest.mark.parametrize("k", [1024, 1100])
+def test_k_major_rows_give_the_same_bits(two_threads, rows: int, k: int) -> None:
+    """Calls of 2 to 12 rows (6 on AVX2) with K >= ``pack_min_k`` read x from a k-major copy
+    (the same products in the same order: equal bits); 1 row and 13 never do. K = 1100 leaves
+    a partial K block and a K that is no multiple of the vector width."""
+    lin, (w, b) = make(k, 200, True, onednn=False, panels=True)
+    x = torch.randn(rows, k)
+    before = gemm.tuning()
+    got = {}
+    try:
+        for pack_min_k in (0, 1024):
+            gemm.tuning(gemm.Tuning(before.fuse_rows, before.balance, before.pf_min_rows,
+                                    pack_min_k))
+            with torch.inference_mode():
+                got[pack_min_k] = lin(x)
+    finally:
+        gemm.tuning(before)
+    assert torch.equal(got[0], got[1024])
+    torch.testing.assert_close(got[1024], F.linear(x, w, b), rtol=1e-5, atol=1e-3)
+
+
+@needs_panels
 def test_panel_gemm_uses_the_threads_it_was_packed_with(two_threads) -> None:
     torch.set_num_threads(1)
     lin, (w, b) = make(64, 96, True, onednn=False, panels=True)

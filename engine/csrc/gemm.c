@@ -1,5 +1,6 @@
 /* fp32 GEMM y[M,N] = x[M,K] W^T (+ bias) over weights packed in panels. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
@@ -46,11 +47,12 @@ typedef __m256 vreg;
 /* On AVX-512, the next panel's prefetch instead (panel_rows); not measured on AVX2. */
 #define NEXT_PANEL_PF (VW == 16)
 
-/* acc (mr rows x NR) = (first ? 0 : acc) + x[0:mr, 0:kn] @ w[0:kn, 0:NR]; x rows ldx apart.
- * nxt, where not NULL: the same k-rows of the thread's next panel, pulled into L2 meanwhile. */
+/* acc (mr rows x NR) = (first ? 0 : acc) + x[0:mr, 0:kn] @ w[0:kn, 0:NR]; x rows ldx apart, or
+ * with km, x k-major (element (m, k) at x[k * mr + m]). nxt, where not NULL: the same k-rows of
+ * the thread's next panel, pulled into L2 meanwhile. */
 static inline __attribute__((always_inline)) void micro(const int mr, const float *x, int64_t ldx,
     const float *w, int64_t kn, float *acc, int64_t ldacc, int first, const int pf,
-    const float *nxt) {
+    const float *nxt, const int km) {
     vreg a0[MR], a1[MR];
     #pragma GCC unroll 16
     for (int m = 0; m < MR; m++)
@@ -72,7 +74,7 @@ static inline __attribute__((always_inline)) void micro(const int mr, const floa
         #pragma GCC unroll 16
         for (int m = 0; m < MR; m++)
             if (m < mr) {
-                const vreg xv = VBCAST(x[m * ldx + k]);
+                const vreg xv = VBCAST(km ? x[k * mr + m] : x[m * ldx + k]);
                 a0[m] = VFMA(xv, w0, a0[m]);
                 a1[m] = VFMA(xv, w1, a1[m]);
             }
@@ -83,11 +85,13 @@ static inline __attribute__((always_inline)) void micro(const int mr, const floa
 }
 
 static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w, int64_t kn,
-                             float *acc, int64_t ldacc, int first, int pf, const float *nxt) {
+                             float *acc, int64_t ldacc, int first, int pf, const float *nxt,
+                             int km) {
 #define MICRO_CASE(R) case R: \
-        if (nxt) micro(R, x, ldx, w, kn, acc, ldacc, first, 0, nxt); \
-        else if (pf) micro(R, x, ldx, w, kn, acc, ldacc, first, 1, NULL); \
-        else micro(R, x, ldx, w, kn, acc, ldacc, first, 0, NULL); \
+        if (km) micro(R, x, ldx, w, kn, acc, ldacc, first, 0, nxt, 1); \
+        else if (nxt) micro(R, x, ldx, w, kn, acc, ldacc, first, 0, nxt, 0); \
+        else if (pf) micro(R, x, ldx, w, kn, acc, ldacc, first, 1, NULL, 0); \
+        else micro(R, x, ldx, w, kn, acc, ldacc, first, 0, NULL, 0); \
         break;
     switch (mr) {
 #if MR > 8
@@ -105,7 +109,7 @@ static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w
     MICRO_CASE(4)
     MICRO_CASE(3)
     MICRO_CASE(2)
-    default: micro(1, x, ldx, w, kn, acc, ldacc, first, 1, nxt); break;
+    default: micro(1, x, ldx, w, kn, acc, ldacc, first, 1, nxt, 0); break;
     }
 #undef MICRO_CASE
 }
@@ -118,11 +122,15 @@ static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w
  * rows, balanced chunks 1.09-1.2x faster at 13-20 and 40 rows (12 + 4 leaves a 4-row chunk
  * re-reading the panel), and the next panel's prefetch slower up to 9 rows (1.12-1.18x at 1-4
  * over the projections alone, where the stream is already at the memory's rate; 1.04-1.07x at
- * 6-9 in whole decode steps), level at 10, 1.03-1.07x faster from 11 (decode steps). */
+ * 6-9 in whole decode steps), level at 10, 1.03-1.07x faster from 11 (decode steps).
+ * pack_min_k, the smallest K whose calls of 2 to MR rows read x from a k-major copy (0: never;
+ * see pack_kmajor): on the Zen 4, 8 rows through 12 copies of a 3072 -> 768 projection from
+ * memory 1.10-1.17x faster, level at K = 1024 and 768; whole ~150M decode steps at batch 8
+ * 0.99x the time on small pages, 0.98x on huge pages. Not measured elsewhere: off. */
 #define FUSE_ROWS 20 /* see panel_rows_fused */
 static struct {
-    int fuse_rows, balance, pf_min_rows;
-} tuning = {FUSE_ROWS, 0, 1};
+    int fuse_rows, balance, pf_min_rows, pack_min_k;
+} tuning = {FUSE_ROWS, 0, 1, 0};
 
 __attribute__((constructor)) static void pick_tuning(void) {
 #if VW == 16
@@ -131,6 +139,7 @@ __attribute__((constructor)) static void pick_tuning(void) {
         tuning.fuse_rows = 0;
         tuning.balance = 1;
         tuning.pf_min_rows = 10;
+        tuning.pack_min_k = 1024;
     }
 #endif
 }
@@ -186,7 +195,7 @@ static void panel_rows_fused(const float *x, const float *wpan, const float *bia
         int64_t m = 0;
         for (int c = 0; c < n; c++) {
             micro_any(mrs[c], x + (m0 + m) * K + k0, K, wpan + k0 * NR, kn, acc + m * NR, NR,
-                      k0 == 0, c == 0, NULL);
+                      k0 == 0, c == 0, NULL, 0);
             m += mrs[c];
         }
     }
@@ -204,8 +213,9 @@ static void panel_rows_fused(const float *x, const float *wpan, const float *bia
  * the ~150M model's projections as 12 layers' worth of weights (from memory, not L3), paired
  * against no prefetch on the 2-vCPU Cascade Lake: 1.08-1.17x at 6-12 rows, 1.05-1.12x at
  * 24-40, level at 1-4 rows; beside the fused order (13-20 rows) it measured level or worse. */
-static void panel_rows(const float *x, const float *wpan, const float *bias, float *y,
-                       int64_t m0, int64_t m1, int64_t K, int64_t N, int64_t p, int next) {
+static void panel_rows(const float *x, const float *xk, const float *wpan, const float *bias,
+                       float *y, int64_t m0, int64_t m1, int64_t K, int64_t N, int64_t p,
+                       int next) {
     if (m1 - m0 > MR && m1 - m0 <= tuning.fuse_rows) {
         panel_rows_fused(x, wpan, bias, y, m0, m1, K, N, p);
         return;
@@ -218,16 +228,35 @@ static void panel_rows(const float *x, const float *wpan, const float *bias, flo
         const int mr = chunk_size(m1 - m, chunks - c);
         const float *xm = x + m * K;
         if (chunks == 1) {
-            micro_any(mr, xm, K, wpan, K, acc, NR, 1, 1, nxt);
+            micro_any(mr, xk ? xk : xm, K, wpan, K, acc, NR, 1, 1, nxt, xk != NULL);
         } else {
             const float *pf = c == 1 ? nxt : NULL;
             for (int64_t k0 = 0; k0 < K; k0 += KB)
                 micro_any(mr, xm + k0, K, wpan + k0 * NR, K - k0 < KB ? K - k0 : KB, acc, NR,
-                          k0 == 0, 1, pf ? pf + k0 * NR : NULL);
+                          k0 == 0, 1, pf ? pf + k0 * NR : NULL, 0);
         }
         store_rows(acc, bias, y, m, mr, N, p);
         m += mr;
     }
+}
+
+/* A copy of x's M rows k-major (element (m, k) at [k * M + m]) in the calling thread's buffer,
+ * or NULL when it cannot grow. Read in place by a call of a few rows, x's rows stream from L2
+ * beside every panel's weights once they outgrow L1 (K >= 1024 at 8 rows), as M streams
+ * K floats apart, which for K a multiple of 1024 map onto the same L1 sets: k-major they are
+ * one contiguous stream. Each thread copies all of x: a few microseconds, once per call. */
+static const float *pack_kmajor(const float *x, int64_t M, int64_t K) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (M * K > cap) {
+        free(buf);
+        cap = 0;
+        if (posix_memalign((void **)&buf, 64, M * K * sizeof(float))) return buf = NULL;
+        cap = M * K;
+    }
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t m = 0; m < M; m++) buf[k * M + m] = x[m * K + k];
+    return buf;
 }
 #endif
 
@@ -245,27 +274,31 @@ void kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y,
     if (M > 64) {
         #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < P; p++)
-            panel_rows(x, wp + p * K * NR, bias, y, 0, M, K, N, p, 0);
+            panel_rows(x, NULL, wp + p * K * NR, bias, y, 0, M, K, N, p, 0);
     } else {
+        const float *xk = M >= 2 && M <= MR && tuning.pack_min_k > 0 && K >= tuning.pack_min_k
+            ? pack_kmajor(x, M, K) : NULL;
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++)
-            panel_rows(x, wp + p * K * NR, bias, y, 0, M, K, N, p, p + 1 < P);
+            panel_rows(x, xk, wp + p * K * NR, bias, y, 0, M, K, N, p, p + 1 < P);
     }
 #else
     (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)K; (void)N;
 #endif
 }
 
-/* The tuning's three fields, read into out[3] (then set from set[3] where set is not NULL), so a
+/* The tuning's four fields, read into out[4] (then set from set[4] where set is not NULL), so a
  * test can cover every branch on any machine and a benchmark can pair the choices. */
 void kvr_gemm_tuning(int *out, const int *set) {
     out[0] = tuning.fuse_rows;
     out[1] = tuning.balance;
     out[2] = tuning.pf_min_rows;
+    out[3] = tuning.pack_min_k;
     if (set) {
         tuning.fuse_rows = set[0];
         tuning.balance = set[1];
         tuning.pf_min_rows = set[2];
+        tuning.pack_min_k = set[3];
     }
 }
 
@@ -290,7 +323,7 @@ int kvr_gemm_panels_f32(const float *x, const float *wp, const float *bias, floa
         for (int64_t b = 0; b < MB; b++)
             for (int64_t p = 0; p < P; p++) {
                 const int64_t m0 = b * mblock, m1 = m0 + mblock < M ? m0 + mblock : M;
-                panel_rows(x, wp + p * K * NR, bias, y, m0, m1, K, N, p, 0);
+                panel_rows(x, NULL, wp + p * K * NR, bias, y, m0, m1, K, N, p, 0);
             }
     }
     return 0;
