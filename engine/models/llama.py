@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.engine import hugepages
 from kvrelay.engine.attention import (
     AttentionFn,
     AttentionMetadata,
@@ -328,6 +329,7 @@ class LlamaForCausalLM(nn.Module):
                 m.drop("onednn" if kernel == "panels" else "panels")
             elif m.panels is not None and m.packed is not None:
                 m.panel_rows = panel_rows
+        hugepages.rehome(self._linears(), "panels")  # what a decode step streams
 
     @torch.inference_mode()
     def time_linears(self, rows: int, layers: int | None = None,

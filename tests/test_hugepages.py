@@ -1,0 +1,62 @@
+"""The panels a decode step streams live in one huge-page arena (engine/hugepages.py)."""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvrelay.engine import gemm, hugepages
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.models.llama import Linear
+from kvrelay.engine.sampling_params import SamplingParams
+
+needs_arena = pytest.mark.skipif(not hugepages.enabled(), reason="needs MADV_HUGEPAGE (Linux)")
+
+
+@needs_arena
+def test_rehome_keeps_values_and_packs_one_aligned_arena() -> None:
+    owners = [SimpleNamespace(t=torch.randn(n, 77)) for n in (5, 1000, 3)]
+    owners.append(SimpleNamespace(t=None))  # skipped
+    want = [o.t.clone() for o in owners[:3]]
+    moved = hugepages.rehome(owners, "t")
+    gc.collect()  # the arena lives on in its tensors, not in rehome's locals
+    assert moved == sum(-(-o.t.numel() * 4 // 64) * 64 for o in owners[:3])
+    assert owners[3].t is None
+    for o, w in zip(owners[:3], want, strict=True):
+        assert torch.equal(o.t, w) and o.t.is_contiguous()
+    ptrs = [o.t.data_ptr() for o in owners[:3]]
+    assert ptrs[0] % hugepages.HUGE_PAGE == 0
+    assert ptrs[1] - ptrs[0] == -(-5 * 77 * 4 // 64) * 64 and ptrs[2] > ptrs[1]
+    owners[0].t.add_(1)  # writable, and the others untouched by it
+    assert torch.equal(owners[1].t, want[1])
+
+
+def test_rehome_off_leaves_tensors_where_they_are(monkeypatch) -> None:
+    monkeypatch.setenv("KVRELAY_HUGE_PAGES", "0")
+    o = SimpleNamespace(t=torch.randn(4, 4))
+    before = o.t
+    assert hugepages.rehome([o], "t") == 0 and o.t is before
+
+
+@needs_arena
+@pytest.mark.skipif(not gemm.available(), reason="needs the panel GEMM")
+def test_a_loaded_models_panels_share_the_arena_and_decode_the_same(demo_model_dir,
+                                                                   monkeypatch) -> None:
+    """Every linear's panels in one 2 MiB-aligned arena, in module order; greedy tokens equal
+    to an engine whose panels stayed on small pages."""
+    prompts = [[5, 6, 7, 8, 9] * 5, [11, 12, 13]]
+    llm = LLM(demo_model_dir, linear_kernel="panels", num_blocks=64, num_threads=2)
+    lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    ptrs = [lin.panels.data_ptr() for lin in lins]
+    assert ptrs[0] % hugepages.HUGE_PAGE == 0 and ptrs == sorted(ptrs)
+    assert ptrs[-1] - ptrs[0] < sum(lin.panels.numel() * 4 for lin in lins)
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * len(prompts)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    del llm
+    monkeypatch.setenv("KVRELAY_HUGE_PAGES", "0")
+    plain = LLM(demo_model_dir, linear_kernel="panels", num_blocks=64, num_threads=2)
+    assert [o.token_ids for o in plain.generate(prompts, params)] == got
+
