@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +16,7 @@ from kvrelay.engine.llm import LLM
 from kvrelay.engine.models.llama import Linear
 from kvrelay.engine.sampling_params import SamplingParams
 
+REPO = Path(__file__).resolve().parents[1]
 needs_arena = pytest.mark.skipif(not hugepages.enabled(), reason="needs MADV_HUGEPAGE (Linux)")
 
 
@@ -60,3 +64,18 @@ def test_a_loaded_models_panels_share_the_arena_and_decode_the_same(demo_model_d
     plain = LLM(demo_model_dir, linear_kernel="panels", num_blocks=64, num_threads=2)
     assert [o.token_ids for o in plain.generate(prompts, params)] == got
 
+
+
+@needs_arena
+@pytest.mark.skipif(not gemm.available(), reason="needs the panel GEMM")
+def test_the_paired_decode_benchmark_runs(demo_model_dir) -> None:
+    """bench/decode_ab.py switches placement and tuning between steps of one batch and prints
+    all four variants."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "decode_ab.py"), "--model", str(demo_model_dir),
+         "--batch", "2", "--steps", "2", "--seconds", "0.3"],
+        capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    assert [r[0] for r in rows] == ["small-pages/in-place", "small-pages/k-major",
+                                    "huge-pages/in-place", "huge-pages/k-major"]
+    assert rows[0][-1] == "1.000x" and all(float(r[1]) > 0 for r in rows)
