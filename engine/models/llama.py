@@ -385,8 +385,9 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head for the rows that sample: ``[N, hidden] -> [N, vocab]``."""
-        h = self.norm(hidden)
+        """Final norm and LM head for the rows that sample: ``[N, hidden] -> [N, vocab]``.
+        (The norm runs natively: right after the decode layers, torch's took ~0.15 ms.)"""
+        h = self.norm.add_and_norm(hidden.contiguous(), None)
         lm = self.lm_head
         if lm.packed is None and lm.panels is None and lm.weight is None:  # tied, unpacked
             return F.linear(h, self.embed)
