@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 SOURCES = ("paged_decode.c", "paged_prefill.c", "gemm.c", "pointwise.c", "decode_layer.c",
            "threads.c", "kernels.h", "vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
@@ -145,6 +145,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvr_decode_layer_f32.restype = cint
     fn = lib.kvr_write_kv_f32
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint]
+    fn.restype = cint
+    fn = lib.kvr_argmax_rows_f32
+    fn.argtypes = [ptr, i64, i64, ptr, cint]
     fn.restype = cint
     lib.kvr_pin_threads.argtypes = [ptr, cint, ptr]
     lib.kvr_pin_threads.restype = cint

@@ -91,3 +91,14 @@ def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
         return
     k_cache.index_copy_(0, slots, k[:n])
     v_cache.index_copy_(0, slots, v[:n])
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``x`` ``[N, V]`` (int64, the same index: the first largest, a
+    NaN the largest), natively where ``x`` is contiguous CPU fp32 with ``V > 0``."""
+    if x.dim() == 2 and x.shape[1] > 0 and _native(x) and x.is_contiguous():
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        native.load().kvr_argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
+                                          torch.get_num_threads())
+        return out
+    return x.argmax(dim=-1)

@@ -17,6 +17,7 @@ import torch
 
 from kvrelay.engine.grammar_mask import StepMasks, apply_masks
 from kvrelay.engine.outputs import TokenLogprob
+from kvrelay.engine.pointwise import argmax_rows
 from kvrelay.engine.sequence import Sequence
 
 __all__ = ["TokenLogprob", "apply_logits_processors", "sample", "seeded_generator", "skip_draw"]
@@ -147,7 +148,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], default_generator: torch.G
     logits = apply_logits_processors(raw, seqs, eos_token_ids)
     if masks is not None:
         logits = apply_masks(logits, raw, masks)
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     cum: torch.Tensor | None = None
     if random_rows:

@@ -80,3 +80,37 @@ def test_write_kv_rows_equals_index_copy_from_qkv_views(rows: int) -> None:
     ref_k.index_copy_(0, slots, k[:rows])
     ref_v.index_copy_(0, slots, v[:rows])
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    nan_mid = torch.randn(4, 100, generator=g)
+    nan_mid[2, 50] = nan_mid[2, 70] = float("nan")
+    tail_max = torch.randn(4, 100, generator=g)
+    tail_max[1, 99] = 1e9  # the largest in the tail past the last full vector
+    return [
+        torch.randn(8, 32000, generator=g),  # 8 x 32000 takes the multi-threaded path
+        torch.randn(3, 17, generator=g), torch.randn(1, 5, generator=g),
+        torch.full((2, 40), float("-inf")),
+        torch.tensor([[1.0, 3.0, 3.0, 2.0] * 10]),  # ties: the first wins
+        torch.randint(0, 2, (64, 333), generator=g).float(),  # ties across vector lanes
+        torch.tensor([[-0.0, 0.0, -0.0] + [-1.0] * 20]),
+        torch.tensor([[0.0, float("nan"), 5.0, float("nan")] + [1.0] * 30]),
+        torch.tensor([[float("-inf")] * 20 + [float("nan")]]),
+        nan_mid, tail_max, torch.randn(0, 7),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_argmax_cases())))
+def test_argmax_rows_equals_torch_argmax(case: int) -> None:
+    """The same index as torch's argmax: ties go to the first, a NaN beats every number, -inf
+    rows give 0; tails shorter than a vector; no rows."""
+    x = _argmax_cases()[case]
+    got = pointwise.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+
+
+def test_argmax_rows_falls_back_where_it_cannot_run_natively() -> None:
+    x = torch.randn(16, 40)
+    for t in (x[:, ::2], x.double(), x.view(4, 4, 40)):  # strided, fp64, 3-D
+        assert torch.equal(pointwise.argmax_rows(t), t.argmax(dim=-1))

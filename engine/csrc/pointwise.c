@@ -108,3 +108,44 @@ int kvr_write_kv_f32(const float *k, int64_t ldk, const float *v, int64_t ldv,
     }
     return bad ? -1 : 0;
 }
+
+/* out[r] = the index of row r's first largest value, as torch's argmax (a NaN counts as the
+ * largest: the first NaN wins), in one vector pass: each lane keeps its first largest value and
+ * where it was, then the lanes and the tail are merged. torch's own took ~110 us for 8 rows of
+ * a 32 000-token vocabulary and ~440 for 32 (its amax ~9 and ~28): ~1% of a batch-8 decode step
+ * of the ~150M model. */
+int kvr_argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int nthreads) {
+    if (rows < 0 || n <= 0 || n > INT32_MAX) return -1;
+    const int nt = rows * n < SERIAL_ELEMS ? 1 : nthreads;
+    vi lane;
+    for (int l = 0; l < VL; l++) lane[l] = l;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * n;
+        vf m = splat(-INFINITY);
+        vi at = {}, nan = {};
+        int64_t i = 0;
+        for (; i + VL <= n; i += VL) {
+            const vf a = *(const vf *)(v + i);
+            const vi gt = a > m; /* false for a NaN lane: it keeps m */
+            nan |= a != a;
+            m = (vf)(((vi)a & gt) | ((vi)m & ~gt));
+            at = ((lane + (int32_t)i) & gt) | (at & ~gt);
+        }
+        float best = -INFINITY;
+        int64_t k = 0;
+        int any_nan = 0;
+        for (int l = 0; l < VL; l++) {
+            any_nan |= nan[l] != 0;
+            if (m[l] > best || (m[l] == best && at[l] < k)) best = m[l], k = at[l];
+        }
+        for (; i < n; i++) {
+            if (v[i] != v[i]) any_nan = 1;
+            else if (v[i] > best) best = v[i], k = i;
+        }
+        if (any_nan)
+            for (k = 0; v[k] == v[k]; k++) continue;
+        out[r] = k;
+    }
+    return 0;
+}
