@@ -44,25 +44,30 @@ def _arena(nbytes: int) -> tuple[mmap.mmap, int] | None:
     return m, (-base) % HUGE_PAGE
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+
+
 def rehome(owners: Sequence[object], attr: str) -> int:
     """Move each owner's tensor ``attr`` (where not None) into one huge-page arena, an owner at
-    a time so that the peak is the arena plus one tensor, and return the bytes moved (0 where
-    off or refused). The arena lives as long as any of its tensors."""
-    tensors = [t for o in owners if (t := getattr(o, attr)) is not None]
-    if not enabled() or not tensors or any(t.device.type != "cpu" for t in tensors):
+    a time, holding no other reference to the originals, so that the peak is the arena plus
+    one tensor; return the bytes moved (0 where off or refused). The arena lives as long as
+    any of its tensors."""
+    present = [o for o in owners if getattr(o, attr) is not None]
+    if not enabled() or not present or any(getattr(o, attr).device.type != "cpu"
+                                           for o in present):
         return 0
-    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors]
-    got = _arena(sum(sizes))
+    total = sum(_nbytes(getattr(o, attr)) for o in present)
+    got = _arena(total)
     if got is None:
         return 0
     m, off = got
-    for o in owners:
+    for o in present:
         t = getattr(o, attr)
-        if t is None:
-            continue
         view = torch.frombuffer(m, dtype=t.dtype, count=t.numel(), offset=off).view(t.shape)
         view.copy_(t)
+        off += _nbytes(t)
         setattr(o, attr, view)
-        off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    logger.debug("%d tensors (%.0f MiB) on huge pages", len(tensors), sum(sizes) / 2**20)
-    return sum(sizes)
+        del t
+    logger.debug("%d tensors (%.0f MiB) on huge pages", len(present), total / 2**20)
+    return total

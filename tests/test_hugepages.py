@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,8 +26,10 @@ def test_rehome_keeps_values_and_packs_one_aligned_arena() -> None:
     owners = [SimpleNamespace(t=torch.randn(n, 77)) for n in (5, 1000, 3)]
     owners.append(SimpleNamespace(t=None))  # skipped
     want = [o.t.clone() for o in owners[:3]]
+    originals = [weakref.ref(o.t) for o in owners[:3]]
     moved = hugepages.rehome(owners, "t")
     gc.collect()  # the arena lives on in its tensors, not in rehome's locals
+    assert all(r() is None for r in originals)  # and nothing holds the originals
     assert moved == sum(-(-o.t.numel() * 4 // 64) * 64 for o in owners[:3])
     assert owners[3].t is None
     for o, w in zip(owners[:3], want, strict=True):
