@@ -98,7 +98,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     NaN the largest), natively where ``x`` is contiguous CPU fp32 with ``V > 0``."""
     if x.dim() == 2 and x.shape[1] > 0 and _native(x) and x.is_contiguous():
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        native.load().kvr_argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
-                                          torch.get_num_threads())
-        return out
+        if native.load().kvr_argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1],
+                                             out.data_ptr(), torch.get_num_threads()) == 0:
+            return out
     return x.argmax(dim=-1)
