@@ -75,7 +75,7 @@ class Tuning:
     fuse_rows: int
     balance: bool
     pf_min_rows: int
-    pack_min_k: int = 0
+    pack_min_k: int
 
 
 def tuning(set_to: Tuning | None = None) -> Tuning:
