@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import statistics
 import time
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    # Its probes would run steps of every variant on the other prefetch arm.
+    os.environ["KVRELAY_GEMM_AUTOTUNE"] = "0"
     if not gemm.available() or not hugepages.enabled():
         raise SystemExit("needs the panel GEMM and MADV_HUGEPAGE")
     llm = LLM(args.model, kv_cache_memory="2GiB", num_threads=args.threads,

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence as Sequence_
 from dataclasses import replace
 
+from kvrelay.engine import prefetch_tuner
 from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_types import (  # the workers import these from here too
@@ -114,7 +115,7 @@ class EngineCore:
             num_capped_steps=self.step_cost.num_capped_steps,
             num_cap_yields=self.step_cost.num_cap_yields,
             kv_transfer=self.connector.counters() if self.connector is not None else {},
-        )
+            gemm_prefetch=prefetch_tuner.snapshot(self.runner))
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or bool(self._sending) or bool(self._pending)

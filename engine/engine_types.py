@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvrelay.engine.prefetch_tuner import PrefetchChoices
 from kvrelay.engine.sampler import TokenLogprob
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.step_cost import StepCostFit
@@ -75,6 +76,7 @@ class EngineStats:
     num_capped_steps: int = 0
     num_cap_yields: int = 0  # steps in which the ITL cap yielded to a backed-up queue
     kv_transfer: dict[str, int] = field(default_factory=dict)  # the connector's counters
+    gemm_prefetch: PrefetchChoices | None = None  # the online next-panel prefetch choices
 
     @property
     def kv_usage(self) -> float:

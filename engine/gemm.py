@@ -14,7 +14,7 @@ per machine, see :func:`kvrelay.engine.loader.load_model`).
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -78,9 +78,13 @@ class Tuning:
     pack_min_k: int
 
 
+_current: Tuning | None = None  # the kernel's tuning as last read or set here
+
+
 def tuning(set_to: Tuning | None = None) -> Tuning:
     """The kernel's tuning; with ``set_to`` it is replaced (process-wide: for tests and paired
-    benchmarks, not while a step runs) and the previous one returned."""
+    benchmarks, and between steps, not while one runs) and the previous one returned."""
+    global _current
     lib = native.load()
     if lib is None:
         raise RuntimeError(UNAVAILABLE)
@@ -88,4 +92,13 @@ def tuning(set_to: Tuning | None = None) -> Tuning:
     new = None if set_to is None else (ctypes.c_int * 4)(
         set_to.fuse_rows, int(set_to.balance), set_to.pf_min_rows, set_to.pack_min_k)
     lib.kvr_gemm_tuning(out, new)
+    _current = set_to or Tuning(out[0], bool(out[1]), out[2], out[3])
     return Tuning(out[0], bool(out[1]), out[2], out[3])
+
+
+def set_prefetch_min_rows(rows: int) -> None:
+    """The tuning's ``pf_min_rows`` set to ``rows``, the rest kept (no native call when it
+    already is: the prefetch tuner calls this before every decode step)."""
+    cur = _current if _current is not None else tuning()
+    if cur.pf_min_rows != rows:
+        tuning(replace(cur, pf_min_rows=rows))

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from kvrelay.deploy.planner.metrics import PlannerMetrics
 from kvrelay.deploy.planner.signals import PlanDecision
 from kvrelay.engine.engine_core import EngineStats
+from kvrelay.engine.prefetch_tuner import PrefetchChoices
 from kvrelay.engine.step_cost import StepCostFit
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.registry import WorkerRegistry
@@ -33,7 +34,8 @@ def _exported() -> dict[str, set[str]]:
     router = RouterMetrics(WorkerRegistry(), "demo")
     stats = EngineStats(**{f: 1 for f in EngineStats.__dataclass_fields__})
     stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),
-                                kv_transfer={"held": 1, "hold_ended_notice": 1})
+                                kv_transfer={"held": 1, "hold_ended_notice": 1},
+                                gemm_prefetch=PrefetchChoices({8: True}, 3))
     worker = WorkerMetrics(lambda: stats, "decode", "decode-0")
     planner = CollectorRegistry()  # the planner's series, on the router's registry or its own
     PlannerMetrics(planner).record(

@@ -83,6 +83,17 @@ class _EngineCollector(Collector):
             for term in STEP_COST_TERMS:
                 fam.add_metric([*self.labels, term], getattr(s.step_cost, term))
             yield fam
+        if s.gemm_prefetch is not None:
+            fam = GaugeMetricFamily(
+                "kvrelay:gemm_next_panel_prefetch",
+                "Whether the panel GEMM prefetches its next panel in decode steps of this many "
+                "rows (1) or not (0), as its online probes last measured faster",
+                labels=[*names, "rows"])
+            for rows, on in s.gemm_prefetch.choices.items():
+                fam.add_metric([*self.labels, str(rows)], int(on))
+            yield fam
+            yield counter("kvrelay:gemm_prefetch_probes", "Probes of the next-panel prefetch "
+                          "(paired on/off decode steps) that have ended", s.gemm_prefetch.probes)
 
 
 class WorkerMetrics:

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine import native
+from kvrelay.engine import gemm, native, prefetch_tuner
 from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.attention.native import MIN_PART_TOKENS, native_attention
+from kvrelay.engine.prefetch_tuner import PrefetchTuner
 
 if TYPE_CHECKING:
     from kvrelay.engine.models.llama import LlamaForCausalLM
@@ -80,6 +82,9 @@ class FusedDecode:
                                         layer.mlp.down))
         self._layers: list[_Layer] | None = None
         self._cache_ptr = 0  # the K cache the structs point into (rebound: rebuild them)
+        # The next-panel prefetch only exists in the AVX-512 kernel (32-column panels).
+        self.tuner = PrefetchTuner(gemm.tuning().pf_min_rows, gemm.set_prefetch_min_rows) \
+            if prefetch_tuner.enabled() and gemm.panel_width() == 32 else None
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> FusedDecode | None:
@@ -140,7 +145,10 @@ class FusedDecode:
         """Every layer over the step's rows (``h`` updated in place, as the per-op path does),
         if the step is one this path takes; False (nothing done) otherwise."""
         rows = h.shape[0]
+        tuner = self.tuner
         if not self.takes(rows, meta):
+            if tuner is not None:
+                tuner.skip()
             return False
         k0 = self.model.layers[0].attn.k_cache
         if self._layers is None or k0 is None or k0.data_ptr() != self._cache_ptr:
@@ -159,8 +167,15 @@ class FusedDecode:
                      span_tables.data_ptr())
         fn = native.load().kvr_decode_layer_f32
         ref = ctypes.byref(step)
+        if tuner is not None and not p:  # times decode-only steps (the LM head follows suit)
+            tuner.begin(rows)
+        elif tuner is not None:
+            tuner.skip()
+        t0 = time.perf_counter()
         for layer in self._layers:
             rc = fn(ctypes.byref(layer), ref)
             if rc != 0:
                 raise RuntimeError(f"native decode layer failed ({rc})")
+        if tuner is not None:
+            tuner.end(time.perf_counter() - t0)
         return True
