@@ -171,11 +171,12 @@ def ours_prefill(core: EngineCore, make: Callable[[], list[list[int]]], reps: in
 
 def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, ceil: Ceilings,
                 model: Model, steps: int = DECODE_STEPS) -> tuple[float, float, float]:
-    """Requests with prompts of ``lengths`` decode together: ``steps`` timed steps with every
-    one of them in the batch (none can finish: no EOS, no length limit within reach), then they
-    are aborted. Returns (median step time of the best rep, median over steps of roofline /
-    step time, the same with the read-only bandwidth); each step's roofline from the copy and
-    read bandwidths sampled right after it and the matmul rate sampled at the start."""
+    """Requests with prompts of ``lengths`` decode together: ``steps`` timed steps, each after
+    an untimed one, with every one of them in the batch (none can finish: no EOS, no length
+    limit within reach), then they are aborted. Returns (median step time of the best rep,
+    median over steps of roofline / step time, the same with the read-only bandwidth); each
+    step's roofline from the copy and read bandwidths sampled right after it and the matmul
+    rate sampled at the start."""
     sp = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
     ratios: list[float] = []
     read_ratios: list[float] = []
@@ -193,6 +194,10 @@ def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, cei
         times = []
         for _ in range(steps):
             assert len(core.scheduler.running) == b
+            # Untimed: the timed step follows a step, as it does in serving, not the ceiling
+            # samples' ~1.8 GB of copy and reads (which left the next B=8 step of the ~150M
+            # model 2.5% slower, paired; see engine.txt).
+            core.step()
             ctx = sum(s.num_tokens for s in core.scheduler.running)
             t = time.perf_counter()
             core.step()
@@ -362,6 +367,13 @@ def main() -> int:
         t, ratio, rr = ours_decode(core, lengths, 1, vocab, ceil, model, steps=16)
         label = f"{b} ctx {MIXED_CTX[0]}-{MIXED_CTX[1]}"
         print(f"{label:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}", flush=True)
+    snap = prefetch_tuner.snapshot(core.runner)
+    if snap is not None:
+        def sizes(on: bool) -> str:
+            return ", ".join(str(r) for r, v in snap.choices.items() if v is on) or "none"
+
+        print(f"{'':>18} (next-panel prefetch after {snap.probes} probes: on at batch "
+              f"{sizes(True)}; off at {sizes(False)})", flush=True)
     # The short decode rows again op by op (no fused decode layers), beside the fused ones.
     fused = core.runner.model.fused_decode
     if fused is not None:

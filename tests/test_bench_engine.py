@@ -1,0 +1,37 @@
+"""bench/engine.py, the engine's roofline benchmark, runs end to end on the tiny demo model and
+prints every row with its share of the roofline."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrelay.engine import gemm, prefetch_tuner
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_the_roofline_benchmark_prints_every_row(demo_model_dir) -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "engine.py"), "--model", str(demo_model_dir),
+         "--skip-hf", "--reps", "1"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    shares = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*(.+?)\s+[\d.]+\s+[\d.]+\s+(\d+)%", line)
+        if m:
+            shares[m.group(1)] = int(m.group(2))
+    for row in ("128", "512", "2048", "8 x 256", "2048 (1536 cached)", "1", "8", "32",
+                "8 ctx 64-1024", "32 ctx 64-1024", "64 ctx 64-1024"):
+        assert 0 < shares[row] < 200, (row, out)
+    tuned = prefetch_tuner.enabled() and gemm.panel_width() == 32
+    assert ("next-panel prefetch after" in out) == tuned
+    if tuned:  # the batch-8 rows were probed
+        m = re.search(r"prefetch after (\d+) probes: on at batch (.*); off at (.*)\)", out)
+        assert m and int(m.group(1)) > 0
+        assert "8" in (m.group(2) + ", " + m.group(3)).split(", ")
