@@ -47,9 +47,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from roofline import Ceilings, best, timed
+from roofline import Ceilings, best, gemm_tuning, prefetch_note, timed
 
-from kvrelay.engine import gemm, hugepages, prefetch_tuner
+from kvrelay.engine import gemm
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampling_params import SamplingParams
@@ -215,20 +215,6 @@ def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, cei
     return t, statistics.median(ratios), statistics.median(read_ratios)
 
 
-def gemm_tuning() -> str:
-    """The panel GEMM's per-CPU choices (they differ between vendors), for the header."""
-    if not gemm.available():
-        return "no panel GEMM"
-    t = gemm.tuning()
-    fused = f"fused order up to {t.fuse_rows} rows" if t.fuse_rows else "no fused order"
-    packed = f"k-major rows from K {t.pack_min_k}" if t.pack_min_k else "rows read in place"
-    pages = "huge pages" if hugepages.enabled() else "small pages"
-    tuned = " (decode steps: tuned online)" \
-        if prefetch_tuner.enabled() and gemm.panel_width() == 32 else ""
-    return (f"gemm: {fused}, balanced chunks {'on' if t.balance else 'off'}, "
-            f"next-panel prefetch from {t.pf_min_rows} rows{tuned}, {packed}; panels on {pages}")
-
-
 # -- transformers ------------------------------------------------------------------------------
 def hf_prefill(model: torch.nn.Module, n: int, reps: int, vocab: int) -> float:
     ids = torch.tensor([prompt(n, 7, vocab)])
@@ -367,13 +353,8 @@ def main() -> int:
         t, ratio, rr = ours_decode(core, lengths, 1, vocab, ceil, model, steps=16)
         label = f"{b} ctx {MIXED_CTX[0]}-{MIXED_CTX[1]}"
         print(f"{label:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}", flush=True)
-    snap = prefetch_tuner.snapshot(core.runner)
-    if snap is not None:
-        def sizes(on: bool) -> str:
-            return ", ".join(str(r) for r, v in snap.choices.items() if v is on) or "none"
-
-        print(f"{'':>18} (next-panel prefetch after {snap.probes} probes: on at batch "
-              f"{sizes(True)}; off at {sizes(False)})", flush=True)
+    if (note := prefetch_note(core.runner)) is not None:
+        print(f"{'':>18} ({note})", flush=True)
     # The short decode rows again op by op (no fused decode layers), beside the fused ones.
     fused = core.runner.model.fused_decode
     if fused is not None:

@@ -2,7 +2,7 @@
 fastest of MKL's mm, oneDNN's prepacked linear and the native panel GEMM, on the model's own
 projection shapes), ``copy_`` bandwidth over a weight-sized buffer and the rate of a read-only
 pass over it. Sampled beside each measurement, because this machine's speed drifts minute to
-minute."""
+minute. Also the lines naming the panel GEMM's choices that a run measured."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvrelay.engine import gemm
+from kvrelay.engine import gemm, hugepages, prefetch_tuner
 
 
 def best(fn: Callable[[], float], reps: int) -> float:
@@ -76,3 +76,31 @@ class Ceilings:
     def copy_gbs(self) -> float:
         """GB/s (read + write) of one weight-sized ``copy_``."""
         return self._bytes / timed(lambda: self._dst.copy_(self._src)) / 1e9
+
+
+# -- kernel choices ----------------------------------------------------------------------------
+def gemm_tuning() -> str:
+    """The panel GEMM's per-CPU choices (they differ between vendors), for the header."""
+    if not gemm.available():
+        return "no panel GEMM"
+    t = gemm.tuning()
+    fused = f"fused order up to {t.fuse_rows} rows" if t.fuse_rows else "no fused order"
+    packed = f"k-major rows from K {t.pack_min_k}" if t.pack_min_k else "rows read in place"
+    pages = "huge pages" if hugepages.enabled() else "small pages"
+    tuned = " (decode steps: tuned online)" \
+        if prefetch_tuner.enabled() and gemm.panel_width() == 32 else ""
+    return (f"gemm: {fused}, balanced chunks {'on' if t.balance else 'off'}, "
+            f"next-panel prefetch from {t.pf_min_rows} rows{tuned}, {packed}; panels on {pages}")
+
+
+def prefetch_note(runner: object) -> str | None:
+    """The online next-panel prefetch choices of ``runner``'s engine (None: it has no tuner)."""
+    snap = prefetch_tuner.snapshot(runner)
+    if snap is None:
+        return None
+
+    def sizes(on: bool) -> str:
+        return ", ".join(str(r) for r, v in snap.choices.items() if v is on) or "none"
+
+    return (f"next-panel prefetch after {snap.probes} probes: on at batch {sizes(True)}; "
+            f"off at {sizes(False)}")

@@ -324,12 +324,14 @@ def exported_series() -> set[str]:
     from prometheus_client import generate_latest
 
     from kvrelay.engine.engine_core import EngineStats
+    from kvrelay.engine.prefetch_tuner import PrefetchChoices
     from kvrelay.engine.step_cost import StepCostFit
     from kvrelay.worker.metrics import WorkerMetrics
 
     stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)})
     stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),
-                                kv_transfer={"held": 1, "hold_ended_notice": 1})
+                                kv_transfer={"held": 1, "hold_ended_notice": 1},
+                                gemm_prefetch=PrefetchChoices({8: True}, 1))
     text = generate_latest(WorkerMetrics(lambda: stats, "prefill", "w").registry).decode()
     return {ln.split("{")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
 
