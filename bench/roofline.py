@@ -83,7 +83,7 @@ def gemm_tuning() -> str:
     """The panel GEMM's per-CPU choices (they differ between vendors), for the header."""
     if not gemm.available():
         return "no panel GEMM"
-    t = gemm.tuning()
+    t = gemm.picked_tuning()
     fused = f"fused order up to {t.fuse_rows} rows" if t.fuse_rows else "no fused order"
     packed = f"k-major rows from K {t.pack_min_k}" if t.pack_min_k else "rows read in place"
     pages = "huge pages" if hugepages.enabled() else "small pages"

@@ -79,12 +79,13 @@ class Tuning:
 
 
 _current: Tuning | None = None  # the kernel's tuning as last read or set here
+_picked: Tuning | None = None  # the one the library picked for this CPU when it loaded
 
 
 def tuning(set_to: Tuning | None = None) -> Tuning:
     """The kernel's tuning; with ``set_to`` it is replaced (process-wide: for tests and paired
     benchmarks, and between steps, not while one runs) and the previous one returned."""
-    global _current
+    global _current, _picked
     lib = native.load()
     if lib is None:
         raise RuntimeError(UNAVAILABLE)
@@ -92,8 +93,18 @@ def tuning(set_to: Tuning | None = None) -> Tuning:
     new = None if set_to is None else (ctypes.c_int * 4)(
         set_to.fuse_rows, int(set_to.balance), set_to.pf_min_rows, set_to.pack_min_k)
     lib.kvr_gemm_tuning(out, new)
-    _current = set_to or Tuning(out[0], bool(out[1]), out[2], out[3])
-    return Tuning(out[0], bool(out[1]), out[2], out[3])
+    before = Tuning(out[0], bool(out[1]), out[2], out[3])
+    _picked = _picked or before  # nothing sets it but through here
+    _current = set_to or before
+    return before
+
+
+def picked_tuning() -> Tuning:
+    """The tuning the library picked for this CPU when it loaded, whatever has been set since
+    (the prefetch tuner moves ``pf_min_rows`` between steps)."""
+    tuning()
+    assert _picked is not None
+    return _picked
 
 
 def set_prefetch_min_rows(rows: int) -> None:

@@ -83,7 +83,7 @@ class FusedDecode:
         self._layers: list[_Layer] | None = None
         self._cache_ptr = 0  # the K cache the structs point into (rebound: rebuild them)
         # The next-panel prefetch only exists in the AVX-512 kernel (32-column panels).
-        self.tuner = PrefetchTuner(gemm.tuning().pf_min_rows, gemm.set_prefetch_min_rows) \
+        self.tuner = PrefetchTuner(gemm.picked_tuning().pf_min_rows, gemm.set_prefetch_min_rows) \
             if prefetch_tuner.enabled() and gemm.panel_width() == 32 else None
 
     @classmethod
