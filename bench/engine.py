@@ -358,6 +358,8 @@ def main() -> int:
     # The short decode rows again op by op (no fused decode layers), beside the fused ones.
     fused = core.runner.model.fused_decode
     if fused is not None:
+        if fused.tuner is not None:
+            fused.tuner.skip()  # the CPU's fixed prefetch choice, not the last step's arm
         core.runner.model.fused_decode = None
         for b in DECODE_BATCHES:
             t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
