@@ -87,8 +87,7 @@ def gemm_tuning() -> str:
     fused = f"fused order up to {t.fuse_rows} rows" if t.fuse_rows else "no fused order"
     packed = f"k-major rows from K {t.pack_min_k}" if t.pack_min_k else "rows read in place"
     pages = "huge pages" if hugepages.enabled() else "small pages"
-    tuned = " (decode steps: tuned online)" \
-        if prefetch_tuner.enabled() and gemm.panel_width() == 32 else ""
+    tuned = " (decode steps: tuned online)" if prefetch_tuner.applies() else ""
     return (f"gemm: {fused}, balanced chunks {'on' if t.balance else 'off'}, "
             f"next-panel prefetch from {t.pf_min_rows} rows{tuned}, {packed}; panels on {pages}")
 

@@ -34,6 +34,12 @@ def available() -> bool:
     return panel_width() > 0
 
 
+def next_panel_prefetch() -> bool:
+    """Whether this machine's kernel can prefetch a thread's next panel (``Tuning.pf_min_rows``):
+    only the AVX-512 build (32-column panels) has it."""
+    return panel_width() == 32
+
+
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """``w`` (``[N, K]``) as contiguous panels ``[ceil(N / NR), K, NR]``, zero padded."""
     nr = panel_width()

@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvrelay.engine import gemm
+
 logger = logging.getLogger(__name__)
 
 PATTERN = (True, False, False, True, True, False, False, True)
@@ -42,6 +44,11 @@ PATTERN = (True, False, False, True, True, False, False, True)
 
 def enabled() -> bool:
     return os.environ.get("KVRELAY_GEMM_AUTOTUNE", "1") != "0"
+
+
+def applies() -> bool:
+    """Whether an engine here tunes the prefetch: on unless turned off, where the kernel has one."""
+    return enabled() and gemm.next_panel_prefetch()
 
 
 @dataclass(frozen=True)

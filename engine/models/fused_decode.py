@@ -82,9 +82,8 @@ class FusedDecode:
                                         layer.mlp.down))
         self._layers: list[_Layer] | None = None
         self._cache_ptr = 0  # the K cache the structs point into (rebound: rebuild them)
-        # The next-panel prefetch only exists in the AVX-512 kernel (32-column panels).
         self.tuner = PrefetchTuner(gemm.picked_tuning().pf_min_rows, gemm.set_prefetch_min_rows) \
-            if prefetch_tuner.enabled() and gemm.panel_width() == 32 else None
+            if prefetch_tuner.applies() else None
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> FusedDecode | None:
