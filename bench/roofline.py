@@ -43,7 +43,8 @@ class Ceilings:
                 self._packed = []
         self._panels = []
         if gemm.available():
-            self._panels = [(x, gemm.pack_panels(w.t().contiguous()), o.shape[1])
+            kb = gemm.default_kblock()
+            self._panels = [(x, gemm.pack_panels(w.t().contiguous(), kb), o.shape[1], kb)
                             for x, w, o in self._mm]
         self._flops = sum(2 * m * k * n for k, n in shapes)
         self._src = torch.randn(weight_bytes // 4)
@@ -62,8 +63,8 @@ class Ceilings:
             t = min(t, timed(self._onednn))
         if self._panels:
             threads = torch.get_num_threads()
-            t = min(t, timed(lambda: [gemm.panel_linear(x, p, None, n, threads)
-                                      for x, p, n in self._panels]))
+            t = min(t, timed(lambda: [gemm.panel_linear(x, p, None, n, threads, kb)
+                                      for x, p, n, kb in self._panels]))
         return self._flops / t / 1e9
 
     def read_gbs(self) -> float:

@@ -40,21 +40,42 @@ def next_panel_prefetch() -> bool:
     return panel_width() == 32
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """``w`` (``[N, K]``) as contiguous panels ``[ceil(N / NR), K, NR]``, zero padded."""
+def default_kblock() -> int:
+    """K rows per block of the layout :func:`pack_panels` picks for this CPU (``gemm.c``'s
+    ``kvr_gemm_kblock``: 768 on AMD's AVX-512 cores, where a decode-sized call then runs block
+    by block; 0 elsewhere: one block)."""
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError(UNAVAILABLE)
+    return int(lib.kvr_gemm_kblock())
+
+
+def pack_panels(w: torch.Tensor, kblock: int | None = None) -> torch.Tensor:
+    """``w`` (``[N, K]``) as ``P = ceil(N / NR)`` panels of NR columns, zero padded, in blocks
+    of ``kblock`` of its K rows (default :func:`default_kblock`; 0, or K or more: one block),
+    each block's rows of every panel together: ``[P, kn, NR]`` per block, so one block is the
+    plain ``[P, K, NR]``. The result has that shape whatever the blocks (their order is the
+    kernel's business, as with oneDNN's packed weights): pass the same ``kblock`` to
+    :func:`panel_linear`."""
     nr = panel_width()
     if nr == 0:
         raise RuntimeError(UNAVAILABLE)
+    kb = default_kblock() if kblock is None else kblock
     n, k = w.shape
     p = -(-n // nr)
     padded = w.new_zeros(p * nr, k)
     padded[:n] = w
-    return padded.view(p, nr, k).transpose(1, 2).contiguous()
+    panels = padded.view(p, nr, k).transpose(1, 2)  # [P, K, NR], not yet contiguous
+    if kb <= 0 or kb >= k:
+        return panels.contiguous()
+    blocks = [panels[:, k0:k0 + kb].contiguous().view(-1) for k0 in range(0, k, kb)]
+    return torch.cat(blocks).view(p, k, nr)
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                 out_features: int, threads: int) -> torch.Tensor:
-    """``x @ W^T + bias`` for ``x`` ``[M, K]`` (fp32, CPU) over :func:`pack_panels`' layout."""
+                 out_features: int, threads: int, kblock: int) -> torch.Tensor:
+    """``x @ W^T + bias`` for ``x`` ``[M, K]`` (fp32, CPU) over :func:`pack_panels`' layout
+    (packed with ``kblock``)."""
     lib = native.load()
     assert lib is not None
     if not x.is_contiguous():
@@ -64,7 +85,7 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     y = x.new_empty(m, out_features)
     rc = lib.kvr_gemm_panels_f32(x.data_ptr(), panels.data_ptr(),
                                  None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                 m, k, out_features, 0, threads)
+                                 m, k, out_features, threads, kblock)
     if rc != 0:
         raise RuntimeError(f"native panel GEMM failed ({rc})")
     return y

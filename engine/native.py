@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 SOURCES = ("paged_decode.c", "paged_prefill.c", "gemm.c", "pointwise.c", "decode_layer.c",
            "threads.c", "kernels.h", "vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
@@ -127,9 +127,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr] * 8 + [i64] * 6 + [f32, i64, cint]
     fn.restype = cint
     fn = lib.kvr_gemm_panels_f32
-    fn.argtypes = [ptr] * 4 + [i64] * 4 + [cint]
+    fn.argtypes = [ptr] * 4 + [i64] * 3 + [cint, i64]
     fn.restype = cint
     lib.kvr_gemm_panel_width.restype = cint
+    lib.kvr_gemm_kblock.restype = cint
     lib.kvr_gemm_tuning.argtypes = [ptr, ptr]
     lib.kvr_gemm_tuning.restype = None
     fn = lib.kvr_add_rmsnorm_f32

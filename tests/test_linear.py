@@ -26,8 +26,8 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def make(n_in: int, n_out: int, bias: bool, *, onednn: bool = True,
-         panels: bool = False) -> tuple[Linear, tuple[torch.Tensor, torch.Tensor | None]]:
+def make(n_in: int, n_out: int, bias: bool, *, onednn: bool = True, panels: bool = False,
+         kblock: int | None = None) -> tuple[Linear, tuple[torch.Tensor, torch.Tensor | None]]:
     g = torch.Generator().manual_seed(n_in * 1000 + n_out)
     lin = Linear(n_in, n_out, bias)
     w = torch.randn(n_out, n_in, generator=g)
@@ -36,7 +36,7 @@ def make(n_in: int, n_out: int, bias: bool, *, onednn: bool = True,
     if bias:
         b = torch.randn(n_out, generator=g)
         lin.bias.data.copy_(b)
-    lin.pack(onednn=onednn, panels=panels)
+    lin.pack(onednn=onednn, panels=panels, kblock=kblock)
     return lin, (w, b)
 
 
@@ -87,8 +87,9 @@ def test_panel_gemm_is_exact_under_each_cores_tuning(two_threads, choice: gemm.T
 def test_k_major_rows_give_the_same_bits(two_threads, rows: int, k: int) -> None:
     """Calls of 2 to 12 rows (6 on AVX2) with K >= ``pack_min_k`` read x from a k-major copy
     (the same products in the same order: equal bits); 1 row and 13 never do. K = 1100 leaves
-    a partial K block and a K that is no multiple of the vector width."""
-    lin, (w, b) = make(k, 200, True, onednn=False, panels=True)
+    a partial K block and a K that is no multiple of the vector width. Over the plain layout:
+    blocked weights take no k-major copy (tests/test_gemm_blocks.py)."""
+    lin, (w, b) = make(k, 200, True, onednn=False, panels=True, kblock=0)
     x = torch.randn(rows, k)
     before = gemm.tuning()
     got = {}

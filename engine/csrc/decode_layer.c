@@ -37,6 +37,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, window;
     float eps, next_eps, scale;
     int64_t kv_groups, group_stride; /* head groups (1: none); floats from one group to the next */
+    int64_t kblock;                  /* the weights' K blocks (gemm.c's panel_at) */
 } kvr_layer_t;
 
 typedef struct {
@@ -62,7 +63,7 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     if (M <= 0) return 0;
     if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % 2 || S->block_size <= 0 ||
         S->min_part <= 0 || S->nthreads < 1 || G < 1 || KVH % G || (G > 1 && gs <= 0) ||
-        P < 0 || P > M || (P > 0) != (S->spans > 0))
+        P < 0 || P > M || (P > 0) != (S->spans > 0) || L->kblock < 0)
         return -1;
     const int64_t hq = H / G, hk = KVH / G, gq = hq * D, gk = hk * D; /* per group */
     for (int64_t r = 0; r < M; r++)
@@ -95,7 +96,7 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     int failed = 0;
 #pragma omp parallel num_threads(S->nthreads) reduction(|:failed)
     {
-        kvr__gemm_for(S->x, L->qkv, L->qkv_b, qkv, M, hid, nqkv);
+        failed |= kvr__gemm_for(S->x, L->qkv, L->qkv_b, qkv, M, hid, nqkv, L->kblock);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             const float *row = qkv + r * nqkv, *c = S->cos + r * half, *s = S->sin + r * half;
@@ -123,16 +124,16 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
                 for (int64_t g = 0; g < G; g++)
                     memcpy(att + r * qs + g * gq, att_g + (g * M + r) * gq, sizeof(float) * gq);
         }
-        kvr__gemm_for(att, L->o, L->o_b, delta, M, qs, hid);
+        failed |= kvr__gemm_for(att, L->o, L->o_b, delta, M, qs, hid, L->kblock);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
             kvr__add_rmsnorm_row(S->h + r * hid, delta + r * hid, L->post_w, S->x + r * hid, hid,
                                  L->eps);
-        kvr__gemm_for(S->x, L->gu, L->gu_b, gu, M, hid, 2 * I);
+        failed |= kvr__gemm_for(S->x, L->gu, L->gu_b, gu, M, hid, 2 * I, L->kblock);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
             kvr__silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
-        kvr__gemm_for(act, L->down, L->down_b, delta, M, I, hid);
+        failed |= kvr__gemm_for(act, L->down, L->down_b, delta, M, I, hid, L->kblock);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             float *hr = S->h + r * hid;

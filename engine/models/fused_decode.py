@@ -51,7 +51,7 @@ class _Layer(ctypes.Structure):
                                   "post_w", "next_w", "k_cache", "v_cache")] + \
         [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "window")] + \
         [(n, _F32) for n in ("eps", "next_eps", "scale")] + \
-        [(n, _I64) for n in ("kv_groups", "group_stride")]
+        [(n, _I64) for n in ("kv_groups", "group_stride", "kblock")]
 
 
 class _Step(ctypes.Structure):
@@ -111,6 +111,8 @@ class FusedDecode:
             assert a.k_cache is not None and a.v_cache is not None
             assert a.k_cache.is_contiguous() and a.v_cache.is_contiguous()
             groups = max(1, len(a.kv_groups))
+            kblock = a.qkv.kblock
+            assert all(lin.kblock == kblock for lin in (a.o, m.gate_up, m.down))
             # KV head groups: every group's views equally far apart (one [G, ...] tensor).
             esz = a.k_cache.element_size()
             stride = (a.kv_groups[1][0].data_ptr() - a.k_cache.data_ptr()) // esz \
@@ -125,7 +127,7 @@ class FusedDecode:
                 _ptr(None if nxt is None else nxt.weight), _ptr(a.k_cache), _ptr(a.v_cache),
                 arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, m.inter,
                 a.window or 0, layer.post_attn_norm.eps, 0.0 if nxt is None else nxt.eps,
-                a.scale, groups, stride))
+                a.scale, groups, stride, kblock))
         self._cache_ptr = model.layers[0].attn.k_cache.data_ptr()
         return layers
 

@@ -22,7 +22,7 @@ from kvrelay.engine.attention import (
     current_metadata,
     write_kv,
 )
-from kvrelay.engine.gemm import pack_panels, panel_linear
+from kvrelay.engine.gemm import default_kblock, pack_panels, panel_linear
 from kvrelay.engine.kv_cache import kv_groups_of
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.fused_decode import FusedDecode
@@ -68,27 +68,30 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
         self.packed: torch.Tensor | None = None
-        self.panels: torch.Tensor | None = None  # [ceil(out / NR), in, NR]
+        self.panels: torch.Tensor | None = None  # [ceil(out / NR), in, NR], K-blocked by kblock
+        self.kblock = 0
         self.panel_rows = 0
         self.threads = 1
 
     def pack(self, weight: torch.Tensor | None = None, *, onednn: bool = True,
-             panels: bool = False) -> None:
-        """Repack (``weight`` defaults to this layer's own) for oneDNN and/or the panel GEMM,
-        and drop the dense parameter."""
+             panels: bool = False, kblock: int | None = None) -> None:
+        """Repack (``weight`` defaults to this layer's own) for oneDNN and/or the panel GEMM
+        (its K blocks: ``kblock``, default :func:`~kvrelay.engine.gemm.default_kblock`), and
+        drop the dense parameter."""
         w = self.weight if weight is None else weight
         assert w is not None and (onednn or panels)
         w = w.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None) if onednn else None
         if panels:
-            self.panels = pack_panels(w)
+            self.kblock = default_kblock() if kblock is None else kblock
+            self.panels = pack_panels(w, self.kblock)
             self.panel_rows = 1 << 62 if not onednn else MIXED_PANEL_ROWS
         self.threads = torch.get_num_threads()
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.shape[0] <= self.panel_rows:
-            return panel_linear(x, self.panels, self.bias, self.out_features, self.threads)
+            return self.panel_forward(x)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self.packed_forward(x)
@@ -100,7 +103,8 @@ class Linear(nn.Module):
     def panel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Through the panel GEMM, whatever the row count."""
         assert self.panels is not None
-        return panel_linear(x, self.panels, self.bias, self.out_features, self.threads)
+        return panel_linear(x, self.panels, self.bias, self.out_features, self.threads,
+                            self.kblock)
 
     def drop(self, kernel: str) -> None:
         """Keep only the other kernel's copy (``kernel``: ``"panels"`` or ``"onednn"``)."""
