@@ -42,7 +42,9 @@ typedef struct {
 
 typedef struct {
     int64_t rows;
-    const float *cos, *sin;       /* [rows, head_dim / 2] */
+    const float *cos, *sin;       /* the RoPE tables, [max_pos, head_dim / 2] */
+    const int64_t *positions;     /* [rows], each row's position: its row of the tables */
+    int64_t max_pos;
     const int64_t *slots;         /* [rows] */
     const int32_t *tables, *lens; /* the decodes': [rows - prefill_rows, width], [..] */
     int64_t width, block_size, min_part;
@@ -67,7 +69,7 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
         return -1;
     const int64_t hq = H / G, hk = KVH / G, gq = hq * D, gk = hk * D; /* per group */
     for (int64_t r = 0; r < M; r++)
-        if (S->slots[r] < 0) return -1;
+        if (S->slots[r] < 0 || S->positions[r] < 0 || S->positions[r] >= S->max_pos) return -1;
     int64_t covered = 0;
     for (int64_t j = 0; j < S->spans; j++) {
         if (S->span_start[j] != covered) return -1; /* the spans tile the prefill rows */
@@ -99,7 +101,8 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
         failed |= kvr__gemm_for(S->x, L->qkv, L->qkv_b, qkv, M, hid, nqkv, L->kblock);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
-            const float *row = qkv + r * nqkv, *c = S->cos + r * half, *s = S->sin + r * half;
+            const float *row = qkv + r * nqkv, *c = S->cos + S->positions[r] * half,
+                        *s = S->sin + S->positions[r] * half;
             for (int64_t g = 0; g < G; g++) { /* G == 1: q [rows, H, D], one cache row */
                 kvr__rope_row(row + g * gq, q + (g * M + r) * gq, hq, D, c, s);
                 kvr__rope_row(row + qs + g * gk, L->k_cache + g * gs + S->slots[r] * gk, hk, D,

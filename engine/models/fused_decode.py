@@ -55,7 +55,8 @@ class _Layer(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("rows", _I64), ("cos", _P), ("sin", _P), ("slots", _P), ("tables", _P),
+    _fields_ = [("rows", _I64), ("cos", _P), ("sin", _P), ("positions", _P), ("max_pos", _I64),
+                ("slots", _P), ("tables", _P),
                 ("lens", _P), ("width", _I64), ("block_size", _I64), ("min_part", _I64),
                 ("h", _P), ("x", _P), ("nthreads", _INT),
                 ("prefill_rows", _I64), ("spans", _I64), ("span_width", _I64),
@@ -92,7 +93,8 @@ class FusedDecode:
 
         if not enabled() or native.load() is None:  # the ABI check pins the library's symbols
             return None
-        if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32:
+        if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32 \
+                or model.rotary.cos.dtype != torch.float32 or not model.rotary.cos.is_contiguous():
             return None
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
@@ -141,10 +143,11 @@ class FusedDecode:
             return False
         return not p or (meta.prefill_spans is not None and meta.prefill_tables is not None)
 
-    def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def run(self, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> bool:
         """Every layer over the step's rows (``h`` updated in place, as the per-op path does),
-        if the step is one this path takes; False (nothing done) otherwise."""
+        if the step is one this path takes; False (nothing done) otherwise. The RoPE tables'
+        rows are read at ``positions`` in place (no per-step copies of them)."""
         rows = h.shape[0]
         tuner = self.tuner
         if not self.takes(rows, meta):
@@ -160,7 +163,10 @@ class FusedDecode:
         spans = meta.prefill_spans if p else _NO_SPANS
         span_tables = meta.prefill_tables.contiguous() if p else _NO_TABLES
         assert spans is not None and spans.is_contiguous() and spans.dtype == torch.int32
-        step = _Step(rows, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+        rotary = self.model.rotary
+        assert positions.dtype == torch.long and positions.is_contiguous()
+        step = _Step(rows, rotary.cos.data_ptr(), rotary.sin.data_ptr(), positions.data_ptr(),
+                     rotary.cos.shape[0], meta.slot_mapping.data_ptr(),
                      tables.data_ptr(), lens.data_ptr(), tables.shape[1],
                      meta.block_size, MIN_PART_TOKENS, h.data_ptr(), x.data_ptr(),
                      torch.get_num_threads(), p, spans.shape[1], span_tables.shape[1],
