@@ -49,6 +49,7 @@ from kvrelay.engine.step_inputs import (  # padded_rows: imported from here by t
     padded_rows,
     padded_tables,
     row_order,
+    sampled_rows,
 )
 from kvrelay.engine.tensor_parallel import TPShard, local_kv_heads, shared_kv_cache
 
@@ -263,8 +264,7 @@ class ModelRunner:
             logits_rows.extend([logits_rows[-1]] * (padded_rows(len(logits_rows))
                                                     - len(logits_rows)))
         return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
-                          self._to_device(meta), torch.tensor(logits_rows, dtype=torch.long),
-                          sampled_order)
+                          self._to_device(meta), sampled_rows(logits_rows, ids), sampled_order)
 
     def _workspace(self, rows: int) -> torch.Tensor | None:
         """The gather scratch for ``rows`` cache slots of K and of V; grows, never shrinks (its
@@ -351,7 +351,8 @@ class ModelRunner:
         record_prompt_logprobs(self.model.compute_logits, scheduled, hidden)
         if not inputs.sampled_order:
             return SampledTokens([None] * len(scheduled), [None] * len(scheduled))
-        rows = hidden.index_select(0, self._h2d(inputs.logits_indices))
+        idx = inputs.logits_indices  # None: the rows are those that sample (a decode step)
+        rows = hidden if idx is None else hidden.index_select(0, self._h2d(idx))
         logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
         return self._sample(scheduled, logits, inputs.sampled_order, seqs, masks)
 

@@ -36,8 +36,16 @@ class StepInputs(NamedTuple):
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flat batch that sample
+    logits_indices: torch.Tensor | None  # rows of the flat batch that sample; None: all, in order
     sampled_order: list[int]  # scheduled index of each sampling row
+
+
+def sampled_rows(rows: list[int], ids: list[int]) -> torch.Tensor | None:
+    """The step's rows that sample (of its input ``ids``) as an index, or None where that is
+    every row in order (a decode step: the model's output is then read as is, not copied)."""
+    n = len(ids)
+    return None if len(rows) == n and rows == list(range(n)) else torch.tensor(rows,
+                                                                             dtype=torch.long)
 
 
 def row_order(scheduled: Seq[ScheduledSeq]) -> tuple[list[int], list[int]]:

@@ -24,7 +24,9 @@ def step_rows(core, scheduled, all_rows: bool) -> tuple[torch.Tensor, int | None
     last = inputs.meta.last_layer
     with forward_context(inputs.meta), torch.inference_mode():
         hidden = runner.model(inputs.input_ids, inputs.positions)
-        logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        idx = inputs.logits_indices  # None: every row samples, in order
+        logits = runner.model.compute_logits(hidden if idx is None else
+                                             hidden.index_select(0, idx))
     if last is not None:
         assert hidden.shape[0] == last.rows.numel()
     return logits, None if last is None else last.rows.numel()
@@ -105,3 +107,12 @@ def test_served_tokens_match_transformers_with_long_chunks(hf_model_dir, arch: s
     got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
     for i, p in enumerate(ps):
         assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN), (arch, len(p))
+
+
+def test_a_step_whose_every_row_samples_reads_the_output_as_is() -> None:
+    from kvrelay.engine.step_inputs import sampled_rows
+
+    assert sampled_rows([0, 1, 2], [7, 8, 9]) is None  # a decode step: no index, no copy
+    assert sampled_rows([2], [7, 8, 9]).tolist() == [2]
+    assert sampled_rows([1, 0], [7, 8]).tolist() == [1, 0]  # every row, not in order
+    assert sampled_rows([], [7]).tolist() == []
