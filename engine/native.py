@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 15
+ABI_VERSION = 16
 SOURCES = ("paged_decode.c", "paged_prefill.c", "gemm.c", "pointwise.c", "decode_layer.c",
            "threads.c", "kernels.h", "vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",

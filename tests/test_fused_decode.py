@@ -174,3 +174,21 @@ def test_an_engine_with_a_connector_decodes_through_the_fused_layers(hf_model_di
             assert not took and conn.saved > 0
         else:
             assert len(took) == GREEDY.max_tokens and conn.saved == 0  # the prompt's step too
+
+
+def test_the_last_fused_layer_gives_the_final_norm(hf_model_dir, monkeypatch) -> None:
+    """A decode step's final norm comes from the last fused layer (no second pass over h):
+    the model's own norm of the same residual stream, bit for bit."""
+    core = make_core(hf_model_dir("llama_bias"))
+    model = core.runner.model
+    for i in range(3):
+        core.add_request(f"r{i}", list(range(3, 12 + i)), GREEDY)
+    core.step()  # the prompts
+    norms = []
+    real = type(model.norm).add_and_norm
+    monkeypatch.setattr(type(model.norm), "add_and_norm",
+                        lambda self, h, d: norms.append(self is model.norm) or real(self, h, d))
+    core.step()  # a decode step
+    assert model.fused_decode._normed is not None and True not in norms
+    h, x = model.fused_decode._normed
+    assert torch.equal(x, real(model.norm, h.clone(), None))

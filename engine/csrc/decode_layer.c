@@ -10,7 +10,8 @@
  *   qkv = x Wqkv^T       q, k roped; k and v into the caches at the rows' slots
  *   att = paged decode attention of q       delta = att Wo^T
  *   h += delta, x = post_norm(h)            gu = x Wgu^T, act = silu(gate) * up
- *   delta = act Wdown^T                     h += delta, x = next_norm(h) (if there is one)
+ *   delta = act Wdown^T                     h += delta, x = next_norm(h) (if there is one;
+ *                                           after the last layer, the final norm's if asked) 
  *
  * The kernels are the same ones the per-op path calls (kernels.h), so both give identical
  * results. Rows are the step's prefill chunks' tokens (the first prefill_rows, spans of them,
@@ -38,6 +39,8 @@ typedef struct {
     float eps, next_eps, scale;
     int64_t kv_groups, group_stride; /* head groups (1: none); floats from one group to the next */
     int64_t kblock;                  /* the weights' K blocks (gemm.c's panel_at) */
+    const float *final_w;            /* last layer only, or NULL: the final norm's weight */
+    float final_eps;
 } kvr_layer_t;
 
 typedef struct {
@@ -145,6 +148,8 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
                 kvr__add_rmsnorm_row(hr, dr, L->next_w, S->x + r * hid, hid, L->next_eps);
             } else {
                 for (int64_t i = 0; i < hid; i++) hr[i] += dr[i];
+                if (L->final_w) /* the norm kvr_add_rmsnorm_f32 runs on h alone: the same bits */
+                    kvr__add_rmsnorm_row(hr, NULL, L->final_w, S->x + r * hid, hid, L->final_eps);
             }
         }
     }

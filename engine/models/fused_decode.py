@@ -51,7 +51,8 @@ class _Layer(ctypes.Structure):
                                   "post_w", "next_w", "k_cache", "v_cache")] + \
         [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "window")] + \
         [(n, _F32) for n in ("eps", "next_eps", "scale")] + \
-        [(n, _I64) for n in ("kv_groups", "group_stride", "kblock")]
+        [(n, _I64) for n in ("kv_groups", "group_stride", "kblock")] + \
+        [("final_w", _P), ("final_eps", _F32)]
 
 
 class _Step(ctypes.Structure):
@@ -83,6 +84,7 @@ class FusedDecode:
                                         layer.mlp.down))
         self._layers: list[_Layer] | None = None
         self._cache_ptr = 0  # the K cache the structs point into (rebound: rebuild them)
+        self._normed: tuple[torch.Tensor, torch.Tensor] | None = None  # (h, its final norm)
         self.tuner = PrefetchTuner(gemm.picked_tuning().pf_min_rows, gemm.set_prefetch_min_rows) \
             if prefetch_tuner.applies() else None
 
@@ -129,7 +131,8 @@ class FusedDecode:
                 _ptr(None if nxt is None else nxt.weight), _ptr(a.k_cache), _ptr(a.v_cache),
                 arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, m.inter,
                 a.window or 0, layer.post_attn_norm.eps, 0.0 if nxt is None else nxt.eps,
-                a.scale, groups, stride, kblock))
+                a.scale, groups, stride, kblock,
+                _ptr(model.norm.weight if nxt is None else None), model.norm.eps))
         self._cache_ptr = model.layers[0].attn.k_cache.data_ptr()
         return layers
 
@@ -150,6 +153,7 @@ class FusedDecode:
         rows are read at ``positions`` in place (no per-step copies of them)."""
         rows = h.shape[0]
         tuner = self.tuner
+        self._normed = None
         if not self.takes(rows, meta):
             if tuner is not None:
                 tuner.skip()
@@ -185,4 +189,12 @@ class FusedDecode:
                 raise RuntimeError(f"native decode layer failed ({rc})")
         if tuner is not None:
             tuner.end(time.perf_counter() - t0)
+        self._normed = (h, x)
         return True
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The final norm of ``hidden`` where it is the residual stream of the step this path
+        last ran (its last layer wrote the norm into ``x``, as the model's own norm computes it:
+        the same bits); None otherwise."""
+        h, x = self._normed if self._normed is not None else (None, None)
+        return x if hidden is h else None

@@ -391,7 +391,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head for the rows that sample: ``[N, hidden] -> [N, vocab]``.
         (The norm runs natively: right after the decode layers, torch's took ~0.15 ms.)"""
-        h = self.norm.add_and_norm(hidden.contiguous(), None)
+        fd = self.fused_decode  # whose last layer may have computed the norm already
+        h = fd.normed(hidden) if fd is not None else None
+        h = self.norm.add_and_norm(hidden.contiguous(), None) if h is None else h
         lm = self.lm_head
         if lm.packed is None and lm.panels is None and lm.weight is None:  # tied, unpacked
             return F.linear(h, self.embed)
