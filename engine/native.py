@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 16
+ABI_VERSION = 17
 SOURCES = ("paged_decode.c", "paged_prefill.c", "gemm.c", "pointwise.c", "decode_layer.c",
            "threads.c", "kernels.h", "vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",

@@ -40,9 +40,9 @@ def count_fused(monkeypatch: pytest.MonkeyPatch, mixed_only: bool = False) -> li
     taken: list[bool] = []
     real_run = FusedDecode.run
 
-    def counting(self: FusedDecode, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+    def counting(self: FusedDecode, h: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> bool:
-        ok = real_run(self, h, x, positions, meta)
+        ok = real_run(self, h, positions, meta)
         taken.append(ok and (not mixed_only or bool(meta.num_prefill_tokens
                                                     and meta.num_decodes)))
         return ok

@@ -7,11 +7,12 @@
  * Here the stages run back to back inside one region, separated by the barriers that end their
  * worksharing loops, over scratch allocated once per call:
  *
- *   qkv = x Wqkv^T       q, k roped; k and v into the caches at the rows' slots
+ *   (x = in_norm(h), first layer only)      qkv = x Wqkv^T
+ *   q, k roped; k and v into the caches at the rows' slots
  *   att = paged decode attention of q       delta = att Wo^T
  *   h += delta, x = post_norm(h)            gu = x Wgu^T, act = silu(gate) * up
  *   delta = act Wdown^T                     h += delta, x = next_norm(h) (if there is one;
- *                                           after the last layer, the final norm's if asked) 
+ *                                           after the last layer, the final norm's if asked)
  *
  * The kernels are the same ones the per-op path calls (kernels.h), so both give identical
  * results. Rows are the step's prefill chunks' tokens (the first prefill_rows, spans of them,
@@ -41,6 +42,8 @@ typedef struct {
     int64_t kblock;                  /* the weights' K blocks (gemm.c's panel_at) */
     const float *final_w;            /* last layer only, or NULL: the final norm's weight */
     float final_eps;
+    const float *in_w;               /* first layer only, or NULL: x = in_norm(h) comes first */
+    float in_eps;
 } kvr_layer_t;
 
 typedef struct {
@@ -101,6 +104,11 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     int failed = 0;
 #pragma omp parallel num_threads(S->nthreads) reduction(|:failed)
     {
+        if (L->in_w) { /* the norm kvr_add_rmsnorm_f32 runs on h alone: the same bits */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++)
+                kvr__add_rmsnorm_row(S->h + r * hid, NULL, L->in_w, S->x + r * hid, hid, L->in_eps);
+        }
         failed |= kvr__gemm_for(S->x, L->qkv, L->qkv_b, qkv, M, hid, nqkv, L->kblock);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {

@@ -52,7 +52,7 @@ class _Layer(ctypes.Structure):
         [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "window")] + \
         [(n, _F32) for n in ("eps", "next_eps", "scale")] + \
         [(n, _I64) for n in ("kv_groups", "group_stride", "kblock")] + \
-        [("final_w", _P), ("final_eps", _F32)]
+        [("final_w", _P), ("final_eps", _F32), ("in_w", _P), ("in_eps", _F32)]
 
 
 class _Step(ctypes.Structure):
@@ -132,7 +132,8 @@ class FusedDecode:
                 arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, m.inter,
                 a.window or 0, layer.post_attn_norm.eps, 0.0 if nxt is None else nxt.eps,
                 a.scale, groups, stride, kblock,
-                _ptr(model.norm.weight if nxt is None else None), model.norm.eps))
+                _ptr(model.norm.weight if nxt is None else None), model.norm.eps,
+                _ptr(layer.input_norm.weight if i == 0 else None), layer.input_norm.eps))
         self._cache_ptr = model.layers[0].attn.k_cache.data_ptr()
         return layers
 
@@ -146,11 +147,11 @@ class FusedDecode:
             return False
         return not p or (meta.prefill_spans is not None and meta.prefill_tables is not None)
 
-    def run(self, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> bool:
-        """Every layer over the step's rows (``h`` updated in place, as the per-op path does),
-        if the step is one this path takes; False (nothing done) otherwise. The RoPE tables'
-        rows are read at ``positions`` in place (no per-step copies of them)."""
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Every layer over the step's rows (``h``, the embeddings, updated in place, as the
+        per-op path does; the first layer norms its input itself), if the step is one this path
+        takes; False (nothing done) otherwise. The RoPE tables' rows are read at ``positions``
+        in place (no per-step copies of them)."""
         rows = h.shape[0]
         tuner = self.tuner
         self._normed = None
@@ -167,7 +168,7 @@ class FusedDecode:
         spans = meta.prefill_spans if p else _NO_SPANS
         span_tables = meta.prefill_tables.contiguous() if p else _NO_TABLES
         assert spans is not None and spans.is_contiguous() and spans.dtype == torch.int32
-        rotary = self.model.rotary
+        rotary, x = self.model.rotary, torch.empty_like(h)
         assert positions.dtype == torch.long and positions.is_contiguous()
         step = _Step(rows, rotary.cos.data_ptr(), rotary.sin.data_ptr(), positions.data_ptr(),
                      rotary.cos.shape[0], meta.slot_mapping.data_ptr(),

@@ -374,11 +374,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         layers = self.layers
-        x = layers[0].input_norm.add_and_norm(h, None)
         meta = current_metadata()
         last = meta.last_layer
-        if self.fused_decode is not None and self.fused_decode.run(h, x, positions, meta):
+        if self.fused_decode is not None and self.fused_decode.run(h, positions, meta):
             return h if last is None else h.index_select(0, last.rows)
+        x = layers[0].input_norm.add_and_norm(h, None)
         cos = self.rotary.cos[positions]  # [T, head_dim / 2]
         sin = self.rotary.sin[positions]
         for i, layer in enumerate(layers):
