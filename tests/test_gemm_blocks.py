@@ -63,6 +63,14 @@ def test_blocked_panels_give_the_plain_layouts_bits(two_threads, kblock: int, ro
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_thread_without_a_panel(two_threads, rows: int) -> None:
+    """One panel (N = 20) between two threads: the second has none to run."""
+    w, x = torch.randn(20, 100), torch.randn(rows, 100)
+    got = gemm.panel_linear(x, gemm.pack_panels(w, 40), None, 20, 2, 40)
+    assert torch.equal(got, gemm.panel_linear(x, gemm.pack_panels(w, 0), None, 20, 2, 0))
+
+
 def test_a_negative_block_is_refused() -> None:
     w = torch.randn(40, 64)
     with pytest.raises(RuntimeError, match="failed"):

@@ -307,6 +307,7 @@ static int blocked_rows(const float *x, const float *wp, const float *bias, floa
     const int64_t P = (N + NR - 1) / NR;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t lo = P * t / nt, hi = P * (t + 1) / nt;
+    if (lo == hi) return 0; /* more threads than panels */
     float *acc = thread_buf(0, (hi - lo) * MR * NR), *xb = thread_buf(1, M * kb);
     if (!acc || !xb) return 1;
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
