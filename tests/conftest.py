@@ -51,6 +51,17 @@ def _worker_fork_server() -> None:
     start_fork_server()
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """torch (and the native kernels it hands its thread count to) on two threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny demo checkpoint (``write_demo_model(size="tiny", seed=0)``)."""

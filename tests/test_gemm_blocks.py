@@ -18,14 +18,6 @@ from kvrelay.engine.models import llama
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="no native panel GEMM here")
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_the_blocks_hold_the_plain_panels_rows() -> None:
     w = torch.randn(70, 100)
     plain, blocked = gemm.pack_panels(w, 0), gemm.pack_panels(w, 48)

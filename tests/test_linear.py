@@ -18,14 +18,6 @@ needs_panels = pytest.mark.skipif(not gemm.available(),
                                   reason="the panel GEMM needs AVX2+FMA and a C compiler")
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def make(n_in: int, n_out: int, bias: bool, *, onednn: bool = True, panels: bool = False,
          kblock: int | None = None) -> tuple[Linear, tuple[torch.Tensor, torch.Tensor | None]]:
     g = torch.Generator().manual_seed(n_in * 1000 + n_out)
