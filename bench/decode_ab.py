@@ -23,6 +23,7 @@ import torch
 
 from kvrelay.engine import gemm, hugepages
 from kvrelay.engine.llm import LLM
+from kvrelay.engine.models import llama
 from kvrelay.engine.models.llama import Linear
 from kvrelay.engine.sampling_params import SamplingParams
 
@@ -42,6 +43,9 @@ def main() -> None:
     os.environ["KVRELAY_GEMM_AUTOTUNE"] = "0"
     if not gemm.available() or not hugepages.enabled():
         raise SystemExit("needs the panel GEMM and MADV_HUGEPAGE")
+    # The k-major choice applies to panels in one K block: weights in K blocks (this CPU's
+    # default where gemm.default_kblock() > 0) run block by block whatever it says.
+    llama.default_kblock = lambda: 0
     llm = LLM(args.model, kv_cache_memory="2GiB", num_threads=args.threads,
               linear_kernel="panels")
     core, model = llm.engine, llm.engine.runner.model
