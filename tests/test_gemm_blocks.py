@@ -33,9 +33,10 @@ def test_the_blocks_hold_the_plain_panels_rows() -> None:
 
 
 @pytest.mark.parametrize("kblock", [256, 768, 40])
-# 1-12 rows run block by block (a thread's panels' first block, then their second...); 13-20
-# the fused order where the tuning takes it; 21-64 row chunks; 65 and more the prefill order.
-@pytest.mark.parametrize("rows", [1, 2, 8, 12, 13, 20, 21, 64, 65, 130])
+# No rows (nothing to run); 1-12 rows block by block (a thread's panels' first block, then their
+# second...); 13-20 the fused order where the tuning takes it; 21-64 row chunks; 65 and more the
+# prefill order.
+@pytest.mark.parametrize("rows", [0, 1, 2, 8, 12, 13, 20, 21, 64, 65, 130])
 @pytest.mark.parametrize("k", [1000, 1536])
 def test_blocked_panels_give_the_plain_layouts_bits(two_threads, kblock: int, rows: int,
                                                     k: int) -> None:

@@ -340,7 +340,7 @@ int kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y, 
         #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < P; p++)
             panel_rows(x, NULL, wp, bias, y, 0, M, K, N, p, 0, kb);
-    } else if (M <= MR && kb > 0 && kb < K) {
+    } else if (M >= 1 && M <= MR && kb > 0 && kb < K) { /* (no rows: nothing to run) */
         const int failed = blocked_rows(x, wp, bias, y, M, K, N, kb);
         #pragma omp barrier
         return failed;
