@@ -87,6 +87,8 @@ def gemm_tuning() -> str:
     t = gemm.picked_tuning()
     fused = f"fused order up to {t.fuse_rows} rows" if t.fuse_rows else "no fused order"
     packed = f"k-major rows from K {t.pack_min_k}" if t.pack_min_k else "rows read in place"
+    if (kb := gemm.default_kblock()) > 0:  # the k-major copy is for one-block weights only
+        packed = f"weights in {kb}-row K blocks (one-block weights: {packed})"
     pages = "huge pages" if hugepages.enabled() else "small pages"
     tuned = " (decode steps: tuned online)" if prefetch_tuner.applies() else ""
     return (f"gemm: {fused}, balanced chunks {'on' if t.balance else 'off'}, "
