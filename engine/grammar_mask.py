@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.engine.host_copy import tensor_to_device, to_device
 from kvrelay.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -85,13 +86,14 @@ def apply_masks(logits: torch.Tensor, raw: torch.Tensor, masks: StepMasks) -> to
     masks.wait()
     n, vocab, dev = len(masks.rows), logits.shape[-1], logits.device
     # Byte k of the (little-endian) int32 words holds tokens 8k..8k+7, lowest bit first.
-    mask_bytes = masks.bitmask.to(dev).view(torch.uint8).reshape(-1).long()
+    mask_bytes = tensor_to_device(masks.bitmask, dev).view(torch.uint8).reshape(-1).long()
     add = _forbid_table(dev, logits.dtype).index_select(0, mask_bytes).view(n, -1)[:, :vocab]
     every_row = n == logits.shape[0]
-    idx = None if every_row else torch.tensor(masks.rows, dtype=torch.long, device=dev)
+    idx = None if every_row else to_device(masks.rows, torch.long, dev)
     sub = logits + add if idx is None else logits.index_select(0, idx) + add
     dead = sub.amax(dim=-1) == float("-inf")
-    if bool(dead.any()):
+    # On a GPU, asking whether any row died would wait for it: take the fallback blindly.
+    if dev.type == "cuda" or bool(dead.any()):
         fallback = (raw if idx is None else raw.index_select(0, idx)) + add
         sub = torch.where(dead[:, None], fallback, sub)
     return sub if idx is None else logits.index_copy(0, idx, sub)

@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvrelay.engine.grammar_mask import StepMasks, apply_masks
+from kvrelay.engine.host_copy import tensor_to_device, to_device
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.pointwise import argmax_rows
 from kvrelay.engine.sequence import Sequence
@@ -55,7 +56,7 @@ def _token_table(lists: list[list[int]], pad: int, device: torch.device) -> torc
     for r, t in enumerate(lists):
         if t:
             table[r, :len(t)] = torch.tensor(t, dtype=torch.long)
-    return table.to(device)
+    return tensor_to_device(table, device)
 
 
 def banned_by_bad_words(output: Seq[int], words: Seq[Seq[int]]) -> list[int]:
@@ -90,38 +91,38 @@ def apply_logits_processors(logits: torch.Tensor, seqs: Seq[Sequence],
     for i in rows:  # sparse per-row edits: a handful of index writes each
         seq, sp = seqs[i], seqs[i].sampling
         if sp.allowed_token_ids is not None:
-            keep = torch.tensor(sorted(sp.allowed_token_ids), dtype=torch.long, device=dev)
+            keep = to_device(sorted(sp.allowed_token_ids), torch.long, dev)
             row = torch.full((vocab,), neg_inf, dtype=out.dtype, device=dev)
             row[keep] = out[i, keep]
             out[i] = row
         if sp.logit_bias:
-            ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long, device=dev)
-            vals = torch.tensor([v for _, v in sp.logit_bias], dtype=out.dtype, device=dev)
+            ids = to_device([t for t, _ in sp.logit_bias], torch.long, dev)
+            vals = to_device([v for _, v in sp.logit_bias], out.dtype, dev)
             out[i, ids] += vals
         if sp.bad_words_token_ids:
             banned = banned_by_bad_words(seq.penalized_output_token_ids,
                                          sp.bad_words_token_ids)
             if banned:
-                out[i, torch.tensor(banned, dtype=torch.long, device=dev)] = neg_inf
+                out[i, to_device(banned, torch.long, dev)] = neg_inf
         if sp.min_tokens and seq.num_output_tokens < sp.min_tokens:
             stops = set(sp.stop_token_ids)
             if not sp.ignore_eos:
                 stops |= eos_token_ids
             stops = {t for t in stops if t < vocab}
             if stops:
-                out[i, torch.tensor(sorted(stops), dtype=torch.long, device=dev)] = neg_inf
+                out[i, to_device(sorted(stops), torch.long, dev)] = neg_inf
     pen = [i for i in rows if seqs[i].sampling.repetition_penalty != 1.0
            or seqs[i].sampling.presence_penalty or seqs[i].sampling.frequency_penalty]
     if pen:
-        idx = torch.tensor(pen, device=dev)
+        idx = to_device(pen, torch.long, dev)
         sub = out.index_select(0, idx)
         sps = [seqs[i].sampling for i in pen]
         outputs = _token_table([seqs[i].penalized_output_token_ids for i in pen], vocab, dev)
         counts = torch.zeros((len(pen), vocab + 1), dtype=sub.dtype, device=dev)
         counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=sub.dtype))
         counts = counts[:, :vocab]
-        rep = torch.tensor([p.repetition_penalty for p in sps], dtype=sub.dtype, device=dev)
-        if bool((rep != 1.0).any()):
+        rep = to_device([p.repetition_penalty for p in sps], sub.dtype, dev)
+        if any(p.repetition_penalty != 1.0 for p in sps):  # asked of the host, not the GPU
             prompts = _token_table([seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in pen],
                                    vocab, dev)
             seen = torch.zeros((len(pen), vocab + 1), dtype=torch.bool, device=dev)
@@ -129,8 +130,8 @@ def apply_logits_processors(logits: torch.Tensor, seqs: Seq[Sequence],
             seen = seen[:, :vocab] | (counts > 0)
             r = rep[:, None]
             sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-        freq = torch.tensor([p.frequency_penalty for p in sps], dtype=sub.dtype, device=dev)
-        pres = torch.tensor([p.presence_penalty for p in sps], dtype=sub.dtype, device=dev)
+        freq = to_device([p.frequency_penalty for p in sps], sub.dtype, dev)
+        pres = to_device([p.presence_penalty for p in sps], sub.dtype, dev)
         sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(sub.dtype)
         out[idx] = sub
     return out
@@ -152,13 +153,14 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], default_generator: torch.G
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     cum: torch.Tensor | None = None
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        dev = logits.device
+        idx = to_device(random_rows, torch.long, dev)
         params = [seqs[i].sampling for i in random_rows]
-        temp = torch.tensor([p.temperature for p in params], device=logits.device)
+        temp = to_device([p.temperature for p in params], torch.float32, dev)
         rows = logits.index_select(0, idx) / temp[:, None]
         if any(p.needs_filtering for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            top_k = to_device([p.top_k for p in params], torch.long, dev)
+            top_p = to_device([p.top_p for p in params], torch.float32, dev)
             rows = _filter(rows, top_k, top_p)
         cum = rows.softmax(dim=-1).cumsum_(dim=-1)
         u = torch.rand(len(random_rows), device=logits.device, generator=default_generator)
@@ -189,7 +191,7 @@ def _fill_logprobs(raw: torch.Tensor, want: list[int], seqs: Seq[Sequence], toke
     log-softmax, one gather and one top-k (at the largest k asked) for all of them, read back
     in one transfer (per-row reads would each wait for the device)."""
     dev = raw.device
-    idx = torch.tensor(want, device=dev)
+    idx = to_device(want, torch.long, dev)
     lp = raw.index_select(0, idx).log_softmax(-1)
     chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0].tolist()
     k = max(seqs[i].sampling.logprobs or 0 for i in want)
