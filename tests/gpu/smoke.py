@@ -572,6 +572,50 @@ def phase_decode_steps() -> dict[str, Any]:
     return {"status": "INFO", **out}
 
 
+def phase_eager_profile() -> dict[str, Any]:
+    """INFO: where an eager decode step's host time goes (cProfile over 20 steps of batch 8 on
+    the decode_steps model), the 15 functions of most own time. An eager step that takes far
+    longer than its kernels is host-bound: this names the Python that binds it."""
+    _need_cuda(dry_ok=True)
+    import cProfile
+    import pstats
+
+    import torch
+
+    from kvrelay.engine.kv_connector import ScheduledSeq
+    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.engine.sequence import Sequence
+
+    core = _decoding_core(False, **DECODE_SHAPE)
+    rng = random.Random(0)
+    seqs = []
+    for i in range(8):
+        s = Sequence(f"s{i}", [rng.randrange(3, 500) for _ in range(260)], SamplingParams())
+        assert core.block_manager.allocate(s, s.num_tokens)
+        core.runner.logits_for([ScheduledSeq(s, 200)])
+        s.num_computed_tokens = 200
+        seqs.append(s)
+    sched = [ScheduledSeq(s, 1) for s in seqs]
+    sync = torch.cuda.synchronize if _cuda() else (lambda: None)
+    for _ in range(3):
+        core.runner.logits_for(sched)
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(20):
+        core.runner.logits_for(sched)
+    sync()
+    prof.disable()
+    step_ms = (time.perf_counter() - t0) / 20 * 1e3
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # type: ignore[attr-defined]
+    top = [{"fn": f"{os.path.basename(f)}:{line}:{name}", "calls_per_step": round(nc / 20, 1),
+            "own_ms_per_step": round(tt / 20 * 1e3, 3), "cum_ms_per_step": round(ct / 20 * 1e3, 3)}
+           for (f, line, name), (_, nc, tt, ct, _) in rows]
+    return {"status": "INFO", "step_ms_profiled": round(step_ms, 3), "top_own_time": top}
+
+
 def phase_nccl_world1() -> dict[str, Any]:
     """A world-1 NCCL group bound to its device (``device_id``): a CUDA all-reduce works, a CPU
     tensor is refused (what kvrelay's control messages must never send), and a gloo group for
@@ -619,6 +663,7 @@ PHASES: dict[str, tuple[Callable[[], dict[str, Any]], int]] = {
     "pd_handoff": (phase_pd_handoff, 120),
     "decode_steps": (phase_decode_steps, 120),
     "host_syncs": (phase_host_syncs, 90),
+    "eager_profile": (phase_eager_profile, 90),
     "nccl_world1": (phase_nccl_world1, 60),
 }
 
