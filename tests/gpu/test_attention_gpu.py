@@ -89,27 +89,29 @@ def test_fp32_on_cuda_takes_sdpa(hf_model_dir, gpu: str) -> None:
     assert core.runner.backend == "sdpa"
 
 
-def _hf_greedy_bf16(model_dir: str, prompt: list[int], n: int, device: str) -> list[int]:
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_follows_fp32_like_transformers_bf16(hf_model_dir, gpu: str, arch: str) -> None:
+    """The engine in bf16 against transformers in fp32, teacher-forced over a prompt: the
+    logits within twice transformers' own bf16 error, and the top token at as many positions as
+    transformers' bf16 picks it. Free-running greedy tokens are no test of a bf16 engine: on
+    these random models a prompt's first token can sit 2.8 % of the logits' range from the
+    runner-up, within reach of any bf16 rounding, and from there the texts part (seen on an
+    H200; tests/gpu/results/)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
-    x = torch.tensor([prompt], device=device)
-    out = model.generate(x, max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_tokens_match_transformers_bf16(hf_model_dir, gpu: str, arch: str) -> None:
     model_dir = hf_model_dir(arch)
     core = make_core(model_dir, gpu, "flash")
-    prompts = {f"r{i}": ids(10 + i, n) for i, n in enumerate((5, 33, 70))}
-    for rid, p in prompts.items():
-        core.add_request(rid, p, GREEDY)
-    got: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while core.has_unfinished():
-        for o in core.step():
-            got[o.request_id] += o.new_token_ids
-    for rid, p in prompts.items():
-        ref = _hf_greedy_bf16(model_dir, p, GREEDY.max_tokens, gpu)
-        # bf16: a near-tie can flip late; the first tokens must agree.
-        assert got[rid][:8] == ref[:8], rid
+    prompt = ids(12, 70)
+    seq = Sequence("p", prompt, GREEDY)
+    assert core.block_manager.allocate(seq, len(prompt))
+    got = core.runner.logits_for([ScheduledSeq(seq, len(prompt))]).float()
+    x = torch.tensor([prompt], device=gpu)
+    with torch.inference_mode():
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(gpu)(
+            x).logits[0].float()
+        r16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(gpu)(
+            x).logits[0].float()
+    span = ref.max() - ref.min()
+    assert (got - ref).abs().max() / span <= 2 * (r16 - ref).abs().max() / span
+    top = ref.argmax(-1)
+    assert (got.argmax(-1) == top).sum() >= (r16.argmax(-1) == top).sum() - 1
