@@ -17,21 +17,7 @@ logger = logging.getLogger(__name__)
 CLUSTER_TOKEN_KEY = "x-kvrelay-cluster-token"
 API_KEY_KEY = "x-api-key"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-# Trailing metadata of a failed Prefill whose cause is the KV destination (the decode worker is
-# unreachable or its writes failed), not the prefill worker: the router migrates the request to
-# another decode worker instead of rerunning the prefill against the same dead lease.
-FAILED_SIDE_KEY = "x-kvrelay-failed-side"
-KV_DESTINATION_FAILED = ((FAILED_SIDE_KEY, "kv-destination"),)
-# Trailing metadata of a Prefill refused before any KV was written (draining, overloaded, ...):
-# only then may the router rerun the prompt under the same lease. After any other failure the
-# first prefill worker may still be writing into the lease's blocks (it stalled, or only its
-# connection broke), and a rerun there could be overwritten by its late writes.
-KV_WRITTEN_KEY = "x-kvrelay-kv-written"
-KV_NOTHING_WRITTEN = ((KV_WRITTEN_KEY, "none"),)
-# Trailing metadata of a call a worker refused because it is draining (leaving as planned): the
-# router tries another worker without suspecting this one.
-WORKER_STATE_KEY = "x-kvrelay-worker-state"
-WORKER_DRAINING = ((WORKER_STATE_KEY, "draining"),)
+# Why a call failed travels typed in its trailers: common/failures.py.
 MAX_MESSAGE_BYTES = 64 * 2**20
 # The cluster's timing contract, one default for the router, the workers and their flags: a
 # worker beats this often (the router drops one that missed three), a KV reservation lives

@@ -25,8 +25,8 @@ from kvrelay.common.convert import (
     logprob_to_proto,
     sampling_from_proto,
 )
+from kvrelay.common.failures import FailureKind, failure_md
 from kvrelay.common.logs import request_context
-from kvrelay.common.rpc import WORKER_DRAINING
 from kvrelay.common.timeline import mark
 from kvrelay.decode_worker.leases import LeaseError, LeaseTable
 from kvrelay.decode_worker.sessions import SessionServer, SessionServicer
@@ -167,7 +167,7 @@ class DecodeServicer(SessionServicer, worker_pb2_grpc.DecodeWorkerServicer):
                                     "this worker does not take remote KV (role=both)")
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
-                                    WORKER_DRAINING)
+                                    failure_md(FailureKind.FAILURE_DRAINING))
             ids = list(request.prompt_token_ids)
             try:
                 check_request_id(rid)
@@ -331,7 +331,7 @@ class DecodeServicer(SessionServicer, worker_pb2_grpc.DecodeWorkerServicer):
             if self.draining:
                 tracing.end(span, error="draining")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
-                                    WORKER_DRAINING)
+                                    failure_md(FailureKind.FAILURE_DRAINING))
             try:
                 check_request_id(rid)
                 sampling = sampling_from_proto(request.sampling)

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from kvrelay.common.convert import metadata_from_proto, metadata_to_proto
-from kvrelay.common.rpc import WORKER_DRAINING
+from kvrelay.common.failures import FailureKind, failure_md
 from kvrelay.proto import worker_pb2 as wpb
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class _ServerSession:
                 for op in req.ops:
                     if self.closing and op.WhichOneof("op") != "cancel":
                         self.end(op.call, grpc.StatusCode.UNAVAILABLE, "worker is stopping",
-                                 WORKER_DRAINING)
+                                 failure_md(FailureKind.FAILURE_DRAINING))
                     else:
                         self.start(op)
         finally:

@@ -29,6 +29,7 @@ from kvrelay.engine.engine_core import (
     RequestOutput,
     Reservation,
 )
+from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.tensor_parallel import TensorParallelError
@@ -363,7 +364,8 @@ class AsyncEngine:
         outs = []
         for rid in list(self.core.seqs):
             self.core.abort(rid)
-            outs.append(RequestOutput(rid, [], True, FinishReason.ERROR, error=reason))
+            outs.append(RequestOutput(rid, [], True, FinishReason.ERROR, error=reason,
+                                      error_kind=ErrorKind.ENGINE))
         return outs
 
 

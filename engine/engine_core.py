@@ -27,6 +27,7 @@ from kvrelay.engine.engine_types import (  # the workers import these from here 
 from kvrelay.engine.heap import HeapTrimmer
 from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.sampler import seeded_generator, skip_draw
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler
@@ -327,7 +328,7 @@ class EngineCore:
 
     # -- internals -----------------------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: FinishReason, *, emit: bool = True,
-                error: str | None = None) -> None:
+                error: str | None = None, error_kind: ErrorKind | None = None) -> None:
         if seq.status != SequenceStatus.FINISHED:
             self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -338,9 +339,12 @@ class EngineCore:
             for cid in self._fork_waiting.pop(seq.request_id, []):
                 child = self.seqs.get(cid)
                 if child is not None and child.status == SequenceStatus.WAITING_FOR_KV:
-                    self._finish(child, reason, emit=emit, error=error)
+                    self._finish(child, reason, emit=emit, error=error, error_kind=error_kind)
         if emit:
+            if reason is FinishReason.ERROR and error_kind is None:
+                error_kind = ErrorKind.ENGINE
             self._pending.append(RequestOutput(seq.request_id, [], True, reason, error=error,
+                                               error_kind=error_kind,
                                                num_prompt_tokens=seq.num_prompt_tokens,
                                                num_cached_tokens=seq.num_cached_tokens))
 
@@ -361,14 +365,17 @@ class EngineCore:
             seq = self.seqs.get(rid)
             if seq is not None and seq.status == SequenceStatus.WAITING_FOR_KV:
                 logger.warning("KV for %s will not arrive: %s", rid, reason)
-                self._finish(seq, FinishReason.ERROR, error=f"KV transfer failed: {reason}")
+                self._finish(seq, FinishReason.ERROR, error=f"KV transfer failed: {reason}",
+                             error_kind=ErrorKind.KV_TRANSFER)
             elif rid in self._sending and self._sending[rid][1] is not None:
                 o = self._sending[rid][1]
                 o.finish_reason, o.error = FinishReason.ERROR, f"KV transfer failed: {reason}"
+                o.error_kind = ErrorKind.KV_TRANSFER
             for cid in self._fork_waiting.pop(rid, []):
                 child = self.seqs.get(cid)
                 if child is not None and child.status == SequenceStatus.WAITING_FOR_KV:
-                    self._finish(child, FinishReason.ERROR, error=f"KV transfer failed: {reason}")
+                    self._finish(child, FinishReason.ERROR, error=f"KV transfer failed: {reason}",
+                                 error_kind=ErrorKind.KV_TRANSFER)
         for rid in ev.sent:
             held = self._sending.pop(rid, None)
             if held is not None:

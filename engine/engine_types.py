@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.prefetch_tuner import PrefetchChoices
 from kvrelay.engine.sampler import TokenLogprob
 from kvrelay.engine.sequence import FinishReason
@@ -36,6 +37,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     error: str | None = None
+    error_kind: ErrorKind | None = None  # set with FinishReason.ERROR
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_arrived: bool = False  # a reserved request's KV is complete (no tokens in this output)

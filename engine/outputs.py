@@ -17,6 +17,14 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine or its KV transport failed this request
 
 
+class ErrorKind(str, enum.Enum):
+    """Whose failure a ``FinishReason.ERROR`` was: the caller decides on this, never on the
+    message text."""
+
+    ENGINE = "engine"  # this engine failed the request (a step raised, a resource ran out)
+    KV_TRANSFER = "kv_transfer"  # the KV transport: sending to, or waiting on, a peer failed
+
+
 class TokenLogprob(NamedTuple):
     token_id: int
     logprob: float

@@ -14,7 +14,8 @@ from typing import Protocol
 
 import grpc
 
-from kvrelay.common.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN, insecure_channel
+from kvrelay.common.failures import FailureKind, failure_md
+from kvrelay.common.rpc import insecure_channel
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -100,7 +101,8 @@ class DecodePeers:
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"cannot reach decode worker {dest.agent_name}: {detail}",
-                                KV_DESTINATION_FAILED)
+                                failure_md(FailureKind.FAILURE_KV_DESTINATION))
         except ValueError as e:  # incompatible KV layouts: a deployment error
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e),
-                                KV_NOTHING_WRITTEN)
+                                failure_md(FailureKind.FAILURE_INVALID_REQUEST,
+                                           nothing_written=True))

@@ -26,16 +26,13 @@ from kvrelay.common.convert import (
     logprob_to_proto,
     sampling_from_proto,
 )
+from kvrelay.common.failures import FailureKind, failure_md
 from kvrelay.common.logs import request_context
-from kvrelay.common.rpc import (
-    KV_DESTINATION_FAILED,
-    KV_NOTHING_WRITTEN,
-    WORKER_DRAINING,
-    token_metadata,
-)
+from kvrelay.common.rpc import token_metadata
 from kvrelay.common.timeline import mark
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, RequestOutput
+from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
@@ -47,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 # The Prefill call's span (common.tracing) while tracing is on: each call runs in a task of its own.
 _SPAN: ContextVar[Any] = ContextVar("kvrelay_prefill_span", default=None)
-
-KV_TRANSFER_FAILED = "KV transfer failed"  # EngineCore's error prefix for a failed send
 
 
 class KVSender(PeerTransport, Protocol):
@@ -145,7 +140,8 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
         with request_context(rid):
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining",
-                                    KV_NOTHING_WRITTEN + WORKER_DRAINING)
+                                    failure_md(FailureKind.FAILURE_DRAINING,
+                                               nothing_written=True))
             try:
                 self._validate(request)
                 skip = (0 if request.destination_follows
@@ -157,7 +153,9 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
                 sampling = replace(full, max_tokens=1, stop=(), min_tokens=min(full.min_tokens, 1),
                                    stop_token_ids=full.stop_token_ids if full.min_tokens else ())
             except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                                    failure_md(FailureKind.FAILURE_INVALID_REQUEST,
+                                               nothing_written=True))
             if request.destination_follows:
                 return await self._prefill_then_destination(request, context, sampling)
             await self.evict_idle_peers()
@@ -165,7 +163,8 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
             if self.kv.is_fenced(rid, dest.lease_id):  # its receiver gave the blocks up
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"the lease of {rid} was given up by its decode worker",
-                                    KV_NOTHING_WRITTEN)
+                                    failure_md(FailureKind.FAILURE_LEASE_GIVEN_UP,
+                                               nothing_written=True))
             self._use_peer(dest.agent_name, +1)
             try:
                 await self._connect(dest, context)
@@ -182,7 +181,9 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
         rid = request.request_id
         if rid in self._pending:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"request id {rid!r} is already in use", KV_NOTHING_WRITTEN)
+                                f"request id {rid!r} is already in use",
+                                failure_md(FailureKind.FAILURE_REQUEST_ID_IN_USE,
+                                           nothing_written=True))
         pending = self._pending[rid] = _Pending(PendingDestination(),
                                                 len(request.prompt_token_ids))
         arrived = self._arrivals.pop(rid, None)
@@ -222,7 +223,8 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
             if self.kv.is_fenced(rid, dest.lease_id):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"the lease of {rid} was given up by its decode worker",
-                                    KV_NOTHING_WRITTEN)
+                                    failure_md(FailureKind.FAILURE_LEASE_GIVEN_UP,
+                                               nothing_written=True))
             if pending.peer is None:
                 pending.peer = dest.agent_name
                 self._use_peer(dest.agent_name, +1)
@@ -232,7 +234,8 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
             if not pending.holder.resolve(params):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"the prefill of {rid} has ended or has a destination",
-                                    KV_NOTHING_WRITTEN)
+                                    failure_md(FailureKind.FAILURE_UNSPECIFIED,
+                                               nothing_written=True))
             self.kv.destination_ready(rid)
             mark("prefill_destination", rid)
             return wpb.SetDestinationResponse()
@@ -278,7 +281,8 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
                 break
             except EngineOverloaded as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
-                                    KV_NOTHING_WRITTEN)
+                                    failure_md(FailureKind.FAILURE_OVERLOADED,
+                                               nothing_written=True))
             except ValueError as e:
                 # An earlier request of this id (given up by the router, or a client's retry)
                 # may still be sending its KV out: wait a moment, it is transient.
@@ -286,9 +290,12 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
                         and time.monotonic() < t0 + ID_REUSE_WAIT_S:
                     await asyncio.sleep(0.02)
                     continue
-                await context.abort(grpc.StatusCode.UNAVAILABLE if isinstance(e, RequestIdInUse)
-                                    else grpc.StatusCode.INVALID_ARGUMENT, str(e),
-                                    KV_NOTHING_WRITTEN)
+                in_use = isinstance(e, RequestIdInUse)
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE if in_use else grpc.StatusCode.INVALID_ARGUMENT,
+                    str(e), failure_md(FailureKind.FAILURE_REQUEST_ID_IN_USE if in_use
+                                       else FailureKind.FAILURE_INVALID_REQUEST,
+                                       nothing_written=True))
         if out is None or out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) \
                 or not out.new_token_ids:
             reason = (out.error if out is not None else None) or "prefill aborted"
@@ -296,9 +303,10 @@ class PrefillServicer(DecodePeers, worker_pb2_grpc.PrefillWorkerServicer):
             # A failed KV transfer is the destination's failure (the decode worker died or
             # dropped the lease, or fenced it), not this worker's.
             dest = destination_of(params)
-            side = (KV_DESTINATION_FAILED if reason.startswith(KV_TRANSFER_FAILED)
-                    or (dest is not None and self.kv.is_fenced_notif(dest.notif)) else ())
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason, side)
+            theirs = (out is not None and out.error_kind is ErrorKind.KV_TRANSFER) \
+                or (dest is not None and self.kv.is_fenced_notif(dest.notif))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason, failure_md(
+                FailureKind.FAILURE_KV_DESTINATION if theirs else FailureKind.FAILURE_ENGINE))
         return self._response(rid, out, params, t0)
 
     def _response(self, rid: str, out: RequestOutput,

@@ -14,10 +14,29 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
     ROLE_BOTH: _ClassVar[Role]
+
+class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_UNSPECIFIED: _ClassVar[FailureKind]
+    FAILURE_DRAINING: _ClassVar[FailureKind]
+    FAILURE_KV_DESTINATION: _ClassVar[FailureKind]
+    FAILURE_OVERLOADED: _ClassVar[FailureKind]
+    FAILURE_LEASE_GIVEN_UP: _ClassVar[FailureKind]
+    FAILURE_REQUEST_ID_IN_USE: _ClassVar[FailureKind]
+    FAILURE_ENGINE: _ClassVar[FailureKind]
+    FAILURE_INVALID_REQUEST: _ClassVar[FailureKind]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
 ROLE_BOTH: Role
+FAILURE_UNSPECIFIED: FailureKind
+FAILURE_DRAINING: FailureKind
+FAILURE_KV_DESTINATION: FailureKind
+FAILURE_OVERLOADED: FailureKind
+FAILURE_LEASE_GIVEN_UP: FailureKind
+FAILURE_REQUEST_ID_IN_USE: FailureKind
+FAILURE_ENGINE: FailureKind
+FAILURE_INVALID_REQUEST: FailureKind
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

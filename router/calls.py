@@ -9,7 +9,7 @@ import asyncio
 
 import grpc
 
-from kvrelay.common.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN
+from kvrelay.common.failures import FailureKind, failure_of
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.worker_state import WorkerState
 
@@ -28,22 +28,19 @@ def _retrieve(task: asyncio.Future[object]) -> None:
         task.exception()
 
 
-def trailer_says(e: grpc.aio.AioRpcError, pairs: tuple[tuple[str, str], ...]) -> bool:
-    try:
-        md = tuple(e.trailing_metadata() or ())
-    except Exception:
-        return False
-    return any((k, v) in pairs for k, v in md)
-
-
 def nothing_written(e: grpc.aio.AioRpcError) -> bool:
-    """True when a Prefill was refused before it wrote any KV (see ``KV_NOTHING_WRITTEN``)."""
-    return trailer_says(e, KV_NOTHING_WRITTEN)
+    """True when a Prefill was refused before it wrote any KV (common/failures.py)."""
+    return failure_of(e).nothing_written
 
 
 def dest_failed(e: grpc.aio.AioRpcError) -> bool:
-    """True when a Prefill failed because of its KV destination (see ``KV_DESTINATION_FAILED``)."""
-    return trailer_says(e, KV_DESTINATION_FAILED)
+    """True when a Prefill failed because of its KV destination, not its own."""
+    return failure_of(e).kind == FailureKind.FAILURE_KV_DESTINATION
+
+
+def draining(e: grpc.aio.AioRpcError) -> bool:
+    """True when the worker refused because it is leaving as planned (suspect nothing)."""
+    return failure_of(e).kind == FailureKind.FAILURE_DRAINING
 
 
 def call_cancelled(registry: WorkerRegistry, w: WorkerState) -> bool:

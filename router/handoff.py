@@ -21,15 +21,14 @@ import grpc
 from kvrelay.common import tracing
 from kvrelay.common.convert import sampling_to_proto
 from kvrelay.common.logs import request_context
-from kvrelay.common.rpc import WORKER_DRAINING
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.calls import (
     call_cancelled,
     cancel,
     dest_failed,
+    draining,
     nothing_written,
-    trailer_says,
 )
 from kvrelay.router.errors import RouterError
 from kvrelay.router.policy import Policy
@@ -159,7 +158,7 @@ class Handoff:
             return True
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise RouterError(code, e.details() or "invalid request") from e
-        if not trailer_says(e, WORKER_DRAINING):  # draining: leaving as planned (heartbeat too)
+        if not draining(e):  # draining: leaving as planned (heartbeat too)
             self.registry.mark_suspect(d.worker_id, f"Reserve: {code.name} {e.details()}")
         return False
 
@@ -284,7 +283,7 @@ class Handoff:
         if dest_failed(e):  # the decode worker holding the lease failed, not p
             self.registry.mark_suspect(d.worker_id, f"KV destination: {last}")
             raise WorkerLost(f"KV destination {d.worker_id} failed: {last}") from e
-        if code != grpc.StatusCode.RESOURCE_EXHAUSTED and not trailer_says(e, WORKER_DRAINING):
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED and not draining(e):
             self.registry.mark_suspect(p.worker_id, f"Prefill: {last}")  # (draining: planned)
         if not nothing_written(e):
             # p may still write into the lease's blocks (it stalled, or only its connection

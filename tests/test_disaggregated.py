@@ -15,7 +15,7 @@ from cluster import Cluster
 from hf_models import hf_greedy
 
 from kvrelay.client import sampling
-from kvrelay.common.rpc import KV_NOTHING_WRITTEN
+from kvrelay.common.failures import FailureKind, failure_of
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
@@ -227,7 +227,7 @@ def test_blocks_given_up_before_their_kv_wait_until_the_sender_fenced_them(clust
         with pytest.raises(grpc.RpcError) as e:
             worker_pb2_grpc.PrefillWorkerStub(pch).Prefill(late, timeout=30)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert set(KV_NOTHING_WRITTEN) <= set(e.value.trailing_metadata() or ())
+        assert failure_of(e.value) == (FailureKind.FAILURE_LEASE_GIVEN_UP, True)
 
 
 def test_blocks_promised_to_a_silent_sender_are_held_until_it_is_gone(cluster) -> None:

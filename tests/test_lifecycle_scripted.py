@@ -20,7 +20,7 @@ from polling import wait_for
 from router_in_process import RouterInProcess
 
 from kvrelay.client import Client, sampling
-from kvrelay.common.rpc import KV_DESTINATION_FAILED, KV_NOTHING_WRITTEN, WORKER_DRAINING
+from kvrelay.common.failures import FailureKind, failure_md
 from kvrelay.router.requests import RouterConfig
 
 BEAT_S = 0.05
@@ -111,7 +111,8 @@ def test_a_prefill_refused_before_writing_reruns_under_the_same_lease(router, st
     p1 = start("prefill")
     p2 = start("prefill", script=p1.script)  # whichever is asked first refuses
     d = start("decode")
-    p1.fail("Prefill", Failure(UNAVAILABLE, KV_NOTHING_WRITTEN))
+    p1.fail("Prefill", Failure(UNAVAILABLE, failure_md(FailureKind.FAILURE_OVERLOADED,
+                                                       nothing_written=True)))
     tokens, trace, err = _run(router, 8)
     assert err is None and tokens == expected(PROMPT, 8), (err, trace)
     names = _names(trace)
@@ -161,7 +162,8 @@ def test_a_prefill_that_may_have_written_takes_a_fresh_lease(router, start) -> N
 
 def test_a_failed_kv_destination_moves_the_request_to_another_decode_worker(router,
                                                                             start) -> None:
-    start("prefill").fail("Prefill", Failure(UNAVAILABLE, KV_DESTINATION_FAILED))
+    start("prefill").fail("Prefill",
+                          Failure(UNAVAILABLE, failure_md(FailureKind.FAILURE_KV_DESTINATION)))
     d1, d2 = start("decode"), start("decode")
     tokens, trace, err = _run(router, 8)
     assert err is None and tokens == expected(PROMPT, 8), (err, trace)
@@ -175,7 +177,7 @@ def test_a_draining_decode_worker_is_passed_over_and_not_suspected(router, start
     start("prefill")
     d1 = start("decode")
     d2 = start("decode", script=d1.script)  # whichever is asked first says it is draining
-    d1.fail("Reserve", Failure(UNAVAILABLE, WORKER_DRAINING))
+    d1.fail("Reserve", Failure(UNAVAILABLE, failure_md(FailureKind.FAILURE_DRAINING)))
     tokens, trace, err = _run(router, 4)
     assert err is None and tokens == expected(PROMPT, 4), (err, trace)
     registry = router.router.registry
