@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from kvrelay.common.rpc import insecure_channel, token_metadata
+from kvrelay.kv_transfer.notice import lease_of
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 
@@ -25,11 +26,6 @@ logger = logging.getLogger(__name__)
 
 FENCE_TIMEOUT_S = 2.0
 FENCE_RETRIES = (0.2, 0.5, 1.0, 2.0, 4.0)  # pauses between attempts while the sender is silent
-
-
-def lease_of(notif: bytes) -> str:
-    """The lease id in a notification (``kv_endpoint.notif_for``: request id | lease id)."""
-    return notif.decode(errors="replace").rpartition("|")[2]
 
 
 class Fencer:

@@ -8,6 +8,7 @@ the transfer. Thread-safe: the engine thread and the worker's event loop both ca
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.messages import KVExpectation
 from kvrelay.kv_transfer.nixl_transport import Notification
+from kvrelay.kv_transfer.notice import NoticeError, NoticeKind, decode
 from kvrelay.kv_transfer.tracker import Quarantine, RecvOutcome, RecvTracker
 
 if TYPE_CHECKING:
@@ -26,6 +28,8 @@ _ABORTED = (FinishReason.ABORT, FinishReason.ERROR)
 # (request id, notification, sender, its control address) of a new hold
 OnHold = Callable[[str, bytes, "str | None", "str | None"], None]
 
+logger = logging.getLogger(__name__)
+
 
 class Receiving:
     def __init__(self, sender_gone_grace_s: float, quarantine_backstop_s: float) -> None:
@@ -35,6 +39,7 @@ class Receiving:
         self.sender_gone_grace_s = sender_gone_grace_s
         self.quarantine_backstop_s = quarantine_backstop_s
         self.on_hold: OnHold | None = None
+        self.num_unreadable = 0  # notifications of another protocol, version or kind
 
     def expect(self, seq: Sequence) -> None:
         exp = seq.kv_transfer_params
@@ -84,9 +89,16 @@ class Receiving:
         now = time.monotonic()
         with self._lock:
             for n in notifs:
+                try:
+                    notice = decode(n.msg)
+                except NoticeError as e:
+                    self.num_unreadable += 1
+                    logger.warning("dropping a notification from %s: %s", n.peer, e)
+                    continue
                 # A held request's sender has ended its last write: reuse the blocks now.
-                if not self._quarantine.on_notif(n.peer, n.msg):
-                    self._recv.on_notif(n.peer, n.msg)
+                if not self._quarantine.on_notif(n.peer, notice) \
+                        and notice.kind is NoticeKind.DONE:
+                    self._recv.on_notif(n.peer, notice.key)
             self._recv.expire(now)
             return self._recv.take(), self._quarantine.release_due(now)
 
@@ -95,5 +107,6 @@ class Receiving:
             q = self._quarantine
             out = {f"hold_ended_{why}": n for why, n in q.ended.items()}
             out["foreign_notif"] = self._recv.num_foreign + q.num_foreign
+            out["unreadable_notif"] = self.num_unreadable
             out["held"] = q.num_held
             return out

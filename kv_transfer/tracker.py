@@ -6,7 +6,7 @@ flight, whether the engine finished it, whether something failed. The notificati
 (as a ``NotifJob`` for the I/O side to send) exactly once: when the request is finished, nothing is
 in flight and nothing failed. A failed or aborted request is never notified as complete; it is
 reported in ``failed`` and then in ``sent`` once no write reads its blocks anymore. An aborted one
-whose peer is still reachable gets an *abort notice* instead (its notification + ``ABORT_SUFFIX``),
+whose peer is still reachable gets an *abort notice* instead (an ``ABORTED`` notice, ``notice.py``),
 sent after its last write ended, so the receiver may reuse the blocks at once rather than after
 its grace period.
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvrelay.kv_transfer.messages import KVDestination, PendingDestination
+from kvrelay.kv_transfer.notice import Notice, NoticeKind, encode
 from kvrelay.kv_transfer.send_plan import PlanError, blocks_to_send, map_blocks
 
 logger = logging.getLogger(__name__)
 
 
-ABORT_SUFFIX = b"|abort"
 
 
 class NotifJob(NamedTuple):
@@ -166,15 +166,16 @@ class SendTracker:
             return []
         if st.aborted and st.dest.notif:
             st.notifying = True
-            return [NotifJob(request_id, st.dest.peer, st.dest.notif + ABORT_SUFFIX,
-                             st.incarnation)]
+            return [NotifJob(request_id, st.dest.peer,
+                             encode(st.dest.notif, NoticeKind.ABORTED), st.incarnation)]
         if st.failure is not None:
             del self._reqs[request_id]
             self._failed.append((request_id, st.failure))
             self._sent.append(request_id)
             return []
         st.notifying = True
-        return [NotifJob(request_id, st.dest.peer, st.dest.notif, st.incarnation)]
+        return [NotifJob(request_id, st.dest.peer, encode(st.dest.notif, NoticeKind.DONE),
+                         st.incarnation)]
 
     def take(self) -> SendOutcome:
         out = SendOutcome(self._sent, self._failed)
@@ -275,6 +276,7 @@ class RecvTracker:
         return self._by_notif.pop(notif)
 
     def on_notif(self, peer: str, msg: bytes) -> None:
+        """A ``DONE`` notice's key (``msg``) from ``peer``."""
         exp = self._by_notif.get(msg)
         if exp is None:
             logger.debug("dropping notification %r from %s: no request expects it", msg, peer)
@@ -354,17 +356,16 @@ class Quarantine:
         del self._by_notif[held.notif]
         self._due.append(request_id)
 
-    def on_notif(self, peer: str, msg: bytes) -> bool:
-        """Whether ``msg`` was meant for a held request (it is consumed)."""
-        base = msg[:-len(ABORT_SUFFIX)] if msg.endswith(ABORT_SUFFIX) else msg
-        rid = self._by_notif.get(base)
+    def on_notif(self, peer: str, notice: Notice) -> bool:
+        """Whether ``notice`` was meant for a held request (it is consumed)."""
+        rid = self._by_notif.get(notice.key)
         if rid is None:
-            return msg.endswith(ABORT_SUFFIX)  # a late notice: nothing to release
+            return notice.kind is NoticeKind.ABORTED  # a late notice: nothing to release
         sender = self._held[rid].sender
         if sender is not None and peer != sender:
             self.num_foreign += 1
-            logger.warning("ignoring %r from %s: the blocks of %s were promised to %s", msg,
-                           peer, rid, sender)
+            logger.warning("ignoring %s %r from %s: the blocks of %s were promised to %s",
+                           notice.kind.name, notice.key, peer, rid, sender)
             return True
         self._release(rid, "notice")
         return True

@@ -9,9 +9,9 @@ import pytest
 from kvrelay.kv_transfer.descriptors import plane_block_indices, plane_indices, region_descs
 from kvrelay.kv_transfer.layout import KVLayout
 from kvrelay.kv_transfer.messages import KVDestination
+from kvrelay.kv_transfer.notice import Notice, NoticeKind, decode, encode
 from kvrelay.kv_transfer.send_plan import BlockRange, blocks_to_send, map_blocks
 from kvrelay.kv_transfer.tracker import (
-    ABORT_SUFFIX,
     NotifJob,
     Quarantine,
     RecvTracker,
@@ -19,6 +19,18 @@ from kvrelay.kv_transfer.tracker import (
 )
 
 BS = 16
+
+
+def done(key: bytes) -> Notice:
+    return Notice(key, NoticeKind.DONE)
+
+
+def aborted(key: bytes) -> Notice:
+    return Notice(key, NoticeKind.ABORTED)
+
+
+def done_msg(key: bytes) -> bytes:
+    return encode(key, NoticeKind.DONE)
 
 
 def plan(start: int, n: int, prompt: int, covered: int, skip: int = 0) -> BlockRange:
@@ -114,7 +126,7 @@ def test_notification_only_when_finished_and_nothing_in_flight() -> None:
     assert t.write_done(["r"]) == []
     assert t.finish("r", d, aborted=False) == []  # one write still in flight
     assert t.has_pending()
-    assert t.write_done(["r"]) == [NotifJob("r", "decode-0", d.notif, "inc-1")]
+    assert t.write_done(["r"]) == [NotifJob("r", "decode-0", done_msg(d.notif), "inc-1")]
     assert t.take().sent == []  # not before the notification went out
     t.notif_done("r", None)
     assert t.take() == (["r"], [])
@@ -127,7 +139,7 @@ def test_notification_at_finish_when_all_writes_are_already_done() -> None:
     t.posted(["r"])
     t.write_done(["r"])
     assert not t.has_pending()  # still running in the engine: the engine steps anyway
-    assert t.finish("r", d, aborted=False) == [NotifJob("r", "decode-0", d.notif, None)]
+    assert t.finish("r", d, aborted=False) == [NotifJob("r", "decode-0", done_msg(d.notif), None)]
 
 
 def test_a_request_stays_bound_to_the_peer_incarnation_it_reserved_at() -> None:
@@ -161,7 +173,7 @@ def test_abort_reports_failed_and_sent_once_writes_drain() -> None:
     assert t.take() == ([], [])
     # Only once the last write ended does the receiver hear of the abort (and may reuse blocks).
     [notice] = t.write_done(["r"])
-    assert notice.notif == d.notif + ABORT_SUFFIX and notice.peer == d.peer
+    assert notice.notif == encode(d.notif, NoticeKind.ABORTED) and notice.peer == d.peer
     assert t.take() == ([], [])
     t.notif_done("r", None)
     sent, failed = t.take()
@@ -171,7 +183,7 @@ def test_abort_reports_failed_and_sent_once_writes_drain() -> None:
 def test_abort_before_any_step_sends_the_notice_at_once() -> None:
     t, d = SendTracker(), dest()
     [notice] = t.finish("r", d, aborted=True)
-    assert notice.notif.endswith(ABORT_SUFFIX)
+    assert decode(notice.notif).kind is NoticeKind.ABORTED
     t.notif_done("r", "peer unknown")  # a notice that cannot go out changes nothing
     sent, failed = t.take()
     assert sent == ["r"] and "aborted" in failed[0][1]
@@ -245,24 +257,24 @@ def test_quarantine_ends_with_the_senders_last_notification_whichever_it_is() ->
     q.hold("b", b"n-b", "p1", backstop=1000.0)
     q.hold("c", b"n-c", "p1", backstop=1000.0)
     assert q.release_due(2.5) == [] and q.release_due(900.0) == []
-    assert q.on_notif("p1", b"n-a" + ABORT_SUFFIX)  # aborted sender, last write ended
-    assert q.on_notif("p1", b"n-b")  # completed sender: no write of it is left either
-    assert not q.on_notif("p1", b"n-other")  # an expectation's notification: not ours
-    assert q.on_notif("p1", b"n-gone" + ABORT_SUFFIX)  # a late notice is consumed, not expected
+    assert q.on_notif("p1", aborted(b"n-a"))  # aborted sender, last write ended
+    assert q.on_notif("p1", done(b"n-b"))  # completed sender: no write of it is left either
+    assert not q.on_notif("p1", done(b"n-other"))  # an expectation's notification: not ours
+    assert q.on_notif("p1", aborted(b"n-gone"))  # a late notice is consumed, not expected
     assert sorted(q.release_due(900.0)) == ["a", "b"]
     assert q  # c still held
     assert q.release_due(1000.0) == ["c"] and q.num_backstopped == 1
-    assert not q and not q.on_notif("p1", b"n-c")
+    assert not q and not q.on_notif("p1", done(b"n-c"))
     assert q.ended == {"notice": 2, "backstop": 1}
 
 
 def test_quarantine_hears_only_the_sender_its_blocks_were_promised_to() -> None:
     q = Quarantine()
     q.hold("a", b"n-a", "p1", backstop=1000.0)
-    assert q.on_notif("intruder", b"n-a" + ABORT_SUFFIX)  # consumed, and counted, not obeyed
-    assert q.on_notif("intruder", b"n-a")
+    assert q.on_notif("intruder", aborted(b"n-a"))  # consumed, and counted, not obeyed
+    assert q.on_notif("intruder", done(b"n-a"))
     assert q.num_foreign == 2 and q.release_due(1.0) == [] and q
-    assert q.on_notif("p1", b"n-a" + ABORT_SUFFIX)
+    assert q.on_notif("p1", aborted(b"n-a"))
     assert q.release_due(1.0) == ["a"]
 
 

@@ -12,10 +12,11 @@ from kvrelay.engine.kv_cache import KVCacheSpec
 from kvrelay.kv_transfer.connector import NixlConnector, NixlConnectorConfig
 from kvrelay.kv_transfer.layout import model_identity
 from kvrelay.kv_transfer.messages import KVDestination, KVExpectation, PeerInfo
+from kvrelay.kv_transfer.notice import lease_key
 
 
 def notif_for(request_id: str, lease_id: str) -> bytes:
-    return f"{request_id}|{lease_id}".encode()
+    return lease_key(request_id, lease_id)
 
 
 class KVEndpoint:
