@@ -17,7 +17,11 @@ carries it like any other trailer. A kind this process does not know (a newer pe
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
+
+import grpc
 
 from kvrelay.proto import worker_pb2 as wpb
 
@@ -64,3 +68,32 @@ def failure_of(error: Any) -> Failure:
         if key == FAILURE_KEY:
             return parse(value if isinstance(value, str) else value.decode())
     return NO_FAILURE
+
+
+class CallRefused(Exception):
+    """A worker service's refusal of a call. Services raise it; their servicer turns it into
+    the call's status (``code``, ``message``) and typed trailers (``kind``, nothing written)
+    through :func:`refusals`, so the service needs no gRPC context and the servicer no logic."""
+
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 kind: int = FailureKind.FAILURE_UNSPECIFIED, *,
+                 nothing_written: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.kind = kind
+        self.nothing_written = nothing_written
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        if self.kind == FailureKind.FAILURE_UNSPECIFIED and not self.nothing_written:
+            return ()
+        return failure_md(self.kind, nothing_written=self.nothing_written)
+
+
+@contextlib.asynccontextmanager
+async def refusals(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Around a servicer's call into its service: a ``CallRefused`` aborts the call."""
+    try:
+        yield
+    except CallRefused as e:
+        await context.abort(e.code, e.message, e.trailers())

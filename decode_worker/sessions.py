@@ -191,15 +191,3 @@ class SessionServer:
     @property
     def open_sessions(self) -> int:
         return len(self._sessions)
-
-
-class SessionServicer:
-    """``DecodeWorker.Session`` for a servicer (list it before the generated base class): its
-    ``sessions`` serve the calls."""
-
-    sessions: SessionServer
-
-    async def Session(self, request_iterator: AsyncIterator[wpb.SessionRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.SessionResponse]:
-        async for resp in self.sessions.serve(request_iterator, context):
-            yield resp

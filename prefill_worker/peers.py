@@ -1,20 +1,22 @@
 """The decode workers a prefill worker sends KV to.
 
 Each one's transfer info is fetched once per incarnation (a restarted decode worker is a new
-peer); the Prefill calls under way to each are counted, so that one idle for ``PEER_IDLE_S``
-can be forgotten. ``PrefillServicer`` builds on this.
+peer); the Prefill calls under way to each are counted (``using``: the +1 and its -1 together),
+so that one idle for ``PEER_IDLE_S`` can be forgotten.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Protocol
+from collections.abc import Iterator
+from typing import NamedTuple, Protocol
 
 import grpc
 
-from kvrelay.common.failures import FailureKind, failure_md
+from kvrelay.common.failures import CallRefused, FailureKind
 from kvrelay.common.rpc import insecure_channel
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.proto import worker_pb2 as wpb
@@ -26,6 +28,17 @@ logger = logging.getLogger(__name__)
 # prepared descriptors and connection lock): decode pods come and go, and each one held here
 # forever would grow this worker's memory. One that comes back is reconnected on first use.
 PEER_IDLE_S = 300.0
+
+
+class DecodeTarget(NamedTuple):
+    """Where a prefill's KV goes: the decode worker and the blocks its lease reserved."""
+
+    agent_name: str
+    decode_address: str
+    incarnation: str
+    block_ids: list[int]
+    skip_prefix_tokens: int
+    lease_id: str
 
 
 class PeerTransport(Protocol):
@@ -41,18 +54,32 @@ class PeerTransport(Protocol):
 class DecodePeers:
     """Connects to decode workers on first use and forgets idle ones."""
 
-    engine: AsyncEngine
-    kv: PeerTransport
-    _md: tuple[tuple[str, str], ...]  # the cluster token's metadata
+    def __init__(self, engine: AsyncEngine, kv: PeerTransport,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.engine = engine
+        self.kv = kv
+        self._md = metadata  # the cluster token's
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._used: dict[str, float] = {}  # agent name -> last request's start
+        self._inflight: dict[str, int] = {}  # agent name -> Prefill calls under way
 
-    def __init__(self) -> None:
-        self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._peer_used: dict[str, float] = {}  # agent name -> last request's start
-        self._peer_inflight: dict[str, int] = {}  # agent name -> Prefill calls under way
+    async def connect(self, dest: DecodeTarget) -> None:
+        """Reach ``dest``'s decode worker, or refuse the call: an unreachable one is the
+        destination's failure, an incompatible one a deployment error (nothing written)."""
+        try:
+            await self._ensure(dest)
+        except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            raise CallRefused(grpc.StatusCode.UNAVAILABLE,
+                              f"cannot reach decode worker {dest.agent_name}: {detail}",
+                              FailureKind.FAILURE_KV_DESTINATION) from e
+        except ValueError as e:  # incompatible KV layouts: a deployment error
+            raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, str(e),
+                              FailureKind.FAILURE_INVALID_REQUEST, nothing_written=True) from e
 
-    async def _ensure_peer(self, dest: wpb.KVDestination) -> None:
+    async def _ensure(self, dest: DecodeTarget) -> None:
         """Fetch a decode worker's transfer info once per incarnation."""
-        lock = self._peer_locks.setdefault(dest.agent_name, asyncio.Lock())
+        lock = self._locks.setdefault(dest.agent_name, asyncio.Lock())
         async with lock:
             if self.kv.has_peer(dest.agent_name, dest.incarnation):
                 return
@@ -68,41 +95,36 @@ class DecodePeers:
             logger.info("connected to decode worker %s at %s", dest.agent_name,
                         dest.decode_address)
 
-    async def evict_idle_peers(self, now: float | None = None) -> list[str]:
+    @contextlib.contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        """A Prefill call under way to decode worker ``name`` (an idle one may be evicted)."""
+        self.use(name, +1)
+        try:
+            yield
+        finally:
+            self.use(name, -1)
+
+    def use(self, name: str, delta: int) -> None:
+        """Count a call to ``name`` in (+1) or out (-1), for a call whose destination comes
+        later than it starts (``SetDestination``): pair each +1 with its -1."""
+        self._used[name] = time.monotonic()
+        n = self._inflight.get(name, 0) + delta
+        if n > 0:
+            self._inflight[name] = n
+        else:
+            self._inflight.pop(name, None)
+
+    async def evict_idle(self, now: float | None = None) -> list[str]:
         """Forget decode workers unused for ``PEER_IDLE_S`` with nothing under way to them."""
         now = time.monotonic() if now is None else now
-        idle = [name for name, t in self._peer_used.items()
-                if now - t > PEER_IDLE_S and not self._peer_inflight.get(name)
-                and not (name in self._peer_locks and self._peer_locks[name].locked())]
+        idle = [name for name, t in self._used.items()
+                if now - t > PEER_IDLE_S and not self._inflight.get(name)
+                and not (name in self._locks and self._locks[name].locked())]
         for name in idle:
-            del self._peer_used[name]
-            self._peer_locks.pop(name, None)
-            self._peer_inflight.pop(name, None)
+            del self._used[name]
+            self._locks.pop(name, None)
+            self._inflight.pop(name, None)
             await self.engine.call(self.kv.evict_peer, name)
         if idle:
             logger.info("forgot %d idle decode worker(s): %s", len(idle), ", ".join(idle))
         return idle
-
-    def _use_peer(self, name: str, delta: int) -> None:
-        """Count Prefill calls under way to a decode worker (an idle one may be evicted)."""
-        self._peer_used[name] = time.monotonic()
-        n = self._peer_inflight.get(name, 0) + delta
-        if n > 0:
-            self._peer_inflight[name] = n
-        else:
-            self._peer_inflight.pop(name, None)
-
-    async def _connect(self, dest: wpb.KVDestination, context: grpc.aio.ServicerContext) -> None:
-        """Reach ``dest``'s decode worker, or abort the call: an unreachable one is the
-        destination's failure, an incompatible one a deployment error (nothing written)."""
-        try:
-            await self._ensure_peer(dest)
-        except (grpc.aio.AioRpcError, ConnectionError, OSError) as e:
-            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"cannot reach decode worker {dest.agent_name}: {detail}",
-                                failure_md(FailureKind.FAILURE_KV_DESTINATION))
-        except ValueError as e:  # incompatible KV layouts: a deployment error
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e),
-                                failure_md(FailureKind.FAILURE_INVALID_REQUEST,
-                                           nothing_written=True))

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from kvrelay.common.rpc import add_health
-from kvrelay.decode_worker.sessions import SessionServer, SessionServicer
+from kvrelay.decode_worker.sessions import SessionServer
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -156,12 +156,17 @@ class FakeWorker:
             await context.abort(f.code, f"scripted {rpc} failure on {self.worker_id}")
 
 
-class _Servicer(SessionServicer, worker_pb2_grpc.WorkerControlServicer,
+class _Servicer(worker_pb2_grpc.WorkerControlServicer,
                 worker_pb2_grpc.DecodeWorkerServicer,
                 worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, w: FakeWorker) -> None:
         self.w = w
         self.sessions = SessionServer({"decode": self.Decode})
+
+    async def Session(self, request_iterator: AsyncIterator[wpb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.SessionResponse]:
+        async for resp in self.sessions.serve(request_iterator, context):
+            yield resp
 
     # -- decode worker -----------------------------------------------------------------------
     async def Reserve(self, request: wpb.ReserveRequest,

@@ -9,8 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvrelay.prefill_worker import servicer as ps
-from kvrelay.prefill_worker.peers import PEER_IDLE_S
+from kvrelay.prefill_worker.peers import PEER_IDLE_S, DecodePeers
 
 
 class Engine:
@@ -32,18 +31,18 @@ class Peers:
 def test_idle_decode_peers_are_evicted_busy_ones_kept() -> None:
     async def main() -> None:
         kv = Peers()
-        s = ps.PrefillServicer(Engine(), kv, "p-1")  # type: ignore[arg-type]
+        s = DecodePeers(Engine(), kv)  # type: ignore[arg-type]
         now = time.monotonic()
         for name in ("gone", "busy", "recent"):
-            s._peer_locks[name] = asyncio.Lock()
-        s._peer_used.update(gone=now - PEER_IDLE_S - 1, busy=now - PEER_IDLE_S - 1,
-                            recent=now - 1)
-        s._peer_inflight["busy"] = 1  # a Prefill to it still under way
-        assert await s.evict_idle_peers(now) == ["gone"]
-        assert kv.evicted == ["gone"]
-        assert set(s._peer_locks) == {"busy", "recent"} and "gone" not in s._peer_used
-        del s._peer_inflight["busy"]
-        assert await s.evict_idle_peers(now) == ["busy"]
-        assert set(s._peer_locks) == set(s._peer_used) == {"recent"}
+            s._locks[name] = asyncio.Lock()
+        s._used.update(gone=now - PEER_IDLE_S - 1, busy=now - PEER_IDLE_S - 1, recent=now - 1)
+        with s.using("busy"):  # a Prefill to it still under way
+            s._used["busy"] = now - PEER_IDLE_S - 1
+            assert await s.evict_idle(now) == ["gone"]
+            assert kv.evicted == ["gone"]
+            assert set(s._locks) == {"busy", "recent"} and "gone" not in s._used
+        s._used["busy"] = now - PEER_IDLE_S - 1
+        assert await s.evict_idle(now) == ["busy"]
+        assert set(s._locks) == set(s._used) == {"recent"}
 
     asyncio.run(main())

@@ -27,6 +27,7 @@ from kvrelay.common.rpc import (
     cluster_token_interceptor,
     make_server,
     set_serving,
+    token_metadata,
 )
 from kvrelay.decode_worker.fencing import Fencer
 from kvrelay.engine.async_engine import AsyncEngine
@@ -198,15 +199,17 @@ class Worker:
         of the services it now serves, for the health service."""
         st = self.settings
         services: list[str] = []
-        self.decode_servicer = None
-        self.prefill_servicer = None
+        self.decode_servicer = self.decode_service = None
+        self.prefill_servicer = self.prefill_service = None
         if st.role in ("decode", "both"):
             from kvrelay.decode_worker.leases import LeaseTable
+            from kvrelay.decode_worker.service import DecodeService
             from kvrelay.decode_worker.servicer import DecodeServicer
 
             self.leases = LeaseTable(self.engine.abort, default_ttl_s=st.lease_ttl_s)
             self.leases.start()
-            self.decode_servicer = DecodeServicer(self.engine, self.leases, self.kv)
+            self.decode_service = DecodeService(self.engine, self.leases, self.kv)
+            self.decode_servicer = DecodeServicer(self.decode_service)
             if self.kv is not None:  # blocks given up early wait for their sender: ask it
                 self.fencer = Fencer(self.kv.settle, cluster_token=st.cluster_token)
                 self.fencer.start()
@@ -214,10 +217,13 @@ class Worker:
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.decode_servicer, self.server)
             services.append("kvrelay.v1.DecodeWorker")
         if st.role == "prefill":
+            from kvrelay.prefill_worker.peers import DecodePeers
+            from kvrelay.prefill_worker.service import PrefillService
             from kvrelay.prefill_worker.servicer import PrefillServicer
 
-            self.prefill_servicer = PrefillServicer(self.engine, self.kv, self.worker_id,
-                                                    cluster_token=st.cluster_token)
+            peers = DecodePeers(self.engine, self.kv, token_metadata(st.cluster_token))
+            self.prefill_service = PrefillService(self.engine, self.kv, peers)
+            self.prefill_servicer = PrefillServicer(self.prefill_service, self.worker_id)
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.prefill_servicer,
                                                                 self.server)
             services.append("kvrelay.v1.PrefillWorker")
@@ -242,7 +248,7 @@ class Worker:
         logger.info("draining: no new requests; waiting for %d in flight",
                     len(self.engine.core.seqs))
         set_serving(self.health, self._services, False)
-        for s in (self.decode_servicer, self.prefill_servicer):
+        for s in (self.decode_service, self.prefill_service):
             if s is not None:
                 s.draining = True
         with contextlib.suppress(Exception):
