@@ -2,7 +2,7 @@
 
 When a reservation ends early (a client cancel, an expired lease, a released one) its prefill
 may still be writing, or may not have started: the connector holds the blocks
-(``kv_transfer.tracker.Quarantine``) until the sender is known to be done. The fast way to know
+(``kv_transfer.recv_tracker.Quarantine``) until the sender is known to be done. The fast way to know
 is to ask it: ``PrefillWorker.Fence`` makes the sender refuse every later write under the lease
 and abort a prefill of it under way, and answers whether anything of it can still land. When it
 can, the sender's abort notice follows its last write and ends the hold; when the sender cannot

@@ -14,7 +14,7 @@ class NixlConnectorConfig:
     write_timeout_s: float = 10.0  # a write not done by then fails (retriable)
     max_poll_interval_s: float = 2e-3  # longest wait between completion polls while in flight
     # A receiving request aborted before its KV arrived keeps its blocks until its sender is
-    # known to be done (``tracker.Quarantine``): the sender may have writes in flight (a cancel
+    # known to be done (``recv_tracker.Quarantine``): the sender may have writes in flight (a cancel
     # reaches it asynchronously), and they must not land in blocks handed to another request.
     # A sender that no router lists any more counts as done after this grace (its writes time
     # out by then) ...

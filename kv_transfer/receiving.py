@@ -18,7 +18,7 @@ from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.messages import KVExpectation
 from kvrelay.kv_transfer.nixl_transport import Notification
 from kvrelay.kv_transfer.notice import NoticeError, NoticeKind, decode
-from kvrelay.kv_transfer.tracker import Quarantine, RecvOutcome, RecvTracker
+from kvrelay.kv_transfer.recv_tracker import Quarantine, RecvOutcome, RecvTracker
 
 if TYPE_CHECKING:
     from kvrelay.engine.sequence import Sequence

@@ -36,7 +36,7 @@ from kvrelay.kv_transfer.cuda_sync import record_ready_event
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
-from kvrelay.kv_transfer.tracker import (
+from kvrelay.kv_transfer.send_tracker import (
     MAX_FENCED,
     Awaiting,
     BoundedSet,

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from kvrelay.kv_transfer.cuda_sync import bind_thread_to
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.nixl_transport import NixlTransport, WriteHandle
-from kvrelay.kv_transfer.tracker import NotifJob
+from kvrelay.kv_transfer.send_tracker import NotifJob
 
 logger = logging.getLogger(__name__)
 

@@ -10,13 +10,9 @@ from kvrelay.kv_transfer.descriptors import plane_block_indices, plane_indices, 
 from kvrelay.kv_transfer.layout import KVLayout
 from kvrelay.kv_transfer.messages import KVDestination
 from kvrelay.kv_transfer.notice import Notice, NoticeKind, decode, encode
+from kvrelay.kv_transfer.recv_tracker import Quarantine, RecvTracker
 from kvrelay.kv_transfer.send_plan import BlockRange, blocks_to_send, map_blocks
-from kvrelay.kv_transfer.tracker import (
-    NotifJob,
-    Quarantine,
-    RecvTracker,
-    SendTracker,
-)
+from kvrelay.kv_transfer.send_tracker import NotifJob, SendTracker
 
 BS = 16
 

@@ -31,7 +31,7 @@ from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import IncompatibleKVLayout, KVLayout
 from kvrelay.kv_transfer.messages import PeerInfo
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
-from kvrelay.kv_transfer.tracker import NotifJob
+from kvrelay.kv_transfer.send_tracker import NotifJob
 from kvrelay.kv_transfer.transfer_thread import TransferThread
 
 torch.set_num_threads(1)
