@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.detokenizer import OutputProcessor
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampler import TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
-from kvrelay.engine.tokenizer import OutputProcessor, eos_token_ids, load_tokenizer
+from kvrelay.engine.tokenizer import eos_token_ids, load_tokenizer
 
 Prompt = str | Sequence[int]
 

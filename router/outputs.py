@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvrelay.common import tracing
+from kvrelay.engine.detokenizer import OutputProcessor, OutputStep
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
-from kvrelay.engine.tokenizer import OutputProcessor, OutputStep
 from kvrelay.router.requests import GenerateSpec, TokenChunk
 from kvrelay.router.trace import Trace
 

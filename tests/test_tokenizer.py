@@ -12,11 +12,9 @@ from typing import Any
 
 import pytest
 
+from kvrelay.engine.detokenizer import IncrementalDetokenizer, OutputProcessor, StopChecker
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.tokenizer import (
-    IncrementalDetokenizer,
-    OutputProcessor,
-    StopChecker,
     apply_chat_template,
     eos_token_ids,
     load_tokenizer,
