@@ -24,7 +24,7 @@ import torch
 from kvrelay.engine import gemm, hugepages
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.models import llama
-from kvrelay.engine.models.llama import Linear
+from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.sampling_params import SamplingParams
 
 VARIANTS = {"small-pages/in-place": ("small", 0), "small-pages/k-major": ("small", 1024),

@@ -31,7 +31,7 @@ def tp_bench(model_dir: str, tp: int, reps: int, n: int = 2048) -> int:
     """Prefill of one ``n``-token prompt: TP=``tp`` with one thread per rank against TP=1 with
     one and with ``tp`` threads, and the share of the TP step rank 0 spends in all-reduces
     (waiting for the slower rank included)."""
-    from kvrelay.engine.tensor_parallel import RowParallelLinear
+    from kvrelay.engine.tp_shard import RowParallelLinear
 
     print(f"prefill {n} tokens, best of {reps}; load average {os.getloadavg()[0]:.2f}")
     blocks = n // 16 + 64

@@ -96,7 +96,7 @@ class ServeSpec:
         for pool in ("prefill", "decode"):
             ps = self.pools.get(pool)
             # KV transfer between TP replicas maps every rank's KV into rank 0's process
-            # through shared memory: CPU KV caches only (see kvrelay.engine.tp_runner).
+            # through shared memory: CPU KV caches only (see kvrelay.engine.tensor_parallel).
             gpu = ps is not None and (ps.gpus > 0
                                       or str(self.engine.model.device).startswith("cuda"))
             if ps is not None and ps.tp > 1 and gpu:

@@ -32,8 +32,8 @@ from kvrelay.engine.engine_core import (
 from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
-from kvrelay.engine.tensor_parallel import TensorParallelError
 from kvrelay.engine.thread_pinning import place_engine_thread
+from kvrelay.engine.tp_shard import TensorParallelError
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
                  eos_token_ids: frozenset[int] = frozenset()):
         if config.model.tensor_parallel_size > 1:
-            from kvrelay.engine.tp_runner import TPModelRunner
+            from kvrelay.engine.tensor_parallel import TPModelRunner
 
             self.runner: ModelRunner = TPModelRunner(config)
         else:

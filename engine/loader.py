@@ -17,14 +17,14 @@ from kvrelay.engine import gemm, kernel_choice
 from kvrelay.engine.attention import AttentionFn
 from kvrelay.engine.models.arch import ModelArch, load_model_config
 from kvrelay.engine.models.fused_decode import FusedDecode
-from kvrelay.engine.models.llama import (
+from kvrelay.engine.models.linear import (
     LINEAR_KERNELS,
     MIXED_PANEL_ROWS,
-    LlamaForCausalLM,
     onednn_packing_available,
 )
+from kvrelay.engine.models.llama import LlamaForCausalLM
 from kvrelay.engine.models.rope import rope_inv_freq
-from kvrelay.engine.tensor_parallel import TPShard, shard_model, validate_tp
+from kvrelay.engine.tp_shard import TPShard, shard_model, validate_tp
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from kvrelay.engine.step_inputs import (  # padded_rows: imported from here by t
     row_order,
     sampled_rows,
 )
-from kvrelay.engine.tensor_parallel import TPShard, local_kv_heads, shared_kv_cache
+from kvrelay.engine.tp_shard import TPShard, local_kv_heads, shared_kv_cache
 
 logger = logging.getLogger(__name__)
 

@@ -1,17 +1,19 @@
-"""Tensor parallelism inside one engine replica: N ranks, one process each.
+"""Tensor parallelism inside one engine replica: N ranks, one process each (their shard of the
+model and KV: ``tp_shard.py``).
 
-Megatron-style: q/k/v (by heads) and gate/up are column-parallel, o_proj and down_proj
-row-parallel followed by an all-reduce; embedding and LM head are replicated and only rank 0
-computes logits and samples. When the model has fewer KV heads than ranks, each rank keeps a
-copy of the one KV head its query heads read. Every rank owns the KV cache of its heads with the
-same block ids, so one scheduler (rank 0's) drives them all.
+Rank 0 is the engine's own process and runs :class:`TPModelRunner`; ranks 1..N-1 are started
+here (from a fork server) and loop on :func:`_worker_main`: each step rank 0 broadcasts the
+scheduled batch packed into one int64 tensor, and every rank runs the same forward. The process
+group is built from a private ``TCPStore`` (no global ``torch.distributed`` state, so several
+replicas can live in one process), and every collective waits at most ``tp_timeout_s``: a dead or
+stuck rank makes rank 0 raise :class:`TensorParallelError` instead of hanging.
 
-Rank 0 is the engine's own process; ranks 1..N-1 are started here (from a fork server) and loop on
-:func:`_worker_main`: each step rank 0 broadcasts the scheduled batch packed into one int64
-tensor, and every rank runs the same forward. The process group is built from a private
-``TCPStore`` (no global ``torch.distributed`` state, so several replicas can live in one
-process), and every collective waits at most ``tp_timeout_s``: a dead or stuck rank makes rank 0
-raise :class:`TensorParallelError` instead of hanging.
+KV transfer (CPU): every rank's KV tensor is a shared-memory file, which rank 0 maps too
+(:attr:`TPModelRunner.rank_kv`), so rank 0's KV connector registers and moves the KV of all
+ranks. Rank 0 learns that a layer's K/V are in *every* rank's cache one layer late: when it
+writes layer L, each other rank has passed the all-reduce after layer L-1 (so wrote L-1's K/V),
+not necessarily L's. So ``save_layer`` hears of layer L-1 then, and ``end_step`` (after the
+last all-reduce) sends the rest.
 """
 
 from __future__ import annotations
@@ -24,183 +26,34 @@ import multiprocessing as mp
 import os
 import secrets
 import struct
+import weakref
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from kvrelay.engine.attention import forward_context
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.kv_connector import ScheduledSeq
-from kvrelay.engine.models.arch import ModelArch
-from kvrelay.engine.models.llama import Linear, LlamaForCausalLM
+from kvrelay.engine.kv_cache import group_views
+from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
+from kvrelay.engine.model_runner import ModelRunner, SampledTokens
+from kvrelay.engine.tp_shard import (
+    TensorParallelError,
+    TPShard,
+    kv_head_range,
+    shared_kv_cache,
+    startup_timeout,
+    unlink_kv_shm,
+    validate_tp,
+)
 
 logger = logging.getLogger(__name__)
 
 _OP_STOP, _OP_FORWARD = 0, 1
-
-
-STARTUP_TIMEOUT_S = 300.0
-
-
-class TensorParallelError(RuntimeError):
-    """A rank of this replica died, hung past the timeout, or failed its step."""
-
-
-@dataclass(frozen=True)
-class TPShard:
-    """This process's place in a replica, and the group its collectives run on."""
-
-    rank: int
-    size: int
-    group: dist.ProcessGroup
-    timeout: datetime.timedelta
-    # CPU only: each rank's KV tensor lives in the shared-memory file ``kv_shm_path(kv_shm, r)``
-    # so rank 0's KV connector can register and move every rank's KV ("": private memory).
-    kv_shm: str = ""
-
-    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
-                   timeout: datetime.timedelta | None = None) -> None:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        opts.timeout = timeout or self.timeout
-        self.group.allreduce([t], opts).wait(opts.timeout)
-
-    def broadcast(self, t: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.timeout = self.timeout
-        self.group.broadcast([t], opts).wait(self.timeout)
-
-
-def startup_timeout(config: EngineConfig) -> datetime.timedelta:
-    """The wait for the ranks to start, join and load the model: spawning a process that imports
-    torch and loads a checkpoint takes longer than a step, and far longer on a loaded machine, so
-    it gets at least STARTUP_TIMEOUT_S whatever ``tp_timeout_s`` (the steps' bound) is."""
-    return datetime.timedelta(seconds=max(config.model.tp_timeout_s, STARTUP_TIMEOUT_S))
-
-
-def validate_tp(arch: ModelArch, size: int) -> None:
-    """Raise a clear error where ``arch`` cannot be split over ``size`` ranks."""
-    if size == 1:
-        return
-    if arch.num_heads % size:
-        raise ValueError(f"tensor_parallel_size {size} must divide the {arch.num_heads} "
-                         f"attention heads")
-    kvh = arch.num_kv_heads
-    if (kvh >= size and kvh % size) or (kvh < size and size % kvh):
-        raise ValueError(f"tensor_parallel_size {size} and the {kvh} KV heads must divide one "
-                         f"another")
-    if arch.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size "
-                         f"{arch.intermediate_size}")
-
-
-def local_kv_heads(arch: ModelArch, size: int) -> int:
-    """KV heads one rank holds: a share, or one replicated head when there are fewer than
-    ranks."""
-    return max(1, arch.num_kv_heads // size)
-
-
-def kv_head_range(arch: ModelArch, rank: int, size: int) -> range:
-    """Which of the model's KV heads rank ``rank`` holds."""
-    n = local_kv_heads(arch, size)
-    first = rank * arch.num_kv_heads // size if arch.num_kv_heads < size else rank * n
-    return range(first, first + n)
-
-
-def kv_shm_path(prefix: str, rank: int) -> str:
-    return f"/dev/shm/{prefix}-rank{rank}"
-
-
-def shared_kv_cache(prefix: str, rank: int, shape: tuple[int, ...],
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Rank ``rank``'s KV tensor in a shared-memory file (created zero-filled, or mapped when
-    it exists): the same bytes in the rank's process and in rank 0's."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    path = kv_shm_path(prefix, rank)
-    need = numel * torch.empty((), dtype=dtype).element_size()
-    st = os.statvfs(os.path.dirname(path))
-    if not os.path.exists(path) and st.f_bavail * st.f_frsize < need:
-        # Past a tmpfs's size the first touch of a page kills the process (SIGBUS): refuse.
-        raise ValueError(f"tensor-parallel rank {rank} needs {need / 2**20:.0f} MiB of KV cache "
-                         f"in {os.path.dirname(path)}, which has "
-                         f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free: lower "
-                         f"--kv-cache-memory or give /dev/shm more room (k8s: the dshm volume's "
-                         f"sizeLimit)")
-    t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    return t.view(shape)
-
-
-def unlink_kv_shm(prefix: str, size: int) -> None:
-    """Remove the files (the mappings stay valid until every process unmaps them)."""
-    for r in range(size):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(kv_shm_path(prefix, r))
-
-
-class RowParallelLinear(Linear):
-    """A row-parallel linear: this rank's partial product, summed over the ranks. Only rank 0
-    adds the bias."""
-
-    shard: TPShard
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        self.shard.all_reduce(y)
-        return y
-
-
-def _row_parallel(lin: Linear, shard: TPShard) -> None:
-    # The class swap keeps the TP=1 Linear free of any per-call check.
-    lin.__class__ = RowParallelLinear
-    lin.shard = shard  # type: ignore[attr-defined]
-
-
-def _keep(w: torch.Tensor | None, rows: list[slice], dim: int = 0) -> nn.Parameter | None:
-    if w is None:
-        return None
-    parts = [w.narrow(dim, s.start, s.stop - s.start) for s in rows]
-    return nn.Parameter(torch.cat(parts, dim).contiguous(), requires_grad=False)
-
-
-def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
-    """Cut a loaded (dense, unpacked) model down to ``shard.rank``'s part, in place: before
-    packing, so the kernels pack only the shard."""
-    arch, r, n = model.arch, shard.rank, shard.size
-    hd, inter = arch.head_dim, arch.intermediate_size
-    heads = arch.num_heads // n
-    kv = kv_head_range(arch, r, n)
-    q_size, kv_size = arch.num_heads * hd, arch.num_kv_heads * hd
-    q_rows = slice(r * heads * hd, (r + 1) * heads * hd)
-    k_rows = slice(q_size + kv.start * hd, q_size + kv.stop * hd)
-    v_rows = slice(q_size + kv_size + kv.start * hd, q_size + kv_size + kv.stop * hd)
-    i_per = inter // n
-    gate_rows = slice(r * i_per, (r + 1) * i_per)
-    up_rows = slice(inter + r * i_per, inter + (r + 1) * i_per)
-    for layer in model.layers:
-        a, m = layer.attn, layer.mlp
-        a.qkv.weight = _keep(a.qkv.weight, [q_rows, k_rows, v_rows])
-        a.qkv.bias = _keep(a.qkv.bias, [q_rows, k_rows, v_rows])
-        a.num_heads, a.num_kv_heads = heads, len(kv)
-        a.q_size, a.kv_size = heads * hd, len(kv) * hd
-        a.qkv.out_features = a.q_size + 2 * a.kv_size
-        a.o.weight = _keep(a.o.weight, [q_rows], dim=1)
-        if r != 0:
-            a.o.bias = None
-        _row_parallel(a.o, shard)
-        m.gate_up.weight = _keep(m.gate_up.weight, [gate_rows, up_rows])
-        m.gate_up.bias = _keep(m.gate_up.bias, [gate_rows, up_rows])
-        m.gate_up.out_features = 2 * i_per
-        m.inter = i_per
-        m.down.weight = _keep(m.down.weight, [gate_rows], dim=1)
-        if r != 0:
-            m.down.bias = None
-        _row_parallel(m.down, shard)
 
 
 # -- the step's inputs, packed -----------------------------------------------------------------
@@ -263,9 +116,6 @@ def _make_group(store: dist.Store, rank: int, size: int,
 
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
                  conn: Connection, kv_shm: str = "") -> None:
-    from kvrelay.engine.attention import forward_context
-    from kvrelay.engine.model_runner import ModelRunner
-
     timeout = datetime.timedelta(seconds=config.model.tp_timeout_s)
     startup = startup_timeout(config)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=startup)
@@ -315,8 +165,6 @@ class Ranks:
         # The step header (op, payload length) goes through a pipe, so an idle replica waits
         # without a collective that would time out; the payload goes by broadcast.
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
-        from kvrelay.engine.model_runner import ModelRunner
-
         cuda = ModelRunner.device_for(config, 0).type == "cuda"
         self.kv_shm = "" if cuda else f"kvrelay-kv-{os.getpid()}-{secrets.token_hex(6)}"
         self.procs = [ctx.Process(target=_worker_main, name=f"kvrelay-tp-rank{r}", daemon=True,
@@ -384,3 +232,87 @@ def tp_model_config(config: EngineConfig) -> EngineConfig:
     if mc.tensor_parallel_size > 1 and mc.num_threads is None:
         return dataclasses.replace(config, model=dataclasses.replace(mc, num_threads=1))
     return config
+
+
+class TPModelRunner(ModelRunner):
+    def __init__(self, config: EngineConfig):
+        from kvrelay.engine.models.arch import load_model_config
+
+        validate_tp(load_model_config(config.model.model)[1],
+                    config.model.tensor_parallel_size)
+        config = tp_model_config(config)
+        self.ranks = Ranks(config)
+        self._finalizer = weakref.finalize(self, self.ranks.close)
+        try:
+            super().__init__(config, shard=self.ranks.shard)
+            self.check_blocks(startup_timeout(config))
+            self.rank_kv = self._map_rank_kv()
+        except ValueError:
+            self.close()
+            raise
+        except RuntimeError as e:
+            self.ranks.abandon()
+            self.close()
+            raise self.ranks.error("loading the model", e) from e
+        logger.info("tensor parallel: %d ranks (pids %s), %d KV heads per rank",
+                    self.ranks.size, self.ranks.pids, self.kv_spec.num_kv_heads)
+        self._failed: TensorParallelError | None = None
+
+    def _guarded(self, fn: Callable[..., Any], scheduled: Seq[ScheduledSeq], *args: Any) -> Any:
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self.ranks.send_step(scheduled)
+            return fn(scheduled, *args)
+        except (RuntimeError, OSError) as e:
+            if isinstance(e, TensorParallelError):
+                raise
+            self._failed = self.ranks.error("running a step", e)
+            self.ranks.abandon()
+            self.close()
+            raise self._failed from e
+
+    def _map_rank_kv(self) -> RankKV | None:
+        """The other ranks' KV tensors (they exist: ``check_blocks`` ran after every rank
+        allocated), then the files go (the mappings stay). Under KV head groups every rank's
+        groups, rank after rank, are the transport's ranks."""
+        shm = self.ranks.kv_shm
+        if not shm:
+            return None
+        size = self.ranks.size
+        kvs = [self.kv, *(shared_kv_cache(shm, r, tuple(self.kv.shape), self.kv_spec.torch_dtype)
+                          for r in range(1, size))]
+        unlink_kv_shm(shm, size)
+        return RankKV.from_views([v for i, kv in enumerate(kvs)
+                                  for v in group_views(kv, kv_head_range(self.arch, i, size))],
+                                 self.arch.num_kv_heads)
+
+    def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
+            -> SampledTokens:
+        if connector is not None and self.rank_kv is None:
+            raise NotImplementedError("KV transfer under tensor parallelism needs CPU KV "
+                                      "caches (shared memory between the ranks)")
+        return self._guarded(super().run, scheduled, connector)
+
+    def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:
+        def lagged(layer: int) -> None:  # see the module docstring
+            if layer > 0:
+                connector.save_layer(layer - 1)
+
+        return lagged
+
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        # Forks exist only on a decode engine (a KV connector), which TP does not run yet.
+        raise NotImplementedError("copy-on-write of KV blocks under tensor parallelism")
+
+    def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
+        return self._guarded(super().logits_for, scheduled)
+
+    @property
+    def worker_pids(self) -> list[int | None]:
+        """Process ids of ranks 1..N-1."""
+        return self.ranks.pids
+
+    def close(self) -> None:
+        """Stop the other ranks (also at garbage collection and interpreter exit)."""
+        self._finalizer()

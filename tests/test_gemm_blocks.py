@@ -13,7 +13,7 @@ from hf_models import hf_greedy
 from test_fused_decode import decode_logits, make_core
 
 from kvrelay.engine import gemm
-from kvrelay.engine.models import llama
+from kvrelay.engine.models import linear
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="no native panel GEMM here")
 
@@ -79,7 +79,7 @@ def test_fused_decode_layers_over_blocked_weights(hf_model_dir, arch: str,
     prompt = list(range(5, 40))
     ref = hf_greedy(model_dir, prompt, 6)
     plain = make_core(model_dir)
-    monkeypatch.setattr(llama, "default_kblock", lambda: 48)
+    monkeypatch.setattr(linear, "default_kblock", lambda: 48)
     blocked = make_core(model_dir)
     down = blocked.runner.model.layers[0].mlp.down
     assert down.kblock == 48 and blocked.runner.model.fused_decode is not None

@@ -14,7 +14,7 @@ import torch
 
 from kvrelay.engine import gemm, hugepages
 from kvrelay.engine.llm import LLM
-from kvrelay.engine.models.llama import Linear
+from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]

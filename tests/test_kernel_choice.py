@@ -8,7 +8,8 @@ import pytest
 
 from kvrelay.engine import gemm, kernel_choice
 from kvrelay.engine.llm import LLM
-from kvrelay.engine.models.llama import LlamaForCausalLM, onednn_packing_available
+from kvrelay.engine.models.linear import onednn_packing_available
+from kvrelay.engine.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(not (gemm.available() and onednn_packing_available()),
                                 reason="auto chooses between the panel GEMM and oneDNN")

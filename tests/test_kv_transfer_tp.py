@@ -19,7 +19,7 @@ import torch
 
 from kvrelay.engine.kv_cache import KVCacheSpec
 from kvrelay.engine.models.arch import ModelArch
-from kvrelay.engine.tensor_parallel import kv_head_range
+from kvrelay.engine.tp_shard import kv_head_range
 from kvrelay.kv_transfer.layout import IncompatibleKVLayout, KVLayout, head_runs
 from kvrelay.kv_transfer.messages import PeerInfo
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
@@ -163,7 +163,7 @@ def test_a_split_that_cannot_be_mapped_is_refused_at_the_handshake() -> None:
 
 
 def test_rank_kv_in_shared_memory_is_shared_and_refused_when_it_cannot_fit() -> None:
-    from kvrelay.engine.tensor_parallel import kv_shm_path, shared_kv_cache, unlink_kv_shm
+    from kvrelay.engine.tp_shard import kv_shm_path, shared_kv_cache, unlink_kv_shm
 
     prefix = f"kvrelay-test-{uuid.uuid4().hex[:8]}"
     try:

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.engine import gemm
-from kvrelay.engine.models.llama import MIXED_PANEL_ROWS, MLP, Linear, onednn_packing_available
+from kvrelay.engine.models.linear import MIXED_PANEL_ROWS, Linear, onednn_packing_available
+from kvrelay.engine.models.llama import MLP
 
 needs_onednn = pytest.mark.skipif(not onednn_packing_available(), reason="needs oneDNN packing")
 needs_panels = pytest.mark.skipif(not gemm.available(),
@@ -125,7 +126,7 @@ def test_mixed_takes_the_panels_up_to_the_row_limit(two_threads, monkeypatch) ->
     assert lin.panel_rows == MIXED_PANEL_ROWS
     calls = []
     real = gemm.panel_linear
-    monkeypatch.setattr("kvrelay.engine.models.llama.panel_linear",
+    monkeypatch.setattr("kvrelay.engine.models.linear.panel_linear",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with torch.inference_mode():
         for rows in (1, MIXED_PANEL_ROWS, MIXED_PANEL_ROWS + 1):

@@ -26,7 +26,7 @@ from test_engine_parity import (
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.sequence import Sequence
-from kvrelay.engine.tensor_parallel import (
+from kvrelay.engine.tp_shard import (
     TensorParallelError,
     kv_head_range,
     local_kv_heads,

@@ -33,6 +33,7 @@ import torch
 from kvrelay.engine import gemm, native, prefetch_tuner
 from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.attention.native import MIN_PART_TOKENS, native_attention
+from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.prefetch_tuner import PrefetchTuner
 
 if TYPE_CHECKING:
@@ -91,8 +92,6 @@ class FusedDecode:
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> FusedDecode | None:
         """The fused path for ``model``, or None where it does not apply."""
-        from kvrelay.engine.models.llama import Linear
-
         if not enabled() or native.load() is None:  # the ABI check pins the library's symbols
             return None
         if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32 \

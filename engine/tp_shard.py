@@ -1,0 +1,190 @@
+"""A rank's shard of a tensor-parallel replica: its place and process group (``TPShard``),
+the heads and KV it owns, and the model cut to its slice.
+
+Megatron-style: q/k/v (by heads) and gate/up are column-parallel, o_proj and down_proj
+row-parallel followed by an all-reduce; embedding and LM head are replicated and only rank 0
+computes logits and samples. When the model has fewer KV heads than ranks, each rank keeps a
+copy of the one KV head its query heads read. Every rank owns the KV cache of its heads with the
+same block ids, so one scheduler (rank 0's) drives them all. The ranks' processes and rank 0's
+runner are ``tensor_parallel.py``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.models.arch import ModelArch
+from kvrelay.engine.models.linear import Linear
+from kvrelay.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of this replica died, hung past the timeout, or failed its step."""
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """This process's place in a replica, and the group its collectives run on."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+    timeout: datetime.timedelta
+    # CPU only: each rank's KV tensor lives in the shared-memory file ``kv_shm_path(kv_shm, r)``
+    # so rank 0's KV connector can register and move every rank's KV ("": private memory).
+    kv_shm: str = ""
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                   timeout: datetime.timedelta | None = None) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        opts.timeout = timeout or self.timeout
+        self.group.allreduce([t], opts).wait(opts.timeout)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = self.timeout
+        self.group.broadcast([t], opts).wait(self.timeout)
+
+
+def startup_timeout(config: EngineConfig) -> datetime.timedelta:
+    """The wait for the ranks to start, join and load the model: spawning a process that imports
+    torch and loads a checkpoint takes longer than a step, and far longer on a loaded machine, so
+    it gets at least STARTUP_TIMEOUT_S whatever ``tp_timeout_s`` (the steps' bound) is."""
+    return datetime.timedelta(seconds=max(config.model.tp_timeout_s, STARTUP_TIMEOUT_S))
+
+
+def validate_tp(arch: ModelArch, size: int) -> None:
+    """Raise a clear error where ``arch`` cannot be split over ``size`` ranks."""
+    if size == 1:
+        return
+    if arch.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the {arch.num_heads} "
+                         f"attention heads")
+    kvh = arch.num_kv_heads
+    if (kvh >= size and kvh % size) or (kvh < size and size % kvh):
+        raise ValueError(f"tensor_parallel_size {size} and the {kvh} KV heads must divide one "
+                         f"another")
+    if arch.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size "
+                         f"{arch.intermediate_size}")
+
+
+def local_kv_heads(arch: ModelArch, size: int) -> int:
+    """KV heads one rank holds: a share, or one replicated head when there are fewer than
+    ranks."""
+    return max(1, arch.num_kv_heads // size)
+
+
+def kv_head_range(arch: ModelArch, rank: int, size: int) -> range:
+    """Which of the model's KV heads rank ``rank`` holds."""
+    n = local_kv_heads(arch, size)
+    first = rank * arch.num_kv_heads // size if arch.num_kv_heads < size else rank * n
+    return range(first, first + n)
+
+
+def kv_shm_path(prefix: str, rank: int) -> str:
+    return f"/dev/shm/{prefix}-rank{rank}"
+
+
+def shared_kv_cache(prefix: str, rank: int, shape: tuple[int, ...],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s KV tensor in a shared-memory file (created zero-filled, or mapped when
+    it exists): the same bytes in the rank's process and in rank 0's."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    path = kv_shm_path(prefix, rank)
+    need = numel * torch.empty((), dtype=dtype).element_size()
+    st = os.statvfs(os.path.dirname(path))
+    if not os.path.exists(path) and st.f_bavail * st.f_frsize < need:
+        # Past a tmpfs's size the first touch of a page kills the process (SIGBUS): refuse.
+        raise ValueError(f"tensor-parallel rank {rank} needs {need / 2**20:.0f} MiB of KV cache "
+                         f"in {os.path.dirname(path)}, which has "
+                         f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free: lower "
+                         f"--kv-cache-memory or give /dev/shm more room (k8s: the dshm volume's "
+                         f"sizeLimit)")
+    t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    return t.view(shape)
+
+
+def unlink_kv_shm(prefix: str, size: int) -> None:
+    """Remove the files (the mappings stay valid until every process unmaps them)."""
+    for r in range(size):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(kv_shm_path(prefix, r))
+
+
+class RowParallelLinear(Linear):
+    """A row-parallel linear: this rank's partial product, summed over the ranks. Only rank 0
+    adds the bias."""
+
+    shard: TPShard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        self.shard.all_reduce(y)
+        return y
+
+
+def _row_parallel(lin: Linear, shard: TPShard) -> None:
+    # The class swap keeps the TP=1 Linear free of any per-call check.
+    lin.__class__ = RowParallelLinear
+    lin.shard = shard  # type: ignore[attr-defined]
+
+
+def _keep(w: torch.Tensor | None, rows: list[slice], dim: int = 0) -> nn.Parameter | None:
+    if w is None:
+        return None
+    parts = [w.narrow(dim, s.start, s.stop - s.start) for s in rows]
+    return nn.Parameter(torch.cat(parts, dim).contiguous(), requires_grad=False)
+
+
+def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
+    """Cut a loaded (dense, unpacked) model down to ``shard.rank``'s part, in place: before
+    packing, so the kernels pack only the shard."""
+    arch, r, n = model.arch, shard.rank, shard.size
+    hd, inter = arch.head_dim, arch.intermediate_size
+    heads = arch.num_heads // n
+    kv = kv_head_range(arch, r, n)
+    q_size, kv_size = arch.num_heads * hd, arch.num_kv_heads * hd
+    q_rows = slice(r * heads * hd, (r + 1) * heads * hd)
+    k_rows = slice(q_size + kv.start * hd, q_size + kv.stop * hd)
+    v_rows = slice(q_size + kv_size + kv.start * hd, q_size + kv_size + kv.stop * hd)
+    i_per = inter // n
+    gate_rows = slice(r * i_per, (r + 1) * i_per)
+    up_rows = slice(inter + r * i_per, inter + (r + 1) * i_per)
+    for layer in model.layers:
+        a, m = layer.attn, layer.mlp
+        a.qkv.weight = _keep(a.qkv.weight, [q_rows, k_rows, v_rows])
+        a.qkv.bias = _keep(a.qkv.bias, [q_rows, k_rows, v_rows])
+        a.num_heads, a.num_kv_heads = heads, len(kv)
+        a.q_size, a.kv_size = heads * hd, len(kv) * hd
+        a.qkv.out_features = a.q_size + 2 * a.kv_size
+        a.o.weight = _keep(a.o.weight, [q_rows], dim=1)
+        if r != 0:
+            a.o.bias = None
+        _row_parallel(a.o, shard)
+        m.gate_up.weight = _keep(m.gate_up.weight, [gate_rows, up_rows])
+        m.gate_up.bias = _keep(m.gate_up.bias, [gate_rows, up_rows])
+        m.gate_up.out_features = 2 * i_per
+        m.inter = i_per
+        m.down.weight = _keep(m.down.weight, [gate_rows], dim=1)
+        if r != 0:
+            m.down.bias = None
+        _row_parallel(m.down, shard)
