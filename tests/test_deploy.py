@@ -291,7 +291,8 @@ def test_network_policy_matrix(path: str) -> None:
         ("decode", "router", by_kind["control"], True),
         ("router", "prefill", control, True), ("router", "decode", control, True),
         ("prefill", "decode", control, True),  # GetTransferInfo (NIXL metadata)
-        ("decode", "prefill", control, False), ("client", "prefill", control, False),
+        ("decode", "prefill", control, True),  # Fence (blocks given up before their KV came)
+        ("client", "prefill", control, False), ("stranger", "prefill", control, False),
         ("stranger", "decode", control, False),
         ("prefill", "decode", lo, True), ("decode", "prefill", hi, True),
         ("decode", "decode", lo, True), ("prefill", "decode", hi + 1, False),
