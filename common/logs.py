@@ -3,7 +3,7 @@
 ``KVRELAY_LOG_LEVEL`` and ``KVRELAY_LOG_FORMAT`` give the defaults; ``KVRELAY_DEBUG_LOGGERS``
 (comma-separated logger names) opens a few loggers at DEBUG, e.g. ``kvrelay.common.timeline``, where
 components mark a request's steps with ``time.monotonic()`` stamps (one clock for every process
-on a host), which ``bench/pd_latency.py`` lines up across processes.
+on a host), which ``bench/transfer/pd_latency.py`` lines up across processes.
 
 A request id set with ``request_context`` (a context variable, so it follows asyncio tasks)
 appears in each record as ``request_id``; ``component`` names the process (router, worker id).

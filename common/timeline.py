@@ -3,7 +3,7 @@
 ``mark(event, request_id)`` logs ``"mark <event> <request_id> <time.monotonic()>"`` on the
 ``kvrelay.timeline`` logger at DEBUG; off by default, so a mark costs one level check. On Linux
 ``time.monotonic()`` is CLOCK_MONOTONIC, shared by every process of a host, so marks from the
-prefill and decode workers line up (``bench/pd_latency.py`` parses them from the logs).
+prefill and decode workers line up (``bench/transfer/pd_latency.py`` parses them from the logs).
 """
 
 from __future__ import annotations

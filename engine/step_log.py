@@ -5,7 +5,7 @@ With ``KVRELAY_STEP_LOG=PATH`` set, every engine of a process appends one line p
 ``PATH.<pid>``: the step's start (``time.monotonic()``), its seconds, and its shape (prefill
 tokens, attended pairs, decodes, decode context tokens, prefill chunks; :class:`StepShape`). Off
 by default: no cost beyond one attribute test per step. :func:`read` parses a file;
-``bench/step_log.py`` summarizes them.
+``bench/serving/step_log.py`` summarizes them.
 """
 
 from __future__ import annotations

@@ -326,10 +326,10 @@ class Auto(PrefixAware):
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware,
                                                           Auto)}
-# bench/routing.py decides the default: over two runs on the multi-turn workload prefix_aware's
-# TTFT p99 was 0.41x and 0.66x round-robin's, auto's 0.83x and 0.43x (both compute ~0.65x the
-# prompt tokens); prefix_aware has the better mean and no fast lane to mis-charge. Fresh prompts
-# rank as under least_loaded.
+# bench.routing.policies decides the default: over two runs on the multi-turn workload
+# prefix_aware's TTFT p99 was 0.41x and 0.66x round-robin's, auto's 0.83x and 0.43x (both
+# compute ~0.65x the prompt tokens); prefix_aware has the better mean and no fast lane to
+# mis-charge. Fresh prompts rank as under least_loaded.
 DEFAULT_POLICY = "prefix_aware"
 
 

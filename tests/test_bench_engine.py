@@ -1,4 +1,5 @@
-"""bench/engine.py, the engine's roofline benchmark, runs end to end on the tiny demo model and
+"""bench/engine/throughput.py, the engine's roofline benchmark, runs end to end on the tiny demo
+model and
 prints every row with its share of the roofline."""
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_the_roofline_benchmark_prints_every_row(demo_model_dir) -> None:
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "engine.py"), "--model", str(demo_model_dir),
+        [sys.executable, "-m", "bench.engine.throughput", "--model", str(demo_model_dir),
          "--skip-hf", "--reps", "1"],
-        capture_output=True, text=True, timeout=300, check=True).stdout
+        capture_output=True, text=True, timeout=300, check=True, cwd=REPO).stdout
     shares = {}
     for line in out.splitlines():
         m = re.match(r"\s*(.+?)\s+[\d.]+\s+[\d.]+\s+(\d+)%", line)

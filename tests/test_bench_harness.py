@@ -13,7 +13,6 @@ import json
 import math
 import random
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,18 +21,16 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import loadgen, run_serving  # noqa: E402
-from bench.workloads import (  # noqa: E402
+from bench.serving import loadgen, run_serving
+from bench.serving.workloads import (
     WORKLOADS,
     Vocab,
     make_requests,
     poisson_arrivals,
     read_vocab,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 np = pytest.importorskip("numpy")
 uvicorn = pytest.importorskip("uvicorn")
@@ -371,7 +368,7 @@ def test_run_serving_command_line_defaults_are_the_settings_defaults() -> None:
 
 
 def test_the_tpot_and_itl_configurations_pass_their_slo_flags() -> None:
-    from bench.serving_configs import CONFIGS, slo_args
+    from bench.serving.serving_configs import CONFIGS, slo_args
 
     st = run_serving.settings_from_args(run_serving.build_parser().parse_args(
         ["--slo-tpot-ms", "40", "--itl-cap-ms", "6"]))

@@ -1,5 +1,6 @@
-"""The serving report's profiler (bench/proc_profile.py): CPU per process and thread from /proc,
-py-spy's collapsed stacks read into own time per function, and a live busy process profiled."""
+"""The serving report's profiler (bench/serving/proc_profile.py): CPU per process and thread
+from /proc, py-spy's collapsed stacks read into own time per function, and a live busy process
+profiled."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.serving.proc_profile import ProcessProfiler, frame_key, read_collapsed
+from bench.serving.serving_procs import Deployment, Proc
 
-from bench.proc_profile import ProcessProfiler, frame_key, read_collapsed  # noqa: E402
-from bench.serving_procs import Deployment, Proc  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BUSY = """\
 import sys, time

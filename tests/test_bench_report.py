@@ -11,16 +11,14 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import loadgen, report  # noqa: E402
-from bench.workloads import (  # noqa: E402
+from bench.serving import loadgen, report
+from bench.serving.workloads import (
     Vocab,
     make_requests,
     poisson_arrivals,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 np = pytest.importorskip("numpy")
 uvicorn = pytest.importorskip("uvicorn")
@@ -128,7 +126,7 @@ def test_report_says_where_the_time_goes_for_a_missed_target(tmp_path: Path) -> 
         (tmp_path / c).mkdir()
         (tmp_path / c / "mixed.json").write_text(json.dumps(_synthetic_doc(c, "mixed", scale,
                                                                            4.0)))
-    from bench.profile_missed import wanted
+    from bench.serving.profile_missed import wanted
 
     res = report.load_results(tmp_path)
     # the ITL target fails (0.8 > 0.5): both its sides' mixed runs are to be profiled
@@ -166,7 +164,7 @@ def test_report_handles_missing_peers(tmp_path: Path) -> None:
 
 
 def test_soak_flatness_reads_only_the_last_window_of_load() -> None:
-    from bench import soak
+    from bench.soak import soak
 
     mib = 2**20
     samples = [{"t_s": 0.0, "phase": "idle", "rss_bytes": {"w": 100 * mib}}]
@@ -182,9 +180,9 @@ def test_soak_flatness_reads_only_the_last_window_of_load() -> None:
 
 
 def test_router_http_bench_runs_and_counts_every_streamed_token() -> None:
-    script = Path(__file__).resolve().parents[1] / "bench" / "router_http.py"
     for extra in ([], ["--stream"]):
-        out = subprocess.run([sys.executable, str(script), "--requests", "40", "--tokens", "5",
-                              "--concurrency", "4", *extra], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
+        out = subprocess.run([sys.executable, "-m", "bench.serving.router_http", "--requests",
+                              "40", "--tokens", "5", "--concurrency", "4", *extra],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             check=True).stdout
         assert "40 requests, 200 tokens)" in out, out  # 5 tokens a request, all counted

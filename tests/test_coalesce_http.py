@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from test_security import make_certs
 
-from bench.http_standin import StandinService
+from bench.serving.http_standin import StandinService
 from kvrelay.common.rpc import TLSFiles
 from kvrelay.router.http_api import HttpServer
 

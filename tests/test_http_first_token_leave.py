@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from polling import wait_for
 
-from bench.http_standin import StandinService
+from bench.serving.http_standin import StandinService
 from kvrelay.router.http_api import HttpServer
 from kvrelay.router.lifecycle import GenerateSpec
 from kvrelay.router.outputs import Delta

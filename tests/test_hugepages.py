@@ -72,12 +72,12 @@ def test_a_loaded_models_panels_share_the_arena_and_decode_the_same(demo_model_d
 @needs_arena
 @pytest.mark.skipif(not gemm.available(), reason="needs the panel GEMM")
 def test_the_paired_decode_benchmark_runs(demo_model_dir) -> None:
-    """bench/decode_ab.py switches placement and tuning between steps of one batch and prints
+    """bench/engine/decode_ab.py switches placement and tuning between steps of one batch and prints
     all four variants."""
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "decode_ab.py"), "--model", str(demo_model_dir),
+        [sys.executable, "-m", "bench.engine.decode_ab", "--model", str(demo_model_dir),
          "--batch", "2", "--steps", "2", "--seconds", "0.3"],
-        capture_output=True, text=True, timeout=120, check=True).stdout
+        capture_output=True, text=True, timeout=120, check=True, cwd=REPO).stdout
     rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
     assert [r[0] for r in rows] == ["small-pages/in-place", "small-pages/k-major",
                                     "huge-pages/in-place", "huge-pages/k-major"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -376,15 +375,13 @@ def test_a_low_load_run_on_shared_cores_calibrates_their_contention() -> None:
 def test_the_calibrated_simulator_reproduces_the_recorded_live_runs() -> None:
     """``bench/results/planner/live_calibrated`` (6 req/s) and ``live_calibrated_10rps``: live
     1P1D runs of the demo cluster on one 2-core host, each after a 2 req/s calibration phase,
-    replayed through the simulator calibrated by that phase alone (``bench/planner_live.py
+    replayed through the simulator calibrated by that phase alone (``bench/planner/planner_live.py
     --replay``). Co-located (contention fitted to the phase's TTFT): TTFT p90 +15 % and -2 %,
     ITL p90 -25 % and -33 % (the live ITL spreads wider; the medians agree within 6 %). With a
     fixed hand-off instead (the pools as if apart): TTFT p90 -44 % and -67 %. The recorded
     ``live.json`` files hold what this replay computes."""
     root = Path(__file__).resolve().parents[1]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from bench.planner_live import replay_recorded
+    from bench.planner.planner_live import replay_recorded
 
     runs = root / "bench/results/planner"
     profile = Profile.load(runs / "profile-demo-1thread.json")

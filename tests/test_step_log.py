@@ -1,22 +1,20 @@
-"""The engine's step log (``KVRELAY_STEP_LOG``) and its summary (``bench/step_log.py``): one line
+"""The engine's step log (``KVRELAY_STEP_LOG``) and its summary (``bench/serving/step_log.py``):
+one line
 per step with its shape, bursts told apart, steps counted by kind."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.serving.step_log import busiest_burst, summary
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.step_log import ENV, StepLog, read
+from kvrelay.engine.step_log import StepRecord as Step
 
-from bench.step_log import busiest_burst, summary  # noqa: E402
-from kvrelay.engine.llm import LLM  # noqa: E402
-from kvrelay.engine.sampling_params import SamplingParams  # noqa: E402
-from kvrelay.engine.step_log import ENV, StepLog, read  # noqa: E402
-from kvrelay.engine.step_log import StepRecord as Step  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_an_engine_logs_every_step_with_its_shape(demo_model_dir, tmp_path, monkeypatch) -> None:

@@ -1,0 +1,366 @@
+"""Engine throughput beside the machine's roofline and beside transformers, measured in one run.
+
+    .venv/bin/python -m bench.engine.throughput [--model DIR] [--threads 2] [--reps 3]
+    .venv/bin/python -m bench.engine.throughput --tp 2   # TP=2 (1 thread/rank) vs TP=1 (1, 2 \\
+        threads)
+
+With no ``--model`` it writes the ~150M-parameter demo Llama (``kvrelay demo-model --size base``)
+to a temporary directory. Everything runs fp32 on CPU with ``--threads`` intra-op threads.
+
+Ceilings (the machine is shared and its speed drifts minute to minute, so each measurement is
+paired with a ceiling sample taken right beside it, and a ratio is the median over those pairs):
+  - matmul: fp32 GFLOP/s of the fastest of ``torch.mm`` (MKL), oneDNN's prepacked linear and
+    the native panel GEMM (the engine runs one of the last two) on the model's own projection
+    shapes at M = 2048 rows, sampled
+    before and after each prefill (their mean). On some CPUs the two differ by 1.7x (MKL on AMD
+    takes its AVX2 path), and a ceiling below the engine's own kernel would flatter every row;
+  - memory: bandwidth of ``Tensor.copy_`` over a buffer as large as the weights, counted as bytes
+    read + bytes written per second (the traffic a copy makes), sampled after each decode step.
+
+Every row prints its ratio to its **roofline**: the larger of its compute floor (FLOPs / matmul
+ceiling) and its memory floor (bytes it must read / copy bandwidth), over the measured time.
+FLOPs count the decoder layers' matmuls (2 x params x tokens), the LM head for the rows that
+sample, and attention (2 x 2 x head_dim x heads x layers per visible query-key pair; causal
+pairs only), but the last layer only as far as the result needs it: its K/V projections for
+every token, the rest for the rows that sample (the engine skips the others). Bytes count every
+weight read once per step (all but the input embedding) plus the cached K and V each decode
+reads.
+
+Prefill rows: one prompt of 128 / 512 / 2048 tokens (time to its first token); 8 x 256-token
+prompts prefilled in one step; a 2048-token prompt whose first 1536 tokens are a cached prefix
+(only the last 512 are computed, attending over all 2048). Decode rows: B requests stepping
+together, short (32-token prompts) at B = 1 / 8 / 32, and with mixed context lengths (uniform in
+64..1024 tokens) at B = 8 / 32 / 64; tokens/s = B / step time, every timed step holding all B
+requests (none can finish during it; they are aborted after). transformers: the same
+checkpoint, ``model(ids)`` for prefill and ``generate`` (greedy, KV cache) for decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bench.engine.core_runs import make_core, next_seed, prompt, run_prefill
+from bench.engine.roofline import Ceilings, best, gemm_tuning, prefetch_note, timed
+from kvrelay.engine import gemm
+from kvrelay.engine.engine_core import EngineCore
+from kvrelay.engine.sampling_params import SamplingParams
+
+PREFILL_LENS = (128, 512, 2048)
+DECODE_BATCHES = (1, 8, 32)
+MIXED_BATCHES = (8, 32, 64)
+MIXED_CTX = (64, 1024)
+DECODE_PROMPT = 32
+DECODE_STEPS = 24
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the roofline of a row needs to know about the checkpoint."""
+
+    body_params: int  # decoder-layer weights
+    embed: int  # vocab x hidden
+    step_bytes: int  # bytes of weights one step reads
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    vocab: int
+
+    kv_proj: int  # K and V projection weights of one layer
+
+    def flops(self, new_tokens: int, sampled: int, attended_pairs: int,
+              sampled_pairs: int | None = None) -> float:
+        """Matmul FLOPs a step needs: the layers for every new token, the LM head for the rows
+        that sample, attention for every (query, visible key) pair; except that in the last
+        layer only the K/V projections need every token, the rest only the ``sampled`` rows,
+        which attend over ``sampled_pairs`` keys (every row, ``attended_pairs``, by default:
+        decodes all sample). The engine skips the rest (``AttentionMetadata.last_layer``), so
+        counting it would flatter a prefill row."""
+        layer = self.body_params / self.layers
+        pairs = attended_pairs if sampled_pairs is None else sampled_pairs
+        last = 2 * self.kv_proj * new_tokens + 2 * (layer - self.kv_proj) * sampled
+        return (2 * layer * (self.layers - 1) * new_tokens + last + 2 * self.embed * sampled
+                + 4 * self.heads * self.head_dim * (attended_pairs * (self.layers - 1) + pairs))
+
+    def kv_bytes(self, keys: int) -> int:
+        """Bytes of cached K and V that ``keys`` visible keys (over all sequences) make a step
+        read."""
+        return 2 * keys * self.kv_heads * self.head_dim * self.layers * 4
+
+
+def causal_pairs(n: int, offset: int = 0) -> int:
+    """(query, key) pairs of ``n`` queries after ``offset`` cached keys, causally masked."""
+    return n * offset + n * (n + 1) // 2
+
+
+def checkpoint_params(model_dir: str) -> int:
+    """Parameters in the checkpoint's safetensors files (the engine may repack its copies)."""
+    from glob import glob
+
+    from safetensors import safe_open
+
+    n = 0
+    for path in glob(os.path.join(model_dir, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                n += _prod(f.get_slice(k).get_shape())
+    return n
+
+
+def _prod(shape: list[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+# -- kvrelay -----------------------------------------------------------------------------------
+def ours_prefill(core: EngineCore, make: Callable[[], list[list[int]]], reps: int,
+                 ceil: Ceilings, warm: Callable[[], object] | None = None) \
+        -> tuple[float, float]:
+    """(best time, median over reps of GFLOP/s-ceiling x time): the second turns into a ratio
+    once the FLOPs are known. ``warm`` runs before each timed rep, untimed (e.g. to cache a
+    prefix)."""
+    run_prefill(core, make())
+    pairs = []
+    for _ in range(reps):  # the ceiling: the mean of a sample before and one after
+        if warm is not None:
+            warm()
+        before, t = ceil.gflops(), run_prefill(core, make())
+        pairs.append(((before + ceil.gflops()) / 2, t))
+    return min(t for _, t in pairs), statistics.median(g * t for g, t in pairs)
+
+
+def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, ceil: Ceilings,
+                model: Model, steps: int = DECODE_STEPS) -> tuple[float, float, float]:
+    """Requests with prompts of ``lengths`` decode together: ``steps`` timed steps, each after
+    an untimed one, with every one of them in the batch (none can finish: no EOS, no length
+    limit within reach), then they are aborted. Returns (median step time of the best rep,
+    median over steps of roofline / step time, the same with the read-only bandwidth); each
+    step's roofline from the copy and read bandwidths sampled right after it and the matmul
+    rate sampled at the start."""
+    sp = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    ratios: list[float] = []
+    read_ratios: list[float] = []
+    b = len(lengths)
+
+    def run() -> float:
+        ids = [f"d{next_seed()}-{i}" for i in range(b)]
+        for rid, n in zip(ids, lengths, strict=True):
+            core.add_request(rid, prompt(n, next_seed(), vocab), sp)
+        while any(s.num_uncomputed_tokens > 1 for s in core.scheduler.running) \
+                or core.scheduler.waiting:
+            core.step()  # the prefills, not counted
+        core.step()
+        gf = ceil.gflops() * 1e9
+        times = []
+        for _ in range(steps):
+            assert len(core.scheduler.running) == b
+            # Untimed: the timed step follows a step, as it does in serving, not the ceiling
+            # samples' ~1.8 GB of copy and reads (which left the next B=8 step of the ~150M
+            # model 2.5% slower, paired; see engine.txt).
+            core.step()
+            ctx = sum(s.num_tokens for s in core.scheduler.running)
+            t = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - t)
+            nbytes, compute = model.step_bytes + model.kv_bytes(ctx), model.flops(b, b, ctx) / gf
+            ratios.append(max(nbytes / (ceil.copy_gbs() * 1e9), compute) / times[-1])
+            read_ratios.append(max(nbytes / (ceil.read_gbs() * 1e9), compute) / times[-1])
+        for rid in ids:
+            core.abort(rid)
+        while core.has_unfinished():
+            core.step()
+        return statistics.median(times)
+
+    t = best(run, reps)
+    return t, statistics.median(ratios), statistics.median(read_ratios)
+
+
+# -- transformers ------------------------------------------------------------------------------
+def hf_prefill(model: torch.nn.Module, n: int, reps: int, vocab: int) -> float:
+    ids = torch.tensor([prompt(n, 7, vocab)])
+
+    def run() -> float:
+        with torch.inference_mode():
+            return timed(lambda: model(ids, use_cache=False))
+
+    run()
+    return best(run, reps)
+
+
+def hf_decode_step(model: torch.nn.Module, batch: int, reps: int, vocab: int) -> float:
+    ids = torch.tensor([prompt(DECODE_PROMPT, 100 + b, vocab) for b in range(batch)])
+    mask = torch.ones_like(ids)
+
+    def gen(k: int) -> float:
+        with torch.inference_mode():
+            return timed(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=k,
+                                                min_new_tokens=k, do_sample=False,
+                                                pad_token_id=0))
+
+    gen(2)
+    # Per-token time without the prefill: the difference of a long and a short generation.
+    return best(lambda: (gen(DECODE_STEPS + 1) - gen(1)) / DECODE_STEPS, reps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: demo base, ~150M)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true", help="leave out transformers")
+    ap.add_argument("--attention-backend", default="auto",
+                    choices=["auto", "native", "sdpa"])
+    ap.add_argument("--tp", type=int, default=1,
+                    help="only the tensor-parallel prefill comparison (2048 tokens) at this TP")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = args.model
+    tmp = None
+    if model_dir is None:
+        from kvrelay.engine.demo_model import write_demo_model
+
+        tmp = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
+        model_dir = write_demo_model(os.path.join(tmp.name, "base"), size="base")
+    if args.tp > 1:
+        from bench.engine.engine_tp import tp_bench
+
+        return tp_bench(model_dir, args.tp, args.reps)
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.from_pretrained(model_dir)
+    blocks = 64 * MIXED_CTX[1] // 16 + 512
+    core = make_core(model_dir, args.threads, num_blocks=blocks,
+                     attention_backend=args.attention_backend)
+    params = checkpoint_params(model_dir)
+    weight_bytes = params * 4  # fp32
+    embed = hf_cfg.vocab_size * hf_cfg.hidden_size
+    heads, hd = hf_cfg.num_attention_heads, hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    hd = getattr(hf_cfg, "head_dim", None) or hd
+    kvh = getattr(hf_cfg, "num_key_value_heads", None) or heads
+    model = Model(
+        body_params=params - embed * (1 if hf_cfg.tie_word_embeddings else 2),
+        embed=embed,
+        # Bytes a step must read: everything but the input embedding table (a gather).
+        step_bytes=weight_bytes - (0 if hf_cfg.tie_word_embeddings else embed * 4),
+        heads=heads, kv_heads=kvh, head_dim=hd, layers=hf_cfg.num_hidden_layers,
+        vocab=hf_cfg.vocab_size, kv_proj=2 * hf_cfg.hidden_size * kvh * hd)
+    vocab = model.vocab
+
+    print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32; "
+          f"{args.threads} threads; attention {core.runner.backend}; "
+          f"linears {core.runner.model.linear_kernel}; {gemm_tuning()}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    ceil = Ceilings(hf_cfg.hidden_size, hf_cfg.intermediate_size, weight_bytes)
+    mm0 = max(ceil.gflops() for _ in range(args.reps + 2))
+    bw0 = max(ceil.copy_gbs() for _ in range(args.reps + 2))
+    rd0 = max(ceil.read_gbs() for _ in range(args.reps + 2))
+    print(f"ceilings at start: matmul {mm0:.1f} GFLOP/s; copy_ {bw0:.1f} GB/s "
+          f"(read+write) -> decode step >= {model.step_bytes / bw0 / 1e6:.1f} ms; read-only "
+          f"{rd0:.1f} GB/s -> >= {model.step_bytes / rd0 / 1e6:.1f} ms\n", flush=True)
+
+    hf = None
+    if not args.skip_hf:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+    print(f"{'prefill':>18} {'ours tok/s':>11} {'GFLOP/s':>8} {'of roof':>8} "
+          f"{'hf tok/s':>9} {'ours/hf':>8}")
+
+    def prefill_row(label: str, t: float, ceil_x_t: float, tokens: int, flops: float,
+                    hf_len: int | None) -> None:
+        g = flops / t / 1e9
+        row = f"{label:>18} {tokens / t:>11.0f} {g:>8.1f} {flops / 1e9 / ceil_x_t:>8.0%}"
+        if hf is not None and hf_len is not None:
+            th = hf_prefill(hf, hf_len, args.reps, vocab)
+            row += f" {hf_len / th:>9.0f} {th / t:>8.2f}x"
+        print(row, flush=True)
+
+    for n in PREFILL_LENS:
+        t, cxt = ours_prefill(core, lambda n=n: [prompt(n, next_seed(), vocab)], args.reps, ceil)
+        prefill_row(str(n), t, cxt, n, model.flops(n, 1, causal_pairs(n), n), n)
+    # Eight 256-token prompts in one step (the budget is 2048 tokens).
+    t, cxt = ours_prefill(core, lambda: [prompt(256, next_seed(), vocab) for _ in range(8)],
+                          args.reps, ceil)
+    prefill_row("8 x 256", t, cxt, 2048, model.flops(2048, 8, 8 * causal_pairs(256), 8 * 256),
+               None)
+    # 2048 tokens of which the first 1536 are cached: the prefix is prefilled (untimed) by a
+    # request of its own, then the full prompt computes only its last 512 tokens.
+    cached = make_core(model_dir, args.threads, num_blocks=1024, prefix_caching=True,
+                       attention_backend=args.attention_backend)
+    holder: dict[str, list[int]] = {}
+
+    def warm_prefix() -> None:
+        holder["p"] = prompt(2048, next_seed(), vocab)
+        run_prefill(cached, [holder["p"][:1536]])
+
+    warm_prefix()
+    t, cxt = ours_prefill(cached, lambda: [holder["p"]], args.reps, ceil, warm=warm_prefix)
+    prefill_row("2048 (1536 cached)", t, cxt, 512, model.flops(512, 1, causal_pairs(512, 1536),
+                                                           2048), None)
+
+    print(f"\n{'decode B':>18} {'ours tok/s':>11} {'step ms':>8} {'of roof':>8} {'of read':>8} "
+          f"{'hf tok/s':>9} {'ours/hf':>8}")
+    for b in DECODE_BATCHES:
+        t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
+        row = f"{b:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}"
+        if hf is not None:
+            th = hf_decode_step(hf, b, max(1, args.reps - 1), vocab)
+            row += f" {b / th:>9.1f} {th / t:>8.2f}x"
+        print(row, flush=True)
+    rng = random.Random(0)
+    for b in MIXED_BATCHES:
+        lengths = [rng.randint(*MIXED_CTX) for _ in range(b)]
+        t, ratio, rr = ours_decode(core, lengths, 1, vocab, ceil, model, steps=16)
+        label = f"{b} ctx {MIXED_CTX[0]}-{MIXED_CTX[1]}"
+        print(f"{label:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}", flush=True)
+    if (note := prefetch_note(core.runner)) is not None:
+        print(f"{'':>18} ({note})", flush=True)
+    # The short decode rows again op by op (no fused decode layers), beside the fused ones.
+    fused = core.runner.model.fused_decode
+    if fused is not None:
+        if fused.tuner is not None:
+            fused.tuner.skip()  # the CPU's fixed prefetch choice, not the last step's arm
+        core.runner.model.fused_decode = None
+        for b in DECODE_BATCHES:
+            t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
+            print(f"{f'{b} per-op':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}   "
+                  "(fused decode layers off)", flush=True)
+        core.runner.model.fused_decode = fused
+    # The short decode rows again with the linear kernel auto did not pick (oneDNN, or the
+    # panels where auto kept oneDNN), so both kernels are measured in the same run.
+    picked = core.runner.model.linear_kernel
+    del core
+    other = "onednn" if picked != "onednn" else "panels"
+    if other == "onednn" or gemm.available():
+        alt = make_core(model_dir, args.threads, num_blocks=blocks, linear_kernel=other,
+                        attention_backend=args.attention_backend)
+        for b in DECODE_BATCHES:
+            t, ratio, rr = ours_decode(alt, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
+            print(f"{f'{b} {other}':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}   "
+                  f"(--linear-kernel {other}; auto picked {picked})", flush=True)
+        del alt
+    print("\nof roof: the row's floor (max of FLOPs / matmul ceiling and bytes read / copy_ "
+          "bandwidth) over its measured time; each the median over pairs of a measurement and "
+          "ceiling samples taken beside it. Targets: prefill 2048 >= 85%, 8 x 256 >= 80%, "
+          "decode B=8 and B=32 >= 75%. of read: the same with the bandwidth of a read-only pass "
+          "over a weight-sized buffer in place of copy_'s read+write rate (what a decode step's "
+          "weight stream can reach).")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
