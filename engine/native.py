@@ -1,13 +1,19 @@
 """The native CPU kernels (``engine/csrc/*.c``: paged attention, panel GEMM, the fused
-residual-add + RMSNorm and RoPE), compiled on first
-use into one shared library and loaded with ctypes.
+residual-add + RMSNorm and RoPE), compiled on first use into one shared library and loaded with
+ctypes.
 
 The build needs only a C compiler (``cc``/``gcc``, ``-fopenmp``): it takes a second or two and is
 cached under ``$KVRELAY_CACHE_DIR`` (default ``~/.cache/kvrelay``) by a hash of the sources, the
-compiler and the flags, so each machine builds it once. ``-march=native`` is safe because the
-library is built on the machine that runs it (a cache directory shared across different CPUs is
-keyed by the CPU's model and flags too). Where nothing can be built, :func:`load` returns None and
-the engine keeps its torch paths (``KVRELAY_NATIVE=0`` forces them).
+compiler, the flags and the ISA level. It is built for an x86-64 ISA level, never for the build
+host (``-march=native``): ``avx512`` (x86-64-v4) or ``avx2`` (x86-64-v3, AVX2 + FMA + F16C), the
+best this CPU has, or ``KVRELAY_CPU_ISA`` to force one (forcing a level the CPU lacks is refused
+with a message, not run into an illegal instruction). A library built on one host runs on any
+other of its level, and a cache shared across CPUs holds one build per level. Where nothing can
+be built, :func:`load` returns None and the engine keeps its torch paths (``KVRELAY_NATIVE=0``
+forces them).
+
+The ABI (its version and the structs ``models/fused_decode.py`` mirrors) is ``csrc/abi.h``'s: the
+version is read from there, and ``tests/test_native_abi.py`` checks the ctypes structs against it.
 
 The library links the same OpenMP runtime as torch (``libgomp.so.1``, already loaded by torch
 under that soname), so its threads are torch's intra-op threads, not a second pool fighting them.
@@ -20,22 +26,40 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 17
 SOURCES = ("paged_decode.c", "paged_prefill.c", "gemm.c", "pointwise.c", "decode_layer.c",
-           "threads.c", "kernels.h", "vec.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
-         "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
+           "threads.c", "abi.h", "kernels.h", "vec.h")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast")
+ISA_ENV = "KVRELAY_CPU_ISA"
+
+
+class IsaLevel(NamedTuple):
+    name: str
+    flags: tuple[str, ...]  # the compiler's
+    needs: tuple[str, ...]  # what /proc/cpuinfo must list
+
+
+# Best first. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL; v3 is AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE.
+X86_LEVELS = (
+    IsaLevel("avx512", ("-march=x86-64-v4",),
+             ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma")),
+    IsaLevel("avx2", ("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")),
+    IsaLevel("x86-64", (), ()),
+)
+PORTABLE = IsaLevel("portable", (), ())  # another architecture: the compiler's default target
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -54,19 +78,53 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_key() -> str:
-    """The CPU model and feature flags (``-march=native`` code runs only where they match)."""
+def _header(name: str) -> str:
+    return resources.files("kvrelay.engine").joinpath("csrc").joinpath(name).read_text()
+
+
+def abi_version() -> int:
+    """``KVR_ABI_VERSION`` of ``csrc/abi.h``: the one place it is written."""
+    m = re.search(r"^#define KVR_ABI_VERSION (\d+)$", _header("abi.h"), re.M)
+    assert m, "csrc/abi.h defines no KVR_ABI_VERSION"
+    return int(m.group(1))
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags /proc/cpuinfo lists for the first CPU (empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine()
-    fields = {}
+        return frozenset()
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "flags") and key not in fields:
-            fields[key] = value.strip()
-    return f"{platform.machine()}|{fields.get('model name', '')}|{fields.get('flags', '')}"
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def isa_levels() -> tuple[IsaLevel, ...]:
+    machine = platform.machine().lower()
+    return X86_LEVELS if machine in ("x86_64", "amd64") else (PORTABLE,)
+
+
+def pick_isa(flags: frozenset[str] | None = None, forced: str | None = None) -> IsaLevel:
+    """The ISA level to build for: ``forced`` (default ``$KVRELAY_CPU_ISA``) if this CPU has
+    it, else the best level it has. Raises ``RuntimeError`` for a forced level it lacks."""
+    flags = cpu_flags() if flags is None else flags
+    forced = os.environ.get(ISA_ENV) if forced is None else forced
+    levels = isa_levels()
+    if forced:
+        by_name = {lv.name: lv for lv in levels}
+        if forced not in by_name:
+            raise RuntimeError(f"{ISA_ENV}={forced}: not an ISA level of this machine "
+                               f"(choose from {', '.join(by_name)})")
+        level = by_name[forced]
+        missing = sorted(set(level.needs) - flags)
+        if missing:
+            raise RuntimeError(f"{ISA_ENV}={forced}, but this CPU lacks {', '.join(missing)}: "
+                               f"its code would die of an illegal instruction")
+        return level
+    return next(lv for lv in levels if set(lv.needs) <= flags)
 
 
 def cache_root() -> Path:
@@ -86,18 +144,21 @@ def library_name() -> str:
     return Path(lib._name).name if lib is not None else ""
 
 
-def build(cc: str | None = None) -> Path:
-    """Compile the kernels (if these sources/compiler/CPU have not been built yet) and return the
-    shared library's path. Raises ``RuntimeError`` with the compiler's output on failure."""
+def build(cc: str | None = None, isa: IsaLevel | None = None) -> Path:
+    """Compile the kernels for ``isa`` (default :func:`pick_isa`), if these sources, compiler
+    and level have not been built yet, and return the shared library's path. Raises
+    ``RuntimeError`` with the compiler's output on failure."""
+    isa = isa or pick_isa()
+    flags = (*FLAGS, *isa.flags)
     cc = cc or _compiler()
     if cc is None or shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler found ({cc or 'cc/gcc'}); set CC")
     sources = _sources()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
-    key = hashlib.sha256(b"\0".join([*(s for _, s in sources), " ".join(FLAGS).encode(),
-                                     "".join(version).encode(), _cpu_key().encode()]))
-    out = cache_dir() / f"kvrelay_kernels_{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"\0".join([*(s for _, s in sources), " ".join(flags).encode(),
+                                     "".join(version).encode()]))
+    out = cache_dir() / f"kvrelay_kernels_{isa.name}_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -108,12 +169,12 @@ def build(cc: str | None = None) -> Path:
             if name.endswith(".c"):
                 files.append(str(Path(tmp) / name))
         so = Path(tmp) / out.name
-        proc = subprocess.run([cc, *FLAGS, "-I", tmp, "-o", str(so), *files],
+        proc = subprocess.run([cc, *flags, "-I", tmp, "-o", str(so), *files],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
         os.replace(so, out)  # atomic: concurrent builders (two workers starting) both succeed
-    logger.info("built native kernels: %s", out)
+    logger.info("built native kernels for %s: %s", isa.name, out)
     return out
 
 
@@ -167,8 +228,9 @@ def load() -> ctypes.CDLL | None:
         try:
             torch.get_num_threads()  # torch's OpenMP runtime is loaded before ours
             lib = ctypes.CDLL(str(build()))
-            if lib.kvr_abi_version() != ABI_VERSION:
-                raise RuntimeError("stale native library (ABI version mismatch)")
+            if lib.kvr_abi_version() != abi_version():
+                raise RuntimeError(f"stale native library (ABI {lib.kvr_abi_version()}, the "
+                                   f"sources' {abi_version()})")
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             logger.warning("native kernels unavailable, using the torch paths: %s", e)
             return None

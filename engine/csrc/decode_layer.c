@@ -30,37 +30,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "abi.h"
 #include "kernels.h"
 
-typedef struct {
-    const float *qkv, *qkv_b, *o, *o_b, *gu, *gu_b, *down, *down_b; /* panels; biases or NULL */
-    const float *post_w, *next_w; /* RMSNorm weights; next_w NULL after the last layer */
-    float *k_cache, *v_cache;     /* flat [slots, kv_heads / kv_groups, head_dim]: group 0's */
-    int64_t hidden, heads, kv_heads, head_dim, inter, window;
-    float eps, next_eps, scale;
-    int64_t kv_groups, group_stride; /* head groups (1: none); floats from one group to the next */
-    int64_t kblock;                  /* the weights' K blocks (gemm.c's panel_at) */
-    const float *final_w;            /* last layer only, or NULL: the final norm's weight */
-    float final_eps;
-    const float *in_w;               /* first layer only, or NULL: x = in_norm(h) comes first */
-    float in_eps;
-} kvr_layer_t;
-
-typedef struct {
-    int64_t rows;
-    const float *cos, *sin;       /* the RoPE tables, [max_pos, head_dim / 2] */
-    const int64_t *positions;     /* [rows], each row's position: its row of the tables */
-    int64_t max_pos;
-    const int64_t *slots;         /* [rows] */
-    const int32_t *tables, *lens; /* the decodes': [rows - prefill_rows, width], [..] */
-    int64_t width, block_size, min_part;
-    float *h, *x; /* the residual stream and input_norm(h), [rows, hidden] */
-    int nthreads;
-    /* Prefill chunks: spans of the first prefill_rows rows (first row, rows, keys visible to
-     * the last row, [spans] each), their block tables [spans, span_width]. */
-    int64_t prefill_rows, spans, span_width;
-    const int32_t *span_start, *span_len, *span_ctx, *span_tables;
-} kvr_step_t;
 
 /* Returns 0; -1 on bad arguments, -2 for a context outside its block table, -3 out of memory. */
 int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {

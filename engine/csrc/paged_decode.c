@@ -23,7 +23,7 @@
 #include <string.h>
 #include <immintrin.h>
 
-#define KVR_ABI_VERSION 17
+#include "abi.h"
 
 int kvr_abi_version(void) { return KVR_ABI_VERSION; }
 

@@ -1,0 +1,43 @@
+/* The library's ABI as Python sees it: its version and the structs engine/models/fused_decode.py
+ * mirrors with ctypes. One source for both sides: engine/native.py reads KVR_ABI_VERSION from this
+ * file and refuses a library that reports another, and tests/test_native_abi.py checks the ctypes
+ * structs against these declarations and their compiled offsets. Change a struct: bump the
+ * version. */
+#ifndef KVR_ABI_H
+#define KVR_ABI_H
+#include <stdint.h>
+
+#define KVR_ABI_VERSION 17
+
+/* decode_layer.c: one decoder layer's weights and KV cache, and one step's rows. */
+typedef struct {
+    const float *qkv, *qkv_b, *o, *o_b, *gu, *gu_b, *down, *down_b; /* panels; biases or NULL */
+    const float *post_w, *next_w; /* RMSNorm weights; next_w NULL after the last layer */
+    float *k_cache, *v_cache;     /* flat [slots, kv_heads / kv_groups, head_dim]: group 0's */
+    int64_t hidden, heads, kv_heads, head_dim, inter, window;
+    float eps, next_eps, scale;
+    int64_t kv_groups, group_stride; /* head groups (1: none); floats from one group to the next */
+    int64_t kblock;                  /* the weights' K blocks (gemm.c's panel_at) */
+    const float *final_w;            /* last layer only, or NULL: the final norm's weight */
+    float final_eps;
+    const float *in_w;               /* first layer only, or NULL: x = in_norm(h) comes first */
+    float in_eps;
+} kvr_layer_t;
+
+typedef struct {
+    int64_t rows;
+    const float *cos, *sin;       /* the RoPE tables, [max_pos, head_dim / 2] */
+    const int64_t *positions;     /* [rows], each row's position: its row of the tables */
+    int64_t max_pos;
+    const int64_t *slots;         /* [rows] */
+    const int32_t *tables, *lens; /* the decodes': [rows - prefill_rows, width], [..] */
+    int64_t width, block_size, min_part;
+    float *h, *x; /* the residual stream and input_norm(h), [rows, hidden] */
+    int nthreads;
+    /* Prefill chunks: spans of the first prefill_rows rows (first row, rows, keys visible to
+     * the last row, [spans] each), their block tables [spans, span_width]. */
+    int64_t prefill_rows, spans, span_width;
+    const int32_t *span_start, *span_len, *span_ctx, *span_tables;
+} kvr_step_t;
+
+#endif
