@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,9 @@ from kvrelay.common.options import (
 if TYPE_CHECKING:
     from kvrelay.router.server import RouterSettings
     from kvrelay.worker.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+RDMA_DEVICES = "/dev/infiniband"  # where the RDMA device plugins put the verbs devices
 
 
 def _write_ready(path: str | None, doc: dict[str, Any]) -> None:
@@ -83,6 +87,32 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         otlp_traces_endpoint=args.otlp_traces_endpoint or None)
 
 
+def raise_memlock_limit(rdma_devices: str = RDMA_DEVICES) -> int:
+    """Raise RLIMIT_MEMLOCK's soft limit to its hard one and return the limit now in force.
+
+    RDMA (NIXL/UCX over verbs) pins the memory it registers, and the kernel charges that to
+    RLIMIT_MEMLOCK unless the process holds CAP_IPC_LOCK, which a non-root process in a container
+    never does (Kubernetes grants added capabilities to root only). Raising the soft limit up to
+    the hard one needs no privilege; beyond it is the node's container runtime's to set. Warns
+    when an RDMA device is present and the limit is still finite: registrations past it fail and
+    UCX moves the KV over TCP instead."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            logger.debug("could not raise RLIMIT_MEMLOCK to %d: %s", hard, e)
+    if soft != resource.RLIM_INFINITY and os.path.isdir(rdma_devices):
+        logger.warning("RDMA devices are present (%s) but locked memory is limited to %d KiB: "
+                       "RDMA registrations beyond it fail and UCX falls back to TCP. Raise the "
+                       "container runtime's memlock limit on the node (e.g. containerd's "
+                       "systemd unit: LimitMEMLOCK=infinity)", rdma_devices, soft // 1024)
+    return soft
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from kvrelay.common.omp_env import apply_worker_omp_defaults
 
@@ -92,6 +122,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kvrelay.worker.process import Worker, run_worker
 
     setup_logging(f"{args.role}-worker", args.log_level, args.log_format)
+    raise_memlock_limit()
     settings = worker_settings_from_args(args)
     config = engine_config_from_args(args, role=args.role)
 

@@ -201,6 +201,21 @@ def test_pods_are_locked_down(path: str) -> None:
         assert gpus == ([1] if path == "overlays/gpu" and is_worker else [None])
 
 
+def test_gpu_overlay_requests_gpus_rdma_and_shm_and_adds_no_capability() -> None:
+    docs = render("overlays/gpu")
+    for pool in POOLS:
+        pod = pool_deployment(docs, pool)["spec"]["template"]["spec"]
+        [c] = [c for c in pod["containers"] if c["name"] == "worker"]
+        for side in ("requests", "limits"):
+            assert c["resources"][side]["nvidia.com/gpu"] == 1
+            assert c["resources"][side]["rdma/rdma_shared_device_a"] == 1
+        # IPC_LOCK would be inert for the non-root worker and refused by Pod Security (the
+        # worker raises RLIMIT_MEMLOCK itself; gpu-workers.yaml says why)
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        [shm] = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+
+
 def test_cpu_demo_generates_the_model_every_pod_loads() -> None:
     docs = render("overlays/cpu-demo")
     assert not of_kind(docs, "PersistentVolumeClaim")
