@@ -5,10 +5,16 @@ the Ray launcher configure processes), and the engine's options map onto one ``E
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import os
+from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 ENV_PREFIX = "KVRELAY_"
+PLACEHOLDER_MARK = "CHANGE-ME"  # in every example and demo secret the repository ships
 
 
 def env_name(flag: str) -> str:
@@ -126,9 +132,71 @@ def add_common_process_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--log-level", default="INFO")
     opt(p, "--log-format", default="text", choices=["text", "json"])
     opt(p, "--cluster-token", default=None,
-        help="shared secret required on internal ports (prefer the env var)")
+        help="shared secret required on internal ports (prefer --cluster-token-file: a value "
+             "on the command line shows in `ps`)")
+    opt(p, "--cluster-token-file", default=None,
+        help="file holding the cluster token on one line (a mounted Secret); the process "
+             "refuses to start when it is missing or empty")
     opt(p, "--otlp-traces-endpoint", default=None,
         help="OpenTelemetry collector (OTLP/gRPC, e.g. 127.0.0.1:4317) that receives this "
              "process's spans; needs pip install 'kvrelay[otel]' (unset: no spans)")
     opt(p, "--ready-file", default=None,
         help="write a JSON file with the bound ports once serving (for supervisors)")
+
+
+# -- the cluster token ----------------------------------------------------------------------
+def read_cluster_token(value: str | None, file: str | None) -> str | None:
+    """The cluster token from ``--cluster-token`` and/or ``--cluster-token-file``: a file
+    must hold one token (surrounding whitespace ignored); both may be given only if equal.
+    A bad file ends the process: starting without the token the operator meant to give would
+    leave the internal ports open."""
+    if file:
+        try:
+            token = Path(file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"--cluster-token-file {file}: {e}") from None
+        if not token or any(ch.isspace() for ch in token):
+            raise SystemExit(f"--cluster-token-file {file}: must hold one token on one line"
+                             f" ({'empty' if not token else 'it holds whitespace'})")
+        if value and value != token:
+            raise SystemExit("--cluster-token and --cluster-token-file (or their KVRELAY_ "
+                             "variables) are both set and differ: give one")
+        value = token
+    return value or None
+
+
+def cluster_token_from_args(args: argparse.Namespace) -> str | None:
+    """``read_cluster_token`` on a parsed command line, warning about a token that shows in
+    ``ps`` (given as a flag) or is one of the public placeholders."""
+    token = read_cluster_token(args.cluster_token, getattr(args, "cluster_token_file", None))
+    if args.cluster_token and os.environ.get(env_name("--cluster-token")) != args.cluster_token:
+        logger.warning("the cluster token was given on the command line, where `ps` shows it "
+                       "to every user of this host: use --cluster-token-file (or %s)",
+                       env_name("--cluster-token"))
+    if token and PLACEHOLDER_MARK in token:
+        logger.warning("!!! the cluster token is a public placeholder (%s...): anyone who "
+                       "reaches the internal ports can join. Put a random one in the Secret "
+                       "(openssl rand -hex 32) !!!", token[:4])
+    return token
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind address keeps a port to this host (a name may resolve anywhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed_without_token(what: str, host: str, port: int, token: str | None) -> bool:
+    """Logs a warning, and returns True, when ``what`` binds beyond loopback with no cluster
+    token: whoever reaches it may call it."""
+    if token or is_loopback_host(host):
+        return False
+    logger.warning("!!! %s %s:%d listens beyond loopback WITHOUT a cluster token: anyone who "
+                   "can reach it can call it. Give the router and every worker the same "
+                   "--cluster-token-file (or %s), or bind 127.0.0.1 !!!", what, host, port,
+                   env_name("--cluster-token"))
+    return True

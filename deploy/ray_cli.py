@@ -80,6 +80,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--cluster-token", default=None,
         help="secret of the internal ports (router control, workers); default: a fresh random "
         "one handed to the actors, so nothing outside this launch can join")
+    opt(p, "--cluster-token-file", default=None,
+        help="file holding the cluster token on one line (e.g. a mounted Secret), instead of "
+             "--cluster-token")
     opt(p, "--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S,
         help="worker heartbeat period (s); a worker missing 3 is dropped")
     opt(p, "--drain-timeout", type=float,
@@ -121,7 +124,7 @@ def build_spec(args: argparse.Namespace, loopback: bool,
     ask for the cluster's GPUs (without it, auto plans a CPU launch)."""
     from dataclasses import replace
 
-    from kvrelay.common.options import engine_config_from_args
+    from kvrelay.common.options import cluster_token_from_args, engine_config_from_args
     from kvrelay.deploy.autoscaler import AutoscaleConfig, PoolBounds
     from kvrelay.deploy.gpu_request import gpu_request
     from kvrelay.deploy.spec import PoolSpec, ServeSpec
@@ -134,7 +137,7 @@ def build_spec(args: argparse.Namespace, loopback: bool,
     host = args.host or ("127.0.0.1" if loopback else "0.0.0.0")
     http = None if int(args.http_port) < 0 else int(args.http_port)
     keys = tuple(k for k in (args.api_keys or "").split(",") if k)
-    token = serve_cluster_token(args.cluster_token)
+    token = serve_cluster_token(cluster_token_from_args(args))
     router = RouterSettings(
         model=model, host=host, port=int(args.grpc_port),
         control_host="127.0.0.1" if loopback else "0.0.0.0",

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.common.options import (
     add_common_process_options,
     add_engine_options,
+    cluster_token_from_args,
     engine_config_from_args,
     env_name,
     opt,
+    warn_if_exposed_without_token,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     return WorkerSettings(
         role=args.role, routers=tuple(r for r in args.router or [] if r), host=args.host,
         port=int(args.port), advertise_host=args.advertise_host, worker_id=args.worker_id,
-        cluster_token=args.cluster_token,
+        cluster_token=cluster_token_from_args(args),
         heartbeat_interval_s=float(args.heartbeat_interval),
         lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout),
         kv_sender_grace_s=None if args.kv_sender_grace in (None, "")
@@ -124,6 +126,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     setup_logging(f"{args.role}-worker", args.log_level, args.log_format)
     raise_memlock_limit()
     settings = worker_settings_from_args(args)
+    # the router says the same of its control port (router/server.py)
+    warn_if_exposed_without_token("worker control port (Reserve, Prefill, Decode, Fence, Drain)",
+                                  settings.host, settings.port, settings.cluster_token)
     config = engine_config_from_args(args, role=args.role)
 
     def ready(w: Worker) -> None:
@@ -154,7 +159,7 @@ def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
         api_keys=_read_secret_list(args.api_keys, args.api_key_file),
         cache_salt_by_api_key=bool(args.cache_salt_by_api_key),
         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
-        cluster_token=args.cluster_token, tls=tls,
+        cluster_token=cluster_token_from_args(args), tls=tls,
         otlp_traces_endpoint=args.otlp_traces_endpoint or None,
         heartbeat_interval_s=float(args.heartbeat_interval),
         config=RouterConfig(policy=args.policy, lease_ttl_s=float(args.lease_ttl),

@@ -3,7 +3,8 @@ processes, the one harness the tests and the benchmarks (soak) start clusters wi
 
 Every process writes a ready file (its ports) and a log; every wait is bounded and shows the
 log's tail when something does not come up; ``stop()`` terminates each process group, then
-kills. The cluster token, if any, reaches the processes by environment, never argv.
+kills. The cluster token, if any, reaches the processes by environment (itself or the file
+holding it), never argv.
 
 Processes are forked from servers that did their imports once (``kvrelay.forking``; ``fork``,
 on by default): a test suite starts about a hundred of them, each of which spends ~3.5 CPU s
@@ -26,6 +27,7 @@ from pathlib import Path
 import grpc
 
 from kvrelay.client import Client
+from kvrelay.common.options import read_cluster_token
 from kvrelay.common.rpc import CLUSTER_TOKEN_KEY
 from kvrelay.forking import BASE_ENV, Forked, RouterZygote, ZygoteChild, fork_context, worker_env
 from kvrelay.proto import worker_pb2 as wpb
@@ -65,7 +67,9 @@ class Cluster:
     def __init__(self, model_dir: str | os.PathLike[str], workdir: Path, *, prefill: int = 1,
                  decode: int = 1, both: int = 0, worker_args: tuple[str, ...] = (),
                  router_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 cluster_token: str | None = None, heartbeat_s: float = 0.3,
+                 cluster_token: str | None = None,
+                 cluster_token_file: str | os.PathLike[str] | None = None,
+                 heartbeat_s: float = 0.3,
                  ready_timeout_s: float = 90.0, fork: bool = True):
         self.model_dir = str(model_dir)
         self.workdir = Path(workdir)
@@ -77,10 +81,15 @@ class Cluster:
         self.ready_timeout_s = ready_timeout_s
         self.fork = fork
         self.env = {**os.environ, **BASE_ENV, **(env or {})}
-        # The shared secret of the internal ports, given to every process by env (never argv),
+        # The shared secret of the internal ports, given to every process by env (never argv):
+        # the token itself, or the file that holds it (as the Kubernetes manifests pass it),
         # and presented by this harness's own calls to the control ports.
+        if cluster_token_file is not None:
+            assert not cluster_token, "the token or its file, not both"
+            self.env["KVRELAY_CLUSTER_TOKEN_FILE"] = str(cluster_token_file)
+            cluster_token = read_cluster_token(None, str(cluster_token_file))
         self.cluster_token = cluster_token
-        if cluster_token:
+        if cluster_token and cluster_token_file is None:
             self.env["KVRELAY_CLUSTER_TOKEN"] = cluster_token
         self.metadata = ((CLUSTER_TOKEN_KEY, cluster_token),) if cluster_token else ()
         self.router: Proc | None = None

@@ -216,6 +216,45 @@ def test_gpu_overlay_requests_gpus_rdma_and_shm_and_adds_no_capability() -> None
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
 
 
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_cluster_token_reaches_every_process_as_a_file(path: str, tmp_path) -> None:
+    """From the Secret, mounted (not optional: no Secret, no pod), named by
+    --cluster-token-file; never in an env var or on the command line, where `ps` and every
+    child process would see it. Router and workers then read the same token."""
+    import base64
+
+    from kvrelay.cli import router_settings_from_args, worker_settings_from_args
+
+    docs = render(path)
+    generated = [d for d in of_kind(docs, "Secret")
+                 if d["metadata"]["name"].startswith("kvrelay-secrets")]
+    tokens = set()
+    for p in procs(docs):
+        assert p.ns.cluster_token is None, p.container["name"]
+        assert not any(a.startswith("--cluster-token=") for a in p.argv)
+        assert "KVRELAY_CLUSTER_TOKEN" not in p.env
+        mount_dir, name = p.ns.cluster_token_file.rsplit("/", 1)
+        [mount] = [m for m in p.container["volumeMounts"] if m["mountPath"] == mount_dir]
+        assert mount.get("readOnly") is True
+        [vol] = [v for v in p.pod["volumes"] if v["name"] == mount["name"]]
+        secret = vol["secret"]
+        assert secret["secretName"].startswith("kvrelay-secrets") and not secret.get("optional")
+        assert secret["items"] == [{"key": "KVRELAY_CLUSTER_TOKEN", "path": name}]
+        assert secret["defaultMode"] & 0o7 == 0  # not world-readable
+        if path != "overlays/cpu-demo":
+            continue
+        [gen] = [d for d in generated if d["metadata"]["name"] == secret["secretName"]]
+        value = base64.b64decode(gen["data"]["KVRELAY_CLUSTER_TOKEN"]).decode()
+        local = tmp_path / name
+        local.write_text(value)  # the file the kubelet would mount
+        p.ns.cluster_token_file = str(local)
+        settings = (router_settings_from_args if p.command == "router"
+                    else worker_settings_from_args)(p.ns)
+        tokens.add(settings.cluster_token)
+    if path == "overlays/cpu-demo":
+        assert len(tokens) == 1 and None not in tokens
+
+
 def test_cpu_demo_generates_the_model_every_pod_loads() -> None:
     docs = render("overlays/cpu-demo")
     assert not of_kind(docs, "PersistentVolumeClaim")

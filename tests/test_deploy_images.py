@@ -251,6 +251,15 @@ def test_kuberay_cluster_structure() -> None:
     unknown = {e["name"] for e in head["env"] if e["name"].startswith("KVRELAY_")} \
         - cli_env().get("serve", frozenset())
     assert not unknown, f"`kvrelay serve` ignores {unknown}"
+    # the cluster token reaches `kvrelay serve` as a file from the Secret, never as a value
+    head_env = {e["name"]: e for e in head["env"]}
+    assert "KVRELAY_CLUSTER_TOKEN" not in head_env
+    token_dir, token_name = head_env["KVRELAY_CLUSTER_TOKEN_FILE"]["value"].rsplit("/", 1)
+    [mount] = [m for m in head["volumeMounts"] if m["mountPath"] == token_dir]
+    [vol] = [v for v in spec["headGroupSpec"]["template"]["spec"]["volumes"]
+             if v["name"] == mount["name"]]
+    assert vol["secret"]["secretName"] == "kvrelay-secrets" and not vol["secret"].get("optional")
+    assert vol["secret"]["items"] == [{"key": "KVRELAY_CLUSTER_TOKEN", "path": token_name}]
     [svc] = [d for d in raycluster_docs() if d["kind"] == "Service"]
     assert svc["spec"]["selector"] == {"ray.io/cluster": rc["metadata"]["name"],
                                        "ray.io/node-type": "head"}
