@@ -515,6 +515,24 @@ def phase_pd_handoff() -> dict[str, Any]:
             "kv_bytes": kv_bytes, "tokens_equal": ok, "decode_tokens": remote_tokens[:8]}
 
 
+def _prefilled(core: Any, n: int, context: int = 200) -> list[Any]:
+    """``n`` sequences with ``context`` tokens of KV each (room for 60 more), ready to decode."""
+    from kvrelay.engine.kv_connector import ScheduledSeq
+    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.engine.sequence import Sequence
+
+    rng = random.Random(0)
+    seqs = []
+    for i in range(n):
+        s = Sequence(f"s{i}", [rng.randrange(3, 500) for _ in range(context + 60)],
+                     SamplingParams())
+        assert core.block_manager.allocate(s, s.num_tokens)
+        core.runner.logits_for([ScheduledSeq(s, context)])
+        s.num_computed_tokens = context
+        seqs.append(s)
+    return seqs
+
+
 DECODE_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                     num_attention_heads=12, num_key_value_heads=4, head_dim=64)
 
@@ -528,20 +546,11 @@ def phase_decode_steps() -> dict[str, Any]:
     import torch
 
     from kvrelay.engine.kv_connector import ScheduledSeq
-    from kvrelay.engine.sampling_params import SamplingParams
-    from kvrelay.engine.sequence import Sequence
 
     out: dict[str, Any] = {}
     for graphs in (True, False):
         core = _decoding_core(graphs, **DECODE_SHAPE)
-        rng = random.Random(0)
-        seqs = []
-        for i in range(64):
-            s = Sequence(f"s{i}", [rng.randrange(3, 500) for _ in range(260)], SamplingParams())
-            assert core.block_manager.allocate(s, s.num_tokens)
-            core.runner.logits_for([ScheduledSeq(s, 200)])
-            s.num_computed_tokens = 200
-            seqs.append(s)
+        seqs = _prefilled(core, 64)
         g = core.runner.decode_graphs
         for batch in (1, 8, 32, 64):
             sched = [ScheduledSeq(s, 1) for s in seqs[:batch]]
@@ -583,18 +592,9 @@ def phase_eager_profile() -> dict[str, Any]:
     import torch
 
     from kvrelay.engine.kv_connector import ScheduledSeq
-    from kvrelay.engine.sampling_params import SamplingParams
-    from kvrelay.engine.sequence import Sequence
 
     core = _decoding_core(False, **DECODE_SHAPE)
-    rng = random.Random(0)
-    seqs = []
-    for i in range(8):
-        s = Sequence(f"s{i}", [rng.randrange(3, 500) for _ in range(260)], SamplingParams())
-        assert core.block_manager.allocate(s, s.num_tokens)
-        core.runner.logits_for([ScheduledSeq(s, 200)])
-        s.num_computed_tokens = 200
-        seqs.append(s)
+    seqs = _prefilled(core, 8)
     sched = [ScheduledSeq(s, 1) for s in seqs]
     sync = torch.cuda.synchronize if _cuda() else (lambda: None)
     for _ in range(3):
