@@ -186,7 +186,7 @@ class ModelRunner:
         assert self.shard is not None
         n = self.kv_spec.num_blocks
         hi_lo = torch.tensor([n, -n], dtype=torch.long)
-        self.shard.all_reduce(hi_lo, dist.ReduceOp.MAX, timeout)
+        self.shard.control_all_reduce(hi_lo, dist.ReduceOp.MAX, timeout)
         if hi_lo.tolist() != [n, -n]:
             raise ValueError(f"tensor-parallel ranks disagree on the KV block count: "
                              f"{-int(hi_lo[1])} to {int(hi_lo[0])} (a per-rank budget must "

@@ -45,6 +45,7 @@ from kvrelay.engine.tp_shard import (
     TensorParallelError,
     TPShard,
     kv_head_range,
+    make_groups,
     shared_kv_cache,
     startup_timeout,
     unlink_kv_shm,
@@ -106,22 +107,14 @@ def unpack_step(packed: torch.Tensor) -> list[ScheduledSeq]:
     return out
 
 
-# -- process group -----------------------------------------------------------------------------
-def _make_group(store: dist.Store, rank: int, size: int,
-                timeout: datetime.timedelta, cuda: bool) -> dist.ProcessGroup:
-    if cuda:
-        return dist.ProcessGroupNCCL(store, rank, size)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
                  conn: Connection, kv_shm: str = "") -> None:
     timeout = datetime.timedelta(seconds=config.model.tp_timeout_s)
     startup = startup_timeout(config)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=startup)
     cuda = ModelRunner.device_for(config, rank).type == "cuda"
-    shard = TPShard(rank, size, _make_group(store, rank, size, startup, cuda), timeout,
-                    "" if cuda else kv_shm)
+    group, control = make_groups(store, rank, size, startup, cuda)
+    shard = TPShard(rank, size, group, timeout, "" if cuda else kv_shm, control, nccl=cuda)
     runner = ModelRunner(config, shard=shard)
     runner.check_blocks(startup)
     with torch.inference_mode():
@@ -177,11 +170,11 @@ class Ranks:
             recv.close()
         self.conns = [send for _, send in pipes]
         try:
-            group = _make_group(self.store, 0, size, startup, cuda)
+            group, control = make_groups(self.store, 0, size, startup, cuda)
         except RuntimeError as e:
             self.close()
             raise self.error("joining the process group", e) from e
-        self.shard = TPShard(0, size, group, self.timeout, self.kv_shm)
+        self.shard = TPShard(0, size, group, self.timeout, self.kv_shm, control, nccl=cuda)
         self.closed = False
 
     @property

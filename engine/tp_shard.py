@@ -38,7 +38,13 @@ class TensorParallelError(RuntimeError):
 
 @dataclass(frozen=True)
 class TPShard:
-    """This process's place in a replica, and the group its collectives run on."""
+    """This process's place in a replica and the groups its collectives run on.
+
+    Two kinds of collective, two groups: ``group`` carries activations (the row-parallel
+    all-reduces: NCCL on GPUs, gloo on CPUs), ``control`` carries the control plane (the step
+    header's payload, the block-count check: always gloo, CPU tensors). NCCL takes CUDA tensors
+    only, and a control message over it would crash a GPU replica at start; every collective
+    here goes through the method of its kind, which refuses the wrong tensor for its group."""
 
     rank: int
     size: int
@@ -47,19 +53,55 @@ class TPShard:
     # CPU only: each rank's KV tensor lives in the shared-memory file ``kv_shm_path(kv_shm, r)``
     # so rank 0's KV connector can register and move every rank's KV ("": private memory).
     kv_shm: str = ""
+    control: dist.ProcessGroup | None = None  # None: ``group`` (a CPU replica's one gloo group)
+    nccl: bool = False  # ``group`` is NCCL: activations only, CUDA tensors only
 
-    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
-                   timeout: datetime.timedelta | None = None) -> None:
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """An activation all-reduce. On NCCL it is stream-ordered: the host does not wait for
+        the GPU (the group's own timeout and async error handling bound it)."""
+        if self.nccl and t.device.type != "cuda":
+            raise TensorParallelError(f"a {t.device.type} tensor would reach an NCCL "
+                                      f"collective (NCCL carries CUDA activations only)")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        opts.timeout = self.timeout
+        work = self.group.allreduce([t], opts)
+        if self.nccl:
+            work.wait()  # the current stream waits, not the host
+        else:
+            work.wait(self.timeout)
+
+    def control_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                           timeout: datetime.timedelta | None = None) -> None:
+        """A control all-reduce over gloo (a CPU tensor), bounded by ``timeout``."""
+        if t.device.type != "cpu":
+            raise TensorParallelError("control collectives carry CPU tensors")
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         opts.timeout = timeout or self.timeout
-        self.group.allreduce([t], opts).wait(opts.timeout)
+        (self.control or self.group).allreduce([t], opts).wait(opts.timeout)
 
     def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's control payload (the packed step) to every rank, over gloo."""
+        if t.device.type != "cpu":
+            raise TensorParallelError("control collectives carry CPU tensors")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = self.timeout
-        self.group.broadcast([t], opts).wait(self.timeout)
+        (self.control or self.group).broadcast([t], opts).wait(self.timeout)
+
+
+def make_groups(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                cuda: bool) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(activation group, control group or None): on GPUs NCCL for activations and gloo for
+    control, each under its own store prefix; on CPUs one gloo group for both."""
+    if not cuda:
+        return dist.ProcessGroupGloo(store, rank, size, timeout), None
+    nccl_opts = dist.ProcessGroupNCCL.Options()
+    nccl_opts._timeout = timeout
+    activations = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, nccl_opts)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+    return activations, control
 
 
 def startup_timeout(config: EngineConfig) -> datetime.timedelta:

@@ -647,9 +647,44 @@ def phase_nccl_world1() -> dict[str, Any]:
         gloo_ok = bool((y == 1.0).all())
     finally:
         dist.destroy_process_group()
-    ok = cuda_ok and bool(cpu_refused) and gloo_ok
+    shard_ok = _tp_shard_groups(dev)
+    ok = cuda_ok and bool(cpu_refused) and gloo_ok and shard_ok is True
     return {"status": "PASS" if ok else "FAIL", "cuda_all_reduce": cuda_ok,
-            "cpu_tensor_refused": cpu_refused, "gloo_beside": gloo_ok}
+            "cpu_tensor_refused": cpu_refused, "gloo_beside": gloo_ok,
+            "tp_shard_nccl_activations_gloo_control": shard_ok}
+
+
+def _tp_shard_groups(dev: Any) -> bool | str:
+    """kvrelay's own TP groups on a world of one (``engine/tp_shard.make_groups``): NCCL takes a
+    CUDA activation, gloo the control messages, and a CPU activation is refused."""
+    import datetime
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from kvrelay.engine.tp_shard import TensorParallelError, TPShard, make_groups
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    timeout = datetime.timedelta(seconds=30)
+    torch.cuda.set_device(dev)
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timeout)
+    group, control = make_groups(store, 0, 1, timeout, cuda=True)
+    shard = TPShard(0, 1, group, timeout, "", control, nccl=True)
+    x = torch.full((1024,), 2.0, device=dev)
+    shard.all_reduce(x)
+    torch.cuda.synchronize(dev)
+    c = torch.tensor([5, -5])
+    shard.control_all_reduce(c, dist.ReduceOp.MAX)
+    shard.broadcast(c)
+    try:
+        shard.all_reduce(torch.ones(2))
+        return "a CPU activation reached NCCL"
+    except TensorParallelError:
+        pass
+    return bool((x == 2.0).all()) and c.tolist() == [5, -5]
 
 
 # In the order they run: what a first GPU run most needs to know comes first.
