@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.common import tracing
 from kvrelay.common.limits import MAX_GRPC_REQUEST_BYTES
+from kvrelay.common.options import warn_if_exposed_without_token
 from kvrelay.common.rpc import (
     HEARTBEAT_INTERVAL_S,
     SecretSet,
@@ -66,27 +66,12 @@ class RouterSettings:
                 raise ValueError(f"{name} must be in [0, 65536)")
 
 
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
-
-
 def warn_if_control_exposed(st: RouterSettings) -> bool:
     """Logs a warning, and returns True, when the control port listens beyond loopback with no
     cluster token: whoever reaches it can register a worker that receives prompts and returns
     output of its choosing."""
-    if st.cluster_token or is_loopback_host(st.control_host):
-        return False
-    logger.warning("!!! control port %s:%d listens beyond loopback WITHOUT a cluster token: "
-                   "anyone who can reach it can register a worker that receives prompts and "
-                   "injects answers. Set --cluster-token (KVRELAY_CLUSTER_TOKEN) on the router "
-                   "and every worker, or bind --control-host 127.0.0.1 !!!",
-                   st.control_host, st.control_port)
-    return True
+    return warn_if_exposed_without_token("the router's control port", st.control_host,
+                                         st.control_port, st.cluster_token)
 
 
 class Router:
