@@ -8,6 +8,7 @@ fits; a worker not measured in time serves on the priors and live requests measu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import secrets
@@ -89,20 +90,17 @@ class Calibrator:
             spec = GenerateSpec(rid, prompt, sampling)
             ctx = Pass(RouteRequest(prompt, sampling.max_tokens), reason="calibration",
                         record=i >= len(warm), fit=False, count=False)
-            self.lc.probes[rid] = ctx.record
             trace = Trace()
-            try:
-                if role == "decode":
-                    gen = self.lc.local_pass(spec, prompt, sampling, trace, w, ctx)
-                else:
-                    ctx.prefill = w
-                    gen = self.lc.disaggregated_pass(spec, prompt, sampling, trace, ctx)
-                t0, first = time.monotonic(), None
-                async for chunk in gen:
+            if role == "decode":
+                gen = self.lc.local_pass(spec, prompt, sampling, trace, w, ctx)
+            else:
+                ctx.prefill = w
+                gen = self.lc.disaggregated_pass(spec, prompt, sampling, trace, ctx)
+            t0, first = time.monotonic(), None
+            async with contextlib.aclosing(gen) as chunks:
+                async for chunk in chunks:
                     if first is None:
                         first = (time.monotonic() - t0, n - chunk.cached_prompt_tokens)
-            finally:
-                self.lc.probes.pop(rid, None)
             if ctx.record and first is not None:
                 if role == "prefill" and trace.prefill is not None:
                     first = (trace.prefill.prefill_ms / 1e3,

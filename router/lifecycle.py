@@ -2,9 +2,12 @@
 
   prefill on P beside reserve on D  ->  KV streams P -> D  ->  first token  ->  decode on D
 
-The hand-off itself (reserve, prefill, rebind, release) is ``router.handoff``, the first tokens
-and the decode stream ``router.relay``; this module routes a pass (the fast lane, or
-disaggregated) and resumes the request on worker failure. A decode worker lost
+This module reads in call order: ``tokens`` resumes the request on worker failure, ``_one_pass``
+routes a pass (the fast lane, or disaggregated), ``disaggregated_pass`` runs
+route -> reserve -> prefill -> decode -> relay. Each step is an object of its own, wired in
+``Lifecycle.__init__``: ``Leases`` (router/leases.py), ``PrefillCalls``
+(router/prefill_calls.py), ``Relay`` (router/relay.py), ``FastLane`` (router/fast_lane.py);
+what they share is the ``Cluster`` (router/cluster.py). A decode worker lost
 mid-stream is replaced by re-prefilling prompt + tokens already produced onto a new pair,
 continuing the same stream (greedy output is unchanged). Every wait is bounded; leaving the
 iterator (client cancel, stop string, deadline) ends the lease on both sides.
@@ -23,12 +26,14 @@ from dataclasses import replace
 import grpc
 
 from kvrelay.common import tracing
-from kvrelay.common.convert import sampling_to_proto
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.calls import cancel
+from kvrelay.router.cluster import Cluster
 from kvrelay.router.errors import RouterError
-from kvrelay.router.policy import Policy
+from kvrelay.router.fast_lane import FastLane
+from kvrelay.router.leases import Leases
+from kvrelay.router.policy import Policy, Route
+from kvrelay.router.prefill_calls import PrefillCalls
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.relay import Relay
 from kvrelay.router.requests import (
@@ -39,26 +44,41 @@ from kvrelay.router.requests import (
     WorkerLost,
     new_pass,
 )
-from kvrelay.router.trace import Trace
+from kvrelay.router.trace import Step, Trace
 from kvrelay.router.worker_state import WorkerState
 
 __all__ = ["GenerateSpec", "Lifecycle", "RouterConfig", "TokenChunk", "WorkerLost"]
 
 logger = logging.getLogger(__name__)
 
-class Lifecycle(Relay):
+class Lifecycle:
     """Produces a request's tokens from the cluster, resuming on worker failure."""
 
     def __init__(self, registry: WorkerRegistry, policy: Policy, config: RouterConfig,
-                 cluster_metadata: tuple[tuple[str, str], ...] = ()):
-        self.registry = registry
-        self.policy = policy
-        self.config = config
-        self.md = cluster_metadata
+                 cluster_metadata: tuple[tuple[str, str], ...] = (),
+                 eos_token_ids: frozenset[int] = frozenset()):
         policy.attach(registry)
-        # Warm-up probes in flight (router/calibration.py): request id -> measurements recorded.
-        self.probes: dict[str, bool] = {}
-        self._background: set[asyncio.Task[None]] = set()  # releases in flight (strong refs)
+        self.cluster = Cluster(registry, policy, config, cluster_metadata)
+        self.leases = Leases(self.cluster)
+        self.prefill = PrefillCalls(self.cluster, self.leases)
+        self.relay = Relay(self.cluster, eos_token_ids)
+        self.fast_lane = FastLane(self.cluster, self.relay)
+
+    @property
+    def registry(self) -> WorkerRegistry:
+        return self.cluster.registry
+
+    @property
+    def config(self) -> RouterConfig:
+        return self.cluster.config
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.relay.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.relay.eos_token_ids = ids
 
     # -- entry ---------------------------------------------------------------------------------
     async def tokens(self, spec: GenerateSpec, trace: Trace, *,
@@ -74,7 +94,7 @@ class Lifecycle(Relay):
                     yield chunk
             return
         produced = list(produced or [])
-        if migrations > self.config.max_migrations:
+        if migrations > self.cluster.config.max_migrations:
             raise RouterError(grpc.StatusCode.UNAVAILABLE,
                               f"request failed after {migrations - 1} migrations",
                               retry_after_s=1.0)
@@ -108,11 +128,11 @@ class Lifecycle(Relay):
                 raise WorkerLost("stream ended without a finish reason")
             except WorkerLost as e:
                 migrations += 1
-                if migrations > self.config.max_migrations:
+                if migrations > self.cluster.config.max_migrations:
                     raise RouterError(grpc.StatusCode.UNAVAILABLE,
                                       f"request failed after {migrations - 1} migrations: {e}",
                                       retry_after_s=1.0) from e
-                trace.add("migrate", detail=str(e))
+                trace.add(Step.MIGRATE, detail=str(e))
                 tracing.event(trace.span, "migrate", reason=str(e)[:200], after=len(produced))
                 logger.warning("resuming after %d tokens (migration %d): %s", len(produced),
                                migrations, e)
@@ -142,7 +162,7 @@ class Lifecycle(Relay):
                 raise WorkerLost("stream ended before every choice finished")
             except WorkerLost as e:
                 migrations = 1
-                trace.add("migrate", detail=str(e))
+                trace.add(Step.MIGRATE, detail=str(e))
                 logger.warning("resuming %d of %d choices on their own: %s",
                                n - sum(done), n, e)
         streams = {i: self.tokens(replace(spec, sampling=spec.sampling.choice(i)), trace,
@@ -160,16 +180,7 @@ class Lifecycle(Relay):
                     yield c
             return
         ctx = new_pass(spec, prompt, sampling.max_tokens)
-        ctx.count = spec.request_id not in self.probes
-        t_route = time.monotonic()
-        route = self.policy.route(ctx.req, self.registry.alive("decode"),
-                                  self.registry.alive("prefill"))
-        ctx.reason = route.reason
-        if trace.span is not None:
-            tracing.record("router.route", trace.span, t_route, time.monotonic(),
-                           **{"kvrelay.route": route.reason,
-                              "kvrelay.local": route.local is not None})
-        logger.debug("route: %s", route.describe())
+        route = self._route(ctx, trace)
         if route.local is not None and sampling.n == 1:  # the fast lane: on a decode worker
             started = False
             try:
@@ -183,155 +194,88 @@ class Lifecycle(Relay):
                 if started or (isinstance(e, RouterError)
                                and e.code != grpc.StatusCode.RESOURCE_EXHAUSTED):
                     raise
-                trace.add("local_failed", route.local.worker_id, detail=str(e))
+                trace.add(Step.LOCAL_FAILED, route.local.worker_id, detail=str(e))
                 ctx.reason = "local_refused"  # no token yet: disaggregate instead
         async with contextlib.aclosing(self.disaggregated_pass(spec, prompt, sampling, trace,
                                                                ctx)) as cs:
             async for c in cs:
                 yield c
 
+    def _route(self, ctx: Pass, trace: Trace) -> Route:
+        """The policy's choice for the pass: the fast lane, or disaggregated (and why)."""
+        t_route = time.monotonic()
+        registry = self.cluster.registry
+        route = self.cluster.policy.route(ctx.req, registry.alive("decode"),
+                                          registry.alive("prefill"))
+        ctx.reason = route.reason
+        if trace.span is not None:
+            tracing.record("router.route", trace.span, t_route, time.monotonic(),
+                           **{"kvrelay.route": route.reason,
+                              "kvrelay.local": route.local is not None})
+        logger.debug("route: %s", route.describe())
+        return route
+
     async def _disaggregate(self) -> bool:
         """True when a prefill/decode pair is up, False when only role=both workers are; waits
         (bounded) for workers to appear."""
-        deadline = time.monotonic() + self.config.worker_wait_s
+        registry = self.cluster.registry
+        deadline = time.monotonic() + self.cluster.config.worker_wait_s
         while True:
-            if self.registry.alive("decode") and self.registry.alive("prefill"):
+            if registry.alive("decode") and registry.alive("prefill"):
                 return True
-            if self.registry.alive("both"):
+            if registry.alive("both"):
                 return False
             if time.monotonic() >= deadline:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no workers available",
                                   retry_after_s=1.0)
             await asyncio.sleep(0.05)
 
+    def local_pass(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
+                   trace: Trace, worker: WorkerState | None = None,
+                   ctx: Pass | None = None) -> AsyncIterator[TokenChunk]:
+        """Run the request wholly on one worker: a role=both worker, or ``worker``, a decode
+        worker (the fast lane)."""
+        return self.fast_lane.run(spec, prompt, sampling, trace, worker, ctx)
 
-    # -- aggregated workers (role=both) ----------------------------------------------------------
-    async def local_pass(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
-                     trace: Trace, worker: WorkerState | None = None,
-                     ctx: Pass | None = None) -> AsyncIterator[TokenChunk]:
-        """Run the request wholly on one worker (GenerateLocal, with that worker's prefix
-        cache): a role=both worker, or ``worker``, a decode worker (the fast lane)."""
-        ctx = ctx or new_pass(spec, prompt, sampling.max_tokens)
-        if worker is None:
-            ranked = self.policy.rank_decode(self.registry.alive("both"), 0, ctx.req)
-            if not ranked:
-                raise WorkerLost("no role=both worker")
-            worker = ranked[0]
-        w, acct = worker, worker.accounting
-        trace.add("local_start", w.worker_id, detail=ctx.reason)
-        req = wpb.LocalGenerateRequest(request_id=spec.request_id, prompt_token_ids=prompt,
-                                       cache_salt=spec.cache_salt or "",
-                                       sampling=sampling_to_proto(sampling))
-        now = time.monotonic()
-        pending = self.policy.cost.local(w, ctx.req, now).new_tokens
-        acct.pending_prompt_tokens += pending
-        w.expect(ctx.req.hashes(w.identity.block_size), now + self.registry.expect_s)
-        clean, batch = acct.local_inflight == 0, w.batch_estimate
-        acct.dispatches += 1
-        dispatched = acct.dispatches
-        acct.inflight += 1
-        acct.local_inflight += 1
-        if ctx.count:
-            w.perf.arrivals.tick(now)
-        prefilling = True
-        produced: list[int] = []
-        call = None
-        span = tracing.start("router.stream", trace.span,
-                             **{"kvrelay.worker": w.worker_id, "kvrelay.local": True})
-        try:
-            t0 = time.monotonic()
-            try:
-                call = self._streams(w).GenerateLocal(
-                    req, metadata=tracing.with_parent(self.md, span))
-            except grpc.aio.UsageError as e:  # the registry dropped w (and closed its channel)
-                raise WorkerLost(f"{w.worker_id} left the registry: {e}") from e
-            async for chunk in self._read_stream(spec, call, w, trace):
-                if prefilling:
-                    prefilling = False
-                    acct.local_inflight -= 1
-                    acct.pending_prompt_tokens = max(0, acct.pending_prompt_tokens - pending)
-                    self._observe_local(w, ctx, len(prompt), chunk.cached_prompt_tokens,
-                                        time.monotonic() - t0, batch,
-                                        clean and acct.dispatches == dispatched)
-                produced.extend(chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    self._expect_sequence(w, ctx, produced)
-                yield chunk
-        finally:
-            if prefilling:
-                acct.local_inflight -= 1
-                acct.pending_prompt_tokens = max(0, acct.pending_prompt_tokens - pending)
-            acct.inflight -= 1
-            if call is not None:
-                call.cancel()
-            tracing.end(span)
-
-    # -- disaggregated ----------------------------------------------------------------------------
     async def disaggregated_pass(self, spec: GenerateSpec, prompt: list[int],
-                             sampling: SamplingParams, trace: Trace,
-                             ctx: Pass | None = None) -> AsyncIterator[TokenChunk]:
+                                 sampling: SamplingParams, trace: Trace,
+                                 ctx: Pass | None = None) -> AsyncIterator[TokenChunk]:
+        """route -> reserve -> prefill -> decode -> relay: the pass's KV computed on a prefill
+        worker straight into blocks reserved on a decode worker, which then decodes."""
         ctx = ctx or new_pass(spec, prompt, sampling.max_tokens)
-        if ctx.prefill is None:  # the decode worker binds the lease's KV to its sender
-            ranked = self.policy.rank_prefill(self.registry.alive("prefill"), ctx.req)
-            if ranked:
-                ctx.prefill = ranked[0]
-                ctx.unclaim = self._claim(ranked[0], ctx)
-        if self.config.prefill_ahead and ctx.prefill is not None:
-            self._send_ahead(spec, prompt, sampling, trace, ctx)
+        self.prefill.choose(ctx)
+        if self.cluster.config.prefill_ahead and ctx.prefill is not None:
+            self.prefill.send_ahead(spec, prompt, sampling, trace, ctx)
         try:
-            d, lease = await self._reserve(spec, prompt, trace, ctx)
-        except BaseException:
-            ctx.drop_claim()
-            cancel(ctx.ahead)  # it had no destination: nothing was written
-            raise
-        # The decode worker ends the lease itself only when its Decode stream ran to the end; a
-        # pass left earlier (a client cancel, a stop string, a failure) releases it, even while
-        # a Decode is open: its call may not have reached the worker yet, and a lease nobody
-        # releases holds its blocks until the TTL.
-        worker_ended_lease = False
-        renew = asyncio.get_running_loop().create_task(self._renew(d, spec.request_id, lease))
-        try:
-            first, cached_p = await self._prefill(spec, prompt, sampling, d, lease, trace, ctx)
-            renew.cancel()
-            chunks = self._first_chunks(first, max(cached_p, lease.cached_prefix_tokens),
-                                        sampling, len(prompt), d)
-            if all(c.finish_reason is not None for c in chunks):
-                self._expect_sequence(d, ctx, [])
-            for chunk in chunks:
-                yield chunk
-            if all(c.finish_reason is not None for c in chunks):
-                return
-            ended = {c.index for c in chunks if c.finish_reason is not None}
-            async with contextlib.aclosing(self._decode(spec, sampling, d, lease, first, trace,
-                                                        ctx)) as stream:
-                async for c in stream:
-                    if c.finish_reason is not None:
-                        ended.add(c.index)
-                        worker_ended_lease = len(ended) >= sampling.n
-                    yield c
-            worker_ended_lease = True
+            try:
+                lease = await self.leases.reserve(spec, prompt, trace, ctx)
+            except BaseException:
+                cancel(ctx.ahead)  # it had no destination: nothing was written
+                raise
+            async with self.leases.held(lease, spec, ctx):
+                async with self.leases.renewed(lease, spec):
+                    first = await self.prefill.run(spec, prompt, sampling, lease, trace, ctx)
+                cached = max(first.cached_prompt_tokens, lease.cached_prefix_tokens)
+                chunks = self.relay.first_chunks(first, cached, sampling, len(prompt),
+                                                 lease.worker)
+                ended = {c.index for c in chunks if c.finish_reason is not None}
+                if len(ended) == len(chunks):
+                    self.relay.expect_sequence(lease.worker, ctx, [])
+                for chunk in chunks:
+                    yield chunk
+                if len(ended) == len(chunks):
+                    return
+                async with contextlib.aclosing(self.relay.decode(spec, sampling, lease, first,
+                                                                 trace, ctx)) as stream:
+                    async for c in stream:
+                        if c.finish_reason is not None:
+                            ended.add(c.index)
+                            lease.ended_by_worker = len(ended) >= sampling.n
+                        yield c
+                lease.ended_by_worker = True
         finally:
-            d.accounting.inflight -= 1
-            renew.cancel()
             ctx.drop_claim()
             cancel(ctx.ahead)
-            if not worker_ended_lease:
-                self._release_soon(d, spec.request_id, lease.lease_id,
-                                   settled=not ctx.writes_unsettled)
-
-    # -- measurements (the cost model's fits) ----------------------------------------------------
-    def _observe_local(self, w: WorkerState, ctx: Pass, n: int, cached: int, ttft_s: float,
-                       batch: int, clean: bool) -> None:
-        """A local generation's first token: the tokens w computed and how long it took, less
-        the wait for the decode batch it joined (when no other local prefill ran there)."""
-        computed = n - cached
-        if ctx.count:
-            c = self.registry.counter(w)
-            c.prompt_tokens += n
-            c.computed_tokens += computed
-        if ctx.record and clean and ctx.fit:
-            wait = w.perf.step_fit.predict(batch) if batch > 0 else 0.0
-            w.perf.local_fit.observe(computed, ttft_s - wait)
 
 
 async def _merge_choices(streams: dict[int, AsyncIterator[TokenChunk]]

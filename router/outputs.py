@@ -11,7 +11,7 @@ from kvrelay.common import tracing
 from kvrelay.engine.detokenizer import OutputProcessor, OutputStep
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.router.requests import GenerateSpec, TokenChunk
-from kvrelay.router.trace import Trace
+from kvrelay.router.trace import Step, Trace
 
 
 @dataclass
@@ -87,7 +87,7 @@ class ChoiceOutputs:
         now = time.monotonic()
         if self.first_at is None:
             self.first_at = now
-            self.trace.add("first_token")
+            self.trace.add(Step.FIRST_TOKEN)
             tracing.event(self.trace.span, "first_token")
         else:
             self.gaps.append(now - self.last_at)
@@ -142,6 +142,6 @@ class ChoiceOutputs:
         p = trace.prefill
         if p is not None:
             t.prefill_ms, t.transfer_ms = p.prefill_ms, p.transfer_ms
-            start = trace.first("prefill_start")
+            start = trace.first(Step.PREFILL_START)
             t.queue_ms = (start.t_ms if start else 0.0) + p.queue_ms
         return t

@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes
@@ -285,9 +285,14 @@ class LeastLoaded(Policy):
 class PrefixAware(Policy):
     """Prefill: least estimated seconds to this prompt's first token there (queue + the tokens
     it does not hold). Decode: among those with KV room, least transfer (blocks it does not
-    hold) + decode time at its batch size; role=both workers by their local estimate."""
+    hold) + decode time at its batch size; role=both workers by their local estimate.
 
-    name = "prefix_aware"
+    ``fast_lane`` (the ``auto`` policy): also decide per request whether to run it wholly on a
+    decode worker (the cost model's ``route``), measuring each joining worker first."""
+
+    def __init__(self, fast_lane: bool = False):
+        self.name = "auto" if fast_lane else "prefix_aware"
+        self.fast_lane = self.calibrate = fast_lane
 
     def rank_decode(self, workers: Sequence[WorkerState], blocks_needed: int,
                     req: RouteRequest) -> list[WorkerState]:
@@ -311,21 +316,19 @@ class PrefixAware(Policy):
                   for w in workers]
         return [s[-1] for s in sorted(scored, key=lambda s: s[:3])]
 
-
-class Auto(PrefixAware):
-    """``prefix_aware`` plus the fast lane (see the module docstring)."""
-
-    name = "auto"
-    fast_lane = True
-    calibrate = True
-
     def route(self, req: RouteRequest, decoders: Sequence[WorkerState],
               prefills: Sequence[WorkerState]) -> Route:
+        if not self.fast_lane:
+            return Route(None, "policy")
         return self.cost.route(req, decoders, prefills)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware,
-                                                          Auto)}
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+    "prefix_aware": PrefixAware,
+    "auto": lambda: PrefixAware(fast_lane=True),  # prefix_aware plus the fast lane
+}
 # bench.routing.policies decides the default: over two runs on the multi-turn workload
 # prefix_aware's TTFT p99 was 0.41x and 0.66x round-robin's, auto's 0.83x and 0.43x (both
 # compute ~0.65x the prompt tokens); prefix_aware has the better mean and no fast lane to

@@ -1,9 +1,9 @@
 """The decode side of a disaggregated pass, and the worker streams every pass reads.
 
 A pass's first tokens (one per choice) come in the prefill worker's answer; the decode worker's
-Decode stream carries the rest. ``_read_stream`` relays that stream (or a GenerateLocal one) as
+Decode stream carries the rest. ``read_stream`` relays that stream (or a GenerateLocal one) as
 TokenChunks: a broken stream becomes WorkerLost, so that the lifecycle resumes the request on
-another worker, a refusal a RouterError. ``Lifecycle`` builds on this.
+another worker, a refusal a RouterError.
 """
 
 from __future__ import annotations
@@ -21,27 +21,29 @@ from kvrelay.engine.outputs import FinishReason
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.calls import call_cancelled
+from kvrelay.router.cluster import Cluster
 from kvrelay.router.errors import RouterError
-from kvrelay.router.handoff import Handoff
+from kvrelay.router.leases import Lease
 from kvrelay.router.requests import GenerateSpec, Pass, TokenChunk, WorkerLost
 from kvrelay.router.sessions import SessionCall
-from kvrelay.router.trace import Trace
+from kvrelay.router.trace import Step, Trace
 from kvrelay.router.worker_state import WorkerState
 
 
-class Relay(Handoff):
+class Relay:
     """First tokens and decode streams of a pass, as TokenChunks."""
 
-    probes: dict[str, bool]  # warm-up probes in flight: request id -> measurements recorded
-    eos_token_ids: frozenset[int] = frozenset()
+    def __init__(self, cluster: Cluster, eos_token_ids: frozenset[int] = frozenset()):
+        self.cluster = cluster
+        self.eos_token_ids = eos_token_ids
 
-    def _streams(self, w: WorkerState) -> Any:
+    def streams(self, w: WorkerState) -> Any:
         """Where ``w``'s Decode and GenerateLocal calls go: its Session, or its stub."""
-        if self.config.stream_sessions and w.identity.streams is not None:
+        if self.cluster.config.stream_sessions and w.identity.streams is not None:
             return w.identity.streams
         return w.identity.decode
 
-    def _first_chunks(self, first: wpb.PrefillResponse, cached: int, sampling: SamplingParams,
+    def first_chunks(self, first: wpb.PrefillResponse, cached: int, sampling: SamplingParams,
                       prompt_len: int, d: WorkerState) -> list[TokenChunk]:
         """Each choice's first token, from the prefill's answer (the prompt's logprobs ride on
         choice 0's); a choice whose first token ends it has its finish reason already."""
@@ -70,39 +72,40 @@ class Relay(Handoff):
             return FinishReason.LENGTH
         return None
 
-    async def _decode(self, spec: GenerateSpec, sampling: SamplingParams, d: WorkerState,
-                      lease: wpb.ReserveResponse, first: wpb.PrefillResponse, trace: Trace,
-                      ctx: Pass) -> AsyncIterator[TokenChunk]:
-        """The tokens after the first ones: a Decode call on ``d`` under ``lease``, relayed.
+    async def decode(self, spec: GenerateSpec, sampling: SamplingParams, lease: Lease,
+                     first: wpb.PrefillResponse, trace: Trace,
+                     ctx: Pass) -> AsyncIterator[TokenChunk]:
+        """The tokens after the first ones: a Decode call on the lease's worker, relayed.
         Leaving the iterator cancels the call."""
+        c, d = self.cluster, lease.worker
         tok = first.first_token_id
         req = wpb.DecodeRequest(request_id=spec.request_id, lease_id=lease.lease_id,
                                 first_token_id=tok, sampling=sampling_to_proto(sampling),
-                                kv_timeout_ms=int(self.config.kv_timeout_s * 1000),
+                                kv_timeout_ms=int(c.config.kv_timeout_s * 1000),
                                 fork_token_ids=list(first.fork_token_ids))
         span = tracing.start("router.stream", trace.span, **{"kvrelay.worker": d.worker_id})
         try:
             # The request's deadline rides on the call (one timer for the stream, not a
             # wait_for task a token) and reaches the worker, which stops on it too.
-            timeout = None if spec.deadline is None else self._remaining(spec, 3600.0)
-            call = self._streams(d).Decode(req, metadata=tracing.with_parent(self.md, span),
+            timeout = None if spec.deadline is None else c.remaining(spec, 3600.0)
+            call = self.streams(d).Decode(req, metadata=tracing.with_parent(c.md, span),
                                            timeout=timeout)
         except grpc.aio.UsageError as e:  # the registry dropped d (and closed its channel)
             tracing.end(span, error=e)
             raise WorkerLost(f"{d.worker_id} left the registry: {e}") from e
-        trace.add("decode_start", d.worker_id)
+        trace.add(Step.DECODE_START, d.worker_id)
         try:
             produced = [tok]
             first_seen = False
-            async for c in self._read_stream(spec, call, d, trace):
+            async for chunk in self.read_stream(spec, call, d, trace, record=ctx.record):
                 if not first_seen:
                     first_seen = True
-                    trace.add("decode_first", d.worker_id)
-                if c.index == 0:
-                    produced.extend(c.token_ids)
-                    if c.finish_reason is not None:
-                        self._expect_sequence(d, ctx, produced)
-                yield c
+                    trace.add(Step.DECODE_FIRST, d.worker_id)
+                if chunk.index == 0:
+                    produced.extend(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        self.expect_sequence(d, ctx, produced)
+                yield chunk
         except Exception as e:  # the worker lost, a deadline: the span says so
             tracing.end(span, error=e)
             span = None
@@ -111,16 +114,17 @@ class Relay(Handoff):
             call.cancel()
             tracing.end(span)
 
-    async def _read_stream(self, spec: GenerateSpec, call: grpc.aio.UnaryStreamCall | SessionCall,
-                           w: WorkerState, trace: Trace) -> AsyncIterator[TokenChunk]:
-        """Relay a DecodeResponse stream; a broken stream becomes WorkerLost."""
-        last: float | None = None  # gaps between streamed tokens measure w's decode steps
-        record = self.probes.get(spec.request_id, True)
+    async def read_stream(self, spec: GenerateSpec, call: grpc.aio.UnaryStreamCall | SessionCall,
+                          w: WorkerState, trace: Trace, *,
+                          record: bool = True) -> AsyncIterator[TokenChunk]:
+        """Relay a DecodeResponse stream; a broken stream becomes WorkerLost. ``record``: its
+        gaps between tokens measure w's decode steps."""
+        last: float | None = None
         while True:
             try:
                 resp = await call.read()
             except asyncio.CancelledError:
-                if not call_cancelled(self.registry, w):
+                if not call_cancelled(self.cluster.registry, w):
                     raise
                 raise WorkerLost(f"{w.worker_id}: dropped from the registry mid-stream") \
                     from None
@@ -134,7 +138,8 @@ class Relay(Handoff):
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise RouterError(code, e.details() or "overloaded", retry_after_s=1.0) \
                         from e
-                self.registry.mark_suspect(w.worker_id, f"stream: {code.name} {e.details()}")
+                self.cluster.registry.mark_suspect(w.worker_id,
+                                                   f"stream: {code.name} {e.details()}")
                 raise WorkerLost(f"{w.worker_id}: {code.name} {e.details()}") from e
             if resp is grpc.aio.EOF:
                 return
@@ -157,10 +162,10 @@ class Relay(Handoff):
                 chunk.prompt_logprobs = [logprob_from_proto(x) for x in resp.prompt_logprobs]
             yield chunk
 
-    def _expect_sequence(self, w: WorkerState, ctx: Pass, produced: list[int]) -> None:
+    def expect_sequence(self, w: WorkerState, ctx: Pass, produced: list[int]) -> None:
         """w now holds the KV of the prompt and the tokens produced (the last has none yet):
         count on it for prefix routing until its beats can report it."""
         toks = produced[:-1]
         bs = w.identity.block_size
         hashes = ctx.req.extended_hashes(toks, bs) if toks else ctx.req.hashes(bs)
-        w.expect(hashes, time.monotonic() + self.registry.expect_s)
+        w.expect(hashes, time.monotonic() + self.cluster.registry.expect_s)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +14,7 @@ from kvrelay.engine.prefix_hash import salt_root
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.policy import DEFAULT_POLICY, RouteRequest
-from kvrelay.router.worker_state import WorkerState
+from kvrelay.router.worker_state import Charge, WorkerState
 
 
 @dataclass(frozen=True)
@@ -97,18 +96,18 @@ class Pass:
     # A Prefill call under the lease ended in a way that may leave its writes landing (or is
     # still running): the lease's blocks must wait for its sender, not be reused at Release.
     writes_unsettled: bool = False
-    # Undoes the load ``prefill`` was charged when it was chosen before the Reserve (so that
+    # The load ``prefill`` was charged with when it was chosen before the Reserve (so that
     # arrivals meanwhile spread over the pool); the dispatch takes the charge over.
-    unclaim: Callable[[], None] | None = None
+    claim: Charge | None = None
     # The Prefill sent beside the Reserve (``RouterConfig.prefill_ahead``) and when it left.
     ahead: asyncio.Task[wpb.PrefillResponse] | None = None
     ahead_t0: float = 0.0
+    count: bool = True  # count in the routing metrics
 
     def drop_claim(self) -> None:
-        if self.unclaim is not None:
-            self.unclaim()
-            self.unclaim = None
-    count: bool = True  # count in the routing metrics
+        if self.claim is not None:
+            self.claim.undo()
+            self.claim = None
 
 
 def new_pass(spec: GenerateSpec, prompt: list[int], max_tokens: int = 1) -> Pass:

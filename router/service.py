@@ -28,7 +28,7 @@ from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.outputs import ChoiceOutputs, Delta
-from kvrelay.router.trace import Trace
+from kvrelay.router.trace import Step, Trace
 from kvrelay.router.validation import (
     check_prompt_length,
     check_prompt_text,
@@ -244,7 +244,7 @@ class RouterService:
 
     async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
         trace = Trace(spec.arrival)
-        trace.add("received")
+        trace.add(Step.RECEIVED)
         if tracing.enabled():  # "receive": the request from arrival to its last token
             trace.span = tracing.start("router.request", spec.trace_parent, start_s=spec.arrival,
                                        **{"kvrelay.request_id": spec.request_id,
@@ -276,7 +276,7 @@ class RouterService:
         """Account a request's last delta: its trace, metrics, recent latencies, log line."""
         finish, timing = delta.finish_reason, delta.timing
         assert finish is not None and timing is not None
-        trace.add("finished", detail=finish.value)
+        trace.add(Step.FINISHED, detail=finish.value)
         delta.trace = trace
         self._observe(delta, outputs.gaps)
         self._recent.append((outputs.last_at, timing.ttft_ms,
@@ -315,13 +315,14 @@ class RouterService:
         m.generation_tokens.labels(model).inc(u.completion_tokens)
         m.cached_tokens.labels(model).inc(u.cached_prompt_tokens)
         for ev in d.trace.events:
-            if ev.name == "prefill_failed":
+            if ev.step is Step.PREFILL_FAILED:
                 m.transfer_failures.labels(model).inc()
-            elif ev.name == "migrate":
+            elif ev.step is Step.MIGRATE:
                 m.migrations.labels(model).inc()
-            elif ev.name in ("prefill_start", "local_start"):
-                m.decisions.labels(model, "disaggregated" if ev.name == "prefill_start"
-                                   else "local", ev.detail or "pool").inc()
+            elif ev.step is Step.PREFILL_START:
+                m.decisions.labels(model, "disaggregated", ev.detail or "pool").inc()
+            elif ev.step is Step.LOCAL_START:
+                m.decisions.labels(model, "local", ev.detail or "pool").inc()
         p = d.trace.prefill
         if p is not None:
             m.queue.labels(model).observe(t.queue_ms / 1000.0)

@@ -1,7 +1,13 @@
-"""A request's trace: named events with times since the router received it, and who did what."""
+"""A request's trace: typed steps with times since the router received it, and who did what.
+
+The steps are the router's record of what happened to a request; its metrics count them
+(``RouterService``), clients get them by name (``x-kvrelay-trace``, the gRPC trace field), and
+the log line of a finished request lists them.
+"""
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -10,12 +16,32 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+class Step(enum.Enum):
+    RECEIVED = "received"
+    LOCAL_START = "local_start"  # the fast lane (or a role=both worker); detail: why
+    LOCAL_FAILED = "local_failed"  # the fast lane refused before a token: disaggregated now
+    PREFILL_START = "prefill_start"  # detail: why disaggregated, or "retry"
+    RESERVED = "reserved"  # KV blocks reserved on a decode worker
+    DESTINATION = "destination"  # the Prefill sent ahead learnt its destination
+    PREFILL_FAILED = "prefill_failed"
+    PREFILL_END = "prefill_end"
+    DECODE_START = "decode_start"
+    DECODE_FIRST = "decode_first"
+    FIRST_TOKEN = "first_token"  # the first text went out
+    MIGRATE = "migrate"  # the request resumes on other workers
+    FINISHED = "finished"
+
+
 @dataclass
 class TraceEvent:
-    name: str
+    step: Step
     t_ms: float
     worker: str = ""
     detail: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.step.value
 
 
 @dataclass
@@ -27,20 +53,23 @@ class Trace:
     decode_kv_wait_ms: float = 0.0  # the decode worker's wait for the KV, as it reported it
     span: Any = None  # the request's OpenTelemetry span (common.tracing), None when off
 
-    def add(self, name: str, worker: str = "", detail: str = "") -> TraceEvent:
-        ev = TraceEvent(name, (time.monotonic() - self.t0) * 1000.0, worker, detail)
+    def add(self, step: Step, worker: str = "", detail: str = "") -> TraceEvent:
+        ev = TraceEvent(step, (time.monotonic() - self.t0) * 1000.0, worker, detail)
         self.events.append(ev)
         return ev
 
     def add_prefill_end(self, worker: str, resp: Any) -> None:
         """The prefill's answer (a ``PrefillResponse``): its timings in the event, kept."""
-        self.add("prefill_end", worker,
+        self.add(Step.PREFILL_END, worker,
                  detail=f"queue={resp.queue_ms:.1f}ms prefill={resp.prefill_ms:.1f}ms "
                         f"transfer={resp.transfer_ms:.1f}ms bytes={resp.kv_bytes}")
         self.prefill = resp
 
-    def first(self, name: str) -> TraceEvent | None:
-        return next((e for e in self.events if e.name == name), None)
+    def first(self, step: Step) -> TraceEvent | None:
+        return next((e for e in self.events if e.step is step), None)
+
+    def count(self, step: Step) -> int:
+        return sum(e.step is step for e in self.events)
 
     def summary(self) -> str:
         return " ".join(f"{e.name}@{e.t_ms:.1f}ms" + (f"[{e.worker}]" if e.worker else "")

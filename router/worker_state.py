@@ -111,6 +111,57 @@ class Accounting:
         if self.expected:
             self.expected = {h: t for h, t in self.expected.items() if t > now}
 
+    def charge(self, *, prompt_tokens: int = 0, local: bool = False) -> Charge:
+        """Count one request of this router's on the worker (``inflight``), with
+        ``prompt_tokens`` it has yet to compute, and (``local``) as a local generation still
+        prefilling; the returned ``Charge`` takes it all back once."""
+        return Charge(self, prompt_tokens, local)
+
+
+class Charge:
+    """One request's load on a worker as this router counts it: every count it adds, and the
+    undoing of each, here together. ``prefilled()`` takes back the prompt's part (its tokens
+    are computed, the request stays); ``undo()`` (or leaving a ``with`` block) takes back what
+    is left. Both are idempotent, so a path may end it early and a ``finally`` end it again."""
+
+    __slots__ = ("_acct", "_inflight", "_local", "_tokens")
+
+    def __init__(self, acct: Accounting, prompt_tokens: int, local: bool):
+        self._acct = acct
+        self._tokens = prompt_tokens
+        self._local = local
+        self._inflight = True
+        acct.inflight += 1
+        acct.pending_prompt_tokens += prompt_tokens
+        if local:
+            acct.local_inflight += 1
+
+    @property
+    def prefilling(self) -> bool:
+        """The prompt's part is still counted (``prefilled()`` not called yet)."""
+        return bool(self._tokens) or self._local
+
+    def prefilled(self) -> None:
+        acct = self._acct
+        if self._tokens:
+            acct.pending_prompt_tokens = max(0, acct.pending_prompt_tokens - self._tokens)
+            self._tokens = 0
+        if self._local:
+            acct.local_inflight -= 1
+            self._local = False
+
+    def undo(self) -> None:
+        self.prefilled()
+        if self._inflight:
+            self._acct.inflight -= 1
+            self._inflight = False
+
+    def __enter__(self) -> Charge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
 
 @dataclass
 class WorkerState:

@@ -1,0 +1,100 @@
+"""A request run wholly on one worker (``GenerateLocal``, with that worker's prefix cache): a
+role=both worker, or a decode worker that the policy judged quicker than a prefill/decode pair
+(the fast lane). The worker prefills and decodes; its tokens come back on one stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvrelay.common import tracing
+from kvrelay.common.convert import sampling_to_proto
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.cluster import Cluster
+from kvrelay.router.relay import Relay
+from kvrelay.router.requests import GenerateSpec, Pass, TokenChunk, WorkerLost, new_pass
+from kvrelay.router.trace import Step, Trace
+from kvrelay.router.worker_state import WorkerState
+
+
+class FastLane:
+    def __init__(self, cluster: Cluster, relay: Relay):
+        self.cluster = cluster
+        self.relay = relay
+
+    async def run(self, spec: GenerateSpec, prompt: list[int], sampling: SamplingParams,
+                  trace: Trace, worker: WorkerState | None = None,
+                  ctx: Pass | None = None) -> AsyncIterator[TokenChunk]:
+        """The request's tokens from ``worker`` (default: the best role=both worker). Leaving
+        the iterator cancels the call."""
+        ctx = ctx or new_pass(spec, prompt, sampling.max_tokens)
+        w = worker or self._best_local(ctx)
+        trace.add(Step.LOCAL_START, w.worker_id, detail=ctx.reason)
+        req = wpb.LocalGenerateRequest(request_id=spec.request_id, prompt_token_ids=prompt,
+                                       cache_salt=spec.cache_salt or "",
+                                       sampling=sampling_to_proto(sampling))
+        now = time.monotonic()
+        acct = w.accounting
+        pending = self.cluster.policy.cost.local(w, ctx.req, now).new_tokens
+        clean, batch = acct.local_inflight == 0, w.batch_estimate
+        charge = acct.charge(prompt_tokens=pending, local=True)
+        # after the charge: an expected block would count as cached
+        w.expect(ctx.req.hashes(w.identity.block_size), now + self.cluster.registry.expect_s)
+        acct.dispatches += 1
+        dispatched = acct.dispatches
+        if ctx.count:
+            w.perf.arrivals.tick(now)
+        span = tracing.start("router.stream", trace.span,
+                             **{"kvrelay.worker": w.worker_id, "kvrelay.local": True})
+        call = None
+        with charge:
+            try:
+                t0 = time.monotonic()
+                call = self._open(w, req, span)
+                produced: list[int] = []
+                async for chunk in self.relay.read_stream(spec, call, w, trace,
+                                                          record=ctx.record):
+                    if charge.prefilling:  # the first token: the prompt is computed
+                        charge.prefilled()
+                        self._observe(w, ctx, len(prompt), chunk.cached_prompt_tokens,
+                                      time.monotonic() - t0, batch,
+                                      clean and acct.dispatches == dispatched)
+                    produced.extend(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        self.relay.expect_sequence(w, ctx, produced)
+                    yield chunk
+            finally:
+                if call is not None:
+                    call.cancel()
+                tracing.end(span)
+
+    def _best_local(self, ctx: Pass) -> WorkerState:
+        ranked = self.cluster.policy.rank_decode(self.cluster.registry.alive("both"), 0,
+                                                 ctx.req)
+        if not ranked:
+            raise WorkerLost("no role=both worker")
+        return ranked[0]
+
+    def _open(self, w: WorkerState, req: wpb.LocalGenerateRequest,
+              span: object) -> grpc.aio.UnaryStreamCall:
+        try:
+            return self.relay.streams(w).GenerateLocal(
+                req, metadata=tracing.with_parent(self.cluster.md, span))
+        except grpc.aio.UsageError as e:  # the registry dropped w (and closed its channel)
+            raise WorkerLost(f"{w.worker_id} left the registry: {e}") from e
+
+    def _observe(self, w: WorkerState, ctx: Pass, n: int, cached: int, ttft_s: float,
+                 batch: int, clean: bool) -> None:
+        """A local generation's first token: the tokens w computed and how long it took, less
+        the wait for the decode batch it joined (when no other local prefill ran there)."""
+        computed = n - cached
+        if ctx.count:
+            c = self.cluster.registry.counter(w)
+            c.prompt_tokens += n
+            c.computed_tokens += computed
+        if ctx.record and clean and ctx.fit:
+            wait = w.perf.step_fit.predict(batch) if batch > 0 else 0.0
+            w.perf.local_fit.observe(computed, ttft_s - wait)
