@@ -3,6 +3,7 @@ message fit for the client (servicers turn it into INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -10,6 +11,7 @@ from kvrelay.common.limits import MAX_ATTEMPT_ID, MAX_STOP_STRINGS, MAX_STOP_TOK
 from kvrelay.engine.outputs import FinishReason, TokenLogprob
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.step_cost_fit import FEATURES, StepCostFit
 from kvrelay.engine.structured import StructuredOutput
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import worker_pb2 as wpb
@@ -161,3 +163,22 @@ def metadata_to_proto(md: Iterable[tuple[str, Any]]) -> list[wpb.MetadataEntry]:
 
 def metadata_from_proto(entries: Iterable[wpb.MetadataEntry]) -> tuple[tuple[str, str], ...]:
     return tuple((e.key, e.value) for e in entries)
+
+
+def step_cost_to_proto(fit: StepCostFit | None, step_tokens: int) -> wpb.StepCost | None:
+    """The engine's fitted step time for a heartbeat (None until it has one)."""
+    if fit is None:
+        return None
+    return wpb.StepCost(**{term: getattr(fit, term) for term in FEATURES},
+                        samples=fit.samples, step_tokens=step_tokens)
+
+
+def step_cost_from_proto(msg: wpb.StepCost) -> tuple[StepCostFit, int] | None:
+    """A beat's step-time fit and the engine's step token budget; None when the beat has none
+    (or one that no step could have produced: a negative or non-finite term)."""
+    if msg.samples == 0 or msg.step_tokens == 0:
+        return None
+    terms = {term: getattr(msg, term) for term in FEATURES}
+    if not all(math.isfinite(v) and 0.0 <= v < 3600.0 for v in terms.values()):
+        return None
+    return StepCostFit(**terms, samples=msg.samples), msg.step_tokens

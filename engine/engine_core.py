@@ -113,6 +113,7 @@ class EngineCore:
             + sum(q.num_uncomputed_tokens for q in s.running if not q.is_decode),
             step_cost=self.step_cost.fit,
             prefill_budget=self.step_cost.last_budget,
+            max_step_tokens=self.step_cost.max_tokens,
             num_capped_steps=self.step_cost.num_capped_steps,
             num_cap_yields=self.step_cost.num_cap_yields,
             kv_transfer=self.connector.counters() if self.connector is not None else {},

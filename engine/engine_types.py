@@ -75,6 +75,7 @@ class EngineStats:
     # latest step that carried decodes, and how many steps the TPOT target has capped.
     step_cost: StepCostFit | None = None
     prefill_budget: int = 0
+    max_step_tokens: int = 0  # the configured prefill token budget of one step
     num_capped_steps: int = 0
     num_cap_yields: int = 0  # steps in which the ITL cap yielded to a backed-up queue
     kv_transfer: dict[str, int] = field(default_factory=dict)  # the connector's counters

@@ -47,53 +47,14 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
+from kvrelay.engine.step_cost_fit import FEATURES, StepCostFit, StepShape
+
 logger = logging.getLogger(__name__)
 
-FEATURES = ("base", "prefill_token", "attended_pair", "decode", "decode_ctx_token",
-            "prefill_chunk")
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What a step did, in the units the model is fitted on."""
-
-    prefill_tokens: int = 0
-    attended_pairs: int = 0  # sum over prefill chunks of q_len x visible keys (causal)
-    decodes: int = 0
-    decode_ctx_tokens: int = 0  # keys the decodes attend over
-    prefill_chunks: int = 0  # sequences with more than one token in the step
-
-    def features(self) -> np.ndarray:
-        return np.array([1.0, self.prefill_tokens, self.attended_pairs, self.decodes,
-                         self.decode_ctx_tokens, self.prefill_chunks], dtype=np.float64)
-
-
-@dataclass(frozen=True)
-class StepCostFit:
-    """Seconds per unit of each feature (see :data:`FEATURES`)."""
-
-    base: float
-    prefill_token: float
-    attended_pair: float
-    decode: float
-    decode_ctx_token: float
-    samples: int
-    prefill_chunk: float = 0.0
-
-    def predict(self, shape: StepShape) -> float:
-        return float(np.dot(self.as_array(), shape.features()))
-
-    def as_array(self) -> np.ndarray:
-        return np.array([getattr(self, term) for term in FEATURES])
-
-    def chunk_seconds(self, tokens: int, context: int) -> float:
-        """What one prefill chunk of ``tokens`` over ``context`` cached tokens adds to a step."""
-        pairs = tokens * context + tokens * (tokens + 1) // 2
-        return self.prefill_chunk + self.prefill_token * tokens + self.attended_pair * pairs
+__all__ = ["FEATURES", "StepCostFit", "StepCostModel", "StepShape"]  # the fit's types too
 
 
 class StepCostModel:
@@ -117,7 +78,7 @@ class StepCostModel:
         self.min_prefill_tokens = min_prefill_tokens  # prefills always make some progress
         self.slack_steps = slack_steps
         self.slack_s = 0.0  # time the recent steps with decodes left under the target
-        self._x: deque[np.ndarray] = deque(maxlen=window)
+        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._since_fit = 0
         self.fit: StepCostFit | None = None
@@ -143,14 +104,15 @@ class StepCostModel:
             self._refit()
 
     def _refit(self) -> None:
-        x = np.stack(self._x)
+        x = np.array(self._x, dtype=np.float64)
         y = np.asarray(self._y)
         # Columns scaled to unit size, so one ridge weight fits features of any magnitude; the
         # ridge pulls towards the previous fit (or zero), which keeps a coefficient whose
         # feature did not vary in this window where it was.
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
         xs = x / scale
-        prior = (self.fit.as_array() * scale) if self.fit is not None else np.zeros(x.shape[1])
+        prior = (np.array(self.fit.as_tuple()) * scale if self.fit is not None
+                 else np.zeros(x.shape[1]))
         lam = 1e-3 * len(y)
         a = xs.T @ xs + lam * np.eye(x.shape[1])
         b = xs.T @ y + lam * prior

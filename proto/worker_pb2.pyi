@@ -59,7 +59,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "running", "waiting", "waiting_for_kv", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "step_tokens_per_s", "draining")
+    __slots__ = ("num_blocks", "free_blocks", "running", "waiting", "waiting_for_kv", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "step_tokens_per_s", "draining", "step_cost")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class WorkerLoad(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STEP_COST_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     running: int
@@ -80,7 +81,28 @@ class WorkerLoad(_message.Message):
     prefix_cache_hits: int
     step_tokens_per_s: float
     draining: bool
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., step_tokens_per_s: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    step_cost: StepCost
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., step_tokens_per_s: _Optional[float] = ..., draining: _Optional[bool] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ...) -> None: ...
+
+class StepCost(_message.Message):
+    __slots__ = ("base", "prefill_token", "attended_pair", "decode", "decode_ctx_token", "prefill_chunk", "samples", "step_tokens")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ATTENDED_PAIR_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CTX_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    base: float
+    prefill_token: float
+    attended_pair: float
+    decode: float
+    decode_ctx_token: float
+    prefill_chunk: float
+    samples: int
+    step_tokens: int
+    def __init__(self, base: _Optional[float] = ..., prefill_token: _Optional[float] = ..., attended_pair: _Optional[float] = ..., decode: _Optional[float] = ..., decode_ctx_token: _Optional[float] = ..., prefill_chunk: _Optional[float] = ..., samples: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "incarnation", "model_identity", "block_size", "max_model_len", "drain_timeout_s")

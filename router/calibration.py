@@ -1,8 +1,10 @@
 """The warm-up probe: policies that measure workers before routing to them (``auto``).
 
 A joining prefill or decode worker is held out of routing (``Accounting.calibrating``) while the
-router runs synthetic prompts through it the way live requests run, feeding the cost model's
-fits; a worker not measured in time serves on the priors and live requests measure it.
+router runs synthetic prompts through it the way live requests run: its engine fits its step
+time on them and reports the fit in its beats (the cost model's per-worker parameters), and the
+router measures the RPCs and the KV transfer. A worker not measured in time serves on its
+peers' fit (or the priors) until its own beats carry one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from kvrelay.router.trace import Trace
 from kvrelay.router.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
+
+# Rounds of six probe prompts at most: the engine fits after 16 steps (engine/step_cost.py), a
+# decode worker's probe takes two steps, a prefill worker's one.
+MAX_PROBE_ROUNDS = 4
 
 
 class Calibrator:
@@ -57,10 +63,12 @@ class Calibrator:
                     await asyncio.sleep(0.05)
             async with self._lock:  # one worker at a time: probes would share the cores
                 await asyncio.wait_for(self._probe(w), limit)
-            fit = w.perf.prefill_fit if w.identity.role == "prefill" else w.perf.local_fit
-            a, b = fit.coef()
-            logger.info("calibrated %s in %.2fs: first token %.1fms + %.3fms/token", w.worker_id,
-                        time.monotonic() - t0, a * 1e3, b * 1e3)
+            fit = w.perf.step_cost
+            assert fit is not None
+            logger.info("calibrated %s in %.2fs: step %.2fms + %.4fms/prompt token + "
+                        "%.4fms/decode (%d steps)", w.worker_id, time.monotonic() - t0,
+                        fit.base * 1e3, fit.prefill_token * 1e3, fit.decode * 1e3,
+                        fit.samples)
         except (TimeoutError, WorkerLost, RouterError, grpc.aio.AioRpcError,
                 grpc.aio.UsageError) as e:
             logger.warning("calibration of %s incomplete (%s): routing to it on priors",
@@ -71,41 +79,44 @@ class Calibrator:
 
     async def _probe(self, w: WorkerState) -> None:
         """Synthetic prompts of several sizes, run on ``w`` the way live requests run (a prefill
-        worker's with KV sent to a decode worker, a decode worker's wholly there), so the same
-        observations feed the RPC, transfer and decode-step measurements. The first two warm it
-        up and are not recorded. Its compute fit gets the fastest of the repeats of each size:
-        another process starting up at the same moment (workers join together) can only add
-        time, and a pessimistic fit would keep the fast lane from ever measuring it again."""
-        role, bs = w.identity.role, w.identity.block_size
+        worker's with KV sent to a decode worker, a decode worker's wholly there), round after
+        round until its beats carry its engine's step-time fit. The first two warm it up and
+        are not recorded (the router's RPC and transfer measurements)."""
+        bs = w.identity.block_size
         large = max(2 * bs, min(32 * bs, w.identity.max_model_len // 4 // bs * bs))
         warm = (bs, large)
         sizes = [n for n in (bs, 8 * bs, large) if n <= large for _ in range(2)]
-        best: dict[int, tuple[float, int]] = {}  # size -> (seconds, tokens computed)
         rng = random.Random()
-        for i, n in enumerate((*warm, *sizes)):
-            rid = f"calibrate-{w.worker_id}-{i}-{secrets.token_hex(4)}"
-            prompt = [rng.randrange(256) for _ in range(n)]  # fresh: no cache hits
-            sampling = SamplingParams(max_tokens=2 if role == "decode" else 1,
-                                      temperature=0.0, ignore_eos=True)
-            spec = GenerateSpec(rid, prompt, sampling)
-            ctx = Pass(RouteRequest(prompt, sampling.max_tokens), reason="calibration",
-                        record=i >= len(warm), fit=False, count=False)
-            trace = Trace()
-            if role == "decode":
-                gen = self.lc.local_pass(spec, prompt, sampling, trace, w, ctx)
-            else:
-                ctx.prefill = w
-                gen = self.lc.disaggregated_pass(spec, prompt, sampling, trace, ctx)
-            t0, first = time.monotonic(), None
-            async with contextlib.aclosing(gen) as chunks:
-                async for chunk in chunks:
-                    if first is None:
-                        first = (time.monotonic() - t0, n - chunk.cached_prompt_tokens)
-            if ctx.record and first is not None:
-                if role == "prefill" and trace.prefill is not None:
-                    first = (trace.prefill.prefill_ms / 1e3,
-                             n - trace.prefill.cached_prompt_tokens)
-                best[n] = min(best.get(n, first), first)
-        fit = w.perf.prefill_fit if role == "prefill" else w.perf.local_fit
-        for seconds, computed in best.values():
-            fit.observe(computed, seconds)
+        i = 0
+        for round_ in range(MAX_PROBE_ROUNDS):
+            for n in (*warm, *sizes) if round_ == 0 else sizes:
+                await self._run_one(w, [rng.randrange(256) for _ in range(n)],  # no cache hits
+                                    record=i >= len(warm))
+                i += 1
+            if await self._fit_reported(w):
+                return
+        raise TimeoutError(f"no step-time fit in its beats after {i} probes")
+
+    async def _run_one(self, w: WorkerState, prompt: list[int], *, record: bool) -> None:
+        role = w.identity.role
+        sampling = SamplingParams(max_tokens=2 if role == "decode" else 1, temperature=0.0,
+                                  ignore_eos=True)
+        spec = GenerateSpec(f"calibrate-{w.worker_id}-{secrets.token_hex(4)}", prompt, sampling)
+        ctx = Pass(RouteRequest(prompt, sampling.max_tokens), reason="calibration",
+                   record=record, count=False)
+        trace = Trace()
+        if role == "decode":
+            gen = self.lc.local_pass(spec, prompt, sampling, trace, w, ctx)
+        else:
+            ctx.prefill = w
+            gen = self.lc.disaggregated_pass(spec, prompt, sampling, trace, ctx)
+        async with contextlib.aclosing(gen) as chunks:
+            async for _ in chunks:
+                pass
+
+    async def _fit_reported(self, w: WorkerState) -> bool:
+        """Whether ``w``'s beats carry a step-time fit, waiting up to two beats for one."""
+        give_up = time.monotonic() + 2.0 * self.lc.registry.heartbeat_interval_s
+        while w.perf.step_cost is None and time.monotonic() < give_up:
+            await asyncio.sleep(0.02)
+        return w.perf.step_cost is not None

@@ -1,10 +1,16 @@
 """Online estimators of how fast workers and the cluster are, from measured samples: what the
-routing cost model (``policy.py``) predicts with. Pure arithmetic, no I/O."""
+routing cost model (``policy.py``) predicts with. Pure arithmetic, no I/O.
+
+Step time is not fitted here: each worker's engine fits its own (``engine/step_cost_fit.py``)
+and reports it in its heartbeats (``WorkerPerf.step_cost``). What only the router sees is
+fitted here: KV transfer time against bytes, RPC round trips, arrival rates."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from kvrelay.engine.step_cost_fit import StepCostFit
 
 
 class LinearFit:
@@ -108,21 +114,16 @@ class RateMeter:
         return 1.0 / g if g > 0 else 0.0
 
 
-# Priors, used only until a worker's first measurement (the warm-up probe of the `auto` policy
-# measures every worker before it takes traffic): roughly a small model on a CPU core.
+# Priors, used only until a worker's engine reports its own step-time fit (the warm-up probe of
+# the `auto` policy makes it measure itself before it takes traffic): roughly a small model on
+# a CPU core.
 PRIOR_STEP_S = 0.005  # fixed cost of an engine step
 PRIOR_TOKEN_S = 0.0005  # per prompt token prefilled, per sequence decoded
 PRIOR_RPC_S = 0.001  # one router -> worker round trip
 PRIOR_BYTES_PER_S = 1e9  # KV transfer bandwidth
-
-
-def prefill_fit_prior() -> LinearFit:
-    return LinearFit(PRIOR_STEP_S, PRIOR_TOKEN_S, 512.0)
-
-
-def step_fit_prior() -> LinearFit:
-    # decode steps come one per token: a longer memory than per-request fits
-    return LinearFit(PRIOR_STEP_S, PRIOR_TOKEN_S, 32.0, decay=0.995)
+PRIOR_STEP_COST = StepCostFit(base=PRIOR_STEP_S, prefill_token=PRIOR_TOKEN_S, attended_pair=0.0,
+                              decode=PRIOR_TOKEN_S, decode_ctx_token=0.0, samples=0)
+PRIOR_STEP_TOKENS = 2048  # the engine's default prefill token budget of a step
 
 
 class ClusterPerf:
@@ -150,17 +151,16 @@ class ClusterPerf:
 
 @dataclass
 class WorkerPerf:
-    """How fast one worker is, measured (see LinearFit): the cost model's per-worker parameters.
+    """How fast one worker is: the cost model's per-worker parameters.
 
-    ``prefill_fit``: seconds to prefill x new tokens on a prefill worker (its
-    PrefillResponse.prefill_ms). ``local_fit``: seconds from GenerateLocal to the first token for
-    x new tokens on a decode worker, less the wait for its running batch. ``step_fit``: a decode
-    step's seconds for a batch of x sequences (gaps between streamed tokens). ``reserve_rpc_s``:
-    a Reserve round trip. ``arrivals``: requests routed to it per second.
+    ``step_cost``: its engine's own fit of step time (``engine/step_cost_fit.py``), as its
+    latest beat that had one reported it, and ``step_tokens`` the engine's prefill tokens per
+    step; None until then. Prefill, local first-token and decode-step times are predicted from
+    it (``policy.CostModel``): the engine fits step time, the router does not fit its own.
+    ``reserve_rpc_s``: a Reserve round trip. ``arrivals``: requests routed to it per second.
     """
 
-    prefill_fit: LinearFit = field(default_factory=prefill_fit_prior)
-    local_fit: LinearFit = field(default_factory=prefill_fit_prior)
-    step_fit: LinearFit = field(default_factory=step_fit_prior)
+    step_cost: StepCostFit | None = None
+    step_tokens: int = PRIOR_STEP_TOKENS
     reserve_rpc_s: Ewma = field(default_factory=lambda: Ewma(PRIOR_RPC_S))
     arrivals: RateMeter = field(default_factory=RateMeter)

@@ -39,12 +39,10 @@ class FastLane:
         now = time.monotonic()
         acct = w.accounting
         pending = self.cluster.policy.cost.local(w, ctx.req, now).new_tokens
-        clean, batch = acct.local_inflight == 0, w.batch_estimate
         charge = acct.charge(prompt_tokens=pending, local=True)
         # after the charge: an expected block would count as cached
         w.expect(ctx.req.hashes(w.identity.block_size), now + self.cluster.registry.expect_s)
         acct.dispatches += 1
-        dispatched = acct.dispatches
         if ctx.count:
             w.perf.arrivals.tick(now)
         span = tracing.start("router.stream", trace.span,
@@ -52,16 +50,12 @@ class FastLane:
         call = None
         with charge:
             try:
-                t0 = time.monotonic()
                 call = self._open(w, req, span)
                 produced: list[int] = []
-                async for chunk in self.relay.read_stream(spec, call, w, trace,
-                                                          record=ctx.record):
+                async for chunk in self.relay.read_stream(spec, call, w, trace):
                     if charge.prefilling:  # the first token: the prompt is computed
                         charge.prefilled()
-                        self._observe(w, ctx, len(prompt), chunk.cached_prompt_tokens,
-                                      time.monotonic() - t0, batch,
-                                      clean and acct.dispatches == dispatched)
+                        self._count(w, ctx, len(prompt), chunk.cached_prompt_tokens)
                     produced.extend(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         self.relay.expect_sequence(w, ctx, produced)
@@ -86,15 +80,10 @@ class FastLane:
         except grpc.aio.UsageError as e:  # the registry dropped w (and closed its channel)
             raise WorkerLost(f"{w.worker_id} left the registry: {e}") from e
 
-    def _observe(self, w: WorkerState, ctx: Pass, n: int, cached: int, ttft_s: float,
-                 batch: int, clean: bool) -> None:
-        """A local generation's first token: the tokens w computed and how long it took, less
-        the wait for the decode batch it joined (when no other local prefill ran there)."""
-        computed = n - cached
+    def _count(self, w: WorkerState, ctx: Pass, n: int, cached: int) -> None:
+        """A local generation's first token: the prompt tokens w was given and computed (its
+        compute time is its engine's to measure: the step-time fit in its beats)."""
         if ctx.count:
             c = self.cluster.registry.counter(w)
             c.prompt_tokens += n
-            c.computed_tokens += computed
-        if ctx.record and clean and ctx.fit:
-            wait = w.perf.step_fit.predict(batch) if batch > 0 else 0.0
-            w.perf.local_fit.observe(computed, ttft_s - wait)
+            c.computed_tokens += n - cached

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvrelay.engine.step_cost_fit import FEATURES as STEP_COST_TERMS
 from kvrelay.router.registry import WorkerRegistry
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -98,14 +99,11 @@ class _PoolCollector(Collector):
         for w in self.registry.workers.values():
             role, perf = w.identity.role, w.perf
             lv = [role, w.worker_id]
-            fits = {"prefill": perf.prefill_fit} if role == "prefill" else \
-                {"local": perf.local_fit, "decode_step": perf.step_fit}
-            for name, fit in fits.items():
-                a, b = fit.coef()
-                per = "seq" if name == "decode_step" else "token"
-                model.add_metric([f"{name}_fixed_seconds", *lv], a)
-                model.add_metric([f"{name}_seconds_per_{per}", *lv], b)
-                model.add_metric([f"{name}_samples", *lv], fit.n)
+            fit = perf.step_cost  # its engine's own (engine/step_cost_fit.py), as last beaten
+            if fit is not None:
+                for term in STEP_COST_TERMS:
+                    model.add_metric([f"step_{term}_seconds", *lv], getattr(fit, term))
+                model.add_metric(["step_samples", *lv], fit.samples)
             if role != "prefill":
                 model.add_metric(["reserve_rpc_seconds", *lv], perf.reserve_rpc_s.value)
         yield from (routed, computed, sent, skipped, model)

@@ -16,24 +16,28 @@ refuses or fails is followed by the next).
   running it wholly on a decode worker (``GenerateLocal``: its own prefill, with its own prefix
   cache) with disaggregating it, and takes the cheaper.
 
-The cost model (``CostModel``), every term in seconds, every parameter measured (``registry``):
+The cost model (``CostModel``), every term in seconds, every parameter measured:
 
   disaggregated = Reserve RPC + Prefill RPC overhead
-                  + prefill_P(queued tokens on P + prompt tokens P lacks)
+                  + prefill_P(queued tokens on P, prompt tokens P lacks)
                   + transfer(KV bytes of the blocks D lacks)
-  local         = local_D(queued local tokens on D + prompt tokens D lacks) + wait_D(batch)
+  local         = GenerateLocal RPC + prefill_D(queued tokens on D, prompt tokens D lacks)
+                  + wait_D(one decode step at its batch)
                   + stall: C x (batch + arrival rate at D x C / 2),
-                    C = per-token local prefill cost x tokens D lacks
+                    C = what D's steps spend on the prompt tokens D lacks
 
-``prefill_P``, ``local_D`` and the decode step ``wait_D`` are per-worker linear fits of measured
-times (PrefillResponse.prefill_ms; GenerateLocal's time to first token; gaps between streamed
-tokens), ``transfer`` a fit of PrefillResponse.transfer_ms against kv_bytes, the RPC terms
-measured round trips. The stall term charges the local path for the time it takes from others
-on D: every sequence in D's batch waits for the local prefill, and so does, by half of it on
-average, each request reaching D meanwhile (its measured arrival rate); a disaggregated prefill
-costs D nothing but the KV writes. The decision minimises the latency added over all requests,
-not only this one's. ``auto`` measures each joining worker with a warm-up probe before routing
-to it, and keeps measuring live requests; the priors in ``registry`` stand in only until then.
+``prefill_P``, ``prefill_D``, ``wait_D`` and ``C`` come from one model of step time: each
+worker's engine fits its own steps (``engine/step_cost_fit.py``: a base per step, a cost per
+chunk, per prompt token, per attended (query, key) pair, per decode and per decode key) and
+sends the fit in its heartbeats; a prompt costs its steps' bases and each chunk at its context.
+``transfer`` is a router-side fit of PrefillResponse.transfer_ms against kv_bytes, the RPC
+terms measured round trips (``estimators``). The stall term charges the local path for the time
+it takes from others on D: every sequence in D's batch waits for the local prefill, and so
+does, by half of it on average, each request reaching D meanwhile (its measured arrival rate);
+a disaggregated prefill costs D nothing but the KV writes. The decision minimises the latency
+added over all requests, not only this one's. ``auto`` has each joining worker's engine
+measure itself with a warm-up probe before routing to it (``calibration``); until a worker's
+beats carry its fit, its pool's (or the priors in ``estimators``) stand in.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes
-from kvrelay.router.estimators import LinearFit
+from kvrelay.engine.step_cost_fit import StepCostFit
+from kvrelay.router.estimators import PRIOR_STEP_COST, PRIOR_STEP_TOKENS
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.worker_state import WorkerState
 
@@ -136,16 +141,30 @@ class CostModel:
     def __init__(self, registry: WorkerRegistry):
         self.registry = registry
 
-    def _fit(self, w: WorkerState, name: str) -> LinearFit:
-        """``w``'s fit ``name``, or until ``w`` has been measured, the most measured one of its
-        pool: workers of a pool run the same model on like hardware, and a prior set against a
-        peer's measurement would rank the measured worker first whatever its queue."""
-        fit: LinearFit = getattr(w.perf, name)
-        if fit.n:
-            return fit
-        peers = [getattr(p.perf, name) for p in self.registry.alive(w.identity.role)]
-        best = max(peers, key=lambda f: f.n, default=fit)
-        return best if best.n else fit
+    def _fit(self, w: WorkerState) -> tuple[StepCostFit, int]:
+        """``w``'s step-time fit (its engine's, from its beats) and its prefill tokens per step;
+        until it has reported one, the most measured fit of its pool, then of any pool (every
+        worker runs the same model on like hardware: a prior set against a peer's measurement
+        would rank the measured worker first whatever its queue), then the priors."""
+        if w.perf.step_cost is not None:
+            return w.perf.step_cost, w.perf.step_tokens
+        alive = self.registry.alive
+        for peers in (alive(w.identity.role), [*alive("prefill"), *alive("decode"),
+                                               *alive("both")]):
+            fitted = [p.perf for p in peers if p.perf.step_cost is not None]
+            if fitted:
+                best = max(fitted, key=lambda f: f.step_cost.samples)  # type: ignore[union-attr]
+                assert best.step_cost is not None
+                return best.step_cost, best.step_tokens
+        return PRIOR_STEP_COST, PRIOR_STEP_TOKENS
+
+    def _decode_step_s(self, w: WorkerState, fit: StepCostFit, batch: int, prompt: int) -> float:
+        """A decode step of ``batch`` sequences on ``w``: the keys they attend over estimated
+        from the KV its running sequences hold (or this prompt's length when it runs none)."""
+        load = w.reported.load
+        used = max(0, load.num_blocks - load.free_blocks) * w.identity.block_size
+        per_seq = used / load.running if load.running else float(prompt)
+        return fit.decode_step_seconds(batch, int(per_seq * batch))
 
     def prefill(self, w: WorkerState, req: RouteRequest, now: float) -> PrefillEstimate:
         bs = w.identity.block_size
@@ -154,7 +173,9 @@ class CostModel:
         usable = (len(req) - 1) // bs
         cached = min(w.cached_blocks(req.hashes(bs), now), usable) * bs
         new = len(req) - cached
-        seconds = self._fit(w, "prefill_fit").predict(w.queued_tokens_estimate + new)
+        fit, step_tokens = self._fit(w)
+        seconds = fit.prompt_seconds(new, step_tokens, queued=w.queued_tokens_estimate,
+                                     context=cached)
         return PrefillEstimate(w, cached, new, seconds)
 
     def decode(self, w: WorkerState, req: RouteRequest, blocks_needed: int,
@@ -163,19 +184,24 @@ class CostModel:
         cached = min(w.cached_blocks(req.hashes(bs), now), len(req) // bs)
         uncached = -(-len(req) // bs) - cached
         fits = w.free_blocks_estimate >= blocks_needed - cached
+        fit, _ = self._fit(w)
+        step = self._decode_step_s(w, fit, w.batch_estimate + 1, len(req))
         return DecodeEstimate(w, cached, uncached, fits, self.registry.perf.transfer_s(uncached),
-                              req.max_tokens * w.perf.step_fit.predict(w.batch_estimate + 1))
+                              req.max_tokens * step)
 
     def local(self, w: WorkerState, req: RouteRequest, now: float) -> LocalEstimate:
         bs, perf = w.identity.block_size, w.perf
         cached = min(w.cached_blocks(req.hashes(bs), now), (len(req) - 1) // bs) * bs
         new = len(req) - cached
         batch = w.batch_estimate
-        wait = perf.step_fit.predict(batch) if batch > 0 else 0.0
-        seconds = perf.local_fit.predict(w.queued_tokens_estimate + new) + wait
+        fit, step_tokens = self._fit(w)
+        wait = self._decode_step_s(w, fit, batch, len(req)) if batch > 0 else 0.0
+        seconds = (perf.reserve_rpc_s.value + wait  # the call, the step it waits for
+                   + fit.prompt_seconds(new, step_tokens, queued=w.queued_tokens_estimate,
+                                        context=cached))
         # The prefill's own compute delays every sequence in the batch by that much, and each
         # request reaching this worker meanwhile by half of it on average.
-        compute = perf.local_fit.slope * new
+        compute = fit.prompt_compute_seconds(new, step_tokens, context=cached)
         stall = compute * (batch + perf.arrivals.rate(now) * compute / 2.0)
         return LocalEstimate(w, cached, new, seconds, stall)
 

@@ -220,8 +220,8 @@ class PrefillCalls:
 
     def _observe(self, p: WorkerState, lease: Lease, ctx: Pass, resp: wpb.PrefillResponse,
                  wall_s: float, clean: bool) -> None:
-        """A prefill's measurements: P's compute time for the tokens it computed (when it ran
-        alone there), transfer time against bytes, the RPC's own overhead."""
+        """A prefill's measurements: transfer time against bytes, the RPC's own overhead (P's
+        compute time is its engine's to measure: the step-time fit in its beats)."""
         registry, d = self.cluster.registry, lease.worker
         n = len(ctx.req)
         computed = n - resp.cached_prompt_tokens
@@ -237,8 +237,6 @@ class PrefillCalls:
             c.kv_blocks_skipped += skip
         if not ctx.record:
             return
-        if clean and computed > 0 and ctx.fit:
-            p.perf.prefill_fit.observe(computed, resp.prefill_ms / 1e3)
         perf = registry.perf
         perf.observe_transfer(resp.kv_bytes, sent, resp.transfer_ms / 1e3)
         if clean:  # queue_ms of an idle worker is the hand-off to its engine: overhead

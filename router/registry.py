@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrelay.common.convert import step_cost_from_proto
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S, HEARTBEAT_INTERVAL_S, insecure_channel
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -182,6 +183,9 @@ class WorkerRegistry:
         # A joining worker's delta is against a set this registry never had: ask for the full
         # set, as when a delta leaves the set out of step.
         want_full = w.reported.apply_beat(req, now) or (joined and not req.full_block_set)
+        fit = step_cost_from_proto(req.load.step_cost)
+        if fit is not None:  # a beat without one keeps the last (none: the priors)
+            w.perf.step_cost, w.perf.step_tokens = fit
         w.accounting.at_beat()
         if joined:
             self._add(w)

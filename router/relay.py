@@ -97,7 +97,7 @@ class Relay:
         try:
             produced = [tok]
             first_seen = False
-            async for chunk in self.read_stream(spec, call, d, trace, record=ctx.record):
+            async for chunk in self.read_stream(spec, call, d, trace):
                 if not first_seen:
                     first_seen = True
                     trace.add(Step.DECODE_FIRST, d.worker_id)
@@ -115,11 +115,8 @@ class Relay:
             tracing.end(span)
 
     async def read_stream(self, spec: GenerateSpec, call: grpc.aio.UnaryStreamCall | SessionCall,
-                          w: WorkerState, trace: Trace, *,
-                          record: bool = True) -> AsyncIterator[TokenChunk]:
-        """Relay a DecodeResponse stream; a broken stream becomes WorkerLost. ``record``: its
-        gaps between tokens measure w's decode steps."""
-        last: float | None = None
+                          w: WorkerState, trace: Trace) -> AsyncIterator[TokenChunk]:
+        """Relay a DecodeResponse stream; a broken stream becomes WorkerLost."""
         while True:
             try:
                 resp = await call.read()
@@ -143,12 +140,8 @@ class Relay:
                 raise WorkerLost(f"{w.worker_id}: {code.name} {e.details()}") from e
             if resp is grpc.aio.EOF:
                 return
-            now = time.monotonic()
             if resp.kv_wait_ms:
                 trace.decode_kv_wait_ms = resp.kv_wait_ms
-            if last is not None and record and resp.token_ids:
-                w.perf.step_fit.observe(w.batch_estimate, now - last)
-            last = now
             reason = finish_from_proto(resp.finish_reason)
             if reason == FinishReason.ERROR:
                 raise WorkerLost(f"{w.worker_id}: {resp.error}")

@@ -92,7 +92,6 @@ class Pass:
     # warm-up probe); a retry elsewhere rebinds the lease first.
     prefill: WorkerState | None = None
     record: bool = True  # feed the cost model's measurements
-    fit: bool = True  # including the compute fits (the warm-up probe feeds those itself)
     # A Prefill call under the lease ended in a way that may leave its writes landing (or is
     # still running): the lease's blocks must wait for its sender, not be reused at Release.
     writes_unsettled: bool = False

@@ -10,8 +10,11 @@ from collections.abc import Callable
 
 import pytest
 
+from kvrelay.common.convert import step_cost_to_proto
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S
+from kvrelay.engine.step_cost_fit import StepCostFit
 from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.policy import RouteRequest, make_policy
 from kvrelay.router.registry import WorkerRegistry
 
 
@@ -84,13 +87,13 @@ def test_a_restarted_worker_starts_a_fresh_state() -> None:
         reg.heartbeat(_beat(added=(1,)))
         old = reg.workers["p1"]
         old.accounting.inflight = 4
-        old.perf.prefill_fit.observe(64, 0.02)
+        old.perf.reserve_rpc_s.observe(0.5)
         assert old.identity.drain_timeout_s == DRAIN_TIMEOUT_S  # not reported: the default
         reg.heartbeat(_beat(incarnation="i2", drain_timeout_s=90.0))
         new = reg.workers["p1"]
         assert new is not old and new.identity.incarnation == "i2"
         assert new.identity.drain_timeout_s == 90.0  # its --drain-timeout: its calls' grace
-        assert new.accounting.inflight == 0 and new.perf.prefill_fit.n == 0
+        assert new.accounting.inflight == 0 and new.perf.reserve_rpc_s.value != 0.5
         assert new.reported.block_hashes == set()
     _with_registry(body)
 
@@ -106,4 +109,35 @@ def test_a_last_beat_removes_the_worker_now_but_only_its_own_incarnation() -> No
         assert reg.workers["p1"].identity.incarnation == "i2"
         reg.heartbeat(_beat(incarnation="i2", leaving=True))  # its own: gone, well before
         assert "p1" not in reg.workers and reg.alive("prefill") == []  # any missed beat
+    _with_registry(body)
+
+
+def test_a_beat_carries_the_engines_step_time_fit_to_the_cost_model() -> None:
+    """The one model of step time: the worker's engine fits it, its beats carry it, the router
+    predicts from it (a beat without one keeps the last; a malformed one is ignored)."""
+    fit = StepCostFit(base=0.004, prefill_token=0.0002, attended_pair=1e-8, decode=0.0003,
+                      decode_ctx_token=1e-7, samples=40, prefill_chunk=0.001)
+
+    def body(reg: WorkerRegistry) -> None:
+        reg.heartbeat(_beat())
+        w = reg.workers["p1"]
+        assert w.perf.step_cost is None  # the engine is still warming up: priors
+        beat = _beat()
+        beat.load.step_cost.CopyFrom(step_cost_to_proto(fit, 512))
+        reg.heartbeat(beat)
+        assert w.perf.step_cost == fit and w.perf.step_tokens == 512
+        reg.heartbeat(_beat())  # none this time: the last one stays
+        assert w.perf.step_cost == fit
+        bad = _beat()
+        negative = dataclasses.replace(fit, base=-1.0, samples=41)
+        bad.load.step_cost.CopyFrom(step_cost_to_proto(negative, 512))
+        reg.heartbeat(bad)
+        assert w.perf.step_cost == fit
+        policy = make_policy("prefix_aware", reg)
+        e = policy.cost.prefill(w, RouteRequest(list(range(1000))), 0.0)
+        # two steps of 512 tokens: two bases, two chunks, the tokens, their attention
+        pairs = 512 * 513 // 2 + 488 * 512 + 488 * 489 // 2
+        want = 2 * 0.004 + 2 * 0.001 + 1000 * 0.0002 + pairs * 1e-8
+        assert e.seconds == pytest.approx(want)
+
     _with_registry(body)

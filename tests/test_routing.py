@@ -18,6 +18,7 @@ from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.prefix_hash import block_hashes
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.step_cost_fit import StepCostFit
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import LinearFit, RateMeter
@@ -153,14 +154,13 @@ def worker(reg: WorkerRegistry, wid: str, role: str, *, free: int = 2000, runnin
         ReportedLoad(load=wpb.WorkerLoad(num_blocks=free, free_blocks=free, running=running,
                                          queued_prompt_tokens=queued),
                      last_seen=time.monotonic()))
-    # measured: prefill 5 ms + 0.25 ms/token; local first token 8 ms + 0.25 ms/token; a decode
-    # step 8 ms + 0.4 ms/sequence; Reserve 1.5 ms
+    # as its engine fitted and reported it: a step 5 ms + 1 ms a prefill chunk + 0.25 ms a
+    # prompt token + 0.4 ms a decode; 512 prompt tokens a step; Reserve 1.5 ms
     perf = w.perf
-    for x in (16, 512, 64, 256):
-        perf.prefill_fit.observe(x, 0.005 + 0.00025 * x)
-        perf.local_fit.observe(x, 0.008 + 0.00025 * x)
-    for x in (1, 8, 32):
-        perf.step_fit.observe(x, 0.008 + 0.0004 * x)
+    perf.step_cost = StepCostFit(base=0.005, prefill_token=0.00025, attended_pair=0.0,
+                                 decode=0.0004, decode_ctx_token=0.0, samples=64,
+                                 prefill_chunk=0.001)
+    perf.step_tokens = 512
     perf.reserve_rpc_s.observe(0.0015)
     reg.workers[wid] = w
     return w

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import grpc
 
 from kvrelay.common import tracing
+from kvrelay.common.convert import step_cost_to_proto
 from kvrelay.common.rpc import (
     SecretSet,
     add_health,
@@ -154,7 +155,8 @@ class Worker:
             waiting=s.num_waiting, waiting_for_kv=s.num_waiting_for_kv,
             queued_prompt_tokens=s.waiting_prompt_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            step_tokens_per_s=self._tokens_per_s, draining=self._draining)
+            step_tokens_per_s=self._tokens_per_s, draining=self._draining,
+            step_cost=step_cost_to_proto(s.step_cost, s.max_step_tokens))
 
     async def start(self) -> None:
         st = self.settings
