@@ -36,8 +36,9 @@ it takes from others on D: every sequence in D's batch waits for the local prefi
 does, by half of it on average, each request reaching D meanwhile (its measured arrival rate);
 a disaggregated prefill costs D nothing but the KV writes. The decision minimises the latency
 added over all requests, not only this one's. ``auto`` has each joining worker's engine
-measure itself with a warm-up probe before routing to it (``calibration``); until a worker's
-beats carry its fit, its pool's (or the priors in ``estimators``) stand in.
+measure itself with a warm-up probe before routing to it (``calibration``). A pool is
+predicted with the most measured fit its engines report (``CostModel._fit`` says why), the
+priors in ``estimators`` until there is one.
 """
 
 from __future__ import annotations
@@ -142,15 +143,19 @@ class CostModel:
         self.registry = registry
 
     def _fit(self, w: WorkerState) -> tuple[StepCostFit, int]:
-        """``w``'s step-time fit (its engine's, from its beats) and its prefill tokens per step;
-        until it has reported one, the most measured fit of its pool, then of any pool (every
-        worker runs the same model on like hardware: a prior set against a peer's measurement
-        would rank the measured worker first whatever its queue), then the priors."""
-        if w.perf.step_cost is not None:
-            return w.perf.step_cost, w.perf.step_tokens
+        """The step-time fit to predict ``w`` with, and its prefill tokens per step: the most
+        measured fit its pool's engines report (then any pool's, then the priors).
+
+        One fit per pool, not each worker's own: workers of a pool run the same model on like
+        hardware, and a fit of six terms splits a prompt's cost between its per-token, per-pair
+        and per-chunk terms as the steps it happened to see allow (steps of like prompts make
+        those terms collinear). Two workers' fits may then price the same prompt quite
+        differently, and a conversation would leave the worker that holds its prefix for one
+        whose fit happens to be cheap (seen under a loaded host). Each worker's own fit is
+        still exported (``kvrelay:router_cost_model``)."""
         alive = self.registry.alive
         for peers in (alive(w.identity.role), [*alive("prefill"), *alive("decode"),
-                                               *alive("both")]):
+                                               *alive("both")], [w]):
             fitted = [p.perf for p in peers if p.perf.step_cost is not None]
             if fitted:
                 best = max(fitted, key=lambda f: f.step_cost.samples)  # type: ignore[union-attr]
@@ -338,9 +343,10 @@ class PrefixAware(Policy):
     def rank_prefill(self, workers: Sequence[WorkerState],
                      req: RouteRequest) -> list[WorkerState]:
         now = time.monotonic()
-        scored = [(self.cost.prefill(w, req, now).seconds, w.accounting.inflight, w.worker_id, w)
-                  for w in workers]
-        return [s[-1] for s in sorted(scored, key=lambda s: s[:3])]
+        # equal seconds (a fit with no per-token cost): the fewer tokens to compute first
+        scored = [(e.seconds, e.new_tokens, w.accounting.inflight, w.worker_id, w)
+                  for w in workers for e in (self.cost.prefill(w, req, now),)]
+        return [s[-1] for s in sorted(scored, key=lambda s: s[:4])]
 
     def route(self, req: RouteRequest, decoders: Sequence[WorkerState],
               prefills: Sequence[WorkerState]) -> Route:
