@@ -15,6 +15,9 @@ UINT32_MAX = 2**32 - 1
 MAX_REQUEST_ID = 128
 MAX_ATTEMPT_ID = 2 * MAX_REQUEST_ID
 MAX_PROMPT_CHARS = 4 * 2**20  # a text prompt, or all chat messages together
+# Messages of one chat request: agent traces run to hundreds or a few thousand; rendering the
+# template costs per message even when each is empty (200,000 empty messages took 5.2 s).
+MAX_CHAT_MESSAGES = 8192
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 256

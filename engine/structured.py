@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 KINDS = ("json_object", "json_schema", "regex", "choice")
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+# Nesting of a JSON schema: real ones nest a few levels (a deep one, tens); parsing deeper text
+# recursed until Python's limit and answered HTTP 500 (a schema of "[" * 5000).
+MAX_SCHEMA_DEPTH = 64
 # JSON is emitted compactly (no free whitespace between tokens): a weak model left free
 # whitespace can pad forever and never close the object.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -61,18 +64,48 @@ class StructuredOutput:
             raise ValueError("choices are only for kind 'choice'")
         if self.kind in ("json_schema", "regex") and not self.spec:
             raise ValueError(f"a {self.kind} constraint needs a non-empty spec")
+        if self.kind == "json_schema":
+            check_json_depth(self.spec)
 
     @classmethod
     def json_schema(cls, schema: Any) -> StructuredOutput:
         """From a schema given as a dict or as JSON text."""
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError("a JSON schema must be a JSON object")
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+        try:
+            if isinstance(schema, str):
+                check_json_depth(schema)  # before the (recursive) parser sees it
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be a JSON object")
+            return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+        except RecursionError:  # a nested dict deeper than the interpreter recurses
+            raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} "
+                             f"levels") from None
+
+
+def check_json_depth(text: str) -> None:
+    """ValueError when JSON ``text`` nests arrays and objects deeper than
+    ``MAX_SCHEMA_DEPTH`` (a scan, no recursion; brackets inside strings do not count)."""
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
 
 
 def grammar_text(so: StructuredOutput) -> str:

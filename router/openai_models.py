@@ -11,7 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvrelay.common.limits import INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from kvrelay.common.limits import (
+    INT32_MAX,
+    MAX_CHAT_MESSAGES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured import StructuredOutput
@@ -193,7 +198,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_HTTP_LOGPROBS)

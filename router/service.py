@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvrelay.common import tracing
-from kvrelay.common.limits import MAX_PROMPT_CHARS
+from kvrelay.common.limits import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
@@ -48,6 +48,7 @@ DUPLICATE_ID_WAIT_S = 1.0  # how long a request waits for an earlier one of its 
 # take well under a millisecond: they pay no thread hop.
 OFFLOAD_CHARS = 16 * 1024
 OFFLOAD_IDS = OFFLOAD_CHARS // 4
+OFFLOAD_MESSAGES = 256
 TOKENIZER_THREADS = 2  # fast tokenizers release the GIL while they encode
 
 T = TypeVar("T")
@@ -124,17 +125,24 @@ class RouterService:
         """Token ids of chat ``messages`` rendered with the model's template (ValueError when
         the template rejects them, or they hold more than ``MAX_PROMPT_CHARS`` characters in
         all); long conversations are rendered off the loop."""
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise ValueError(f"the request has {len(messages)} messages; at most "
+                             f"{MAX_CHAT_MESSAGES}")
         size = sum(len(c) for m in messages if isinstance(c := m.get("content"), str))
         if size > MAX_PROMPT_CHARS:
             raise ValueError(f"the messages have {size} characters in all; at most "
                              f"{MAX_PROMPT_CHARS}")
-        return await self._run(size > OFFLOAD_CHARS, self._encode_chat, messages,
-                               add_generation_prompt)
+        # the template renders every message, even an empty one: many go off the loop too
+        large = size > OFFLOAD_CHARS or len(messages) > OFFLOAD_MESSAGES
+        return await self._run(large, self._encode_chat, messages, add_generation_prompt)
 
     def _encode_chat(self, messages: Sequence[Mapping[str, Any]],
                      add_generation_prompt: bool = True) -> list[int]:
         text = apply_chat_template(self.tokenizer, messages, add_generation_prompt,
                                    chat_template=self.chat_template)
+        if len(text) > MAX_PROMPT_CHARS:  # the template's own text counts too
+            raise ValueError(f"the rendered conversation has {len(text)} characters; at most "
+                             f"{MAX_PROMPT_CHARS}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:

@@ -13,6 +13,7 @@ import json
 import math
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import api_fixtures
 import grpc
@@ -223,6 +224,31 @@ def test_oversized_lists_and_strings_are_refused(cluster, http, generate) -> Non
     with pytest.raises(grpc.RpcError) as e:
         list(generate(m.SerializeToString(), timeout=30))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+
+
+def test_deep_or_many_parts_are_refused_with_a_400(http) -> None:
+    """Inputs whose cost is in their shape, not their size: a guided_json nested past the
+    parser's recursion (was an HTTP 500), the same nesting inside the body itself, and a chat
+    of 200,000 empty messages (was templated on the event loop: 5.2 s, and a small request
+    beside it waited as long). The small request here is served while the big one is refused."""
+    def refused(r: httpx.Response, words: str) -> None:
+        assert r.status_code == 400, (r.status_code, r.text[:300])
+        assert words in r.json()["error"]["message"], r.text[:300]
+
+    base = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    refused(http.post("/v1/completions", json={**base, "guided_json": "[" * 5000}),
+            "nests deeper")
+    deep = '{"a":' * 5000 + "1" + "}" * 5000
+    r = http.post("/v1/completions", content=json.dumps(base)[:-1] + ', "guided_json": '
+                  + deep + "}", headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    many = {"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": ""}] * 200_000}
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(http.post, "/v1/chat/completions", json=many)
+        small = http.post("/v1/completions", json=base)
+        assert small.status_code == 200, small.text[:300]
+        refused(big.result(timeout=120), "at most")
 
 
 def test_still_serving_after_the_fuzz(cluster, http) -> None:
