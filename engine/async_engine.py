@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from kvrelay.engine.cpu.thread_pinning import place_engine_thread
 from kvrelay.engine.engine_core import (
     EngineCore,
     EngineStats,
@@ -32,7 +33,6 @@ from kvrelay.engine.engine_core import (
 from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
-from kvrelay.engine.thread_pinning import place_engine_thread
 from kvrelay.engine.tp_shard import TensorParallelError
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class AsyncEngine:
         self._flushes: list[asyncio.Future[None]] = []  # engine thread's: resolved after a step
         self.stats: EngineStats = core.stats()
         self.wakeups = 0  # waits ended (command, wake-up, poll, backstop): does it sleep or poll
-        self.pinned: dict[int, int] = {}  # engine thread ids -> CPU (engine.thread_pinning)
+        self.pinned: dict[int, int] = {}  # engine thread ids -> CPU (engine.cpu.thread_pinning)
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod

@@ -27,7 +27,7 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-THREAD_BINDINGS = ("auto", "on", "off")  # where the engine threads run: engine.thread_pinning
+THREAD_BINDINGS = ("auto", "on", "off")  # where the engine threads run: engine.cpu.thread_pinning
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,11 @@ class ModelConfig:
     # their collectives may wait before the replica fails with TensorParallelError.
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 60.0
-    # CUDA graphs for decode-only steps (engine.cuda_graphs): batches up to this many sequences
+    # CUDA graphs for decode-only steps (engine.cuda.graphs): batches up to this many sequences
     # replay graphs captured at start; enforce_eager (or 0) keeps every step eager. CUDA only.
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 64
-    # Serving on CPU: pin the engine's OpenMP threads one per CPU (engine.thread_pinning):
+    # Serving on CPU: pin the engine's OpenMP threads one per CPU (engine.cpu.thread_pinning):
     # "auto" where the process has exactly as many CPUs as threads, "on", or "off".
     thread_binding: str = "auto"
 

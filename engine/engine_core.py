@@ -14,9 +14,9 @@ import time
 from collections.abc import Sequence as Sequence_
 from dataclasses import replace
 
-from kvrelay.engine import prefetch_tuner
 from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.cpu import prefetch_tuner
 from kvrelay.engine.engine_types import (  # the workers import these from here too
     EngineOverloaded,
     EngineStats,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvrelay.engine.cpu.prefetch_tuner import PrefetchChoices
 from kvrelay.engine.outputs import ErrorKind
-from kvrelay.engine.prefetch_tuner import PrefetchChoices
 from kvrelay.engine.sampler import TokenLogprob
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.step_cost import StepCostFit

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from kvrelay.engine import gemm, kernel_choice
 from kvrelay.engine.attention import AttentionFn
+from kvrelay.engine.cpu import gemm, kernel_choice
+from kvrelay.engine.cpu.fused_decode import FusedDecode
 from kvrelay.engine.models.arch import ModelArch, load_model_config
-from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.models.linear import (
     LINEAR_KERNELS,
     MIXED_PANEL_ROWS,

@@ -22,7 +22,7 @@ from kvrelay.engine.attention import (
     select_backend,
 )
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.cuda_graphs import DecodeGraphRunner, graphs_off_reason
+from kvrelay.engine.cuda.graphs import DecodeGraphRunner, graphs_off_reason
 from kvrelay.engine.device import kv_budget_for, paged_flash_block_size, resolve_device
 from kvrelay.engine.grammar_mask import MaskFiller, StepMasks
 from kvrelay.engine.heap import bound_onednn_caches

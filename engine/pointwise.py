@@ -1,6 +1,6 @@
 """The per-token ops between a decoder layer's matmuls: the residual add fused with the next
 RMSNorm, rotate-half RoPE, SwiGLU's silu(gate) x up and the scatter of the step's K/V rows into
-the paged caches, each one native call (``engine/csrc/pointwise.c``) on CPU fp32.
+the paged caches, each one native call (``engine/cpu/csrc/pointwise.c``) on CPU fp32.
 
 At decode-sized steps these ops are microseconds of arithmetic behind many torch dispatches
 (``F.rms_norm`` is ~6 ops, the RoPE ~8 per tensor): on the ~150M demo model they were ~15% of a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine import native
+from kvrelay.engine.cpu import native
 
 _F32 = torch.float32
 

@@ -78,7 +78,7 @@ def _paged_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-native = pytest.importorskip("kvrelay.engine.attention.native")
+native = pytest.importorskip("kvrelay.engine.cpu.attention")
 needs_native = pytest.mark.skipif(not native.available(),
                                   reason="native kernels need a C compiler with OpenMP")
 
@@ -140,7 +140,7 @@ def test_native_rejects_a_context_longer_than_its_block_table() -> None:
 
 def test_native_build_is_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch) -> None:
     """A second build of the same source finds the cached library instead of compiling."""
-    from kvrelay.engine import native as kernels
+    from kvrelay.engine.cpu import native as kernels
 
     if kernels._compiler() is None:
         pytest.skip("no C compiler")
@@ -152,7 +152,7 @@ def test_native_build_is_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch
 
 
 def test_native_missing_compiler_is_a_clear_error(monkeypatch, tmp_path) -> None:
-    from kvrelay.engine import native as kernels
+    from kvrelay.engine.cpu import native as kernels
 
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"failed|no C compiler"):

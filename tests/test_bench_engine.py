@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.engine import prefetch_tuner
+from kvrelay.engine.cpu import prefetch_tuner
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (engine/cuda_graphs.py), everything but the capture checked on
+"""CUDA graphs for decode steps (engine/cuda/graphs.py), everything but the capture checked on
 the CPU: the capture sizes, padding a batch to its size, when graphs are used, and the static
 buffer path itself, run eagerly here and compared with the normal eager path (logits, and the
 KV cache: padding rows write nothing but the scratch block). The replayed graphs are compared
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine.cuda_graphs import (
+from kvrelay.engine.cuda.graphs import (
     bucket_for,
     capture_sizes,
     graph_batch,
@@ -331,7 +331,7 @@ def test_engine_takes_the_graph_path_end_to_end(demo_model_dir: str,
     go through the static buffers, and greedy outputs equal a plain CPU engine's."""
     from kvrelay.engine import model_runner
     from kvrelay.engine.config import EngineConfig
-    from kvrelay.engine.cuda_graphs import DecodeGraphRunner
+    from kvrelay.engine.cuda.graphs import DecodeGraphRunner
     from kvrelay.engine.engine_core import EngineCore
 
     def run(graphs: bool) -> tuple[EngineCore, dict[str, list[int]], list[int]]:

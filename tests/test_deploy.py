@@ -378,8 +378,8 @@ def adapter_metric_names() -> dict[str, str]:
 def exported_series() -> set[str]:
     from prometheus_client import generate_latest
 
+    from kvrelay.engine.cpu.prefetch_tuner import PrefetchChoices
     from kvrelay.engine.engine_core import EngineStats
-    from kvrelay.engine.prefetch_tuner import PrefetchChoices
     from kvrelay.engine.step_cost import StepCostFit
     from kvrelay.worker.metrics import WorkerMetrics
 

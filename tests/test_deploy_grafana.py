@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from kvrelay.deploy.planner.metrics import PlannerMetrics
 from kvrelay.deploy.planner.signals import PlanDecision
+from kvrelay.engine.cpu.prefetch_tuner import PrefetchChoices
 from kvrelay.engine.engine_core import EngineStats
-from kvrelay.engine.prefetch_tuner import PrefetchChoices
 from kvrelay.engine.step_cost import StepCostFit
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.registry import WorkerRegistry

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hf_models import ARCHS, hf_forward_logits, hf_greedy
 
-from kvrelay.engine.attention import native as native_kernels
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.cpu import attention as native_kernels
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.models.arch import UnsupportedModelError
@@ -225,7 +225,7 @@ def test_sharded_checkpoint_loads(hf_model_dir) -> None:
 def test_panel_gemm_matches_the_onednn_path(hf_model_dir, arch: str) -> None:
     """Both CPU linear kernels (the native panel GEMM and oneDNN, see ``Linear``) give the same
     logits for a prefill and a batch-1 decode row, and greedy tokens equal to transformers'."""
-    from kvrelay.engine import gemm
+    from kvrelay.engine.cpu import gemm
 
     if not gemm.available():
         pytest.skip("the panel GEMM needs AVX2+FMA and a C compiler")

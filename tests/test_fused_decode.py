@@ -1,4 +1,4 @@
-"""The fused decode layers (engine/models/fused_decode.py, engine/csrc/decode_layer.c) give the
+"""The fused decode layers (engine/cpu/fused_decode.py, engine/cpu/csrc/decode_layer.c) give the
 per-op path's results exactly, take every decode step they can (the small prefill steps too:
 tests/test_fused_mixed.py), and decline the rest."""
 
@@ -8,13 +8,12 @@ import pytest
 import torch
 from hf_models import hf_greedy
 
-from kvrelay.engine import gemm
 from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.cpu import fused_decode, gemm
+from kvrelay.engine.cpu.fused_decode import FusedDecode
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
-from kvrelay.engine.models import fused_decode
-from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.step_inputs import row_order

@@ -1,5 +1,5 @@
 """Steps that carry prefill chunks beside decodes through the fused native layers
-(engine/models/fused_decode.py, engine/csrc/decode_layer.c): the per-op path's results, bit
+(engine/cpu/fused_decode.py, engine/cpu/csrc/decode_layer.c): the per-op path's results, bit
 for bit, whether the chunk samples or not, with and without KV head groups and a window."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import torch
 from test_fused_decode import GREEDY, count_fused, make_core
 
-from kvrelay.engine import gemm
+from kvrelay.engine.cpu import gemm
+from kvrelay.engine.cpu.fused_decode import MAX_MIXED_ROWS
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import ScheduledSeq
-from kvrelay.engine.models.fused_decode import MAX_MIXED_ROWS
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import Sequence
 

@@ -1,4 +1,4 @@
-"""The panel GEMM's K-blocked layout (``engine/csrc/gemm.c``'s ``panel_at``): every path over it
+"""The panel GEMM's K-blocked layout (``engine/cpu/csrc/gemm.c``'s ``panel_at``): every path over it
 (decode-sized calls block by block, the row chunks of larger ones, the one-pass fused order,
 the fused decode layers) gives the plain layout's bits."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hf_models import hf_greedy
 from test_fused_decode import decode_logits, make_core
 
-from kvrelay.engine import gemm
+from kvrelay.engine.cpu import gemm
 from kvrelay.engine.models import linear
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="no native panel GEMM here")

@@ -1,4 +1,4 @@
-"""The panels a decode step streams live in one huge-page arena (engine/hugepages.py)."""
+"""The panels a decode step streams live in one huge-page arena (engine/cpu/hugepages.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvrelay.engine import gemm, hugepages
+from kvrelay.engine.cpu import gemm, hugepages
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.engine import gemm, kernel_choice
+from kvrelay.engine.cpu import gemm, kernel_choice
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.models.linear import onednn_packing_available
 from kvrelay.engine.models.llama import LlamaForCausalLM

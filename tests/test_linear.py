@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine import gemm
+from kvrelay.engine.cpu import gemm
 from kvrelay.engine.models.linear import MIXED_PANEL_ROWS, Linear, onednn_packing_available
 from kvrelay.engine.models.llama import MLP
 

@@ -1,5 +1,5 @@
-"""The native library's ABI has one source (``engine/csrc/abi.h``), and its build targets an ISA
-level, not the build host: the ctypes structs of ``models/fused_decode.py`` equal the header's
+"""The native library's ABI has one source (``engine/cpu/csrc/abi.h``), and its build targets an ISA
+level, not the build host: the ctypes structs of ``cpu/fused_decode.py`` equal the header's
 declarations (names, order, types, compiled offsets), the version Python checks is the header's,
 and a forced ISA level is built and used, or refused where the CPU lacks it."""
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.engine import native
-from kvrelay.engine.models.fused_decode import _Layer, _Step
+from kvrelay.engine.cpu import native
+from kvrelay.engine.cpu.fused_decode import _Layer, _Step
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADER = ROOT / "engine" / "csrc" / "abi.h"
+HEADER = ROOT / "engine" / "cpu" / "csrc" / "abi.h"
 KIND = {ctypes.c_void_p: "ptr", ctypes.c_int64: "i64", ctypes.c_float: "f32", ctypes.c_int: "int"}
 C_KIND = {"int64_t": "i64", "float": "f32", "int": "int"}
 
@@ -107,7 +107,7 @@ def test_forcing_avx2_builds_and_loads_the_avx2_library_with_the_same_results() 
     results equal to torch's."""
     code = (
         "import torch\n"
-        "from kvrelay.engine import gemm, native\n"
+        "from kvrelay.engine.cpu import gemm, native\n"
         "assert native.load() is not None, 'no native library'\n"
         "print(native.library_name())\n"
         "torch.manual_seed(0)\n"

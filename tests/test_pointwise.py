@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine import native, pointwise
+from kvrelay.engine import pointwise
+from kvrelay.engine.cpu import native
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no native kernels here")
 

@@ -1,5 +1,5 @@
-"""The online choice of the GEMM's next-panel prefetch (engine/prefetch_tuner.py): its probes pick
-the faster arm from paired step times, follow a change of the memory's phase, leave other steps
+"""The online choice of the GEMM's next-panel prefetch (engine/cpu/prefetch_tuner.py): its probes
+pick the faster arm from paired step times, follow a change of the memory's phase, leave other steps
 on the fixed choice, and change no token."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-from kvrelay.engine import gemm
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.cpu import gemm
+from kvrelay.engine.cpu.prefetch_tuner import PATTERN, PrefetchChoices, PrefetchTuner
 from kvrelay.engine.engine_core import EngineCore, EngineStats
-from kvrelay.engine.prefetch_tuner import PATTERN, PrefetchChoices, PrefetchTuner
 from kvrelay.engine.sampling_params import SamplingParams
 
 BASE = 10  # the Zen 4's fixed choice: calls of 10 rows and more prefetch

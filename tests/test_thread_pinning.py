@@ -1,4 +1,4 @@
-"""engine.thread_pinning: a serving engine's OpenMP threads, one per CPU, and when."""
+"""engine.cpu.thread_pinning: a serving engine's OpenMP threads, one per CPU, and when."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvrelay.engine import native
-from kvrelay.engine.thread_pinning import plan
+from kvrelay.engine.cpu import native
+from kvrelay.engine.cpu.thread_pinning import plan
 
 
 def test_plan_pins_only_an_engine_that_owns_its_cpus() -> None:
@@ -32,7 +32,7 @@ import asyncio, ctypes, json, os, sys, threading
 cpus = sorted(os.sched_getaffinity(0))[:2]
 os.sched_setaffinity(0, cpus)
 import torch
-from kvrelay.engine import native
+from kvrelay.engine.cpu import native
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kvrelay.engine import gemm, hugepages
+from kvrelay.engine.cpu import gemm, hugepages
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.models import llama
 from kvrelay.engine.models.linear import Linear

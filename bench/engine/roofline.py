@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvrelay.engine import gemm, hugepages, prefetch_tuner
+from kvrelay.engine.cpu import gemm, hugepages, prefetch_tuner
 
 
 def best(fn: Callable[[], float], reps: int) -> float:

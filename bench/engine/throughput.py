@@ -51,7 +51,7 @@ import torch
 
 from bench.engine.core_runs import make_core, next_seed, prompt, run_prefill
 from bench.engine.roofline import Ceilings, best, gemm_tuning, prefetch_note, timed
-from kvrelay.engine import gemm
+from kvrelay.engine.cpu import gemm
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampling_params import SamplingParams
 

@@ -39,7 +39,7 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 def flash_supports_paged() -> bool:
     """Whether the installed flash-attn's varlen kernel reads a paged cache (``block_table``,
     flash-attn >= 2.5). Only asked once the flash backend was chosen."""
-    from kvrelay.engine.attention.flash import supports_paged
+    from kvrelay.engine.cuda.flash import supports_paged
 
     return supports_paged()
 
@@ -48,7 +48,7 @@ def _import_flash() -> AttentionFn | None:
     """The flash-attn backend, or None with a warning when the module is installed but does not
     load (a wheel built against another torch: undefined symbols in its CUDA extension)."""
     try:
-        from kvrelay.engine.attention.flash import flash_attention
+        from kvrelay.engine.cuda.flash import flash_attention
     except (ImportError, OSError) as e:
         logger.warning("flash-attn is installed but does not load (%s: %s); using torch SDPA. "
                        "Rebuild it against this torch: make install-gpu", type(e).__name__, e)
@@ -84,7 +84,7 @@ def select_backend(name: str, device: torch.device,
     if name not in ("auto", "sdpa", "native"):
         raise ValueError(f"unknown attention backend {name!r}")
     if name in ("auto", "native") and device.type == "cpu" and dtype == torch.float32:
-        from kvrelay.engine.attention import native
+        from kvrelay.engine.cpu import attention as native
 
         if native.available():
             return "native", native.native_attention

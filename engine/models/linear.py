@@ -1,6 +1,6 @@
 """A linear layer whose weight is repacked once at load into a CPU kernel's layout: the
-native panel GEMM (``engine/gemm.py``) or oneDNN's blocked layout. Every model's projections are
-these; ``models/fused_decode.py`` reads their panels directly."""
+native panel GEMM (``engine/cpu/gemm.py``) or oneDNN's blocked layout. Every model's projections are
+these; ``cpu/fused_decode.py`` reads their panels directly."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.engine.gemm import default_kblock, pack_panels, panel_linear
+from kvrelay.engine.cpu.gemm import default_kblock, pack_panels, panel_linear
 
 
 def empty_param(*shape: int) -> nn.Parameter:
@@ -37,7 +37,7 @@ class Linear(nn.Module):
     layout (a plain GEMM repacks it on every call, which at decode-sized batches costs 2-3x the
     matmul itself):
 
-    - ``panels``: the native panel GEMM (:mod:`kvrelay.engine.gemm`), whose threads each stream
+    - ``panels``: the native panel GEMM (:mod:`kvrelay.engine.cpu.gemm`), whose threads each stream
       their share of the weight exactly once per call: at decode-sized row counts that runs at
       the memory bandwidth, where oneDNN's kernels reach ~50-80% of it;
     - ``packed``: oneDNN's blocked layout (``torch.ops.mkldnn``).
@@ -58,7 +58,7 @@ class Linear(nn.Module):
     def pack(self, weight: torch.Tensor | None = None, *, onednn: bool = True,
              panels: bool = False, kblock: int | None = None) -> None:
         """Repack (``weight`` defaults to this layer's own) for oneDNN and/or the panel GEMM
-        (its K blocks: ``kblock``, default :func:`~kvrelay.engine.gemm.default_kblock`), and
+        (its K blocks: ``kblock``, default :func:`~kvrelay.engine.cpu.gemm.default_kblock`), and
         drop the dense parameter."""
         w = self.weight if weight is None else weight
         assert w is not None and (onednn or panels)

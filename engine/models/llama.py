@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.engine import hugepages
 from kvrelay.engine.attention import (
     AttentionFn,
     AttentionMetadata,
@@ -22,9 +21,10 @@ from kvrelay.engine.attention import (
     current_metadata,
     write_kv,
 )
+from kvrelay.engine.cpu import hugepages
+from kvrelay.engine.cpu.fused_decode import FusedDecode
 from kvrelay.engine.kv_cache import kv_groups_of
 from kvrelay.engine.models.arch import ModelArch
-from kvrelay.engine.models.fused_decode import FusedDecode
 from kvrelay.engine.models.linear import (
     MIXED_PANEL_ROWS,
     Linear,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.cuda_graphs import capture_sizes
+from kvrelay.engine.cuda.graphs import capture_sizes
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.sampling_params import SamplingParams

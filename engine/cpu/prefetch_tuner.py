@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvrelay.engine import gemm
+from kvrelay.engine.cpu import gemm
 
 logger = logging.getLogger(__name__)
 

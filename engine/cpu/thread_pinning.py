@@ -25,9 +25,9 @@ import os
 
 import torch
 
-from kvrelay.engine import native
 from kvrelay.engine.config import THREAD_BINDINGS as MODES
 from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.cpu import native
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.engine import native
+from kvrelay.engine.cpu import native
 
 logger = logging.getLogger(__name__)
 

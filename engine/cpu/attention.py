@@ -1,5 +1,5 @@
-"""The CPU attention backend over the native paged kernels (``engine/csrc/paged_decode.c`` and
-``paged_prefill.c``, built and loaded by :mod:`kvrelay.engine.native`).
+"""The CPU attention backend over the native paged kernels (``engine/cpu/csrc/paged_decode.c`` and
+``paged_prefill.c``, built and loaded by :mod:`kvrelay.engine.cpu.native`).
 
 Decode attention on the CPU is memory-bound: each step reads every running sequence's cached K/V
 once per layer. Done with torch ops it cannot avoid gathering the paged blocks into a contiguous
@@ -16,7 +16,7 @@ import torch
 
 from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.attention.sdpa import prefill_attention, zero_padding
-from kvrelay.engine.native import available, load
+from kvrelay.engine.cpu.native import available, load
 
 __all__ = ["available", "native_attention", "paged_decode", "paged_prefill"]
 

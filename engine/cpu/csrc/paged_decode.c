@@ -1,4 +1,4 @@
-/* Paged decode attention for the CPU (fp32), built on first use by kvrelay.engine.native.
+/* Paged decode attention for the CPU (fp32), built on first use by kvrelay.engine.cpu.native.
  *
  * Decode: every decoding sequence's single query row attends over its cached K/V, read straight
  * out of the paged cache through its block table, without gathering it anywhere first. Work is

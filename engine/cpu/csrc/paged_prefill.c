@@ -1,4 +1,4 @@
-/* Paged prefill attention for the CPU (fp32), built on first use by kvrelay.engine.native.
+/* Paged prefill attention for the CPU (fp32), built on first use by kvrelay.engine.cpu.native.
  *
  * Prefill: spans of new query rows, each attending causally over its sequence's cached prefix
  * and its own new keys (already written to the cache), read through the block table: no gather,

@@ -1,5 +1,5 @@
-/* The library's ABI as Python sees it: its version and the structs engine/models/fused_decode.py
- * mirrors with ctypes. One source for both sides: engine/native.py reads KVR_ABI_VERSION from this
+/* The library's ABI as Python sees it: its version and the structs engine/cpu/fused_decode.py
+ * mirrors with ctypes. One source for both sides: engine/cpu/native.py reads KVR_ABI_VERSION from this
  * file and refuses a library that reports another, and tests/test_native_abi.py checks the ctypes
  * structs against these declarations and their compiled offsets. Change a struct: bump the
  * version. */

@@ -4,7 +4,7 @@ one native call per decoder layer.
 Called op by op from Python, a decoder layer is ~10 native calls and as many torch ops, each
 with its ctypes call, OpenMP fork/join and fresh output tensor. At decode sizes that glue rather
 than the arithmetic was ~3.5 ms of a 24 ms batch-1 step of the ~150M demo model, and more than
-half a step of the ~7M one. ``engine/csrc/decode_layer.c`` runs the same kernels for a whole
+half a step of the ~7M one. ``engine/cpu/csrc/decode_layer.c`` runs the same kernels for a whole
 layer inside one parallel region instead (see there), so the results are those of the per-op
 path, bit for bit.
 
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine import gemm, native, prefetch_tuner
 from kvrelay.engine.attention.metadata import AttentionMetadata
-from kvrelay.engine.attention.native import MIN_PART_TOKENS, native_attention
+from kvrelay.engine.cpu import gemm, native, prefetch_tuner
+from kvrelay.engine.cpu.attention import MIN_PART_TOKENS, native_attention
+from kvrelay.engine.cpu.prefetch_tuner import PrefetchTuner
 from kvrelay.engine.models.linear import Linear
-from kvrelay.engine.prefetch_tuner import PrefetchTuner
 
 if TYPE_CHECKING:
     from kvrelay.engine.models.llama import LlamaForCausalLM

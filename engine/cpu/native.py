@@ -1,4 +1,4 @@
-"""The native CPU kernels (``engine/csrc/*.c``: paged attention, panel GEMM, the fused
+"""The native CPU kernels (``engine/cpu/csrc/*.c``: paged attention, panel GEMM, the fused
 residual-add + RMSNorm and RoPE), compiled on first use into one shared library and loaded with
 ctypes.
 
@@ -12,7 +12,7 @@ other of its level, and a cache shared across CPUs holds one build per level. Wh
 be built, :func:`load` returns None and the engine keeps its torch paths (``KVRELAY_NATIVE=0``
 forces them).
 
-The ABI (its version and the structs ``models/fused_decode.py`` mirrors) is ``csrc/abi.h``'s: the
+The ABI (its version and the structs ``cpu/fused_decode.py`` mirrors) is ``csrc/abi.h``'s: the
 version is read from there, and ``tests/test_native_abi.py`` checks the ctypes structs against it.
 
 The library links the same OpenMP runtime as torch (``libgomp.so.1``, already loaded by torch
@@ -67,7 +67,7 @@ _tried = False
 
 
 def _sources() -> list[tuple[str, bytes]]:
-    root = resources.files("kvrelay.engine").joinpath("csrc")
+    root = resources.files("kvrelay.engine.cpu").joinpath("csrc")
     return [(name, root.joinpath(name).read_bytes()) for name in SOURCES]
 
 
@@ -79,7 +79,7 @@ def _compiler() -> str | None:
 
 
 def _header(name: str) -> str:
-    return resources.files("kvrelay.engine").joinpath("csrc").joinpath(name).read_text()
+    return resources.files("kvrelay.engine.cpu").joinpath("csrc").joinpath(name).read_text()
 
 
 def abi_version() -> int:

@@ -1,4 +1,4 @@
-/* The engine's OpenMP threads, one per CPU (see kvrelay.engine.thread_pinning). */
+/* The engine's OpenMP threads, one per CPU (see kvrelay.engine.cpu.thread_pinning). */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdint.h>

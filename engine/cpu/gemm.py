@@ -1,4 +1,4 @@
-"""Linear layers through the native panel GEMM (``engine/csrc/gemm.c``), fp32 on the CPU.
+"""Linear layers through the native panel GEMM (``engine/cpu/csrc/gemm.c``), fp32 on the CPU.
 
 The weight ``[N, K]`` is stored once as ``P = ceil(N / NR)`` panels ``[P, K, NR]`` (NR output
 columns each, zero padded): one panel is a single sequential stream, and the kernel's register
@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvrelay.engine import native
+from kvrelay.engine.cpu import native
 
 UNAVAILABLE = "the native panel GEMM is unavailable on this machine"
 
