@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from kvrelay.engine.cpu.thread_pinning import place_engine_thread
 from kvrelay.engine.engine_core import (
     EngineCore,
     EngineStats,
@@ -31,6 +30,7 @@ from kvrelay.engine.engine_core import (
     Reservation,
 )
 from kvrelay.engine.outputs import ErrorKind
+from kvrelay.engine.platform import platform_for
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.tp_shard import TensorParallelError
@@ -65,7 +65,7 @@ class AsyncEngine:
         self._flushes: list[asyncio.Future[None]] = []  # engine thread's: resolved after a step
         self.stats: EngineStats = core.stats()
         self.wakeups = 0  # waits ended (command, wake-up, poll, backstop): does it sleep or poll
-        self.pinned: dict[int, int] = {}  # engine thread ids -> CPU (engine.cpu.thread_pinning)
+        self.pinned: dict[int, int] = {}  # engine thread ids -> CPU (Platform.bind_thread)
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -305,7 +305,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
-        self.pinned = place_engine_thread(core.config.model, core.runner.device)
+        # On its GPU, or with its OpenMP threads pinned one per CPU (Platform.bind_thread).
+        self.pinned = platform_for(core.runner.device).bind_thread(core.config.model)
         conn = core.connector
         while not self._stop.is_set():
             if core.has_schedulable():

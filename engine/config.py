@@ -41,7 +41,7 @@ class ModelConfig:
     seed: int = 0
     # CPU fp32 linears: "panels" (the native panel GEMM), "onednn" (oneDNN's prepacked linear),
     # "mixed" (panels up to 64 rows, oneDNN above; two weight copies) or "auto": time both at
-    # load and keep what wins on this CPU (see engine.loader.choose_linear_kernel).
+    # load and keep what wins on this CPU (see engine.cpu.kernel_choice).
     linear_kernel: str = "auto"
     # Ranks of one replica (one process each; see engine.tensor_parallel) and how long any of
     # their collectives may wait before the replica fails with TensorParallelError.

@@ -14,23 +14,13 @@ import torch
 from safetensors import safe_open
 
 from kvrelay.engine.attention import AttentionFn
-from kvrelay.engine.cpu import gemm, kernel_choice
-from kvrelay.engine.cpu.fused_decode import FusedDecode
 from kvrelay.engine.models.arch import ModelArch, load_model_config
-from kvrelay.engine.models.linear import (
-    LINEAR_KERNELS,
-    MIXED_PANEL_ROWS,
-    onednn_packing_available,
-)
 from kvrelay.engine.models.llama import LlamaForCausalLM
 from kvrelay.engine.models.rope import rope_inv_freq
+from kvrelay.engine.platform import Platform, platform_for
 from kvrelay.engine.tp_shard import TPShard, shard_model, validate_tp
 
 logger = logging.getLogger(__name__)
-
-# The most rows ``linear_kernel=auto`` times a prefill-sized pass at (a full step of the default
-# token budget): ~0.2 s a pass of one layer of the ~150M demo model.
-PREFILL_ROWS = 2048
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -113,14 +103,11 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
 
 def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
                attn_fn: AttentionFn, max_positions: int,
-               pack: bool | None = None,
-               linear_kernel: str = "auto",
                shard: TPShard | None = None,
-               prefill_rows: int = PREFILL_ROWS) -> tuple[LlamaForCausalLM, ModelArch]:
-    """Build the model and load its weights. ``pack`` (default: on CPU in fp32) repacks the
-    linear weights for ``linear_kernel`` (see :func:`choose_linear_kernel`, which times
-    ``auto`` at ``prefill_rows``, the rows of a full prefill step). With ``shard`` the model is
-    cut to that tensor-parallel rank's part before packing."""
+               platform: Platform | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
+    """Build the model and load its weights, then hand it to ``platform`` (default: the
+    device's, with its defaults) to pack for its kernels. With ``shard`` the model is cut to
+    that tensor-parallel rank's part before packing."""
     hf_cfg, arch = load_model_config(model_dir)
     inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
     with torch.device(device), _default_dtype(dtype):
@@ -150,88 +137,9 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
         validate_tp(arch, shard.size)
         shard_model(model, shard)
     n_params = sum(p.numel() for p in model.parameters())
-    if pack is None:
-        pack = device.type == "cpu" and dtype == torch.float32 and (
-            onednn_packing_available() or gemm.available())
-    kernel = choose_linear_kernel(model, linear_kernel, prefill_rows) if pack else "dense"
-    model.fused_decode = FusedDecode.for_model(model) if pack else None
+    platform = platform_for(device) if platform is None else platform
+    kernel = platform.prepare_model(model, dtype)
     logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s, linears: %s%s",
                 model_dir, arch.architecture, arch.num_layers, n_params / 1e6, device, dtype,
                 kernel, ", fused decode layers" if model.fused_decode is not None else "")
     return model.eval(), arch
-
-
-def choose_linear_kernel(model: LlamaForCausalLM, kernel: str,
-                         prefill_rows: int = PREFILL_ROWS) -> str:
-    """Pack the linears for ``kernel`` (CPU, fp32) and return the one kept: ``panels`` (the
-    native panel GEMM, every row count), ``onednn`` (oneDNN's prepacked linear), ``mixed``
-    (panels up to ``MIXED_PANEL_ROWS`` rows, oneDNN above: two copies of the weights) or
-    ``auto``: pack both and time them (:func:`_measure_linears`), keeping oneDNN's copy only
-    where it wins. Kept per build, threads, token budget and shapes (``kernel_choice``)."""
-    if kernel not in LINEAR_KERNELS:
-        raise ValueError(f"linear_kernel must be one of {'|'.join(LINEAR_KERNELS)}, "
-                         f"got {kernel!r}")
-    have_panels, have_onednn = gemm.available(), onednn_packing_available()
-    if kernel in ("panels", "mixed") and not have_panels:
-        raise RuntimeError(f"linear_kernel={kernel}: the native panel GEMM is unavailable "
-                           "(it needs AVX2+FMA and a C compiler; see the log)")
-    if kernel in ("onednn", "mixed") and not have_onednn:
-        raise RuntimeError(f"linear_kernel={kernel}: this torch build cannot prepack for oneDNN")
-    if kernel == "auto" and not (have_panels and have_onednn):
-        kernel = "panels" if have_panels else "onednn"
-    panel_rows = MIXED_PANEL_ROWS
-    if kernel == "auto":  # measured before for this build, thread count and shapes?
-        prefill_rows = max(MIXED_PANEL_ROWS + 1, min(prefill_rows, PREFILL_ROWS))
-        key = kernel_choice.cache_key(model.linear_shapes(), torch.get_num_threads(),
-                                      prefill_rows)
-        kept = kernel_choice.load(key)
-        if kept is not None:
-            kernel, panel_rows = kept
-            logger.info("linear kernels: %s (as measured before, cache key %s)", kernel, key)
-    if kernel != "auto":
-        model.pack_weights(onednn=kernel != "panels", panels=kernel != "onednn")
-        model.keep_linear_kernel(kernel, panel_rows)
-        return kernel
-    model.pack_weights(onednn=True, panels=True)
-    kernel, panel_rows, measured = _measure_linears(model, prefill_rows)
-    model.keep_linear_kernel(kernel, panel_rows)
-    kernel_choice.save(key, kernel, panel_rows, measured)
-    return kernel
-
-
-def _measure_linears(model: LlamaForCausalLM, prefill_rows: int) -> tuple[str, int,
-                                                                           dict[str, float]]:
-    """``auto``: time a decode-sized pass (8 rows through every linear) both ways, then
-    prefill-sized ones (128, 256, ... rows up to ``prefill_rows`` through the first layer),
-    interleaved, and return the kernel to keep, the rows up to which ``mixed`` takes the panels
-    and the times. Both copies only where oneDNN wins the larger passes by > 10% (a second copy
-    of the weights for a clear win only: one layer is a short sample, and on a busy machine a
-    few percent either way is noise); the panels keep every row count below the first such pass,
-    decode steps included (their fused native layers need the panels). Which wins, and from
-    which rows, depends on the CPU: on a Zen 3 the panels won every size by 1.1-1.3x; on a
-    Cascade Lake Xeon oneDNN's lead grows with the rows (the tiny demo model's first layer:
-    1.06x at 256 rows, 1.2x at 1024, 1.4x at 2048) while at 80 rows a decode step through
-    the panels took 2/3 of one through oneDNN."""
-    small = model.time_linears(8)
-    measured = {"panels_8": small[0] * 1e3, "onednn_8": small[1] * 1e3}
-    if small[1] <= small[0]:
-        kernel, panel_rows = "onednn", 0
-    else:
-        ladder = [r for r in (128, 256, 512, 1024, 2048) if r < prefill_rows] + [prefill_rows]
-        wins: list[int] = []  # rows at which oneDNN won clearly, ascending
-        for rows in ladder:
-            p, o = model.time_linears(rows, layers=1, reps=3)
-            measured[f"panels_{rows}"], measured[f"onednn_{rows}"] = p * 1e3, o * 1e3
-            wins = wins + [rows] if p > 1.1 * o else []
-            if len(wins) == 2:  # twice in a row: it only grows with the rows
-                break
-        if wins:
-            kernel, panel_rows = "mixed", max(MIXED_PANEL_ROWS, wins[0] // 2)
-        else:
-            kernel, panel_rows = "panels", 0
-    logger.info("linear kernels, panels vs oneDNN (ms): %s: keeping %s%s",
-                ", ".join(f"{k.split('_')[1]} rows {measured[k]:.1f} vs "
-                          f"{measured['onednn_' + k.split('_')[1]]:.1f}"
-                          for k in measured if k.startswith("panels_")),
-                kernel, f" (panels up to {panel_rows} rows)" if kernel == "mixed" else "")
-    return kernel, panel_rows, measured

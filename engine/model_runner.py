@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
@@ -16,16 +15,13 @@ from kvrelay.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillSpan,
-    flash_supports_paged,
     forward_context,
     group_by_length,
-    select_backend,
 )
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.cuda.graphs import DecodeGraphRunner, graphs_off_reason
-from kvrelay.engine.device import kv_budget_for, paged_flash_block_size, resolve_device
+from kvrelay.engine.cuda.graphs import DecodeGraphRunner
+from kvrelay.engine.device import resolve_device
 from kvrelay.engine.grammar_mask import MaskFiller, StepMasks
-from kvrelay.engine.heap import bound_onednn_caches
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -39,6 +35,7 @@ from kvrelay.engine.kv_cache import (
 )
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.loader import load_model
+from kvrelay.engine.platform import Platform, platform_for
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.sampler import TokenLogprob, sample
 from kvrelay.engine.sequence import Sequence
@@ -65,17 +62,12 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, shard: TPShard | None = None):
         mc = config.model
         self.device = self.device_for(config, 0 if shard is None else shard.rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # this thread's kernels and events on its GPU
-        if mc.dtype == "auto":
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = dtype_from_name(mc.dtype)
-        if self.device.type == "cpu" and mc.num_threads:
-            torch.set_num_threads(mc.num_threads)
-        if self.device.type == "cpu":
-            bound_onednn_caches()  # before the first oneDNN op (the weight prepacking)
-        self.backend, attn_fn = select_backend(mc.attention_backend, self.device, self.dtype)
+        # What differs between a CPU and a GPU engine: engine/cpu/, engine/cuda/.
+        self.platform: Platform = platform_for(self.device, config)
+        self.platform.configure()
+        self.dtype = self.platform.default_dtype() if mc.dtype == "auto" else \
+            dtype_from_name(mc.dtype)
+        self.backend, attn_fn = self.platform.attention(mc.attention_backend, self.dtype)
         from kvrelay.engine.models.arch import load_model_config
 
         _, arch = load_model_config(mc.model)
@@ -83,23 +75,18 @@ class ModelRunner:
                       arch.max_position_embeddings)
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
                                            attn_fn=attn_fn, max_positions=max_len,
-                                           linear_kernel=mc.linear_kernel, shard=shard,
-                                           prefill_rows=config.scheduler.max_num_batched_tokens)
+                                           shard=shard, platform=self.platform)
         self.shard = shard
         # Under TP each rank holds its own heads' KV (the budget is per rank).
         kv_heads = arch.num_kv_heads if shard is None else local_kv_heads(arch, shard.size)
         cc = config.cache
-        block_size = cc.block_size
-        # flash-attn reads the paged cache itself where it can (no per-layer gather of every
-        # sequence's K/V); the gather path stays for a flash-attn without block_table.
-        self.paged_flash = self.backend == "flash" and flash_supports_paged()
-        if self.paged_flash:
-            block_size = paged_flash_block_size(block_size)
+        self.paged_flash = self.platform.paged_flash(self.backend)
+        block_size = self.platform.kv_block_size(cc.block_size, self.backend)
         # --num-kv-blocks counts blocks of the configured size: keep the tokens it meant.
         exact = None if cc.num_blocks is None else max(1, cc.num_blocks * cc.block_size
                                                          // block_size)
         num_blocks = exact or blocks_for_budget(
-            kv_budget_for(self.device, cc.kv_cache_memory, cc.gpu_memory_utilization),
+            self.platform.kv_budget(cc.kv_cache_memory, cc.gpu_memory_utilization),
             num_layers=arch.num_layers, num_kv_heads=kv_heads,
             head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.dtype))
         self.kv_groups = groups = cc.kv_head_groups
@@ -121,20 +108,14 @@ class ModelRunner:
         self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
         # The last layer on the rows read alone (last_layer_rows); TP ranks run every row.
         self.prune_last = self.native_prefill and shard is None
-        # Bucket the rows of a step where oneDNN's per-shape primitives run the linears.
-        # oneDNN compiles a primitive per row count (see padded_rows); the panel GEMM does not
-        # (and a padded decode step would lose its fused native layers): under ``mixed`` only
-        # steps past the panels' rows are padded. None: never.
-        lm = self.model.lm_head
-        self.pad_above: int | None = lm.panel_rows if lm.packed is not None else None
+        # Steps of more rows than this are padded to a bucketed count (see padded_rows).
+        self.pad_above: int | None = self.platform.pad_rows_above(self.model)
         # CUDA graphs for decode steps (decided once, here): they take the last block as the
         # padding rows' scratch, so the block manager gets one block fewer.
-        off = graphs_off_reason(self.device, enforce_eager=mc.enforce_eager,
-                                max_batch=mc.cuda_graph_max_batch, paged_flash=self.paged_flash,
-                                tensor_parallel=shard is not None, num_blocks=num_blocks,
-                                kv_head_groups=groups)
-        if off is not None and self.device.type == "cuda":
-            logger.info("CUDA graphs off: %s", off)
+        off = self.platform.graphs_off_reason(
+            enforce_eager=mc.enforce_eager, max_batch=mc.cuda_graph_max_batch,
+            paged_flash=self.paged_flash, tensor_parallel=shard is not None,
+            num_blocks=num_blocks, kv_head_groups=groups)
         self.num_usable_blocks = num_blocks if off is not None else num_blocks - 1
         # A sequence can never hold more tokens than the cache has slots.
         self.max_model_len = min(max_len, self.num_usable_blocks * block_size)
@@ -148,14 +129,14 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.eos_token_ids: frozenset[int] = frozenset()
         # Grammar masks of constrained rows: filled on a thread while the forward runs when the
-        # forward leaves a CPU core free (a GPU forward; a CPU one on fewer threads than cores),
-        # else inline before sampling, on as many llguidance workers as torch has threads: a
-        # mask thread beside a CPU forward that already uses every core oversubscribes them
-        # (OpenMP barriers stall on a descheduled thread, see AsyncEngine.spawn), and one
-        # llguidance worker beside OpenMP threads still spinning after the forward took 0.4 ms
-        # median but 7 ms p90 for 32 rows on an idle 2-core machine; two took 0.36 / 0.40 ms.
-        overlap = self.device.type != "cpu" or \
-            torch.get_num_threads() < len(os.sched_getaffinity(0))
+        # forward leaves a CPU core free (a GPU forward; a CPU one on fewer threads than cores:
+        # Platform.overlaps_forward), else inline before sampling, on as many llguidance workers as
+        # torch has threads: a mask thread beside a CPU forward that already uses every core
+        # oversubscribes them (OpenMP barriers stall on a descheduled thread, see
+        # AsyncEngine.spawn), and one llguidance worker beside OpenMP threads still spinning after
+        # the forward took 0.4 ms median but 7 ms p90 for 32 rows on an idle 2-core machine; two
+        # took 0.36 / 0.40 ms.
+        overlap = self.platform.overlaps_forward()
         self.masks = MaskFiller(self.arch.vocab_size, overlap=overlap,
                                 threads=1 if overlap else torch.get_num_threads())
         self.generator.manual_seed(mc.seed)
@@ -296,12 +277,8 @@ class ModelRunner:
         meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
-        """A step input onto the GPU through pinned memory, so the copy is truly asynchronous
-        (from pageable memory ``non_blocking`` copies synchronously). torch's caching host
-        allocator reuses the pinned buffers and keeps each alive until its copy is done."""
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        """A step input on the device (through pinned memory on a GPU: Platform.to_device)."""
+        return self.platform.to_device(t)
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.device.type == "cpu":

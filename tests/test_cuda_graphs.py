@@ -329,8 +329,8 @@ def test_engine_takes_the_graph_path_end_to_end(demo_model_dir: str,
     """The runner's wiring as on CUDA, with the capture left out (the static path then runs
     eagerly on the CPU): the scratch block is withheld from the block manager, decode steps
     go through the static buffers, and greedy outputs equal a plain CPU engine's."""
-    from kvrelay.engine import model_runner
     from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.cpu.platform import CpuPlatform
     from kvrelay.engine.cuda.graphs import DecodeGraphRunner
     from kvrelay.engine.engine_core import EngineCore
 
@@ -338,7 +338,7 @@ def test_engine_takes_the_graph_path_end_to_end(demo_model_dir: str,
         used: list[int] = []
         with monkeypatch.context() as m:
             if graphs:
-                m.setattr(model_runner, "graphs_off_reason", lambda *a, **k: None)
+                m.setattr(CpuPlatform, "graphs_off_reason", lambda self, **k: None)
                 m.setattr(DecodeGraphRunner, "capture", lambda self: None)
             core = EngineCore(EngineConfig.from_kwargs(
                 demo_model_dir, block_size=BS, num_blocks=NUM_BLOCKS, attention_backend="sdpa",

@@ -51,7 +51,7 @@ def test_cuda_asked_but_invisible_fails_loudly() -> None:
 
 
 def test_cuda_kv_budget_respects_utilization() -> None:
-    from kvrelay.engine.device import cuda_kv_budget
+    from kvrelay.engine.cuda.memory import cuda_kv_budget
 
     gib = 2**30
     # 80 GiB card, 60 GiB free after weights, 10 % held back: 52 GiB usable.
@@ -72,7 +72,7 @@ def test_cache_config_validates_utilization() -> None:
 
 
 def test_cpu_kv_budget_is_untouched() -> None:
-    from kvrelay.engine.device import kv_budget_for
+    from kvrelay.engine.cuda.memory import kv_budget_for
 
     assert kv_budget_for(torch.device("cpu"), 123456, 0.5) == 123456
 
@@ -319,7 +319,7 @@ def test_receiver_progress_runs_only_while_expecting() -> None:
 
 # -- paged flash-attn ------------------------------------------------------------------------
 def test_paged_flash_block_size() -> None:
-    from kvrelay.engine.device import paged_flash_block_size
+    from kvrelay.engine.cuda.memory import paged_flash_block_size
 
     assert paged_flash_block_size(16) == 256
     assert paged_flash_block_size(256) == 256

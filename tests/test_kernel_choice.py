@@ -9,7 +9,6 @@ import pytest
 from kvrelay.engine.cpu import gemm, kernel_choice
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.models.linear import onednn_packing_available
-from kvrelay.engine.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(not (gemm.available() and onednn_packing_available()),
                                 reason="auto chooses between the panel GEMM and oneDNN")
@@ -20,16 +19,17 @@ def test_auto_measures_once_then_takes_the_kept_choice(demo_model_dir, tmp_path,
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     first = LLM(demo_model_dir, num_blocks=16, num_threads=1).engine.runner.model
     [kept] = (tmp_path / "linear_kernel").glob("*.json")
-    chosen = first.linear_kernel
+    chosen = kernel_choice.linear_kernel(first)
     assert chosen in ("panels", "onednn", "mixed")
 
     def no_timing(*a, **k):
         raise AssertionError("timed again")
 
-    monkeypatch.setattr(LlamaForCausalLM, "time_linears", no_timing)
+    monkeypatch.setattr(kernel_choice, "time_linears", no_timing)
     again = LLM(demo_model_dir, num_blocks=16, num_threads=1).engine.runner.model
-    assert again.linear_kernel == chosen  # packed only what was kept
-    assert {m.panel_rows for m in again._linears()} == {m.panel_rows for m in first._linears()}
+    assert kernel_choice.linear_kernel(again) == chosen  # packed only what was kept
+    assert {m.panel_rows for m in kernel_choice.linears(again)} == \
+        {m.panel_rows for m in kernel_choice.linears(first)}
 
     kept.write_text("not json")  # unreadable: measured again
     with pytest.raises(AssertionError, match="timed again"):

@@ -185,21 +185,23 @@ def test_auto_keeps_what_measures_faster(demo_model_dir, monkeypatch, tmp_path, 
     rows below oneDNN's clear wins (measured afresh: an empty cache of earlier choices)."""
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     from kvrelay.engine.attention.sdpa import sdpa_attention
+    from kvrelay.engine.cpu import kernel_choice
+    from kvrelay.engine.cpu.platform import CpuPlatform
     from kvrelay.engine.loader import load_model
-    from kvrelay.engine.models.llama import LlamaForCausalLM
 
     seen: list[int] = []
 
-    def time_linears(self, rows, layers=None, reps=3):
+    def time_linears(model, rows, layers=None, reps=3):
         seen.append(rows)
         return small if rows == 8 else large.get(rows, _EVEN)
 
-    monkeypatch.setattr(LlamaForCausalLM, "time_linears", time_linears)
+    monkeypatch.setattr(kernel_choice, "time_linears", time_linears)
     model, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
-                          attn_fn=sdpa_attention, max_positions=64, prefill_rows=1024)
+                          attn_fn=sdpa_attention, max_positions=64,
+                          platform=CpuPlatform(prefill_rows=1024))
     assert seen == timed
-    assert model.linear_kernel == kept
-    lins = model._linears()
+    assert kernel_choice.linear_kernel(model) == kept
+    lins = kernel_choice.linears(model)
     assert all((m.panels is not None) == (kept != "onednn") for m in lins)
     assert all((m.packed is not None) == (kept != "panels") for m in lins)
     if panel_rows is not None:
@@ -211,15 +213,18 @@ def test_auto_keeps_what_measures_faster(demo_model_dir, monkeypatch, tmp_path, 
 @needs_panels
 def test_linear_timing_measures_both_paths(demo_model_dir) -> None:
     from kvrelay.engine.attention.sdpa import sdpa_attention
+    from kvrelay.engine.cpu import kernel_choice
+    from kvrelay.engine.cpu.platform import CpuPlatform
     from kvrelay.engine.loader import load_model
 
     model, _ = load_model(demo_model_dir, device=torch.device("cpu"), dtype=torch.float32,
-                          attn_fn=sdpa_attention, max_positions=64, linear_kernel="mixed")
-    assert model.linear_kernel == "mixed"
-    panels_s, onednn_s = model.time_linears(8, reps=2)
+                          attn_fn=sdpa_attention, max_positions=64,
+                          platform=CpuPlatform(linear_kernel="mixed"))
+    assert kernel_choice.linear_kernel(model) == "mixed"
+    panels_s, onednn_s = kernel_choice.time_linears(model, 8, reps=2)
     assert 0 < panels_s < 10 and 0 < onednn_s < 10
-    model.keep_linear_kernel("onednn")
-    assert model.linear_kernel == "onednn"
+    kernel_choice.keep_linear_kernel(model, "onednn")
+    assert kernel_choice.linear_kernel(model) == "onednn"
 
 
 def test_unknown_linear_kernel_is_refused() -> None:

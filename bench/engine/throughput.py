@@ -51,7 +51,7 @@ import torch
 
 from bench.engine.core_runs import make_core, next_seed, prompt, run_prefill
 from bench.engine.roofline import Ceilings, best, gemm_tuning, prefetch_note, timed
-from kvrelay.engine.cpu import gemm
+from kvrelay.engine.cpu import gemm, kernel_choice
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampling_params import SamplingParams
 
@@ -261,7 +261,7 @@ def main() -> int:
 
     print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32; "
           f"{args.threads} threads; attention {core.runner.backend}; "
-          f"linears {core.runner.model.linear_kernel}; {gemm_tuning()}; "
+          f"linears {kernel_choice.linear_kernel(core.runner.model)}; {gemm_tuning()}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     ceil = Ceilings(hf_cfg.hidden_size, hf_cfg.intermediate_size, weight_bytes)
     mm0 = max(ceil.gflops() for _ in range(args.reps + 2))
@@ -340,7 +340,7 @@ def main() -> int:
         core.runner.model.fused_decode = fused
     # The short decode rows again with the linear kernel auto did not pick (oneDNN, or the
     # panels where auto kept oneDNN), so both kernels are measured in the same run.
-    picked = core.runner.model.linear_kernel
+    picked = kernel_choice.linear_kernel(core.runner.model)
     del core
     other = "onednn" if picked != "onednn" else "panels"
     if other == "onednn" or gemm.available():

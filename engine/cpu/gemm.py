@@ -8,7 +8,7 @@ weight is read from memory exactly once per step, at the stream bandwidth; at pr
 same tile runs compute-bound. Measured on a 2-core AMD EPYC (Zen 3, AVX2), ~150M demo model's
 projection shapes, against oneDNN's prepacked linear: 1.2-1.36x faster at 1-64 rows, 1.2x at
 128-512 and 1.1x at 2048 (``bench.engine.throughput`` samples both side by side; the loader
-picks per machine, see :func:`kvrelay.engine.loader.load_model`).
+picks per machine, see :func:`kvrelay.engine.cpu.kernel_choice.choose_linear_kernel`).
 """
 
 from __future__ import annotations

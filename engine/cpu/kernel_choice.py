@@ -1,15 +1,15 @@
-"""What ``--linear-kernel auto`` measured, kept for the next engine of the same kind.
+"""Which CPU kernel a model's linears are packed for at load, and what ``--linear-kernel auto``
+measured, kept for the next engine of the same kind.
 
-The choice between the native panel GEMM and oneDNN (:func:`kvrelay.engine.loader.
-choose_linear_kernel`) times both on the model's own linears at load, from 8 rows to a full
-prefill step's: a fraction of a second on the ~7M model, longer on larger ones, and on a busy
-machine a coin toss between two close kernels, so replicas of one deployment could differ. The
-result (the kernel, and the rows up to which ``mixed`` takes the panels) is kept in one small
-JSON file per key under the cache directory, beside the native build: the native kernels' build
-(its name holds their sources, flags, compiler and CPU), the torch build, the thread count, the
-rows a prefill step was timed at (the engine's token budget) and every linear's shape (a
-tensor-parallel shard has its own). A later engine of the same key packs only the kept kernel.
-Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
+The choice between the native panel GEMM and oneDNN (:func:`choose_linear_kernel`) times both on
+the model's own linears at load, from 8 rows to a full prefill step's: a fraction of a second on
+the ~7M model, longer on larger ones, and on a busy machine a coin toss between two close kernels,
+so replicas of one deployment could differ. The result (the kernel, and the rows up to which
+``mixed`` takes the panels) is kept in one small JSON file per key under the cache directory,
+beside the native build: the native kernels' build (its name holds their sources, flags, compiler
+and CPU), the torch build, the thread count, the rows a prefill step was timed at (the engine's
+token budget) and every linear's shape (a tensor-parallel shard has its own). A later engine of the
+same key packs only the kept kernel. Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
 """
 
 from __future__ import annotations
@@ -19,14 +19,29 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine.cpu import native
+from kvrelay.engine.cpu import gemm, hugepages, native
+from kvrelay.engine.models.linear import (
+    LINEAR_KERNELS,
+    MIXED_PANEL_ROWS,
+    Linear,
+    onednn_packing_available,
+)
+
+if TYPE_CHECKING:
+    from kvrelay.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# The most rows ``linear_kernel=auto`` times a prefill-sized pass at (a full step of the default
+# token budget): ~0.2 s a pass of one layer of the ~150M demo model.
+PREFILL_ROWS = 2048
 
 
 def cache_key(shapes: Sequence[tuple[int, int]], threads: int, prefill_rows: int) -> str:
@@ -61,3 +76,148 @@ def save(key: str, kernel: str, panel_rows: int, measured: dict[str, float]) -> 
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache: measure again next time
         logger.debug("could not keep the linear kernel choice in %s: %s", path, e)
+
+
+# -- a model's linears -------------------------------------------------------------------------
+def linears(model: LlamaForCausalLM) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def pack_weights(model: LlamaForCausalLM, *, onednn: bool = True, panels: bool = False) -> None:
+    """Repack every linear for oneDNN and/or the panel GEMM (CPU, fp32), after the weights
+    are loaded (see :class:`Linear`); a tied LM head packs the embedding."""
+    for m in linears(model):
+        if m is not model.lm_head:
+            m.pack(onednn=onednn, panels=panels)
+    model.lm_head.pack(model.embed if model.arch.tie_word_embeddings else None,
+                       onednn=onednn, panels=panels)
+
+
+def linear_shapes(model: LlamaForCausalLM) -> list[tuple[int, int]]:
+    """``(in, out)`` of every linear, in module order (what a kernel choice is made for)."""
+    return [(-1, m.out_features) if m.weight is None else (m.weight.shape[1], m.weight.shape[0])
+            for m in linears(model)]
+
+
+def linear_kernel(model: LlamaForCausalLM) -> str:
+    """Which copies the linears hold: ``panels``, ``onednn``, ``mixed`` or ``dense``."""
+    lin = model.layers[0].mlp.down
+    if lin.panels is not None:
+        return "mixed" if lin.packed is not None else "panels"
+    return "onednn" if lin.packed is not None else "dense"
+
+
+def keep_linear_kernel(model: LlamaForCausalLM, kernel: str,
+                       panel_rows: int = MIXED_PANEL_ROWS) -> None:
+    """From both copies (``pack_weights(onednn=True, panels=True)``) keep ``kernel``'s:
+    ``panels``, ``onednn``, or ``mixed`` (both, the panels up to ``panel_rows`` rows); the
+    panels, what a decode step streams, then move onto huge pages."""
+    lins = linears(model)
+    for m in lins:
+        if kernel != "mixed":
+            m.drop("onednn" if kernel == "panels" else "panels")
+        elif m.panels is not None and m.packed is not None:
+            m.panel_rows = panel_rows
+    hugepages.rehome(lins, "panels")
+
+
+@torch.inference_mode()
+def time_linears(model: LlamaForCausalLM, rows: int, layers: int | None = None,
+                 reps: int = 3) -> tuple[float, float]:
+    """Seconds of one pass of ``rows`` rows through the linears of the first ``layers``
+    layers (all, and the LM head, by default) via the panels and via oneDNN: the best of
+    ``reps`` each, interleaved so both see the same machine."""
+    mods = linears(model) if layers is None else [
+        m for layer in model.layers[:layers] for m in layer.modules() if isinstance(m, Linear)]
+    xs = [(m, torch.randn(rows, m.panels.shape[1])) for m in mods if m.panels is not None]
+
+    def run(panels: bool) -> float:
+        t = time.perf_counter()
+        for m, x in xs:
+            if panels:
+                m.panel_forward(x)
+            else:
+                m.packed_forward(x)
+        return time.perf_counter() - t
+
+    best = [float("inf"), float("inf")]
+    for _ in range(reps):
+        for i, panels in enumerate((True, False)):
+            best[i] = min(best[i], run(panels))
+    return best[0], best[1]
+
+
+# -- the choice --------------------------------------------------------------------------------
+def choose_linear_kernel(model: LlamaForCausalLM, kernel: str,
+                         prefill_rows: int = PREFILL_ROWS) -> str:
+    """Pack the linears for ``kernel`` (CPU, fp32) and return the one kept: ``panels`` (the
+    native panel GEMM, every row count), ``onednn`` (oneDNN's prepacked linear), ``mixed``
+    (panels up to ``MIXED_PANEL_ROWS`` rows, oneDNN above: two copies of the weights) or
+    ``auto``: pack both and time them (:func:`_measure_linears`), keeping oneDNN's copy only
+    where it wins. Kept per build, threads, token budget and shapes (:func:`save`)."""
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernel must be one of {'|'.join(LINEAR_KERNELS)}, "
+                         f"got {kernel!r}")
+    have_panels, have_onednn = gemm.available(), onednn_packing_available()
+    if kernel in ("panels", "mixed") and not have_panels:
+        raise RuntimeError(f"linear_kernel={kernel}: the native panel GEMM is unavailable "
+                           "(it needs AVX2+FMA and a C compiler; see the log)")
+    if kernel in ("onednn", "mixed") and not have_onednn:
+        raise RuntimeError(f"linear_kernel={kernel}: this torch build cannot prepack for oneDNN")
+    if kernel == "auto" and not (have_panels and have_onednn):
+        kernel = "panels" if have_panels else "onednn"
+    panel_rows = MIXED_PANEL_ROWS
+    if kernel == "auto":  # measured before for this build, thread count and shapes?
+        prefill_rows = max(MIXED_PANEL_ROWS + 1, min(prefill_rows, PREFILL_ROWS))
+        key = cache_key(linear_shapes(model), torch.get_num_threads(), prefill_rows)
+        kept = load(key)
+        if kept is not None:
+            kernel, panel_rows = kept
+            logger.info("linear kernels: %s (as measured before, cache key %s)", kernel, key)
+    if kernel != "auto":
+        pack_weights(model, onednn=kernel != "panels", panels=kernel != "onednn")
+        keep_linear_kernel(model, kernel, panel_rows)
+        return kernel
+    pack_weights(model, onednn=True, panels=True)
+    kernel, panel_rows, measured = _measure_linears(model, prefill_rows)
+    keep_linear_kernel(model, kernel, panel_rows)
+    save(key, kernel, panel_rows, measured)
+    return kernel
+
+
+def _measure_linears(model: LlamaForCausalLM, prefill_rows: int) -> tuple[str, int,
+                                                                           dict[str, float]]:
+    """``auto``: time a decode-sized pass (8 rows through every linear) both ways, then
+    prefill-sized ones (128, 256, ... rows up to ``prefill_rows`` through the first layer),
+    interleaved, and return the kernel to keep, the rows up to which ``mixed`` takes the panels
+    and the times. Both copies only where oneDNN wins the larger passes by > 10% (a second copy
+    of the weights for a clear win only: one layer is a short sample, and on a busy machine a
+    few percent either way is noise); the panels keep every row count below the first such pass,
+    decode steps included (their fused native layers need the panels). Which wins, and from
+    which rows, depends on the CPU: on a Zen 3 the panels won every size by 1.1-1.3x; on a
+    Cascade Lake Xeon oneDNN's lead grows with the rows (the tiny demo model's first layer:
+    1.06x at 256 rows, 1.2x at 1024, 1.4x at 2048) while at 80 rows a decode step through
+    the panels took 2/3 of one through oneDNN."""
+    small = time_linears(model, 8)
+    measured = {"panels_8": small[0] * 1e3, "onednn_8": small[1] * 1e3}
+    if small[1] <= small[0]:
+        kernel, panel_rows = "onednn", 0
+    else:
+        ladder = [r for r in (128, 256, 512, 1024, 2048) if r < prefill_rows] + [prefill_rows]
+        wins: list[int] = []  # rows at which oneDNN won clearly, ascending
+        for rows in ladder:
+            p, o = time_linears(model, rows, layers=1, reps=3)
+            measured[f"panels_{rows}"], measured[f"onednn_{rows}"] = p * 1e3, o * 1e3
+            wins = wins + [rows] if p > 1.1 * o else []
+            if len(wins) == 2:  # twice in a row: it only grows with the rows
+                break
+        if wins:
+            kernel, panel_rows = "mixed", max(MIXED_PANEL_ROWS, wins[0] // 2)
+        else:
+            kernel, panel_rows = "panels", 0
+    logger.info("linear kernels, panels vs oneDNN (ms): %s: keeping %s%s",
+                ", ".join(f"{k.split('_')[1]} rows {measured[k]:.1f} vs "
+                          f"{measured['onednn_' + k.split('_')[1]]:.1f}"
+                          for k in measured if k.startswith("panels_")),
+                kernel, f" (panels up to {panel_rows} rows)" if kernel == "mixed" else "")
+    return kernel, panel_rows, measured

@@ -26,7 +26,6 @@ import os
 import torch
 
 from kvrelay.engine.config import THREAD_BINDINGS as MODES
-from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.cpu import native
 
 logger = logging.getLogger(__name__)
@@ -65,16 +64,3 @@ def pin_engine_threads(mode: str, device: torch.device) -> dict[int, int]:
     else:
         logger.info("engine threads pinned to CPUs %s", cpus)
     return pinned
-
-
-def place_engine_thread(model: ModelConfig, device: torch.device) -> dict[int, int]:
-    """Put the calling thread, the one that steps an engine, where it runs: on CUDA on its
-    device (a new thread starts on GPU 0); on the CPU with its OpenMP threads pinned per
-    ``model.thread_binding``, except in a tensor-parallel replica, whose other ranks are not
-    pinned (so neither is rank 0). Returns ``{thread id: cpu}`` of the threads pinned."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        return {}
-    if model.tensor_parallel_size > 1:
-        return {}
-    return pin_engine_threads(model.thread_binding, device)

@@ -4,11 +4,15 @@ Tokens of a step arrive flattened (``[T]``), so one matmul serves every sequence
 q/k/v and gate/up projections are fused into single weights at load time. Logits are computed
 only for the rows that sample, and the last layer runs past its K/V projection only for the rows
 that are read (``AttentionMetadata.last_layer``).
+
+The model knows no kernels: its attention function is the backend's, and the platform packs its
+linears at load and may give it a fused path for the steps it can run whole
+(:mod:`kvrelay.engine.platform`).
 """
 
 from __future__ import annotations
 
-import time
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,16 +25,22 @@ from kvrelay.engine.attention import (
     current_metadata,
     write_kv,
 )
-from kvrelay.engine.cpu import hugepages
-from kvrelay.engine.cpu.fused_decode import FusedDecode
 from kvrelay.engine.kv_cache import kv_groups_of
 from kvrelay.engine.models.arch import ModelArch
-from kvrelay.engine.models.linear import (
-    MIXED_PANEL_ROWS,
-    Linear,
-    empty_param,
-)
+from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.pointwise import add_rms_norm, rope, silu_mul
+
+
+class FusedPath(Protocol):
+    """A platform's path through every layer at once, for the steps it takes (the CPU's fused
+    decode layers, :mod:`kvrelay.engine.cpu.fused_decode`)."""
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Every layer over ``h`` in place, or False (nothing done) for a step it does not
+        take."""
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The final norm of ``hidden`` where the last :meth:`run` computed it, else None."""
 
 
 class RMSNorm(nn.Module):
@@ -215,67 +225,7 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = None  # shares the embedding (see weights())
         self.rotary = Rotary(inv_freq, rope_scale, max_positions)
-        self.fused_decode: FusedDecode | None = None  # set once the weights are packed
-
-    def pack_weights(self, *, onednn: bool = True, panels: bool = False) -> None:
-        """Repack every linear for oneDNN and/or the panel GEMM (CPU, fp32), after the weights
-        are loaded (see :class:`Linear`)."""
-        for m in self.modules():
-            if isinstance(m, Linear) and m is not self.lm_head:
-                m.pack(onednn=onednn, panels=panels)
-        self.lm_head.pack(self.embed if self.arch.tie_word_embeddings else None,
-                          onednn=onednn, panels=panels)
-
-    def _linears(self) -> list[Linear]:
-        return [m for m in self.modules() if isinstance(m, Linear)]
-
-    def linear_shapes(self) -> list[tuple[int, int]]:
-        """``(in, out)`` of every linear, in module order (what a kernel choice is made for)."""
-        return [(-1, m.out_features) if m.weight is None else (m.weight.shape[1], m.weight.shape[0])
-                for m in self._linears()]
-
-    @property
-    def linear_kernel(self) -> str:
-        """Which copies the linears hold: ``panels``, ``onednn``, ``mixed`` or ``dense``."""
-        lin = self.layers[0].mlp.down
-        if lin.panels is not None:
-            return "mixed" if lin.packed is not None else "panels"
-        return "onednn" if lin.packed is not None else "dense"
-
-    def keep_linear_kernel(self, kernel: str, panel_rows: int = MIXED_PANEL_ROWS) -> None:
-        """From both copies (``pack_weights(onednn=True, panels=True)``) keep ``kernel``'s:
-        ``panels``, ``onednn``, or ``mixed`` (both, the panels up to ``panel_rows`` rows)."""
-        for m in self._linears():
-            if kernel != "mixed":
-                m.drop("onednn" if kernel == "panels" else "panels")
-            elif m.panels is not None and m.packed is not None:
-                m.panel_rows = panel_rows
-        hugepages.rehome(self._linears(), "panels")  # what a decode step streams
-
-    @torch.inference_mode()
-    def time_linears(self, rows: int, layers: int | None = None,
-                     reps: int = 3) -> tuple[float, float]:
-        """Seconds of one pass of ``rows`` rows through the linears of the first ``layers``
-        layers (all, and the LM head, by default) via the panels and via oneDNN: the best of
-        ``reps`` each, interleaved so both see the same machine."""
-        mods = self._linears() if layers is None else [
-            m for layer in self.layers[:layers] for m in layer.modules() if isinstance(m, Linear)]
-        xs = [(m, torch.randn(rows, m.panels.shape[1])) for m in mods if m.panels is not None]
-
-        def run(panels: bool) -> float:
-            t = time.perf_counter()
-            for m, x in xs:
-                if panels:
-                    m.panel_forward(x)
-                else:
-                    m.packed_forward(x)
-            return time.perf_counter() - t
-
-        best = [float("inf"), float("inf")]
-        for _ in range(reps):
-            for i, panels in enumerate((True, False)):
-                best[i] = min(best[i], run(panels))
-        return best[0], best[1]
+        self.fused_decode: FusedPath | None = None  # the platform's, set at load
 
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
         """Give each layer flat views of its K and V planes of the engine's KV tensor (of every

@@ -1,0 +1,96 @@
+"""The CPU platform: threads and oneDNN's caches before the first op, the native attention
+backend, the linear kernels' packing (and the choice between them) at load, the fused decode
+layers, weights on huge pages and the engine's threads pinned one per CPU."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvrelay.engine.attention import AttentionFn, select_backend
+from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.cpu import gemm, kernel_choice
+from kvrelay.engine.cpu.fused_decode import FusedDecode
+from kvrelay.engine.cpu.thread_pinning import pin_engine_threads
+from kvrelay.engine.heap import bound_onednn_caches
+from kvrelay.engine.models.linear import onednn_packing_available
+
+if TYPE_CHECKING:
+    from kvrelay.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class CpuPlatform:
+    """See :class:`kvrelay.engine.platform.Platform` for what each method promises."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device | None = None, *, num_threads: int | None = None,
+                 linear_kernel: str = "auto",
+                 prefill_rows: int = kernel_choice.PREFILL_ROWS):
+        self.device = torch.device("cpu") if device is None else device
+        self.num_threads = num_threads
+        self.linear_kernel = linear_kernel
+        self.prefill_rows = prefill_rows
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def configure(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        bound_onednn_caches()  # before the first oneDNN op (the weight prepacking)
+
+    def attention(self, name: str, dtype: torch.dtype) -> tuple[str, AttentionFn]:
+        return select_backend(name, self.device, dtype)
+
+    def prepare_model(self, model: LlamaForCausalLM, dtype: torch.dtype) -> str:
+        """Pack the linears for the configured kernel (``auto``: timed, or as kept before) and
+        build the fused decode layers over them, on CPU fp32 where either kernel is here;
+        returns the linears' kernel (``dense``: left unpacked)."""
+        if dtype != torch.float32 or not (onednn_packing_available() or gemm.available()):
+            model.fused_decode = None
+            return "dense"
+        kernel = kernel_choice.choose_linear_kernel(model, self.linear_kernel,
+                                                    self.prefill_rows)
+        model.fused_decode = FusedDecode.for_model(model)
+        return kernel
+
+    def pad_rows_above(self, model: LlamaForCausalLM) -> int | None:
+        """Steps of more rows are padded to a bucketed count (oneDNN compiles a primitive per
+        row count; the panel GEMM does not): from the panels' rows where oneDNN holds a copy,
+        never (None) without one."""
+        lm = model.lm_head
+        return lm.panel_rows if lm.packed is not None else None
+
+    def paged_flash(self, backend: str) -> bool:
+        return False
+
+    def kv_block_size(self, requested: int, backend: str) -> int:
+        return requested
+
+    def kv_budget(self, requested: int, utilization: float) -> int:
+        return requested
+
+    def graphs_off_reason(self, **_: object) -> str | None:
+        return "not a CUDA device"
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def overlaps_forward(self) -> bool:
+        """Whether host work (grammar masks) can run beside a forward: only where the forward
+        leaves a core free."""
+        return torch.get_num_threads() < len(os.sched_getaffinity(0))
+
+    def bind_thread(self, model: ModelConfig) -> dict[int, int]:
+        """The calling thread (the one that steps the engine) and its OpenMP workers pinned per
+        ``model.thread_binding``, except in a tensor-parallel replica, whose other ranks are not
+        pinned (so neither is rank 0). Returns ``{thread id: cpu}`` of the threads pinned."""
+        if model.tensor_parallel_size > 1:
+            return {}
+        return pin_engine_threads(model.thread_binding, self.device)

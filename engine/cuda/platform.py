@@ -1,0 +1,75 @@
+"""The CUDA platform: the device set per thread, bf16 by default, flash-attn (reading the paged
+cache where it can, which sets the KV block size), the KV budget within the GPU's memory, CUDA
+graphs for decode steps and step inputs copied through pinned memory."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvrelay.engine.attention import AttentionFn, flash_supports_paged, select_backend
+from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.cuda.graphs import graphs_off_reason
+from kvrelay.engine.cuda.memory import kv_budget_for, paged_flash_block_size
+
+if TYPE_CHECKING:
+    from kvrelay.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class CudaPlatform:
+    """See :class:`kvrelay.engine.platform.Platform` for what each method promises."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def configure(self) -> None:
+        torch.cuda.set_device(self.device)  # this thread's kernels and events on its GPU
+
+    def attention(self, name: str, dtype: torch.dtype) -> tuple[str, AttentionFn]:
+        return select_backend(name, self.device, dtype)
+
+    def prepare_model(self, model: LlamaForCausalLM, dtype: torch.dtype) -> str:
+        model.fused_decode = None
+        return "dense"
+
+    def pad_rows_above(self, model: LlamaForCausalLM) -> int | None:
+        return None
+
+    def paged_flash(self, backend: str) -> bool:
+        """Whether flash-attn reads the paged cache itself (no per-layer gather of every
+        sequence's K/V); the gather path stays for a flash-attn without ``block_table``."""
+        return backend == "flash" and flash_supports_paged()
+
+    def kv_block_size(self, requested: int, backend: str) -> int:
+        return paged_flash_block_size(requested) if self.paged_flash(backend) else requested
+
+    def kv_budget(self, requested: int, utilization: float) -> int:
+        return kv_budget_for(self.device, requested, utilization)
+
+    def graphs_off_reason(self, **kw: object) -> str | None:
+        off = graphs_off_reason(self.device, **kw)  # type: ignore[arg-type]
+        if off is not None:
+            logger.info("CUDA graphs off: %s", off)
+        return off
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A step input onto the GPU through pinned memory, so the copy is truly asynchronous
+        (from pageable memory ``non_blocking`` copies synchronously). torch's caching host
+        allocator reuses the pinned buffers and keeps each alive until its copy is done."""
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def overlaps_forward(self) -> bool:
+        return True
+
+    def bind_thread(self, model: ModelConfig) -> dict[int, int]:
+        torch.cuda.set_device(self.device)  # a new thread starts on GPU 0
+        return {}
