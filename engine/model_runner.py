@@ -11,13 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kvrelay.engine.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillSpan,
-    forward_context,
-    group_by_length,
-)
+from kvrelay.engine.attention import StepLayout, forward_context
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.cuda.graphs import DecodeGraphRunner
 from kvrelay.engine.device import resolve_device
@@ -41,10 +35,7 @@ from kvrelay.engine.sampler import TokenLogprob, sample
 from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.step_inputs import (  # padded_rows: imported from here by the tests too
     StepInputs,
-    cache_slots,
-    last_layer_rows,
     padded_rows,
-    padded_tables,
     row_order,
     sampled_rows,
 )
@@ -67,21 +58,21 @@ class ModelRunner:
         self.platform.configure()
         self.dtype = self.platform.default_dtype() if mc.dtype == "auto" else \
             dtype_from_name(mc.dtype)
-        self.backend, attn_fn = self.platform.attention(mc.attention_backend, self.dtype)
+        self.attention = self.platform.attention(mc.attention_backend, self.dtype)
+        self.backend = self.attention.name
         from kvrelay.engine.models.arch import load_model_config
 
         _, arch = load_model_config(mc.model)
         max_len = min(mc.max_model_len or arch.max_position_embeddings,
                       arch.max_position_embeddings)
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
-                                           attn_fn=attn_fn, max_positions=max_len,
+                                           attn_fn=self.attention, max_positions=max_len,
                                            shard=shard, platform=self.platform)
         self.shard = shard
         # Under TP each rank holds its own heads' KV (the budget is per rank).
         kv_heads = arch.num_kv_heads if shard is None else local_kv_heads(arch, shard.size)
         cc = config.cache
-        self.paged_flash = self.platform.paged_flash(self.backend)
-        block_size = self.platform.kv_block_size(cc.block_size, self.backend)
+        block_size = self.platform.kv_block_size(cc.block_size, self.attention)
         # --num-kv-blocks counts blocks of the configured size: keep the tokens it meant.
         exact = None if cc.num_blocks is None else max(1, cc.num_blocks * cc.block_size
                                                          // block_size)
@@ -99,22 +90,22 @@ class ModelRunner:
         else:
             self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
         self.model.bind_kv_cache(self.kv)
+        self.attention.bind_cache(self.kv_spec.num_kv_heads, arch.head_dim, self.dtype,
+                                  self.device)
         # What a KV transport registers: the tensor, or group 0 and the others as its ranks
         # (under TP, rank 0 maps every rank's groups: TPModelRunner).
         self.transfer_kv = kv_groups_of(self.kv)[0]
         if groups > 1 and shard is None:
             self.rank_kv = RankKV.from_views(group_views(self.kv, range(kv_heads)), kv_heads)
-        # The native prefill kernel's vectors are 16 floats wide: other head sizes use SDPA.
-        self.native_prefill = self.backend == "native" and arch.head_dim % 16 == 0
-        # The last layer on the rows read alone (last_layer_rows); TP ranks run every row.
-        self.prune_last = self.native_prefill and shard is None
+        # The last layer on the rows read alone (where the backend can); TP ranks run every row.
+        self.prune_last = self.attention.prunes_last_layer and shard is None
         # Steps of more rows than this are padded to a bucketed count (see padded_rows).
         self.pad_above: int | None = self.platform.pad_rows_above(self.model)
         # CUDA graphs for decode steps (decided once, here): they take the last block as the
         # padding rows' scratch, so the block manager gets one block fewer.
         off = self.platform.graphs_off_reason(
             enforce_eager=mc.enforce_eager, max_batch=mc.cuda_graph_max_batch,
-            paged_flash=self.paged_flash, tensor_parallel=shard is not None,
+            paged_flash=self.attention.paged, tensor_parallel=shard is not None,
             num_blocks=num_blocks, kv_head_groups=groups)
         self.num_usable_blocks = num_blocks if off is not None else num_blocks - 1
         # A sequence can never hold more tokens than the cache has slots.
@@ -125,7 +116,6 @@ class ModelRunner:
             self.decode_graphs = self.static_decode(
                 min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs))
             self.decode_graphs.capture()
-        self._scratch: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.eos_token_ids: frozenset[int] = frozenset()
         # Grammar masks of constrained rows: filled on a thread while the forward runs when the
@@ -150,7 +140,7 @@ class ModelRunner:
         CUDA graphs by the caller on CUDA; run eagerly by tests on the CPU). ``scratch_block``
         (default: the last) must be a block the block manager never hands out."""
         return DecodeGraphRunner(
-            model=self.model, backend=self.backend, device=self.device,
+            model=self.model, attention=self.attention, device=self.device,
             block_size=self.block_size, width=-(-self.max_model_len // self.block_size),
             scratch_block=self.kv_spec.num_blocks - 1 if scratch_block is None else scratch_block,
             max_batch=max_batch)
@@ -175,67 +165,38 @@ class ModelRunner:
 
     # -- inputs --------------------------------------------------------------------------------
     def prepare(self, scheduled: Seq[ScheduledSeq], all_rows: bool = False) -> StepInputs:
-        """The step's inputs (the model's output: the rows read alone unless ``all_rows``)."""
+        """The step's inputs (the model's output: the rows read alone unless ``all_rows``). The
+        attention's metadata is the backend's own, built from the step's layout."""
         bs = self.block_size
         prefill, decode = row_order(scheduled)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        spans: list[PrefillSpan] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
         logits_rows: list[int] = []
         sampled_order: list[int] = []
-        sampling: list[int] = []  # the spans that sample
-        for i in prefill + decode:
+        sampling: list[int] = []  # the prefill chunks that sample (their index among them)
+        for j, i in enumerate(prefill + decode):
             seq, n = scheduled[i]
             c = seq.num_computed_tokens
-            start = len(ids)
             ids.extend(seq.token_ids[c:c + n])
             pos.extend(range(c, c + n))
             bt = seq.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
-            if n > 1:
-                ctx = None if c == 0 or self.native_prefill else \
-                    cache_slots([bt], [c + n], bs)[0]
-                spans.append(PrefillSpan(start, n, c + n, ctx))
+            q_lens.append(n)
+            ctx_lens.append(c + n)
+            tables.append(bt)
             if c + n == seq.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampled_order.append(i)
-                sampling += [len(spans) - 1] if n > 1 else []
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_prefill_tokens=sum(scheduled[i].num_new_tokens for i in prefill),
-            prefills=spans,
-            block_size=bs,
-        )
-        if spans and self.native_prefill:  # one kernel call over every prefill span
-            meta.prefill_spans = torch.tensor(
-                [[sp.q_start for sp in spans], [sp.q_len for sp in spans],
-                 [sp.ctx_len for sp in spans]], dtype=torch.int32)
-            meta.prefill_tables = padded_tables(
-                [scheduled[i].seq.block_table for i in prefill],
-                max(-(-sp.ctx_len // bs) for sp in spans), torch.int32)
-        lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decode]
-        if decode and self.backend == "native":  # one kernel call over every decode
-            meta.decode_lens = torch.tensor(lens, dtype=torch.int32)
-            meta.decode_tables = padded_tables([scheduled[i].seq.block_table for i in decode],
-                                               -(-lens[-1] // bs), torch.int32)
-        elif decode:
-            start = 0
-            for count in group_by_length(lens, bs):
-                run = lens[start:start + count]
-                width = -(-run[-1] // bs)
-                tables = [scheduled[i].seq.block_table for i in decode[start:start + count]]
-                meta.decode_groups.append(DecodeGroup(
-                    start, count, torch.tensor(run, dtype=torch.long),
-                    padded_tables(tables, width)))
-                start += count
-        if self.backend == "flash":
-            self._add_flash_metadata(meta, scheduled, prefill + decode)
-        else:
-            meta.workspace = self._workspace(meta.gather_rows())
+                sampling += [j] if n > 1 else []
+        meta = self.attention.metadata(StepLayout(
+            bs, torch.tensor(slots, dtype=torch.long), q_lens, ctx_lens, tables, len(prefill)))
         if self.prune_last and not all_rows and not any(
                 scheduled[i].seq.sampling.prompt_logprobs is not None for i in prefill):
-            index = last_layer_rows(meta, sampling)
+            index = self.attention.last_layer_rows(meta, sampling)
             logits_rows = logits_rows if index is None else [index[r] for r in logits_rows]
         if self.pad_above is not None and len(ids) > self.pad_above:
             extra = padded_rows(len(ids)) - len(ids)  # token 0 at position 0: no KV, no attention
@@ -245,57 +206,12 @@ class ModelRunner:
             logits_rows.extend([logits_rows[-1]] * (padded_rows(len(logits_rows))
                                                     - len(logits_rows)))
         return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
-                          self._to_device(meta), sampled_rows(logits_rows, ids), sampled_order)
-
-    def _workspace(self, rows: int) -> torch.Tensor | None:
-        """The gather scratch for ``rows`` cache slots of K and of V; grows, never shrinks (its
-        high-water mark is what one step needs at most)."""
-        if rows == 0:
-            return None
-        need = 2 * rows * self.kv_spec.num_kv_heads * self.kv_spec.head_dim
-        if self._scratch is None or self._scratch.numel() < need:
-            self._scratch = torch.empty(int(need * 1.25), dtype=self.dtype, device=self.device)
-            logger.debug("attention workspace: %.1f MiB",
-                         self._scratch.numel() * self._scratch.element_size() / 2**20)
-        return self._scratch
-
-    def _add_flash_metadata(self, meta: AttentionMetadata, scheduled: Seq[ScheduledSeq],
-                            order: list[int]) -> None:
-        q_lens = [scheduled[i].num_new_tokens for i in order]
-        k_lens = [scheduled[i].seq.num_computed_tokens + scheduled[i].num_new_tokens
-                  for i in order]
-        tables = [scheduled[i].seq.block_table for i in order]
-        i32 = torch.int32
-        if self.paged_flash:
-            meta.flash_block_table = padded_tables(tables, -(-max(k_lens) // self.block_size),
-                                                   dtype=i32)
-        else:
-            slots = cache_slots(tables, k_lens, self.block_size)
-            meta.gather_slots = torch.cat([slots[j, :k] for j, k in enumerate(k_lens)])
-        meta.cu_seqlens_q = torch.tensor([0, *q_lens], dtype=i32).cumsum(0, dtype=i32)
-        meta.cu_seqlens_k = torch.tensor([0, *k_lens], dtype=i32).cumsum(0, dtype=i32)
-        meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
+                          meta.to_device(self._h2d), sampled_rows(logits_rows, ids),
+                          sampled_order)
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
         """A step input on the device (through pinned memory on a GPU: Platform.to_device)."""
         return self.platform.to_device(t)
-
-    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
-        if self.device.type == "cpu":
-            return meta
-        h2d = self._h2d
-        meta.slot_mapping = h2d(meta.slot_mapping)
-        for span in meta.prefills:
-            if span.ctx_slots is not None:
-                span.ctx_slots = h2d(span.ctx_slots)
-        for g in meta.decode_groups:
-            g.ctx_lens = h2d(g.ctx_lens)
-            g.block_tables = h2d(g.block_tables)
-        for name in ("cu_seqlens_q", "cu_seqlens_k", "gather_slots", "flash_block_table"):
-            t = getattr(meta, name)
-            if t is not None:
-                setattr(meta, name, h2d(t))
-        return meta
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from kvrelay.engine.attention import AttentionFn
+    from kvrelay.engine.attention import AttentionBackend
     from kvrelay.engine.config import EngineConfig, ModelConfig
     from kvrelay.engine.models.llama import LlamaForCausalLM
 
@@ -37,7 +37,7 @@ class Platform(Protocol):
         """Set up the calling thread and the process before the model is built (threads,
         caches, the current device)."""
 
-    def attention(self, name: str, dtype: torch.dtype) -> tuple[str, AttentionFn]:
+    def attention(self, name: str, dtype: torch.dtype) -> AttentionBackend:
         """The attention backend for ``--attention-backend name`` (``auto``: the best here)."""
 
     def prepare_model(self, model: LlamaForCausalLM, dtype: torch.dtype) -> str:
@@ -48,10 +48,7 @@ class Platform(Protocol):
         """The row count above which a step's rows are padded to a bucketed count (None:
         never)."""
 
-    def paged_flash(self, backend: str) -> bool:
-        """Whether ``backend`` reads the paged cache through block tables itself."""
-
-    def kv_block_size(self, requested: int, backend: str) -> int:
+    def kv_block_size(self, requested: int, backend: AttentionBackend) -> int:
         """The KV block size ``backend`` needs, given the configured one."""
 
     def kv_budget(self, requested: int, utilization: float) -> int:

@@ -1,8 +1,9 @@
 """How a step's tokens are laid out as rows: their order, the padding of their count, and the
 block tables and cache slots the attention reads, as tensors.
 
-``ModelRunner.prepare`` builds a step's inputs from these; whatever reads the step's hidden
-states by row (prompt logprobs) follows the same ``row_order``.
+``ModelRunner.prepare`` builds a step's inputs from these (the attention's view of the step:
+:mod:`kvrelay.engine.attention.step`); whatever reads the step's hidden states by row (prompt
+logprobs) follows the same ``row_order``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvrelay.engine.attention import AttentionMetadata, LastLayerRows
+from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.kv_connector import ScheduledSeq
 
 
@@ -55,48 +56,3 @@ def row_order(scheduled: Seq[ScheduledSeq]) -> tuple[list[int], list[int]]:
     decode = sorted((i for i, s in enumerate(scheduled) if s.num_new_tokens == 1),
                     key=lambda i: scheduled[i].seq.num_computed_tokens)
     return prefill, decode
-
-
-def padded_tables(block_tables: list[list[int]], width: int,
-                  dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``[N, width]`` block tables cut or padded to ``width`` (padding is block 0, which the
-    masks hide)."""
-    return torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables],
-                        dtype=dtype)
-
-
-def cache_slots(block_tables: list[list[int]], lengths: list[int],
-                block_size: int) -> torch.Tensor:
-    """``[N, max(lengths)]`` cache slots of positions ``0..len-1`` of each block table
-    (padding points at slot 0, which the masks hide)."""
-    bs = block_size
-    width = -(-max(lengths) // bs)
-    table = padded_tables(block_tables, width)
-    slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(block_tables), width * bs)
-    return slots[:, :max(lengths)]
-
-
-def last_layer_rows(meta: AttentionMetadata, sampling: list[int]) -> dict[int, int] | None:
-    """Set ``meta.last_layer`` to the rows the last layer must run past its K/V: the last row of
-    each prefill span in ``sampling`` (indices into ``meta.prefills``), then every decode.
-    Returns each such row's index among them, or None (and sets nothing) when that would be
-    every real row. Needs the native kernels' metadata (``prefill_spans`` wherever there are
-    prefill spans, ``decode_lens`` wherever there are decodes)."""
-    p, nd = meta.num_prefill_tokens, meta.num_decodes
-    rows = [meta.prefills[j].q_start + meta.prefills[j].q_len - 1 for j in sampling]
-    rows.extend(range(p, p + nd))
-    if len(rows) == p + nd:
-        return None
-    sub = AttentionMetadata(slot_mapping=meta.slot_mapping, num_prefill_tokens=len(sampling),
-                            prefills=[], block_size=meta.block_size,
-                            decode_tables=meta.decode_tables, decode_lens=meta.decode_lens)
-    if sampling:
-        assert meta.prefill_spans is not None and meta.prefill_tables is not None
-        idx = torch.tensor(sampling, dtype=torch.long)
-        n = len(sampling)
-        sub.prefill_spans = torch.stack([
-            torch.arange(n, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
-            meta.prefill_spans[2].index_select(0, idx)]).contiguous()
-        sub.prefill_tables = meta.prefill_tables.index_select(0, idx).contiguous()
-    meta.last_layer = LastLayerRows(torch.tensor(rows, dtype=torch.long), sub)
-    return {r: i for i, r in enumerate(rows)}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine.attention import AttentionMetadata, DecodeGroup, group_by_length
+from kvrelay.engine.attention import DecodeGroup, SdpaMetadata, group_by_length
 from kvrelay.engine.attention.sdpa import sdpa_attention
 
 
@@ -50,8 +50,8 @@ def test_grouped_decodes_equal_per_sequence_attention(window: int | None) -> Non
         groups.append(DecodeGroup(start, count, torch.tensor(run), torch.tensor(padded)))
         start += count
     assert len(groups) > 1
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_prefill_tokens=0,
-                             prefills=[], block_size=bs, decode_groups=groups)
+    meta = SdpaMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_prefill_tokens=0,
+                        block_size=bs, decode_groups=groups)
     q = torch.randn(len(lens), heads, d)
     none = torch.empty(0, kvh, d)
     out = sdpa_attention(q, none, none, k_cache, v_cache, meta, 0.3, window)

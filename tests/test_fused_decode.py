@@ -89,7 +89,7 @@ def test_fused_decode_equals_the_per_op_path_and_transformers(hf_model_dir, arch
     taken = count_fused(monkeypatch)
     fused = decode_logits(fused_core, prompt, ref.token_ids)
     # every decode step; the prompts' steps too where the native prefill kernel runs them
-    prompts = 3 if fused_core.runner.native_prefill else 0
+    prompts = 3 if fused_core.runner.attention.native_prefill else 0
     assert taken.count(True) == len(ref.token_ids) - 1 + prompts
     assert taken.count(False) == 3 - prompts
     plain = decode_logits(plain_core, prompt, ref.token_ids)

@@ -137,9 +137,9 @@ def test_flash_only_for_half_precision(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(attn, "_import_flash", lambda: sentinel)
     cuda = torch.device("cuda", 0)
     for dt in (torch.float16, torch.bfloat16):
-        assert attn.select_backend("auto", cuda, dt) == ("flash", sentinel)
+        assert attn.select_backend("auto", cuda, dt) is sentinel
     with caplog.at_level(logging.INFO, logger=attn.__name__):
-        name, _ = attn.select_backend("auto", cuda, torch.float32)
+        name = attn.select_backend("auto", cuda, torch.float32).name
     assert name == "sdpa" and "no torch.float32 kernels" in caplog.text
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         attn.select_backend("flash", cuda, torch.float32)
@@ -160,7 +160,7 @@ def test_flash_that_does_not_load_falls_back_to_sdpa(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(builtins, "__import__", broken)
     cuda = torch.device("cuda", 0)
     with caplog.at_level(logging.WARNING, logger=attn.__name__):
-        name, _ = attn.select_backend("auto", cuda, torch.bfloat16)
+        name = attn.select_backend("auto", cuda, torch.bfloat16).name
     assert name == "sdpa" and "undefined symbol" in caplog.text
     with pytest.raises(ImportError, match="does not load"):
         attn.select_backend("flash", cuda, torch.bfloat16)
@@ -169,9 +169,8 @@ def test_flash_that_does_not_load_falls_back_to_sdpa(monkeypatch: pytest.MonkeyP
 def test_cpu_selection_unchanged() -> None:
     from kvrelay.engine.attention import select_backend
 
-    name, _ = select_backend("auto", torch.device("cpu"), torch.float32)
-    assert name in ("native", "sdpa")
-    assert select_backend("auto", torch.device("cpu"), torch.bfloat16)[0] == "sdpa"
+    assert select_backend("auto", torch.device("cpu"), torch.float32).name in ("native", "sdpa")
+    assert select_backend("auto", torch.device("cpu"), torch.bfloat16).name == "sdpa"
 
 
 # -- the KV-ready event ----------------------------------------------------------------------
@@ -327,9 +326,10 @@ def test_paged_flash_block_size() -> None:
 
 
 def test_flash_metadata_paged_and_gather(demo_model_dir: str) -> None:
-    """The runner's flash-attn view of a step: block tables for the paged kernel, else the
-    gathered slots; both name the same visible keys."""
+    """The flash-attn backend's view of a step the runner laid out: block tables for the paged
+    kernel, else the gathered slots; both name the same visible keys."""
     from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.cuda.flash import FlashBackend
     from kvrelay.engine.engine_core import EngineCore
     from kvrelay.engine.kv_connector import ScheduledSeq
     from kvrelay.engine.sampling_params import SamplingParams
@@ -343,20 +343,17 @@ def test_flash_metadata_paged_and_gather(demo_model_dir: str) -> None:
     for s in seqs:
         assert bm.allocate(s, len(s.token_ids))
     seqs[1].num_computed_tokens = 4  # a decode over 4 cached tokens
-    sched = [ScheduledSeq(seqs[0], 40), ScheduledSeq(seqs[1], 1), ScheduledSeq(seqs[2], 17)]
-    order = [0, 1, 2]
+    sched = [ScheduledSeq(seqs[0], 40), ScheduledSeq(seqs[2], 17), ScheduledSeq(seqs[1], 1)]
     metas = {}
     for paged in (False, True):
-        runner.paged_flash = paged
-        meta = runner.prepare(sched).meta
-        runner._add_flash_metadata(meta, sched, order)
-        metas[paged] = meta
+        runner.attention = FlashBackend(paged=paged)
+        metas[paged] = runner.prepare(sched).meta
     gather, paged_meta = metas[False], metas[True]
     assert paged_meta.gather_slots is None and gather.flash_block_table is None
     table = paged_meta.flash_block_table
     assert table is not None and table.dtype == torch.int32 and table.shape == (3, 3)
     k_lens = torch.diff(paged_meta.cu_seqlens_k).tolist()
-    assert k_lens == [40, 5, 17]
+    assert k_lens == [40, 17, 5]  # row order: the prefill chunks, then the decode
     slots = torch.cat([(table[j, :-(-k // 16)].long()[:, None] * 16 + torch.arange(16))
                        .flatten()[:k] for j, k in enumerate(k_lens)])
     assert torch.equal(slots, gather.gather_slots)

@@ -1,5 +1,7 @@
-"""Attention backends over the paged KV cache: native paged kernels (CPU, fp32), torch SDPA (any
-device) and flash-attn (CUDA)."""
+"""Attention backends over the paged KV cache: native paged kernels (CPU, fp32:
+``engine/cpu/attention.py``), torch SDPA (any device: ``sdpa.py``) and flash-attn (CUDA:
+``engine/cuda/flash.py``). Each is an :class:`AttentionBackend` that builds its own metadata from
+the runner's backend-neutral :class:`StepLayout`; :func:`select_backend` picks one by name."""
 
 from __future__ import annotations
 
@@ -9,19 +11,23 @@ from collections.abc import Callable
 
 import torch
 
+from kvrelay.engine.attention.backend import AttentionBackend
 from kvrelay.engine.attention.metadata import (
     AttentionMetadata,
     DecodeGroup,
     LastLayerRows,
     PrefillSpan,
+    SdpaMetadata,
     current_metadata,
     forward_context,
     group_by_length,
 )
-from kvrelay.engine.attention.sdpa import sdpa_attention, write_kv
+from kvrelay.engine.attention.sdpa import SdpaBackend, sdpa_attention, write_kv
+from kvrelay.engine.attention.step import DecodeRows, StepLayout
 
-__all__ = ["AttentionFn", "AttentionMetadata", "DecodeGroup", "LastLayerRows", "PrefillSpan",
-           "current_metadata", "flash_supports_paged", "forward_context", "group_by_length",
+__all__ = ["AttentionBackend", "AttentionFn", "AttentionMetadata", "DecodeGroup", "DecodeRows",
+           "LastLayerRows", "PrefillSpan", "SdpaBackend", "SdpaMetadata", "StepLayout",
+           "current_metadata", "forward_context", "group_by_length", "sdpa_attention",
            "select_backend", "write_kv"]
 
 logger = logging.getLogger(__name__)
@@ -36,29 +42,22 @@ def flash_available() -> bool:
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def flash_supports_paged() -> bool:
-    """Whether the installed flash-attn's varlen kernel reads a paged cache (``block_table``,
-    flash-attn >= 2.5). Only asked once the flash backend was chosen."""
-    from kvrelay.engine.cuda.flash import supports_paged
-
-    return supports_paged()
-
-
-def _import_flash() -> AttentionFn | None:
+def _import_flash() -> AttentionBackend | None:
     """The flash-attn backend, or None with a warning when the module is installed but does not
     load (a wheel built against another torch: undefined symbols in its CUDA extension)."""
     try:
-        from kvrelay.engine.cuda.flash import flash_attention
+        from kvrelay.engine.cuda.flash import FlashBackend
+
+        return FlashBackend.load()
     except (ImportError, OSError) as e:
         logger.warning("flash-attn is installed but does not load (%s: %s); using torch SDPA. "
                        "Rebuild it against this torch: make install-gpu", type(e).__name__, e)
         return None
-    return flash_attention
 
 
 def select_backend(name: str, device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> tuple[str, AttentionFn]:
-    """Pick the attention function for ``device``: 'auto' takes flash-attn only on CUDA, in
+                   dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """Pick the attention backend for ``device``: 'auto' takes flash-attn only on CUDA, in
     fp16/bf16 (flash-attn has no fp32 kernels), with the ``gpu`` extra installed and loadable
     (the CUDA module is never imported otherwise), and on the CPU in fp32 the native paged
     kernels when they build here (else torch SDPA)."""
@@ -70,15 +69,15 @@ def select_backend(name: str, device: torch.device,
         if not flash_available():
             raise ImportError(
                 "attention_backend=flash needs flash-attn: make install-gpu")
-        fn = _import_flash()
-        if fn is None:
+        backend = _import_flash()
+        if backend is None:
             raise ImportError("attention_backend=flash: flash-attn does not load (see the log)")
-        return "flash", fn
+        return backend
     if name == "auto" and device.type == "cuda" and flash_available():
         if dtype in FLASH_DTYPES:
-            fn = _import_flash()
-            if fn is not None:
-                return "flash", fn
+            backend = _import_flash()
+            if backend is not None:
+                return backend
         else:
             logger.info("attention: torch SDPA, flash-attn has no %s kernels", dtype)
     if name not in ("auto", "sdpa", "native"):
@@ -87,10 +86,10 @@ def select_backend(name: str, device: torch.device,
         from kvrelay.engine.cpu import attention as native
 
         if native.available():
-            return "native", native.native_attention
+            return native.NativeBackend()
         if name == "native":
             raise RuntimeError("attention_backend=native: the CPU kernels could not be built "
                                "(see the log; a C compiler with OpenMP is needed)")
     elif name == "native":
         raise ValueError("attention_backend=native needs fp32 on the CPU")
-    return "sdpa", sdpa_attention
+    return SdpaBackend()

@@ -112,41 +112,54 @@ class LastLayerRows:
 
 @dataclass
 class AttentionMetadata:
+    """What every backend's metadata of a step holds (each backend extends it with its own view
+    of the batch, built by the backend from the step's :class:`~kvrelay.engine.attention.step.
+    StepLayout`)."""
+
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     num_prefill_tokens: int
-    prefills: list[PrefillSpan]
     block_size: int = 0
-    # Decodes follow the prefill tokens, sorted by context length into groups (torch SDPA) ...
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    # ... or, for the native kernel, every decode at once: int32 [N, W] block tables and [N]
-    # context lengths (new token included).
-    decode_tables: torch.Tensor | None = None
-    decode_lens: torch.Tensor | None = None
-    # Native prefill kernel: every span at once, int32 [3, S] (first row, rows, visible keys)
-    # and int32 [S, W] block tables; the spans then need no ctx_slots gather.
-    prefill_spans: torch.Tensor | None = None
-    prefill_tables: torch.Tensor | None = None
-    # Scratch the backend gathers cached K/V into (the runner keeps it across steps: a fresh
-    # buffer per gather costs more in page faults than the copy itself). None: allocate.
-    workspace: torch.Tensor | None = None
-    # CUDA (flash-attn) view of the same batch
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    gather_slots: torch.Tensor | None = None  # all visible slots, sequence after sequence
-    flash_block_table: torch.Tensor | None = None  # int32 [N, W]: paged flash-attn, no gather
     # Called with the layer index right after that layer's K/V are written to the cache.
-    on_kv_written: Callable[[int], None] | None = None
+    on_kv_written: Callable[[int], None] | None = field(default=None, kw_only=True)
     # Where set, the model's last layer runs only these rows past its K/V (its output then
     # holds them alone, in this order).
-    last_layer: LastLayerRows | None = None
+    last_layer: LastLayerRows | None = field(default=None, kw_only=True)
 
     @property
     def num_decodes(self) -> int:
-        if self.decode_lens is not None:
-            return self.decode_lens.numel()
+        raise NotImplementedError
+
+    def to_device(self, h2d: Callable[[torch.Tensor], torch.Tensor]) -> AttentionMetadata:
+        """Its tensors through ``h2d`` (onto the device), in place; returns itself."""
+        self.slot_mapping = h2d(self.slot_mapping)
+        return self
+
+
+@dataclass
+class SdpaMetadata(AttentionMetadata):
+    """torch SDPA's view: one call per prefill span, one padded call per group of decodes of
+    similar context length."""
+
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # Decodes follow the prefill tokens, sorted by context length into groups.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # Scratch the backend gathers cached K/V into (the backend keeps it across steps: a fresh
+    # buffer per gather costs more in page faults than the copy itself). None: allocate.
+    workspace: torch.Tensor | None = None
+
+    @property
+    def num_decodes(self) -> int:
         return sum(g.count for g in self.decode_groups)
+
+    def to_device(self, h2d: Callable[[torch.Tensor], torch.Tensor]) -> SdpaMetadata:
+        super().to_device(h2d)
+        for span in self.prefills:
+            if span.ctx_slots is not None:
+                span.ctx_slots = h2d(span.ctx_slots)
+        for g in self.decode_groups:
+            g.ctx_lens = h2d(g.ctx_lens)
+            g.block_tables = h2d(g.block_tables)
+        return self
 
     def gather_rows(self) -> int:
         """Cache rows (slots) the largest single gather of this step reads: K and V of one

@@ -9,11 +9,23 @@ axis, so grouped-query attention needs no copy of K/V per query head.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine.attention.metadata import AttentionMetadata
+from kvrelay.engine.attention.backend import AttentionBackend
+from kvrelay.engine.attention.metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    SdpaMetadata,
+    group_by_length,
+)
+from kvrelay.engine.attention.step import DecodeRows, StepLayout, cache_slots, padded_tables
 from kvrelay.engine.pointwise import write_kv_rows
+
+logger = logging.getLogger(__name__)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -34,7 +46,7 @@ def zero_padding(out: torch.Tensor, meta: AttentionMetadata) -> None:
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, window: int | None,
+    meta: SdpaMetadata, scale: float, window: int | None,
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, KVH, D]``; caches are flat ``[slots, KVH, D]``. Returns
     ``[T, H, D]``. The new K/V must already be in the caches."""
@@ -48,7 +60,7 @@ def sdpa_attention(
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor,
+    meta: SdpaMetadata, scale: float, window: int | None, out: torch.Tensor,
 ) -> None:
     """The prefill spans of the step (rows ``[0, num_prefill_tokens)``), one SDPA call each."""
     gqa = q.shape[1] != k.shape[1]
@@ -70,7 +82,7 @@ def prefill_attention(
 
 def grouped_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor,
+    meta: SdpaMetadata, scale: float, window: int | None, out: torch.Tensor,
 ) -> None:
     """The step's decodes (rows from ``num_prefill_tokens`` on), one padded SDPA call per
     group of similar context lengths."""
@@ -95,3 +107,76 @@ def grouped_decode_attention(
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, bs),
                                            scale=scale)
         out[start:start + g.count] = o.reshape(g.count, num_heads, head_dim)
+
+
+def prefill_spans(step: StepLayout, gather: bool) -> list[PrefillSpan]:
+    """The step's prefill chunks as spans; with ``gather`` a chunk over a cached prefix lists
+    its visible keys' slots (gathered from the cache), else none do."""
+    bs, starts = step.block_size, step.q_starts()
+    spans = []
+    for j in range(step.num_prefills):
+        n, ctx = step.q_lens[j], step.ctx_lens[j]
+        slots = cache_slots([step.block_tables[j]], [ctx], bs)[0] if gather and ctx > n else None
+        spans.append(PrefillSpan(starts[j], n, ctx, slots))
+    return spans
+
+
+class SdpaBackend(AttentionBackend):
+    """torch SDPA over the paged cache (any device): gathers what it reads into a workspace it
+    keeps across steps."""
+
+    name = "sdpa"
+
+    def __init__(self) -> None:
+        self._row = 0  # elements of one cache slot (kv heads x head dim)
+        self._dtype, self._device = torch.float32, torch.device("cpu")
+        self._scratch: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, window: int | None) -> torch.Tensor:
+        assert isinstance(meta, SdpaMetadata)
+        return sdpa_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+
+    def bind_cache(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        self._row, self._dtype, self._device = num_kv_heads * head_dim, dtype, device
+
+    def metadata(self, step: StepLayout) -> SdpaMetadata:
+        meta = SdpaMetadata(step.slot_mapping, step.num_prefill_tokens, step.block_size,
+                            prefills=prefill_spans(step, gather=True))
+        meta.decode_groups = decode_groups(step)
+        meta.workspace = self.workspace(meta.gather_rows())
+        return meta
+
+    def decode_metadata(self, rows: DecodeRows) -> SdpaMetadata:
+        # one padded group; its mask is rebuilt per (eager) call
+        n = rows.seq_lens.shape[0]
+        return SdpaMetadata(rows.slot_mapping, 0, rows.block_size,
+                            decode_groups=[DecodeGroup(0, n, rows.seq_lens, rows.block_tables)])
+
+    def workspace(self, rows: int) -> torch.Tensor | None:
+        """The gather scratch for ``rows`` cache slots of K and of V; grows, never shrinks (its
+        high-water mark is what one step needs at most)."""
+        if rows == 0:
+            return None
+        need = 2 * rows * self._row
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(int(need * 1.25), dtype=self._dtype, device=self._device)
+            logger.debug("attention workspace: %.1f MiB",
+                         self._scratch.numel() * self._scratch.element_size() / 2**20)
+        return self._scratch
+
+
+def decode_groups(step: StepLayout) -> list[DecodeGroup]:
+    """The step's decodes (ascending context lengths) in groups of similar length, each with
+    its block tables padded to the group's longest."""
+    p, bs = step.num_prefills, step.block_size
+    lens = step.ctx_lens[p:]
+    groups, start = [], 0
+    for count in group_by_length(lens, bs):
+        run = lens[start:start + count]
+        tables = padded_tables(step.block_tables[p + start:p + start + count], -(-run[-1] // bs))
+        groups.append(DecodeGroup(start, count, torch.tensor(run, dtype=torch.long), tables))
+        start += count
+    return groups

@@ -12,13 +12,49 @@ table, once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from kvrelay.engine.attention.metadata import AttentionMetadata
-from kvrelay.engine.attention.sdpa import prefill_attention, zero_padding
+from kvrelay.engine.attention.metadata import AttentionMetadata, LastLayerRows, SdpaMetadata
+from kvrelay.engine.attention.sdpa import (
+    SdpaBackend,
+    prefill_attention,
+    prefill_spans,
+    zero_padding,
+)
+from kvrelay.engine.attention.step import DecodeRows, StepLayout, padded_tables
 from kvrelay.engine.cpu.native import available, load
 
-__all__ = ["available", "native_attention", "paged_decode", "paged_prefill"]
+__all__ = ["NativeBackend", "NativeMetadata", "available", "native_attention", "paged_decode",
+           "paged_prefill"]
+
+
+@dataclass
+class NativeMetadata(SdpaMetadata):
+    """The native kernels' view: every decode at once (int32 ``[N, W]`` block tables and ``[N]``
+    context lengths, the new token included) and, where the head size suits the prefill kernel,
+    every prefill span at once (int32 ``[3, S]``: first row, rows, visible keys; and ``[S, W]``
+    block tables; the spans then need no ``ctx_slots`` gather). Otherwise the prefill spans go
+    through SDPA as :class:`SdpaMetadata`'s."""
+
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    prefill_spans: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_lens is None else self.decode_lens.numel()
+
+    def to_device(self, h2d: Callable[[torch.Tensor], torch.Tensor]) -> NativeMetadata:
+        super().to_device(h2d)
+        for name in ("decode_tables", "decode_lens", "prefill_spans", "prefill_tables"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, h2d(t))
+        return self
 
 # Fewest keys in one decode work item: the kernel cuts a sequence's context into partitions of
 # at least this many keys, so a small batch with long contexts still gives every thread work
@@ -74,7 +110,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def native_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, window: int | None,
+    meta: NativeMetadata, scale: float, window: int | None,
 ) -> torch.Tensor:
     """The CPU backend: every prefill span of the step in one call of the paged prefill kernel
     (torch SDPA where the head size is not a multiple of 16), every decode in one call of the
@@ -93,3 +129,78 @@ def native_attention(
                      meta.block_size, scale, window)
     zero_padding(out, meta)
     return out
+
+
+class NativeBackend(SdpaBackend):
+    """The native paged kernels (CPU, fp32). The prefill kernel's vectors are 16 floats wide:
+    other head sizes run their prefill spans through SDPA (:meth:`bind_cache` decides)."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.native_prefill = True
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, window: int | None) -> torch.Tensor:
+        assert isinstance(meta, NativeMetadata)
+        return native_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+
+    def bind_cache(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        super().bind_cache(num_kv_heads, head_dim, dtype, device)
+        self.native_prefill = head_dim % 16 == 0
+        # The last layer on the rows read alone needs the spans as one tensor.
+        self.prunes_last_layer = self.native_prefill
+
+    def metadata(self, step: StepLayout) -> NativeMetadata:
+        bs, p = step.block_size, step.num_prefills
+        spans = prefill_spans(step, gather=not self.native_prefill)
+        meta = NativeMetadata(step.slot_mapping, step.num_prefill_tokens, bs, prefills=spans)
+        if spans and self.native_prefill:  # one kernel call over every prefill span
+            meta.prefill_spans = torch.tensor(
+                [[sp.q_start for sp in spans], [sp.q_len for sp in spans],
+                 [sp.ctx_len for sp in spans]], dtype=torch.int32)
+            meta.prefill_tables = padded_tables(
+                step.block_tables[:p], max(-(-sp.ctx_len // bs) for sp in spans), torch.int32)
+        lens = step.ctx_lens[p:]
+        if lens:  # one kernel call over every decode
+            meta.decode_lens = torch.tensor(lens, dtype=torch.int32)
+            meta.decode_tables = padded_tables(step.block_tables[p:], -(-lens[-1] // bs),
+                                               torch.int32)
+        meta.workspace = self.workspace(meta.gather_rows())
+        return meta
+
+    def decode_metadata(self, rows: DecodeRows) -> NativeMetadata:
+        return NativeMetadata(rows.slot_mapping, 0, rows.block_size,
+                              decode_lens=rows.seq_lens, decode_tables=rows.block_tables)
+
+    def last_layer_rows(self, meta: AttentionMetadata, sampling: list[int]) \
+            -> dict[int, int] | None:
+        assert isinstance(meta, NativeMetadata)
+        return last_layer_rows(meta, sampling) if self.prunes_last_layer else None
+
+
+def last_layer_rows(meta: NativeMetadata, sampling: list[int]) -> dict[int, int] | None:
+    """Set ``meta.last_layer`` to the rows the last layer must run past its K/V: the last row of
+    each prefill span in ``sampling`` (indices into ``meta.prefills``), then every decode.
+    Returns each such row's index among them, or None (and sets nothing) when that would be
+    every real row. Needs ``prefill_spans`` wherever there are prefill spans."""
+    p, nd = meta.num_prefill_tokens, meta.num_decodes
+    rows = [meta.prefills[j].q_start + meta.prefills[j].q_len - 1 for j in sampling]
+    rows.extend(range(p, p + nd))
+    if len(rows) == p + nd:
+        return None
+    sub = NativeMetadata(meta.slot_mapping, len(sampling), meta.block_size,
+                         decode_tables=meta.decode_tables, decode_lens=meta.decode_lens)
+    if sampling:
+        assert meta.prefill_spans is not None and meta.prefill_tables is not None
+        idx = torch.tensor(sampling, dtype=torch.long)
+        n = len(sampling)
+        sub.prefill_spans = torch.stack([
+            torch.arange(n, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
+            meta.prefill_spans[2].index_select(0, idx)]).contiguous()
+        sub.prefill_tables = meta.prefill_tables.index_select(0, idx).contiguous()
+    meta.last_layer = LastLayerRows(torch.tensor(rows, dtype=torch.long), sub)
+    return {r: i for i, r in enumerate(rows)}

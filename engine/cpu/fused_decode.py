@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.cpu import gemm, native, prefetch_tuner
-from kvrelay.engine.cpu.attention import MIN_PART_TOKENS, native_attention
+from kvrelay.engine.cpu.attention import MIN_PART_TOKENS, NativeBackend, NativeMetadata
 from kvrelay.engine.cpu.prefetch_tuner import PrefetchTuner
 from kvrelay.engine.models.linear import Linear
 
@@ -100,7 +99,7 @@ class FusedDecode:
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
             lins = (a.qkv, a.o, m.gate_up, m.down)
-            if a.q_norm is not None or a.attn_fn is not native_attention or a.head_dim % 2 \
+            if a.q_norm is not None or not isinstance(a.attn_fn, NativeBackend) or a.head_dim % 2 \
                     or any(type(lin) is not Linear or lin.panels is None for lin in lins):
                 return None
         return cls(model)
@@ -136,7 +135,7 @@ class FusedDecode:
         self._cache_ptr = model.layers[0].attn.k_cache.data_ptr()
         return layers
 
-    def takes(self, rows: int, meta: AttentionMetadata) -> bool:
+    def takes(self, rows: int, meta: NativeMetadata) -> bool:
         """Whether a step of ``rows`` rows with this metadata is one this path runs."""
         p, nd = meta.num_prefill_tokens, meta.num_decodes
         if meta.on_kv_written or p + nd != rows or meta.slot_mapping.shape[0] != rows \
@@ -146,7 +145,7 @@ class FusedDecode:
             return False
         return not p or (meta.prefill_spans is not None and meta.prefill_tables is not None)
 
-    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: NativeMetadata) -> bool:
         """Every layer over the step's rows (``h``, the embeddings, updated in place, as the
         per-op path does; the first layer norms its input itself), if the step is one this path
         takes; False (nothing done) otherwise. The RoPE tables' rows are read at ``positions``

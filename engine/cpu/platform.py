@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine.attention import AttentionFn, select_backend
+from kvrelay.engine.attention import AttentionBackend, select_backend
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.cpu import gemm, kernel_choice
 from kvrelay.engine.cpu.fused_decode import FusedDecode
@@ -45,7 +45,7 @@ class CpuPlatform:
             torch.set_num_threads(self.num_threads)
         bound_onednn_caches()  # before the first oneDNN op (the weight prepacking)
 
-    def attention(self, name: str, dtype: torch.dtype) -> tuple[str, AttentionFn]:
+    def attention(self, name: str, dtype: torch.dtype) -> AttentionBackend:
         return select_backend(name, self.device, dtype)
 
     def prepare_model(self, model: LlamaForCausalLM, dtype: torch.dtype) -> str:
@@ -67,10 +67,7 @@ class CpuPlatform:
         lm = model.lm_head
         return lm.panel_rows if lm.packed is not None else None
 
-    def paged_flash(self, backend: str) -> bool:
-        return False
-
-    def kv_block_size(self, requested: int, backend: str) -> int:
+    def kv_block_size(self, requested: int, backend: AttentionBackend) -> int:
         return requested
 
     def kv_budget(self, requested: int, utilization: float) -> int:

@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.engine.attention import AttentionMetadata, DecodeGroup, forward_context
+from kvrelay.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeRows,
+    forward_context,
+)
 from kvrelay.engine.kv_connector import ScheduledSeq
 
 logger = logging.getLogger(__name__)
@@ -171,11 +176,12 @@ class DecodeGraphRunner:
     and replayed, or run eagerly from the same buffers where nothing was captured (the CPU,
     which is how tests check the fill and the padding).
 
-    ``model`` is the runner's model with the KV cache bound; ``backend`` its attention backend
-    (``flash`` on CUDA; ``sdpa``/``native`` only for the eager check on the CPU)."""
+    ``model`` is the runner's model with the KV cache bound; ``attention`` its attention
+    backend, which lays out the static buffers as its metadata (flash-attn on CUDA; SDPA or the
+    native kernels only for the eager check on the CPU)."""
 
     model: torch.nn.Module
-    backend: str
+    attention: AttentionBackend
     device: torch.device
     block_size: int
     width: int  # block table columns: enough for the longest sequence the runner allows
@@ -208,20 +214,11 @@ class DecodeGraphRunner:
         """The attention metadata of a ``rows``-row decode step, as views of the static
         buffers (a graph captured with it reads whatever :meth:`fill` last wrote)."""
         b = self.buffers
-        meta = AttentionMetadata(slot_mapping=b.slot_mapping[:rows], num_prefill_tokens=0,
-                                 prefills=[], block_size=self.block_size)
-        lens, tables = b.seq_lens[:rows], b.block_tables[:rows]
-        if self.backend == "sdpa":  # one padded group; its mask is rebuilt per (eager) call
-            meta.decode_groups = [DecodeGroup(0, rows, lens, tables)]
-        else:
-            meta.decode_lens, meta.decode_tables = lens, tables
-        meta.cu_seqlens_q = b.cu_seqlens_q[:rows + 1]
-        meta.cu_seqlens_k = b.cu_seqlens_k[:rows + 1]
-        meta.max_seqlen_q = 1
-        # A bound, not this step's longest: the captured kernel must suit every later step.
-        meta.max_seqlen_k = self.width * self.block_size
-        meta.flash_block_table = tables
-        return meta
+        return self.attention.decode_metadata(DecodeRows(
+            self.block_size, b.slot_mapping[:rows], b.seq_lens[:rows], b.block_tables[:rows],
+            b.cu_seqlens_q[:rows + 1], b.cu_seqlens_k[:rows + 1],
+            # A bound, not this step's longest: the captured kernel must suit every later step.
+            self.width * self.block_size))
 
     def forward(self, rows: int) -> torch.Tensor:
         """The model over the first ``rows`` rows of the static buffers: ``[rows, vocab]``

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine.attention import AttentionFn, flash_supports_paged, select_backend
+from kvrelay.engine.attention import AttentionBackend, select_backend
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.cuda.graphs import graphs_off_reason
 from kvrelay.engine.cuda.memory import kv_budget_for, paged_flash_block_size
@@ -34,7 +34,7 @@ class CudaPlatform:
     def configure(self) -> None:
         torch.cuda.set_device(self.device)  # this thread's kernels and events on its GPU
 
-    def attention(self, name: str, dtype: torch.dtype) -> tuple[str, AttentionFn]:
+    def attention(self, name: str, dtype: torch.dtype) -> AttentionBackend:
         return select_backend(name, self.device, dtype)
 
     def prepare_model(self, model: LlamaForCausalLM, dtype: torch.dtype) -> str:
@@ -44,13 +44,10 @@ class CudaPlatform:
     def pad_rows_above(self, model: LlamaForCausalLM) -> int | None:
         return None
 
-    def paged_flash(self, backend: str) -> bool:
-        """Whether flash-attn reads the paged cache itself (no per-layer gather of every
-        sequence's K/V); the gather path stays for a flash-attn without ``block_table``."""
-        return backend == "flash" and flash_supports_paged()
-
-    def kv_block_size(self, requested: int, backend: str) -> int:
-        return paged_flash_block_size(requested) if self.paged_flash(backend) else requested
+    def kv_block_size(self, requested: int, backend: AttentionBackend) -> int:
+        """flash-attn reads the paged cache itself where it can (no per-layer gather of every
+        sequence's K/V), in blocks of a multiple of 256 tokens."""
+        return paged_flash_block_size(requested) if backend.paged else requested
 
     def kv_budget(self, requested: int, utilization: float) -> int:
         return kv_budget_for(self.device, requested, utilization)
