@@ -71,6 +71,11 @@ class Linear(nn.Module):
         self.threads = torch.get_num_threads()
         self.weight = None
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether a kernel's copy of the weight stands in for the dense one."""
+        return self.packed is not None or self.panels is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.shape[0] <= self.panel_rows:
             return self.panel_forward(x)

@@ -262,6 +262,6 @@ class LlamaForCausalLM(nn.Module):
         h = fd.normed(hidden) if fd is not None else None
         h = self.norm.add_and_norm(hidden.contiguous(), None) if h is None else h
         lm = self.lm_head
-        if lm.packed is None and lm.panels is None and lm.weight is None:  # tied, unpacked
+        if lm.weight is None and not lm.is_packed:  # tied, unpacked
             return F.linear(h, self.embed)
         return self.lm_head(h)
