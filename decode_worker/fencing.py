@@ -32,7 +32,7 @@ class Fencer:
     """Asks each held transfer's sender to fence it, and settles the hold when it is done."""
 
     def __init__(self, settle: Callable[[str], bool], *, cluster_token: str | None = None):
-        self._settle = settle  # KVEndpoint.settle: end a hold (thread-safe)
+        self._settle = settle  # NixlConnector.settle: end a hold (thread-safe)
         self._md = token_metadata(cluster_token)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()

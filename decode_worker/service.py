@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
@@ -28,26 +28,13 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, RequestOutput
 from kvrelay.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvrelay.kv_transfer.connector import NixlConnector
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_TIMEOUT_S = 30.0
 FLUSH_WAIT_S = 5.0  # for the engine to pass on a request's last output (a step or two)
-
-
-class KVReceiver(Protocol):
-    """What the service needs of the KV transport on the receiving side."""
-
-    agent_name: str
-    incarnation: str
-
-    def peer_info_bytes(self) -> bytes: ...
-
-    def expectation(self, request_id: str, lease_id: str, sender: str = "",
-                    sender_address: str = "") -> object: ...
-
-    def bind_sender(self, request_id: str, sender: str, sender_address: str = "") -> bool: ...
-
-    def settle(self, request_id: str) -> bool: ...
 
 
 class Reserved(NamedTuple):
@@ -129,7 +116,7 @@ class _DecodeCall:
 
 
 class DecodeService:
-    def __init__(self, engine: AsyncEngine, leases: LeaseTable, kv: KVReceiver | None):
+    def __init__(self, engine: AsyncEngine, leases: LeaseTable, kv: NixlConnector | None):
         self.engine = engine
         self.leases = leases
         self.kv = kv
@@ -137,7 +124,7 @@ class DecodeService:
         self._busy: dict[str, asyncio.Future[None]] = {}  # Decode streams being torn down
         leases.after_free = self._forget_stream
 
-    def _receiver(self, what: str) -> KVReceiver:
+    def _receiver(self, what: str) -> NixlConnector:
         if self.kv is None:
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"this worker {what} (role=both)")

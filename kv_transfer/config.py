@@ -27,6 +27,9 @@ class NixlConnectorConfig:
     # core its compute threads leave free. On a CPU the UCX copy runs in the posting thread:
     # with no free core a per-layer post only adds its wake-ups and overhead to the step.
     layerwise: str = "auto"
+    # How long a receiving request waits for its KV (None: the engine's default); carried by
+    # each expectation (``NixlConnector.expectation``).
+    kv_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.agent_name:

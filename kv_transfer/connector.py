@@ -18,10 +18,14 @@ One class serves both roles; a request's ``kv_transfer_params`` says which side 
   receiving side's state (expectations bound to their sender, blocks held for a sender that
   may still write) is ``receiving.Receiving``.
 
-The control plane also uses ``peer_info()`` (our endpoint, for the gRPC channel) and
-``add_peer(info)`` (before the first request to a decode worker, and again when the peer's
-incarnation changed). Bookkeeping lives in ``tracker``; this module owns the transport and
-routes the engine's calls to the side they concern.
+It is also the worker's one KV API (the decode and prefill services call it directly):
+``peer_info_bytes()`` (our endpoint, for the gRPC channel), ``add_peer``/``has_peer``/
+``evict_peer`` (before the first request to a decode worker, and again when its incarnation
+changed), and the lease-keyed calls: ``expectation`` and ``destination`` build a request's
+``kv_transfer_params``, ``fence``/``is_fenced`` stop a sender writing into a lease its receiver
+gave up, ``bind_sender``/``settle`` move or end a receiver's hold. Bookkeeping lives in
+``send_tracker``/``recv_tracker``; this module owns the transport and routes the engine's calls
+to the side they concern.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from kvrelay.kv_transfer.messages import (
     PendingDestination,
 )
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
+from kvrelay.kv_transfer.notice import lease_key
 from kvrelay.kv_transfer.receiver_progress import ReceiverProgress
 from kvrelay.kv_transfer.receiving import OnHold, Receiving
 from kvrelay.kv_transfer.sending import Sending
@@ -64,6 +69,7 @@ class NixlConnector(KVConnector):
         self._transport: NixlTransport | None = None
         self._device: torch.device | None = None
         self._recv_progress: ReceiverProgress | None = None
+        self._spec: KVCacheSpec | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def register_kv_cache(self, kv: torch.Tensor, spec: KVCacheSpec,
@@ -78,6 +84,7 @@ class NixlConnector(KVConnector):
                                         write_timeout_s=self.config.write_timeout_s,
                                         rank_kvs=() if ranks is None else ranks.others)
         self._tx.attach(self._transport, spec, kv.device)
+        self._spec = spec
         self._device = kv.device
         if kv.is_cuda:  # GPU steps are long; the CPU path keeps progressing from the engine
             device = kv.device
@@ -103,11 +110,30 @@ class NixlConnector(KVConnector):
         """Our endpoint, to publish on the control channel (``PeerInfo.to_bytes()``)."""
         return self.transport.peer_info()
 
-    def add_peer(self, info: PeerInfo) -> bool:
+    @property
+    def agent_name(self) -> str:
+        return self.config.agent_name
+
+    @property
+    def incarnation(self) -> str:
+        return self.peer_info().incarnation
+
+    def peer_info_bytes(self) -> bytes:
+        """Our endpoint as published on the control channel (GetTransferInfo)."""
+        return self.peer_info().to_bytes()
+
+    def add_peer(self, info: PeerInfo | bytes) -> bool:
+        """Connect to a decode worker (no-op if this incarnation is known); ``info`` as it
+        came over the control channel, or parsed. Raises ``IncompatibleKVLayout`` with the
+        flag to change when its KV layout differs."""
         bind_thread_to(self._device)  # UCX's CUDA transports need this thread's context first
-        """Connect to a decode worker (no-op if this incarnation is known). Raises
-        ``IncompatibleKVLayout`` with the flag to change when its KV layout differs."""
+        if isinstance(info, bytes):
+            info = PeerInfo.from_bytes(info)
         return self.transport.add_peer(info)
+
+    def has_peer(self, agent_name: str, incarnation: str) -> bool:
+        """Whether ``agent_name`` is connected as that incarnation (else add it again)."""
+        return self.peer_incarnation(agent_name) == incarnation
 
     def peer_incarnation(self, name: str) -> str | None:
         """The incarnation we hold for ``name`` (None: unknown): compare with the one the peer
@@ -138,11 +164,10 @@ class NixlConnector(KVConnector):
         if self._recv_progress is not None:
             self._recv_progress.kick()
 
-    def bind_sender(self, request_id: str, sender: str, sender_address: str | None = None
-                    ) -> bool:
+    def bind_sender(self, request_id: str, sender: str, sender_address: str = "") -> bool:
         """Promise a waiting request's KV to another sender (a prefill retried elsewhere,
         before anything was written). False: the request waits for nothing here."""
-        return self._rx.bind_sender(request_id, sender, sender_address)
+        return self._rx.bind_sender(request_id, sender, sender_address or None)
 
     def settle(self, request_id: str) -> bool:
         """The control plane knows no write for this aborted receiver can still land: reuse its
@@ -163,13 +188,44 @@ class NixlConnector(KVConnector):
     def on_hold(self, fn: OnHold | None) -> None:
         self._rx.on_hold = fn
 
-    # -- fencing (sending side) ----------------------------------------------------------------
-    def fence(self, notif: bytes) -> None:
-        """The receiver gave up this transfer: nothing is written under ``notif`` from now on
-        (a request carrying it writes nothing). Call on the engine thread."""
-        self._tx.fence(notif)
+    # -- leases: a transfer is named by its request and the decode worker's lease -------------
+    # The notice names both, so a late notice from an earlier lease of the same request id is
+    # never taken for this one (``notice.lease_key``).
+    def expectation(self, request_id: str, lease_id: str, sender: str = "",
+                    sender_address: str = "") -> KVExpectation:
+        """A receiving request's ``kv_transfer_params``: wait for this lease's KV from
+        ``sender`` (empty: not bound yet)."""
+        return KVExpectation(lease_key(request_id, lease_id), self.config.kv_timeout_s,
+                             sender or None, sender_address or None)
 
-    def is_fenced(self, notif: bytes) -> bool:
+    def destination(self, request_id: str, agent_name: str, block_ids: list[int],
+                    skip_blocks: int, lease_id: str, incarnation: str) -> KVDestination:
+        """A sending request's ``kv_transfer_params``: write into the lease's blocks. The
+        incarnation binds the writes to the process that granted the lease: if the decode
+        worker restarted under the same name since, the transfer fails instead of writing
+        into a stranger's blocks."""
+        return KVDestination(agent_name, block_ids, skip_blocks,
+                             lease_key(request_id, lease_id), incarnation=incarnation or None)
+
+    def block_bytes(self) -> int:
+        """Bytes one block costs across all layers, K and V."""
+        if self._spec is None:
+            raise RuntimeError("register_kv_cache() first")
+        return self._spec.bytes_per_block_all_layers
+
+    # -- fencing (sending side) ----------------------------------------------------------------
+    def fence(self, request_id: str, lease_id: str) -> bytes:
+        """The receiver gave up this lease's transfer: nothing is written under it from now on
+        (a request carrying it writes nothing); returns its notice key. Engine thread."""
+        notif = lease_key(request_id, lease_id)
+        self._tx.fence(notif)
+        return notif
+
+    def is_fenced(self, request_id: str, lease_id: str) -> bool:
+        return self._tx.is_fenced(lease_key(request_id, lease_id))
+
+    def is_fenced_notice(self, notif: bytes) -> bool:
+        """``is_fenced`` by the notice key a destination carries."""
         return self._tx.is_fenced(notif)
 
     def still_sending(self, request_id: str) -> bool:

@@ -15,7 +15,7 @@ import gc
 
 import kvrelay.cli
 import kvrelay.engine.tensor_parallel  # a worker's TP ranks fork from it too
-import kvrelay.worker.kv_endpoint  # NIXL's bindings: imported, no agent made
+import kvrelay.kv_transfer.connector  # NIXL's bindings: imported, no agent made
 import kvrelay.worker.process
 
 kvrelay.cli.build_parser()  # what the command line imports lazily (the planner's options)

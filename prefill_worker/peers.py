@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
@@ -21,6 +21,9 @@ from kvrelay.common.rpc import insecure_channel
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvrelay.kv_transfer.connector import NixlConnector
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +44,10 @@ class DecodeTarget(NamedTuple):
     lease_id: str
 
 
-class PeerTransport(Protocol):
-    """What the peer bookkeeping needs of the KV transport on the sending side."""
-
-    def has_peer(self, agent_name: str, incarnation: str) -> bool: ...
-
-    def add_peer(self, peer_info: bytes) -> None: ...
-
-    def evict_peer(self, agent_name: str) -> bool: ...
-
-
 class DecodePeers:
     """Connects to decode workers on first use and forgets idle ones."""
 
-    def __init__(self, engine: AsyncEngine, kv: PeerTransport,
+    def __init__(self, engine: AsyncEngine, kv: NixlConnector,
                  metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.engine = engine
         self.kv = kv

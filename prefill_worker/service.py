@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
@@ -31,32 +31,14 @@ from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
-from kvrelay.prefill_worker.peers import DecodePeers, DecodeTarget, PeerTransport
+from kvrelay.prefill_worker.peers import DecodePeers, DecodeTarget
+
+if TYPE_CHECKING:
+    from kvrelay.kv_transfer.connector import NixlConnector
 
 logger = logging.getLogger(__name__)
 
 PREFILL_ARRIVAL_WAIT_S = 1.0  # a SetDestination waits this long for its Prefill to arrive
-
-
-class KVSender(PeerTransport, Protocol):
-    """What the service needs of the KV transport on the sending side."""
-
-    def destination(self, request_id: str, agent_name: str, block_ids: list[int],
-                    skip_blocks: int, lease_id: str, incarnation: str) -> KVDestination: ...
-
-    def block_bytes(self) -> int: ...
-
-    def fence(self, request_id: str, lease_id: str) -> bytes: ...
-
-    def is_fenced(self, request_id: str, lease_id: str) -> bool: ...
-
-    def still_sending(self, request_id: str) -> bool: ...
-
-    def is_fenced_notif(self, notif: bytes) -> bool: ...
-
-    def destination_ready(self, request_id: str) -> None: ...
-
-    def abandon(self, request_id: str) -> bool: ...
 
 
 class Prefilled(NamedTuple):
@@ -100,7 +82,7 @@ def first_token_only(full: SamplingParams) -> SamplingParams:
 
 
 class PrefillService:
-    def __init__(self, engine: AsyncEngine, kv: KVSender, peers: DecodePeers):
+    def __init__(self, engine: AsyncEngine, kv: NixlConnector, peers: DecodePeers):
         self.engine = engine
         self.kv = kv
         self.peers = peers
@@ -249,7 +231,7 @@ class PrefillService:
             # dropped the lease, or fenced it), not this worker's.
             dest = destination_of(params)
             theirs = (out is not None and out.error_kind is ErrorKind.KV_TRANSFER) \
-                or (dest is not None and self.kv.is_fenced_notif(dest.notif))
+                or (dest is not None and self.kv.is_fenced_notice(dest.notif))
             raise CallRefused(grpc.StatusCode.UNAVAILABLE, reason,
                               FailureKind.FAILURE_KV_DESTINATION if theirs
                               else FailureKind.FAILURE_ENGINE)

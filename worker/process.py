@@ -104,25 +104,26 @@ class Worker:
         model_dir = self.engine_config.model.model
         self.kv = None
         if role != "both":
-            from kvrelay.worker.kv_endpoint import KVEndpoint
+            from kvrelay.kv_transfer.config import NixlConnectorConfig
+            from kvrelay.kv_transfer.connector import NixlConnector
+            from kvrelay.kv_transfer.layout import model_identity
 
             if self.settings.host in ("127.0.0.1", "localhost", "::1"):
                 # UCX listens on every interface unless told; a loopback worker keeps its KV
                 # data plane on loopback too.
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-            self.kv = KVEndpoint(self.worker_id, model_dir,
-                                 sender_gone_grace_s=self.settings.kv_sender_grace_s,
-                                 layerwise=self.settings.kv_layerwise)
+            grace = self.settings.kv_sender_grace_s
+            self.kv = NixlConnector(NixlConnectorConfig(
+                self.worker_id, model_identity(model_dir), layerwise=self.settings.kv_layerwise,
+                **({} if grace is None else {"sender_gone_grace_s": grace})))
         # From the files: the worker never tokenizes (structured output reads tokenizer.json
         # when a request first needs it, without transformers).
         eos = eos_token_ids(model_dir)
-        connector = self.kv.connector if self.kv else None
+        connector = self.kv
         # Loaded on the engine thread itself (see AsyncEngine.spawn: one OpenMP pool).
         self.engine = await AsyncEngine.spawn(
             lambda: EngineCore(self.engine_config, connector, eos), on_step=self._on_step,
             on_fatal=self._on_fatal)
-        if self.kv is not None:
-            self.kv.bind(self.engine.core.runner.kv_spec)
 
     def _on_fatal(self, error: BaseException) -> None:
         """The engine can never step again (a tensor-parallel rank died or hung). Exit now, as a
@@ -215,7 +216,7 @@ class Worker:
             if self.kv is not None:  # blocks given up early wait for their sender: ask it
                 self.fencer = Fencer(self.kv.settle, cluster_token=st.cluster_token)
                 self.fencer.start()
-                self.kv.connector.on_hold = self.fencer.on_hold
+                self.kv.on_hold = self.fencer.on_hold
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.decode_servicer, self.server)
             services.append("kvrelay.v1.DecodeWorker")
         if st.role == "prefill":
