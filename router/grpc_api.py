@@ -19,6 +19,7 @@ from kvrelay.common.rpc import bearer_or_key
 from kvrelay.proto import generate_pb2 as pb
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
 from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.router.admission import RETRY_AFTER_S
 from kvrelay.router.coalesce import Coalescer
 from kvrelay.router.errors import RouterError
 from kvrelay.router.outputs import Delta
@@ -69,6 +70,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         kind = request.WhichOneof("prompt")
+        # Admission before work, as on HTTP: the in-flight cap and the room for requests being
+        # validated and tokenized are checked before the prompt is looked at (gRPC itself
+        # refused a message over MAX_GRPC_REQUEST_BYTES before parsing it).
+        if (full := self.service.at_capacity()) is not None:
+            await abort_with(context, full)
+        admission = self.service.admission
+        ticket = admission.enter(request.ByteSize())
+        if ticket is None:
+            await abort_with(context, RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                  admission.busy_message(),
+                                                  retry_after_s=RETRY_AFTER_S))
+        assert ticket is not None
         try:
             sampling = sampling_from_proto(request.sampling)
             if request.timeout_ms > MAX_TIMEOUT_MS:
@@ -89,6 +102,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RouterError as e:
             await abort_with(context, e)
+        finally:
+            ticket.release()
         if tracing.enabled():
             spec.trace_parent = tracing.from_metadata(context.invocation_metadata())
         with request_context(spec.request_id):

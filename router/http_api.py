@@ -23,8 +23,10 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kvrelay.common.limits import MAX_HTTP_BODY_BYTES
 from kvrelay.common.rpc import SecretSet, TLSFiles
+from kvrelay.router.admission import MAX_ADMITTING, RETRY_AFTER_S
+from kvrelay.router.http_body import validation_message
 from kvrelay.router.http_extras import extras
-from kvrelay.router.http_middleware import ApiKeyAuth, BodyLimit
+from kvrelay.router.http_middleware import Admit, ApiKeyAuth
 from kvrelay.router.http_responses import error_response
 from kvrelay.router.http_routes import openai_routes
 from kvrelay.router.metrics import RouterMetrics
@@ -32,7 +34,22 @@ from kvrelay.router.service import RouterService
 
 
 def _refuse(status: int, message: str) -> Response:
-    return error_response(status, message)
+    """An error answer; an overload (429, 503) says when to retry."""
+    return error_response(status, message,
+                          retry_after_s=RETRY_AFTER_S if status in (429, 503) else None)
+
+
+# Paths whose requests carry a body to parse (and are admitted first), and the generation ones
+# among them (refused on arrival while the router is at its in-flight cap).
+BODY_PATHS = ("/v1/", "/tokenize", "/detokenize")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def connection_limit(max_inflight: int) -> int:
+    """uvicorn's ``limit_concurrency``: connections (idle keep-alive ones too) and requests
+    beyond it are answered 503 before anything is read. A backstop past what admission lets in:
+    every request in flight, as many being parsed, and as many idle connections again."""
+    return 2 * max_inflight + MAX_ADMITTING
 
 
 # Bytes of a response the kernel may hold not yet sent (TCP_NOTSENT_LOWAT). Unbounded, a slow
@@ -90,7 +107,9 @@ class HttpServer:
             kw = {"ssl_certfile": self.tls.cert_file, "ssl_keyfile": self.tls.key_file}
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=2,
-                                http=_HttpProtocol, **kw)
+                                http=_HttpProtocol,
+                                limit_concurrency=connection_limit(self.service.max_inflight),
+                                **kw)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._task = asyncio.get_running_loop().create_task(self._server.serve())
@@ -116,20 +135,25 @@ class HttpServer:
         # Pure ASGI middlewares: Starlette's @app.middleware("http") (BaseHTTPMiddleware) runs
         # every request in a task group and re-streams each SSE chunk through a memory
         # stream, which cost ~40% of the HTTP layer's CPU per streamed request.
-        app.add_middleware(BodyLimit, limit=MAX_HTTP_BODY_BYTES, refuse=_refuse)
+        service = self.service
+
+        def busy(path: str) -> str | None:
+            full = service.at_capacity() if path.startswith(GENERATION_PATHS) else None
+            return full.message if full is not None else None
+
+        # Admission first (innermost but for the key check): nothing is read or parsed for a
+        # request the router cannot take now.
+        app.add_middleware(Admit, limit=MAX_HTTP_BODY_BYTES, admission=service.admission,
+                           busy=busy, paths=BODY_PATHS, refuse=_refuse)
         if self.api_keys:
             app.add_middleware(ApiKeyAuth, check=self.api_keys.check,
                                prefixes=("/v1/", "/tokenize", "/detokenize"), refuse=_refuse)
         app.include_router(extras(self.service, _refuse))
-        service = self.service
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-            errs = exc.errors()
-            first = errs[0] if errs else {}
-            loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-            msg = first.get("msg", "invalid request")
-            return error_response(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+            message, param = validation_message(exc.errors())
+            return error_response(400, message, param=param)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

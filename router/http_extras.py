@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import kvrelay
 from kvrelay.common.limits import MAX_PROMPT_CHARS
+from kvrelay.router.errors import RouterError
+from kvrelay.router.http_body import admitted, read_body
 from kvrelay.router.openai_models import ChatMessage
 from kvrelay.router.service import RouterService
 from kvrelay.router.validation import first_bad_id
@@ -49,12 +51,13 @@ def extras(service: RouterService, error: Any) -> APIRouter:
         return None
 
     @api.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> Response:
-        if (bad := wrong_model(req.model)) is not None:
-            return bad
-        if (req.prompt is None) == (req.messages is None):
-            return error(400, "give exactly one of prompt and messages")
+    async def tokenize(request: Request) -> Response:
         try:
+            req = await read_body(service, request, TokenizeRequest)
+            if (bad := wrong_model(req.model)) is not None:
+                return bad
+            if (req.prompt is None) == (req.messages is None):
+                return error(400, "give exactly one of prompt and messages")
             if req.messages is not None:
                 ids = await service.encode_chat(
                     [{"role": m.role, "content": m.text()} for m in req.messages],
@@ -64,18 +67,30 @@ def extras(service: RouterService, error: Any) -> APIRouter:
                 ids = await service.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         except ValueError as e:
             return error(400, str(e))
+        except RouterError as e:
+            return error(e.http_status, e.message)
+        finally:
+            admitted(request)
         return JSONResponse({"count": len(ids), "max_model_len":
                              service.effective_max_model_len(), "tokens": ids})
 
     @api.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> Response:
-        if (bad := wrong_model(req.model)) is not None:
-            return bad
-        bad_id = first_bad_id(req.tokens, service.vocab_size)
-        if bad_id is not None:
-            return error(400, f"token id {bad_id} is outside the vocabulary "
-                              f"[0, {service.vocab_size})")
-        text = await service.decode(req.tokens)
+    async def detokenize(request: Request) -> Response:
+        try:
+            req = await read_body(service, request, DetokenizeRequest)
+            if (bad := wrong_model(req.model)) is not None:
+                return bad
+            bad_id = first_bad_id(req.tokens, service.vocab_size)
+            if bad_id is not None:
+                return error(400, f"token id {bad_id} is outside the vocabulary "
+                                  f"[0, {service.vocab_size})")
+            text = await service.decode(req.tokens)
+        except ValueError as e:
+            return error(400, str(e))
+        except RouterError as e:
+            return error(e.http_status, e.message)
+        finally:
+            admitted(request)
         return JSONResponse({"prompt": text})
 
     @api.get("/version")

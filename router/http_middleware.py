@@ -3,7 +3,7 @@
 Plain ``__call__(scope, receive, send)`` classes rather than Starlette's ``BaseHTTPMiddleware``
 (``@app.middleware("http")``), which wraps each request in a task group and re-streams every
 response chunk through a memory object stream: for SSE that is paid once per token.
-``refuse(status, message)`` builds the error response, so both answer in the API's format.
+``refuse(status, message)`` builds the error response, so all answer in the API's format.
 """
 
 from __future__ import annotations
@@ -11,46 +11,87 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvrelay.router.admission import Admission, Ticket
+
 Refuse = Callable[[int, str], Any]  # (HTTP status, message) -> an ASGI response
 
 
-class BodyLimit:
-    """A request body over ``limit`` bytes is answered 413 before it is read into memory (by
-    its Content-Length, or counted as it arrives when chunked)."""
+class Admit:
+    """Admission before work, for requests with a body (``POST`` to ``paths``), decided before
+    the body is read: over ``limit`` bytes is a 413 (by its Content-Length, or counted as it
+    arrives when chunked); ``busy(path)`` (the in-flight cap) or a full ``admission`` (requests
+    and body bytes being parsed and tokenized) is a 429 with Retry-After. An admitted request
+    holds its ticket (``scope["kvrelay.admission"]``) until its route has built its spec
+    (``http_body.admitted``), its answer starts, or it ends."""
 
-    def __init__(self, app: Any, limit: int, refuse: Refuse):
+    def __init__(self, app: Any, limit: int, admission: Admission,
+                 busy: Callable[[str], str | None], paths: tuple[str, ...], refuse: Refuse):
         self.app = app
         self.limit = limit
+        self.admission = admission
+        self.busy = busy
+        self.paths = paths
         self.refuse = refuse
 
-    async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
-        resp = self.refuse(413, f"the request body is larger than {self.limit} bytes")
-        await resp(scope, receive, send)
-
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS") \
+                or not scope["path"].startswith(self.paths):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or ())
         length = headers.get(b"content-length")
-        if length is not None:
-            if not length.isdigit() or int(length) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
+        chunked = length is None and headers.get(b"transfer-encoding") is not None
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            await self._refuse(413, f"the request body is larger than {self.limit} bytes",
+                               scope, receive, send)
             return
-        if headers.get(b"transfer-encoding") is None:
-            await self.app(scope, receive, send)
+        if (why := self.busy(scope["path"])) is not None:
+            await self._refuse(429, why, scope, receive, send)
             return
+        ticket = self.admission.enter(int(length) if length is not None else 0)
+        if ticket is None:
+            await self._refuse(429, self.admission.busy_message(), scope, receive, send)
+            return
+        try:
+            if chunked:
+                replay = await self._read_chunked(ticket, scope, receive, send)
+                if replay is None:
+                    return
+                receive = replay
+            scope["kvrelay.admission"] = ticket
+
+            async def send_then_release(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    ticket.release()
+                await send(message)
+
+            await self.app(scope, receive, send_then_release)
+        finally:
+            ticket.release()
+
+    async def _refuse(self, status: int, message: str, scope: Any, receive: Any,
+                      send: Any) -> None:
+        await self.refuse(status, message)(scope, receive, send)
+
+    async def _read_chunked(self, ticket: Ticket, scope: Any, receive: Any,
+                            send: Any) -> Callable[[], Any] | None:
+        """A body of unknown length, read up to the limit, its bytes taken from the admission
+        budget as they arrive; a receive that replays it, or None when it was refused (or the
+        client left)."""
         body = bytearray()
-        while True:  # chunked: buffer up to the limit, then replay to the app
+        while True:
             msg = await receive()
             if msg["type"] != "http.request":
-                return  # the client left
-            body += msg.get("body", b"")
+                return None  # the client left
+            chunk = msg.get("body", b"")
+            body += chunk
             if len(body) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
+                await self._refuse(413, f"the request body is larger than {self.limit} bytes",
+                                   scope, receive, send)
+                return None
+            if not ticket.grow(len(chunk)):
+                await self._refuse(429, self.admission.busy_message(), scope, receive, send)
+                return None
             if not msg.get("more_body"):
                 break
         replayed = False
@@ -62,7 +103,7 @@ class BodyLimit:
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        return replay
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:

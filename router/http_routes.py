@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.tokenizer import bad_words_token_ids
 from kvrelay.router.errors import RouterError
+from kvrelay.router.http_body import admitted, read_body
 from kvrelay.router.http_middleware import presented_key
 from kvrelay.router.http_responses import error_response, respond, router_error
 from kvrelay.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
@@ -20,12 +21,15 @@ from kvrelay.router.service import RouterService
 
 
 def openai_routes(service: RouterService) -> APIRouter:
-    """The two endpoints, on ``service``."""
+    """The two endpoints, on ``service``. Their bodies are parsed by ``http_body`` (bounded,
+    large ones off the loop), not by FastAPI; the request's admission ticket goes back once its
+    spec is built."""
     api = APIRouter()
 
     @api.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
         try:
+            req = await read_body(service, request, CompletionRequest)
             prompt = req.single_prompt()
             sp = _sampling(req, req.max_tokens, req.logprobs, service.tokenizer)
             if req.echo and req.logprobs is not None:  # the prompt's logprobs too
@@ -35,18 +39,21 @@ def openai_routes(service: RouterService) -> APIRouter:
                 token_ids=prompt if isinstance(prompt, list) else None, sampling=sp,
                 timeout_ms=req.timeout_ms, model=req.model, cache_salt=req.cache_salt,
                 api_key=_api_key(request))
+            echo = None
+            if req.echo:
+                echo = prompt if isinstance(prompt, str) else await service.decode(prompt)
         except ValueError as e:
-            return error_response(400, str(e))
+            return error_response(400, str(e), param=getattr(e, "param", None))
         except RouterError as e:
             return router_error(e)
-        echo = None
-        if req.echo:
-            echo = prompt if isinstance(prompt, str) else await service.decode(prompt)
+        finally:
+            admitted(request)
         return await respond(service, spec, req, request, chat=False, echo=echo)
 
     @api.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(request: Request) -> Response:
         try:
+            req = await read_body(service, request, ChatCompletionRequest)
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             ids = await service.encode_chat(messages)
             n_top = (req.top_logprobs or 0) if req.logprobs else None
@@ -58,9 +65,11 @@ def openai_routes(service: RouterService) -> APIRouter:
                                             cache_salt=req.cache_salt,
                                             api_key=_api_key(request))
         except ValueError as e:
-            return error_response(400, str(e))
+            return error_response(400, str(e), param=getattr(e, "param", None))
         except RouterError as e:
             return router_error(e)
+        finally:
+            admitted(request)
         return await respond(service, spec, req, request, chat=True)
 
     return api

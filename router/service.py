@@ -24,6 +24,7 @@ from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
 from kvrelay.engine.tokenizer import apply_chat_template
+from kvrelay.router.admission import RETRY_AFTER_S, Admission
 from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
@@ -50,6 +51,13 @@ OFFLOAD_CHARS = 16 * 1024
 OFFLOAD_IDS = OFFLOAD_CHARS // 4
 OFFLOAD_MESSAGES = 256
 TOKENIZER_THREADS = 2  # fast tokenizers release the GIL while they encode
+# Jobs waiting for the tokenizer threads (encode, template, grammar, body parse): past this a
+# request is refused (RESOURCE_EXHAUSTED, a 429) rather than queued behind seconds of work.
+MAX_TOKENIZER_QUEUE = 64
+# JSON values (numbers, strings, containers) one request body may hold beyond a maximal
+# token-id prompt and two vocabularies (logit_bias, allowed_token_ids): a parsed value costs up
+# to ~350 bytes, so this bounds a body's parse at a few hundred MB however it is shaped.
+BODY_VALUES_SLACK = 1 << 16
 
 T = TypeVar("T")
 
@@ -75,6 +83,10 @@ class RouterService:
             except ValueError as e:
                 raise ValueError(f"--chat-template does not render a conversation: {e}") from e
         self.inflight = 0
+        # requests not yet in flight: being read, parsed, validated and tokenized
+        self.admission = Admission()
+        self.max_body_values = max_model_len + 2 * vocab_size + BODY_VALUES_SLACK
+        self._queued = 0  # jobs submitted to the tokenizer threads and not yet done
         # request ids in flight -> set when that request has left (a client may reuse an id)
         self._active: dict[str, asyncio.Event] = {}
         self.metrics = metrics
@@ -104,11 +116,33 @@ class RouterService:
         await self._run(not cached, lambda: self._grammar_compiler().check(so))
 
     # -- text <-> ids, off the loop when large -------------------------------------------------
+    def at_capacity(self) -> RouterError | None:
+        """The refusal of a new request while ``max_inflight`` requests are in flight: checked
+        on arrival, before its body is parsed, and again as it starts."""
+        if self.inflight < self.max_inflight:
+            return None
+        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"router at capacity ({self.max_inflight} requests in flight)",
+                           retry_after_s=RETRY_AFTER_S)
+
+    async def offload(self, large: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """``fn(*args, **kw)``: on the tokenizer threads when ``large``, else here; raises
+        RouterError(RESOURCE_EXHAUSTED) when ``MAX_TOKENIZER_QUEUE`` jobs wait for them."""
+        return await self._run(large, fn, *args, **kw)
+
     async def _run(self, large: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         if not large:
             return fn(*args, **kw)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+        if self._queued >= MAX_TOKENIZER_QUEUE:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"router busy: {self._queued} prompts wait for the tokenizer",
+                              retry_after_s=RETRY_AFTER_S)
+        self._queued += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+        finally:
+            self._queued -= 1
 
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a long text is tokenized on the tokenizer threads."""
@@ -218,10 +252,8 @@ class RouterService:
 
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
-        if self.inflight >= self.max_inflight:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"router at capacity ({self.max_inflight} requests in flight)",
-                              retry_after_s=1.0)
+        if (full := self.at_capacity()) is not None:
+            raise full
         prev = self._active.get(spec.request_id)
         if prev is not None:  # a retry right after a cancel may overtake the cancel a little
             with contextlib.suppress(TimeoutError):

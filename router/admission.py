@@ -1,0 +1,78 @@
+"""Admission before work: what a request may cost the router before it is routed.
+
+Between its arrival and its spec (body read, JSON parsed, validated, tokenized, grammar
+checked) a request costs the router memory in proportion to its body and CPU on the event loop
+or the tokenizer threads, before the in-flight cap (``RouterService.generate``) ever counts it.
+``Admission`` bounds those requests by count and by body bytes, on arrival: a request that does
+not fit is refused at once (HTTP 429 / RESOURCE_EXHAUSTED, with a retry hint) instead of
+queueing work the router cannot keep up with. Small requests fit beside a few maximal bodies:
+the byte budget holds two of the largest valid ones.
+
+Loop-confined (the router's event loop): no locks.
+"""
+
+from __future__ import annotations
+
+from kvrelay.common.limits import MAX_HTTP_BODY_BYTES
+
+# Requests being read, parsed and tokenized at once. Each costs well under a millisecond when
+# small; the tokenizer threads (two) bound how fast large ones can go anyway.
+MAX_ADMITTING = 64
+# Body bytes of those requests together: two maximal bodies. A parsed body costs up to ~15x
+# its bytes in Python objects (a 25 MiB body of numbers: ~400 MiB), so this bounds the router's
+# memory for requests in parse well under its 2 GiB limit.
+MAX_ADMITTING_BYTES = 2 * MAX_HTTP_BODY_BYTES
+RETRY_AFTER_S = 1.0
+
+
+class Ticket:
+    """One admitted request's share; ``release`` (idempotent) gives it back."""
+
+    __slots__ = ("_admission", "nbytes", "released")
+
+    def __init__(self, admission: Admission, nbytes: int):
+        self._admission = admission
+        self.nbytes = nbytes
+        self.released = False
+
+    def grow(self, nbytes: int) -> bool:
+        """Take ``nbytes`` more (a body of unknown length as it arrives); False when they do
+        not fit, and the ticket keeps what it had."""
+        a = self._admission
+        if self.released or a.bytes + nbytes > a.max_bytes:
+            return False
+        a.bytes += nbytes
+        self.nbytes += nbytes
+        return True
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._admission.requests -= 1
+            self._admission.bytes -= self.nbytes
+
+
+class Admission:
+    def __init__(self, max_requests: int = MAX_ADMITTING,
+                 max_bytes: int = MAX_ADMITTING_BYTES):
+        if max_requests < 1 or max_bytes < 1:
+            raise ValueError("admission bounds must be positive")
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self.requests = 0
+        self.bytes = 0
+        self.refused = 0
+
+    def enter(self, nbytes: int = 0) -> Ticket | None:
+        """A ticket for a request of ``nbytes`` body bytes, or None (counted in ``refused``)
+        when the router already admits as many requests or bytes as it may."""
+        if self.requests >= self.max_requests or self.bytes + nbytes > self.max_bytes:
+            self.refused += 1
+            return None
+        self.requests += 1
+        self.bytes += nbytes
+        return Ticket(self, nbytes)
+
+    def busy_message(self) -> str:
+        return (f"router busy: {self.requests} requests ({self.bytes} body bytes) are being "
+                f"parsed and tokenized; retry shortly")
