@@ -18,6 +18,9 @@ MAX_PROMPT_CHARS = 4 * 2**20  # a text prompt, or all chat messages together
 # Messages of one chat request: agent traces run to hundreds or a few thousand; rendering the
 # template costs per message even when each is empty (200,000 empty messages took 5.2 s).
 MAX_CHAT_MESSAGES = 8192
+# Prompt tokens of a request that asks for prompt logprobs: each returns up to 21 logprobs, and
+# the engine computes a full-vocabulary row of logits for each (in chunks).
+MAX_PROMPT_LOGPROB_TOKENS = 8192
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 256

@@ -16,6 +16,11 @@ from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.sampler import TokenLogprob
 from kvrelay.engine.step_inputs import row_order
 
+# Prompt rows whose logits are computed at once: fp32 logits of every row of an 8192-token chunk
+# on a 152k vocabulary were ~12 GB (and their log_softmax as much again), and an out-of-memory
+# there fails every request in the step. 256 rows of that vocabulary: ~160 MB.
+ROWS_PER_CHUNK = 256
+
 
 def record_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
                            scheduled: Seq[ScheduledSeq], hidden: torch.Tensor) -> None:
@@ -32,15 +37,21 @@ def record_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor
         k = seq.sampling.prompt_logprobs
         end = min(c + n, seq.num_prompt_tokens - 1)  # row p scores prompt token p + 1
         if k is not None and end > c:
-            lp = compute_logits(hidden[off:off + end - c]).float().log_softmax(-1)
-            target = torch.tensor(seq.token_ids[c + 1:end + 1], dtype=torch.long,
-                                  device=lp.device)
-            chosen = lp.gather(1, target[:, None])[:, 0].tolist()
-            tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
-            if k:
-                vals, ids = lp.topk(k, dim=-1)
-                tops = [list(zip(r_ids, r_vals, strict=True))
-                        for r_ids, r_vals in zip(ids.tolist(), vals.tolist(), strict=True)]
+            chosen: list[float] = []
+            tops: list[list[tuple[int, float]]] = []
+            for a in range(c, end, ROWS_PER_CHUNK):  # rows a..b-1 score tokens a+1..b
+                b = min(end, a + ROWS_PER_CHUNK)
+                lp = compute_logits(hidden[off + a - c:off + b - c]).float().log_softmax(-1)
+                target = torch.tensor(seq.token_ids[a + 1:b + 1], dtype=torch.long,
+                                      device=lp.device)
+                chosen += lp.gather(1, target[:, None])[:, 0].tolist()
+                if k:
+                    vals, ids = lp.topk(k, dim=-1)
+                    tops += [list(zip(r_ids, r_vals, strict=True))
+                             for r_ids, r_vals in zip(ids.tolist(), vals.tolist(), strict=True)]
+                else:
+                    tops += [[] for _ in range(b - a)]
+                del lp
             del seq.prompt_logprobs[c:]  # a recompute (preemption) starts over
             seq.prompt_logprobs.extend(
                 TokenLogprob(t, v, top) for t, v, top in

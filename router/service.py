@@ -19,7 +19,11 @@ from typing import Any, TypeVar
 import grpc
 
 from kvrelay.common import tracing
-from kvrelay.common.limits import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS
+from kvrelay.common.limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_LOGPROB_TOKENS,
+)
 from kvrelay.engine.prefix_hash import MAX_CACHE_SALT
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
@@ -227,6 +231,9 @@ class RouterService:
             check_prompt_text(text)
             token_ids = await self.encode(text)
         assert token_ids is not None
+        if sampling.prompt_logprobs is not None and len(token_ids) > MAX_PROMPT_LOGPROB_TOKENS:
+            raise invalid(f"prompt logprobs (echo with logprobs) are for prompts of at most "
+                          f"{MAX_PROMPT_LOGPROB_TOKENS} tokens; this one has {len(token_ids)}")
         check_prompt_length(token_ids, max_len)
         bad_id = await self._run(len(token_ids) > OFFLOAD_IDS, first_bad_id, token_ids,
                                  self.vocab_size)
