@@ -271,3 +271,20 @@ def test_admission_counts_requests_and_bytes() -> None:
     assert (a.requests, a.bytes, a.refused) == (1, 40, 2)
     t2.release()
     assert (a.requests, a.bytes) == (0, 0)
+
+
+@pytest.mark.parametrize("field", [
+    {"guided_json": "[" * 5000},
+    {"guided_regex": "(" * 5000 + "a" + ")" * 5000},
+    {"guided_regex": "[" * 5000},
+    {"guided_grammar": "root ::= " + "(" * 5000},
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": "[" * 5000}}},
+    {"response_format": {"type": "json_schema", "json_schema": {
+        "schema": json.loads('{"items":' * 100 + "{}" + "}" * 100)}}},
+])
+def test_a_deep_structured_output_spec_is_a_400(router, url, field) -> None:
+    """Every malformed structured-output spec, nested deep: a 400 with a message (guided_json
+    of "[" * 5000 was an HTTP 500)."""
+    r = _post(url, "/v1/completions", json.dumps({**SMALL, "max_tokens": 2, **field}).encode())
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert r.json()["error"]["message"]
