@@ -7,13 +7,17 @@ subclass it to hold or record deltas."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from kvrelay.engine.outputs import FinishReason
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.router.admission import Admission
+from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec
 from kvrelay.router.outputs import Delta, Usage
+
+T = TypeVar("T")
 
 
 class _Registry:
@@ -33,11 +37,21 @@ class StandinService:
     lifecycle = _Lifecycle()
     cache_salt_by_api_key = False
 
+    max_inflight = 512
+    max_body_values = 1 << 20
+
     def __init__(self, gap_s: float = 0.0) -> None:
         self.gap_s = gap_s
+        self.admission = Admission()  # the router's own bounds on work before parsing
 
     def effective_max_model_len(self) -> int:
         return 4096
+
+    def at_capacity(self) -> RouterError | None:
+        return None
+
+    async def offload(self, large: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        return fn(*args, **kw)
 
     async def build_spec(self, *, request_id: str | None, sampling: SamplingParams,
                          **kw: Any) -> GenerateSpec:
