@@ -155,9 +155,9 @@ class WorkerPerf:
 
     ``step_cost``: its engine's own fit of step time (``engine/step_cost_fit.py``), as its
     latest beat that had one reported it, and ``step_tokens`` the engine's prefill tokens per
-    step; None until then. The cost model (``policy.CostModel``) predicts prefill, local
-    first-token and decode-step times of a pool with the most measured of its workers' fits:
-    the engine fits step time, the router does not fit its own.
+    step; None until then. The cost model (``policy.CostModel``) predicts a prompt's compute
+    with the prefill pool's most measured fit and a decode step with the decode pool's: the
+    engine fits step time, the router does not fit its own.
     ``reserve_rpc_s``: a Reserve round trip. ``arrivals``: requests routed to it per second.
     """
 

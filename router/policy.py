@@ -36,9 +36,9 @@ it takes from others on D: every sequence in D's batch waits for the local prefi
 does, by half of it on average, each request reaching D meanwhile (its measured arrival rate);
 a disaggregated prefill costs D nothing but the KV writes. The decision minimises the latency
 added over all requests, not only this one's. ``auto`` has each joining worker's engine
-measure itself with a warm-up probe before routing to it (``calibration``). A pool is
-predicted with the most measured fit its engines report (``CostModel._fit`` says why), the
-priors in ``estimators`` until there is one.
+measure itself with a warm-up probe before routing to it (``calibration``). A
+prompt's compute is predicted with the prefill pool's most measured fit, a decode step with the
+decode pool's (``CostModel._fit`` says why), the priors in ``estimators`` until there is one.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes
 from kvrelay.engine.step_cost_fit import StepCostFit
-from kvrelay.router.estimators import PRIOR_STEP_COST, PRIOR_STEP_TOKENS
+from kvrelay.router.estimators import PRIOR_STEP_COST
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.worker_state import WorkerState
 
@@ -142,26 +142,29 @@ class CostModel:
     def __init__(self, registry: WorkerRegistry):
         self.registry = registry
 
-    def _fit(self, w: WorkerState) -> tuple[StepCostFit, int]:
-        """The step-time fit to predict ``w`` with, and its prefill tokens per step: the most
-        measured fit its pool's engines report (then any pool's, then the priors).
+    def _fit(self, work: str) -> StepCostFit:
+        """The step-time fit to predict ``work`` with: "prompt" (prefill compute) from the
+        most measured fit of the prefill pool, then of role=both workers, then of the decode
+        pool; "decode" (a decode step) the other way round; the priors until any engine has
+        reported one.
 
-        One fit per pool, not each worker's own: workers of a pool run the same model on like
-        hardware, and a fit of six terms splits a prompt's cost between its per-token, per-pair
-        and per-chunk terms as the steps it happened to see allow (steps of like prompts make
-        those terms collinear). Two workers' fits may then price the same prompt quite
-        differently, and a conversation would leave the worker that holds its prefix for one
-        whose fit happens to be cheap (seen under a loaded host). Each worker's own fit is
-        still exported (``kvrelay:router_cost_model``)."""
+        One fit per kind of work, not each worker's own: every worker runs the same model on
+        like hardware, a prompt's cost is best measured where prompts are computed, and a
+        decode step's where decodes run. A fit of six terms splits a prompt's cost between its
+        per-token, per-pair and per-chunk terms as the steps it happened to see allow: two
+        prefill workers' own fits priced one prompt quite differently, and a conversation
+        left the worker holding its prefix (seen under a loaded host); a decode worker's engine
+        sees few prompts, and its fit under-priced a long local prefill against the prefill
+        pool's, so long prompts took the fast lane. Each worker's own fit is still exported
+        (``kvrelay:router_cost_model``)."""
         alive = self.registry.alive
-        for peers in (alive(w.identity.role), [*alive("prefill"), *alive("decode"),
-                                               *alive("both")], [w]):
-            fitted = [p.perf for p in peers if p.perf.step_cost is not None]
+        order = ("prefill", "both", "decode") if work == "prompt" else \
+            ("decode", "both", "prefill")
+        for role in order:
+            fitted = [p.perf.step_cost for p in alive(role) if p.perf.step_cost is not None]
             if fitted:
-                best = max(fitted, key=lambda f: f.step_cost.samples)  # type: ignore[union-attr]
-                assert best.step_cost is not None
-                return best.step_cost, best.step_tokens
-        return PRIOR_STEP_COST, PRIOR_STEP_TOKENS
+                return max(fitted, key=lambda f: f.samples)
+        return PRIOR_STEP_COST
 
     def _decode_step_s(self, w: WorkerState, fit: StepCostFit, batch: int, prompt: int) -> float:
         """A decode step of ``batch`` sequences on ``w``: the keys they attend over estimated
@@ -178,9 +181,8 @@ class CostModel:
         usable = (len(req) - 1) // bs
         cached = min(w.cached_blocks(req.hashes(bs), now), usable) * bs
         new = len(req) - cached
-        fit, step_tokens = self._fit(w)
-        seconds = fit.prompt_seconds(new, step_tokens, queued=w.queued_tokens_estimate,
-                                     context=cached)
+        seconds = self._fit("prompt").prompt_seconds(
+            new, w.perf.step_tokens, queued=w.queued_tokens_estimate, context=cached)
         return PrefillEstimate(w, cached, new, seconds)
 
     def decode(self, w: WorkerState, req: RouteRequest, blocks_needed: int,
@@ -189,8 +191,7 @@ class CostModel:
         cached = min(w.cached_blocks(req.hashes(bs), now), len(req) // bs)
         uncached = -(-len(req) // bs) - cached
         fits = w.free_blocks_estimate >= blocks_needed - cached
-        fit, _ = self._fit(w)
-        step = self._decode_step_s(w, fit, w.batch_estimate + 1, len(req))
+        step = self._decode_step_s(w, self._fit("decode"), w.batch_estimate + 1, len(req))
         return DecodeEstimate(w, cached, uncached, fits, self.registry.perf.transfer_s(uncached),
                               req.max_tokens * step)
 
@@ -199,14 +200,14 @@ class CostModel:
         cached = min(w.cached_blocks(req.hashes(bs), now), (len(req) - 1) // bs) * bs
         new = len(req) - cached
         batch = w.batch_estimate
-        fit, step_tokens = self._fit(w)
-        wait = self._decode_step_s(w, fit, batch, len(req)) if batch > 0 else 0.0
+        fit = self._fit("prompt")
+        wait = self._decode_step_s(w, self._fit("decode"), batch, len(req)) if batch else 0.0
         seconds = (perf.reserve_rpc_s.value + wait  # the call, the step it waits for
-                   + fit.prompt_seconds(new, step_tokens, queued=w.queued_tokens_estimate,
+                   + fit.prompt_seconds(new, perf.step_tokens, queued=w.queued_tokens_estimate,
                                         context=cached))
         # The prefill's own compute delays every sequence in the batch by that much, and each
         # request reaching this worker meanwhile by half of it on average.
-        compute = fit.prompt_compute_seconds(new, step_tokens, context=cached)
+        compute = fit.prompt_compute_seconds(new, perf.step_tokens, context=cached)
         stall = compute * (batch + perf.arrivals.rate(now) * compute / 2.0)
         return LocalEstimate(w, cached, new, seconds, stall)
 
