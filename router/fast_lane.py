@@ -37,12 +37,10 @@ class FastLane:
                                        cache_salt=spec.cache_salt or "",
                                        sampling=sampling_to_proto(sampling))
         now = time.monotonic()
-        acct = w.accounting
         pending = self.cluster.policy.cost.local(w, ctx.req, now).new_tokens
-        charge = acct.charge(prompt_tokens=pending, local=True)
+        charge = w.accounting.charge(prompt_tokens=pending, local=True)
         # after the charge: an expected block would count as cached
         w.expect(ctx.req.hashes(w.identity.block_size), now + self.cluster.registry.expect_s)
-        acct.dispatches += 1
         if ctx.count:
             w.perf.arrivals.tick(now)
         span = tracing.start("router.stream", trace.span,

@@ -55,13 +55,12 @@ class Lifecycle:
     """Produces a request's tokens from the cluster, resuming on worker failure."""
 
     def __init__(self, registry: WorkerRegistry, policy: Policy, config: RouterConfig,
-                 cluster_metadata: tuple[tuple[str, str], ...] = (),
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 cluster_metadata: tuple[tuple[str, str], ...] = ()):
         policy.attach(registry)
         self.cluster = Cluster(registry, policy, config, cluster_metadata)
         self.leases = Leases(self.cluster)
         self.prefill = PrefillCalls(self.cluster, self.leases)
-        self.relay = Relay(self.cluster, eos_token_ids)
+        self.relay = Relay(self.cluster)  # its EOS ids: RouterService sets eos_token_ids
         self.fast_lane = FastLane(self.cluster, self.relay)
 
     @property

@@ -96,7 +96,7 @@ class Accounting:
     # next beats report the truth).
     expected: dict[int, float] = field(default_factory=dict)
     calibrating: bool = False  # being measured by the warm-up probe: no traffic yet
-    dispatches: int = 0  # prefills (P) or local generations (D) handed to it, ever
+    dispatches: int = 0  # prefills handed to it, ever (a prefill worker's)
     local_inflight: int = 0  # local generations (fast lane) still prefilling here
 
     def at_beat(self) -> None:
