@@ -18,6 +18,7 @@ import kvrelay
 from kvrelay.common.limits import MAX_PROMPT_CHARS
 from kvrelay.router.errors import RouterError
 from kvrelay.router.http_body import admitted, read_body
+from kvrelay.router.http_responses import router_error
 from kvrelay.router.openai_models import ChatMessage
 from kvrelay.router.service import RouterService
 from kvrelay.router.validation import first_bad_id
@@ -68,7 +69,7 @@ def extras(service: RouterService, error: Any) -> APIRouter:
         except ValueError as e:
             return error(400, str(e))
         except RouterError as e:
-            return error(e.http_status, e.message)
+            return router_error(e)  # 429 and 503 with Retry-After
         finally:
             admitted(request)
         return JSONResponse({"count": len(ids), "max_model_len":
@@ -88,7 +89,7 @@ def extras(service: RouterService, error: Any) -> APIRouter:
         except ValueError as e:
             return error(400, str(e))
         except RouterError as e:
-            return error(e.http_status, e.message)
+            return router_error(e)  # 429 and 503 with Retry-After
         finally:
             admitted(request)
         return JSONResponse({"prompt": text})
