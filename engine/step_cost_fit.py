@@ -65,12 +65,18 @@ class StepCostFit:
         """Seconds until a prompt's ``tokens`` (after ``context`` cached ones) are prefilled
         behind ``queued`` prompt tokens, in steps of at most ``step_tokens`` prefill tokens
         with no decodes beside them: each step's base cost, then each chunk's at its context.
-        The queued tokens' own attention is not known here (their prompts' lengths are not):
-        they count at the per-token rate."""
+        The queued tokens' prompts are not known here (nor their lengths): they count as fresh
+        chunks of a step's size, so that a queue costs what its chunks would whichever terms
+        of the fit carry a prompt's cost (a fit may put it all on attention and chunks, and
+        priced per token alone a queue then cost nothing)."""
         if tokens <= 0 and queued <= 0:
             return 0.0
-        steps = math.ceil((queued + max(0, tokens)) / max(1, step_tokens))
-        return (steps * self.base + self.prefill_token * queued
+        step_tokens = max(1, step_tokens)
+        steps = math.ceil((queued + max(0, tokens)) / step_tokens)
+        full, rest = divmod(max(0, queued), step_tokens)
+        queue = full * self.chunk_seconds(step_tokens, 0) \
+            + (self.chunk_seconds(rest, 0) if rest else 0.0)
+        return (steps * self.base + queue
                 + self.prompt_compute_seconds(tokens, step_tokens, context=context))
 
     def prompt_compute_seconds(self, tokens: int, step_tokens: int, *,
