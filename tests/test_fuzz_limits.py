@@ -55,12 +55,14 @@ def generate(cluster) -> Iterator[grpc.UnaryStreamMultiCallable]:
 
 @pytest.fixture(scope="module")
 def http(cluster) -> Iterator[httpx.Client]:
-    """The router's HTTP API; when the module is done, no process of the cluster exited and the
-    router logged no traceback while it ran."""
+    """The router's HTTP API; when the module is done, no process of the cluster that ran when it
+    began has exited (the shared cluster keeps the workers an earlier module killed in its list)
+    and the router logged no traceback while it ran."""
     start = cluster.router.log.stat().st_size
+    running = [p for p in [cluster.router, *cluster.workers] if p.alive()]
     with http_client(cluster) as client:
         yield client
-    assert all(p.alive() for p in [cluster.router, *cluster.workers])
+    assert all(p.alive() for p in running), [p.name for p in running if not p.alive()]
     with cluster.router.log.open("rb") as f:
         f.seek(start)
         log = f.read().decode(errors="replace")
