@@ -234,7 +234,7 @@ def test_panel_gemm_matches_the_onednn_path(hf_model_dir, arch: str) -> None:
     prompt = prompts(9, (21,))[0]
     panels, packed = (make_core(model_dir, num_threads=2, linear_kernel=k)
                       for k in ("panels", "onednn"))
-    assert panels.runner.model.lm_head.panels is not None
+    assert panels.runner.model.lm_head.kernel.panels is not None
     assert kernel_choice.linear_kernel(packed.runner.model) == "onednn"
     logits = []
     for core in (panels, packed):

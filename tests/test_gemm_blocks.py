@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from hf_models import hf_greedy
 from test_fused_decode import decode_logits, make_core
 
-from kvrelay.engine.cpu import gemm
-from kvrelay.engine.models import linear
+from kvrelay.engine.cpu import gemm, packed_linear
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="no native panel GEMM here")
 
@@ -79,10 +78,10 @@ def test_fused_decode_layers_over_blocked_weights(hf_model_dir, arch: str,
     prompt = list(range(5, 40))
     ref = hf_greedy(model_dir, prompt, 6)
     plain = make_core(model_dir)
-    monkeypatch.setattr(linear, "default_kblock", lambda: 48)
+    monkeypatch.setattr(packed_linear, "default_kblock", lambda: 48)
     blocked = make_core(model_dir)
     down = blocked.runner.model.layers[0].mlp.down
-    assert down.kblock == 48 and blocked.runner.model.fused_decode is not None
+    assert down.kernel.kblock == 48 and blocked.runner.model.fused_decode is not None
     got = decode_logits(blocked, prompt, ref.token_ids)
     torch.testing.assert_close(got, decode_logits(plain, prompt, ref.token_ids), rtol=0, atol=0)
     ref_dec = ref.logits[1:]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.engine.cpu import gemm, kernel_choice
+from kvrelay.engine.cpu.packed_linear import onednn_packing_available, packed
 from kvrelay.engine.llm import LLM
-from kvrelay.engine.models.linear import onednn_packing_available
 
 pytestmark = pytest.mark.skipif(not (gemm.available() and onednn_packing_available()),
                                 reason="auto chooses between the panel GEMM and oneDNN")
@@ -28,8 +28,8 @@ def test_auto_measures_once_then_takes_the_kept_choice(demo_model_dir, tmp_path,
     monkeypatch.setattr(kernel_choice, "time_linears", no_timing)
     again = LLM(demo_model_dir, num_blocks=16, num_threads=1).engine.runner.model
     assert kernel_choice.linear_kernel(again) == chosen  # packed only what was kept
-    assert {m.panel_rows for m in kernel_choice.linears(again)} == \
-        {m.panel_rows for m in kernel_choice.linears(first)}
+    assert {packed(m).panel_rows for m in kernel_choice.linears(again)} == \
+        {packed(m).panel_rows for m in kernel_choice.linears(first)}
 
     kept.write_text("not json")  # unreadable: measured again
     with pytest.raises(AssertionError, match="timed again"):

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.engine.cpu import gemm
-from kvrelay.engine.models.linear import MIXED_PANEL_ROWS, Linear, onednn_packing_available
+from kvrelay.engine.cpu import gemm, packed_linear
+from kvrelay.engine.cpu.packed_linear import MIXED_PANEL_ROWS, onednn_packing_available, packed
+from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.models.llama import MLP
 
 needs_onednn = pytest.mark.skipif(not onednn_packing_available(), reason="needs oneDNN packing")
@@ -29,7 +30,7 @@ def make(n_in: int, n_out: int, bias: bool, *, onednn: bool = True, panels: bool
     if bias:
         b = torch.randn(n_out, generator=g)
         lin.bias.data.copy_(b)
-    lin.pack(onednn=onednn, panels=panels, kblock=kblock)
+    packed_linear.pack(lin, onednn=onednn, panels=panels, kblock=kblock)
     return lin, (w, b)
 
 
@@ -44,8 +45,8 @@ def make(n_in: int, n_out: int, bias: bool, *, onednn: bool = True, panels: bool
 def test_panel_gemm_matches_f_linear(two_threads, bias: bool, rows: int, n_out: int) -> None:
     lin, (w, b) = make(300, n_out, bias, onednn=False, panels=True)
     nr = gemm.panel_width()
-    assert lin.weight is None and lin.packed is None
-    assert lin.panels.shape == (-(-n_out // nr), 300, nr)
+    assert lin.weight is None and lin.kernel.onednn is None
+    assert lin.kernel.panels.shape == (-(-n_out // nr), 300, nr)
     x = torch.randn(rows, 300)
     with torch.inference_mode():
         got = lin(x)
@@ -101,7 +102,7 @@ def test_k_major_rows_give_the_same_bits(two_threads, rows: int, k: int) -> None
 def test_panel_gemm_uses_the_threads_it_was_packed_with(two_threads) -> None:
     torch.set_num_threads(1)
     lin, (w, b) = make(64, 96, True, onednn=False, panels=True)
-    assert lin.threads == 1
+    assert lin.kernel.threads == 1
     x = torch.randn(3, 64)
     with torch.inference_mode():
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -112,7 +113,7 @@ def test_panel_gemm_uses_the_threads_it_was_packed_with(two_threads) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_packed_path_matches_f_linear(two_threads, bias: bool, rows: int) -> None:
     lin, (w, b) = make(96, 200, bias)
-    assert lin.weight is None and lin.panels is None
+    assert lin.weight is None and lin.kernel.panels is None
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         got = lin(x)
@@ -123,18 +124,18 @@ def test_packed_path_matches_f_linear(two_threads, bias: bool, rows: int) -> Non
 @needs_panels
 def test_mixed_takes_the_panels_up_to_the_row_limit(two_threads, monkeypatch) -> None:
     lin, (w, _) = make(64, 128, False, onednn=True, panels=True)
-    assert lin.panel_rows == MIXED_PANEL_ROWS
+    assert lin.kernel.panel_rows == MIXED_PANEL_ROWS
     calls = []
     real = gemm.panel_linear
-    monkeypatch.setattr("kvrelay.engine.models.linear.panel_linear",
+    monkeypatch.setattr("kvrelay.engine.cpu.packed_linear.panel_linear",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with torch.inference_mode():
         for rows in (1, MIXED_PANEL_ROWS, MIXED_PANEL_ROWS + 1):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(lin(x), x @ w.T, rtol=1e-5, atol=1e-4)
     assert calls == [1, MIXED_PANEL_ROWS]
-    lin.drop("onednn")  # panels only: every row count
-    assert lin.packed is None and lin.panel_rows > 10**9
+    lin.kernel.drop("onednn")  # panels only: every row count
+    assert lin.kernel.onednn is None and lin.kernel.panel_rows > 10**9
 
 
 @pytest.mark.parametrize("rows", [4, 10, 16])
@@ -146,7 +147,7 @@ def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
     for p in mlp.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
     for m in (mlp.gate_up, mlp.down):
-        m.pack(onednn=onednn_packing_available(), panels=gemm.available())
+        packed_linear.pack(m, onednn=onednn_packing_available(), panels=gemm.available())
     x = torch.randn(rows, 32, generator=g)
     with torch.inference_mode():
         whole = mlp(x)
@@ -202,10 +203,10 @@ def test_auto_keeps_what_measures_faster(demo_model_dir, monkeypatch, tmp_path, 
     assert seen == timed
     assert kernel_choice.linear_kernel(model) == kept
     lins = kernel_choice.linears(model)
-    assert all((m.panels is not None) == (kept != "onednn") for m in lins)
-    assert all((m.packed is not None) == (kept != "panels") for m in lins)
+    assert all((packed(m).panels is not None) == (kept != "onednn") for m in lins)
+    assert all((packed(m).onednn is not None) == (kept != "panels") for m in lins)
     if panel_rows is not None:
-        assert {m.panel_rows for m in lins} == {panel_rows}
+        assert {packed(m).panel_rows for m in lins} == {panel_rows}
         assert model.fused_decode is None or model.fused_decode.max_rows == panel_rows
 
 
@@ -232,3 +233,15 @@ def test_unknown_linear_kernel_is_refused() -> None:
 
     with pytest.raises(ValueError, match="linear_kernel"):
         EngineConfig.from_kwargs("x", linear_kernel="fast")
+
+
+def test_the_model_package_knows_no_cpu_kernel() -> None:
+    """``engine/models`` imports nothing of ``engine/cpu``: the platform gives a Linear its
+    kernel (``engine/cpu/packed_linear.py``) at load."""
+    from test_import_graph import file_graph
+
+    graph = file_graph()
+    models = [m for m in graph if m.startswith("kvrelay.engine.models")]
+    assert "kvrelay.engine.models.linear" in models
+    for m in models:
+        assert not [d for d in graph[m] if d.startswith("kvrelay.engine.cpu")], m

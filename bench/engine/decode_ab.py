@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from kvrelay.engine.cpu import gemm, hugepages
+from kvrelay.engine.cpu import gemm, hugepages, packed_linear
+from kvrelay.engine.cpu.packed_linear import packed
 from kvrelay.engine.llm import LLM
-from kvrelay.engine.models import llama
 from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.sampling_params import SamplingParams
 
@@ -45,12 +45,13 @@ def main() -> None:
         raise SystemExit("needs the panel GEMM and MADV_HUGEPAGE")
     # The k-major choice applies to panels in one K block: weights in K blocks (this CPU's
     # default where gemm.default_kblock() > 0) run block by block whatever it says.
-    llama.default_kblock = lambda: 0
+    packed_linear.default_kblock = lambda: 0
     llm = LLM(args.model, kv_cache_memory="2GiB", num_threads=args.threads,
               linear_kernel="panels")
     core, model = llm.engine, llm.engine.runner.model
     fused = model.fused_decode
-    lins = [m for m in model.modules() if isinstance(m, Linear) and m.panels is not None]
+    lins = [k for m in model.modules()
+            if isinstance(m, Linear) and (k := packed(m)) is not None and k.panels is not None]
     panels = {"huge": [lin.panels for lin in lins]}
     panels["small"] = [p.clone() for p in panels["huge"]]
     base = gemm.tuning()

@@ -32,6 +32,7 @@ import torch
 
 from kvrelay.engine.cpu import gemm, native, prefetch_tuner
 from kvrelay.engine.cpu.attention import MIN_PART_TOKENS, NativeBackend, NativeMetadata
+from kvrelay.engine.cpu.packed_linear import packed
 from kvrelay.engine.cpu.prefetch_tuner import PrefetchTuner
 from kvrelay.engine.models.linear import Linear
 
@@ -79,7 +80,7 @@ class FusedDecode:
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
-        self.max_rows = min(lin.panel_rows for layer in model.layers
+        self.max_rows = min(packed(lin).panel_rows for layer in model.layers
                             for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up,
                                         layer.mlp.down))
         self._layers: list[_Layer] | None = None
@@ -100,7 +101,8 @@ class FusedDecode:
             a, m = layer.attn, layer.mlp
             lins = (a.qkv, a.o, m.gate_up, m.down)
             if a.q_norm is not None or not isinstance(a.attn_fn, NativeBackend) or a.head_dim % 2 \
-                    or any(type(lin) is not Linear or lin.panels is None for lin in lins):
+                    or any(type(lin) is not Linear or (k := packed(lin)) is None
+                           or k.panels is None for lin in lins):
                 return None
         return cls(model)
 
@@ -113,8 +115,9 @@ class FusedDecode:
             assert a.k_cache is not None and a.v_cache is not None
             assert a.k_cache.is_contiguous() and a.v_cache.is_contiguous()
             groups = max(1, len(a.kv_groups))
-            kblock = a.qkv.kblock
-            assert all(lin.kblock == kblock for lin in (a.o, m.gate_up, m.down))
+            qkv, o, gu, down = (packed(lin) for lin in (a.qkv, a.o, m.gate_up, m.down))
+            kblock = qkv.kblock
+            assert all(k.kblock == kblock for k in (o, gu, down))
             # KV head groups: every group's views equally far apart (one [G, ...] tensor).
             esz = a.k_cache.element_size()
             stride = (a.kv_groups[1][0].data_ptr() - a.k_cache.data_ptr()) // esz \
@@ -123,8 +126,8 @@ class FusedDecode:
                        v.data_ptr() - a.v_cache.data_ptr() == g * stride * esz
                        for g, (k, v) in enumerate(a.kv_groups))
             layers.append(_Layer(
-                _ptr(a.qkv.panels), _ptr(a.qkv.bias), _ptr(a.o.panels), _ptr(a.o.bias),
-                _ptr(m.gate_up.panels), _ptr(m.gate_up.bias), _ptr(m.down.panels),
+                _ptr(qkv.panels), _ptr(a.qkv.bias), _ptr(o.panels), _ptr(a.o.bias),
+                _ptr(gu.panels), _ptr(m.gate_up.bias), _ptr(down.panels),
                 _ptr(m.down.bias), _ptr(layer.post_attn_norm.weight),
                 _ptr(None if nxt is None else nxt.weight), _ptr(a.k_cache), _ptr(a.v_cache),
                 arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, m.inter,

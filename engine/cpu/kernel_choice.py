@@ -26,13 +26,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine.cpu import gemm, hugepages, native
-from kvrelay.engine.models.linear import (
+from kvrelay.engine.cpu import gemm, hugepages, native, packed_linear
+from kvrelay.engine.cpu.packed_linear import (
     LINEAR_KERNELS,
     MIXED_PANEL_ROWS,
-    Linear,
+    PackedLinear,
     onednn_packing_available,
+    packed,
 )
+from kvrelay.engine.models.linear import Linear
 
 if TYPE_CHECKING:
     from kvrelay.engine.models.llama import LlamaForCausalLM
@@ -85,11 +87,12 @@ def linears(model: LlamaForCausalLM) -> list[Linear]:
 
 def pack_weights(model: LlamaForCausalLM, *, onednn: bool = True, panels: bool = False) -> None:
     """Repack every linear for oneDNN and/or the panel GEMM (CPU, fp32), after the weights
-    are loaded (see :class:`Linear`); a tied LM head packs the embedding."""
+    are loaded (see :class:`~kvrelay.engine.cpu.packed_linear.PackedLinear`); a tied LM head
+    packs the embedding."""
     for m in linears(model):
         if m is not model.lm_head:
-            m.pack(onednn=onednn, panels=panels)
-    model.lm_head.pack(model.embed if model.arch.tie_word_embeddings else None,
+            packed_linear.pack(m, onednn=onednn, panels=panels)
+    packed_linear.pack(model.lm_head, model.embed if model.arch.tie_word_embeddings else None,
                        onednn=onednn, panels=panels)
 
 
@@ -101,10 +104,12 @@ def linear_shapes(model: LlamaForCausalLM) -> list[tuple[int, int]]:
 
 def linear_kernel(model: LlamaForCausalLM) -> str:
     """Which copies the linears hold: ``panels``, ``onednn``, ``mixed`` or ``dense``."""
-    lin = model.layers[0].mlp.down
-    if lin.panels is not None:
-        return "mixed" if lin.packed is not None else "panels"
-    return "onednn" if lin.packed is not None else "dense"
+    k = packed(model.layers[0].mlp.down)
+    if k is None:
+        return "dense"
+    if k.panels is not None:
+        return "mixed" if k.onednn is not None else "panels"
+    return "onednn"
 
 
 def keep_linear_kernel(model: LlamaForCausalLM, kernel: str,
@@ -112,13 +117,13 @@ def keep_linear_kernel(model: LlamaForCausalLM, kernel: str,
     """From both copies (``pack_weights(onednn=True, panels=True)``) keep ``kernel``'s:
     ``panels``, ``onednn``, or ``mixed`` (both, the panels up to ``panel_rows`` rows); the
     panels, what a decode step streams, then move onto huge pages."""
-    lins = linears(model)
-    for m in lins:
+    kernels = [k for k in map(packed, linears(model)) if k is not None]
+    for k in kernels:
         if kernel != "mixed":
-            m.drop("onednn" if kernel == "panels" else "panels")
-        elif m.panels is not None and m.packed is not None:
-            m.panel_rows = panel_rows
-    hugepages.rehome(lins, "panels")
+            k.drop("onednn" if kernel == "panels" else "panels")
+        elif k.panels is not None and k.onednn is not None:
+            k.panel_rows = panel_rows
+    hugepages.rehome(kernels, "panels")
 
 
 @torch.inference_mode()
@@ -129,15 +134,17 @@ def time_linears(model: LlamaForCausalLM, rows: int, layers: int | None = None,
     ``reps`` each, interleaved so both see the same machine."""
     mods = linears(model) if layers is None else [
         m for layer in model.layers[:layers] for m in layer.modules() if isinstance(m, Linear)]
-    xs = [(m, torch.randn(rows, m.panels.shape[1])) for m in mods if m.panels is not None]
+    xs: list[tuple[PackedLinear, torch.Tensor | None, torch.Tensor]] = [
+        (k, m.bias, torch.randn(rows, k.panels.shape[1])) for m in mods
+        if (k := packed(m)) is not None and k.panels is not None]
 
     def run(panels: bool) -> float:
         t = time.perf_counter()
-        for m, x in xs:
+        for k, bias, x in xs:
             if panels:
-                m.panel_forward(x)
+                k.panel_forward(x, bias)
             else:
-                m.packed_forward(x)
+                k.onednn_forward(x, bias)
         return time.perf_counter() - t
 
     best = [float("inf"), float("inf")]

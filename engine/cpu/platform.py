@@ -14,9 +14,9 @@ from kvrelay.engine.attention import AttentionBackend, select_backend
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.cpu import gemm, kernel_choice
 from kvrelay.engine.cpu.fused_decode import FusedDecode
+from kvrelay.engine.cpu.packed_linear import onednn_packing_available, packed
 from kvrelay.engine.cpu.thread_pinning import pin_engine_threads
 from kvrelay.engine.heap import bound_onednn_caches
-from kvrelay.engine.models.linear import onednn_packing_available
 
 if TYPE_CHECKING:
     from kvrelay.engine.models.llama import LlamaForCausalLM
@@ -64,8 +64,8 @@ class CpuPlatform:
         """Steps of more rows are padded to a bucketed count (oneDNN compiles a primitive per
         row count; the panel GEMM does not): from the panels' rows where oneDNN holds a copy,
         never (None) without one."""
-        lm = model.lm_head
-        return lm.panel_rows if lm.packed is not None else None
+        lm = packed(model.lm_head)
+        return lm.panel_rows if lm is not None and lm.onednn is not None else None
 
     def kv_block_size(self, requested: int, backend: AttentionBackend) -> int:
         return requested
