@@ -25,6 +25,13 @@ MAX_ADMITTING_BYTES = 2 * MAX_HTTP_BODY_BYTES
 RETRY_AFTER_S = 1.0
 
 
+def concurrency_limit(max_inflight: int) -> int:
+    """Requests (gRPC calls, HTTP connections) a public server serves at once, past which it
+    refuses before reading anything: every request in flight, as many waiting for a slot or
+    idle, and as many again being parsed. A backstop behind admission and the fair queue."""
+    return 2 * max_inflight + MAX_ADMITTING
+
+
 class Ticket:
     """One admitted request's share; ``release`` (idempotent) gives it back."""
 

@@ -23,7 +23,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kvrelay.common.limits import MAX_HTTP_BODY_BYTES
 from kvrelay.common.rpc import SecretSet, TLSFiles
-from kvrelay.router.admission import MAX_ADMITTING, RETRY_AFTER_S
+from kvrelay.router.admission import RETRY_AFTER_S, concurrency_limit
 from kvrelay.router.http_body import validation_message
 from kvrelay.router.http_extras import extras
 from kvrelay.router.http_middleware import Admit, ApiKeyAuth
@@ -49,7 +49,7 @@ def connection_limit(max_inflight: int) -> int:
     """uvicorn's ``limit_concurrency``: connections (idle keep-alive ones too) and requests
     beyond it are answered 503 before anything is read. A backstop past what admission lets in:
     every request in flight, as many being parsed, and as many idle connections again."""
-    return 2 * max_inflight + MAX_ADMITTING
+    return concurrency_limit(max_inflight)
 
 
 # Bytes of a response the kernel may hold not yet sent (TCP_NOTSENT_LOWAT). Unbounded, a slow

@@ -27,8 +27,10 @@ from kvrelay.common.rpc import (
     token_metadata,
 )
 from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
+from kvrelay.router.admission import concurrency_limit
 from kvrelay.router.calibration import Calibrator
 from kvrelay.router.grpc_api import GenerationServicer, RegistryServicer
+from kvrelay.router.grpc_limits import ConcurrentCallLimit
 from kvrelay.router.lifecycle import Lifecycle, RouterConfig
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.policy import make_policy
@@ -59,6 +61,9 @@ class RouterSettings:
     tls: TLSFiles | None = None
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     config: RouterConfig = field(default_factory=RouterConfig)
+    # Calls the public gRPC server runs at once (health checks aside); None: as many as the
+    # HTTP server's connections (admission.concurrency_limit of max_inflight).
+    max_concurrent_rpcs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "control_port"):
@@ -110,17 +115,7 @@ class Router:
             cache_salt_by_api_key=st.cache_salt_by_api_key, chat_template=st.chat_template)
 
         keys = SecretSet(st.api_keys)
-        # A public request is at most a maximal prompt; the internal ports carry KV metadata.
-        self.public = make_server([api_key_interceptor(keys)] if keys else [],
-                                  max_receive_bytes=MAX_GRPC_REQUEST_BYTES)
-        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.service),
-                                                           self.public)
-        # NOT_SERVING until a worker path exists: a readiness probe that passes before then
-        # sends traffic that can only fail with UNAVAILABLE.
-        self._health = add_health(self.public, PUBLIC_SERVICES)
-        set_serving(self._health, PUBLIC_SERVICES, False)
-        self.serving = False
-        self.port = bind(self.public, st.host, st.port, st.tls)
+        self._start_public(keys)
 
         warn_if_control_exposed(st)
         tokens = SecretSet([st.cluster_token] if st.cluster_token else [])
@@ -143,6 +138,23 @@ class Router:
         logger.info("router serving %s: gRPC %s:%d, control %s:%d%s", name, st.host, self.port,
                     st.control_host, self.control_port,
                     f", HTTP {st.http_host}:{self.http_port}" if self.http_port else "")
+
+    def _start_public(self, keys: SecretSet) -> None:
+        """The public gRPC server, bound: API keys, then the concurrent-call limit."""
+        st = self.settings
+        self.call_limit = ConcurrentCallLimit(st.max_concurrent_rpcs
+                                              or concurrency_limit(st.config.max_inflight))
+        # A public request is at most a maximal prompt; the internal ports carry KV metadata.
+        self.public = make_server([*([api_key_interceptor(keys)] if keys else []),
+                                   self.call_limit], max_receive_bytes=MAX_GRPC_REQUEST_BYTES)
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.service),
+                                                           self.public)
+        # NOT_SERVING until a worker path exists: a readiness probe that passes before then
+        # sends traffic that can only fail with UNAVAILABLE.
+        self._health = add_health(self.public, PUBLIC_SERVICES)
+        set_serving(self._health, PUBLIC_SERVICES, False)
+        self.serving = False
+        self.port = bind(self.public, st.host, st.port, st.tls)
 
     async def _watch_serving(self) -> None:
         """Keeps the public health status equal to whether a request could be routed now

@@ -1,0 +1,81 @@
+"""What one client (API key) may learn of or take from another at the router's public ports
+(issue 54): the public gRPC server's concurrent calls are bounded, request ids are scoped by API
+key, the prefix cache is salted per key by default once keys are set, and a client's
+``traceparent`` is checked before the router's trace continues it.
+
+The real router in this process with no workers (``router_in_process``): a request that passes
+validation waits for a worker (``worker_wait_s``) and then fails UNAVAILABLE, which is what holds
+a call open here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from router_in_process import RouterInProcess
+
+from kvrelay.proto import generate_pb2 as pb
+from kvrelay.proto import generate_pb2_grpc
+from kvrelay.router.requests import RouterConfig
+
+KEYS = ("key-a", "key-b")
+
+
+@pytest.fixture(scope="module")
+def router(demo_model_dir: str) -> Iterator[RouterInProcess]:
+    with RouterInProcess(demo_model_dir, api_keys=KEYS, max_concurrent_rpcs=3,
+                         config=RouterConfig(worker_wait_s=60.0)) as r:
+        yield r
+        assert not r.errors, [rec.getMessage() for rec in r.errors[:5]]
+
+
+def _md(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def _request(rid: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="hello there", request_id=rid,
+                              sampling=pb.SamplingParams(max_tokens=2))
+
+
+def _wait_for(cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_the_public_grpc_server_bounds_its_concurrent_calls(router) -> None:
+    """Calls past the limit are RESOURCE_EXHAUSTED with retry-after-ms at once, before their
+    handler runs; health checks still answer; the calls' places come back when they end."""
+    limit = router.router.call_limit
+    with grpc.insecure_channel(router.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        held = [stub.Generate(_request(), metadata=_md("key-a"), timeout=60)
+                for _ in range(limit.limit)]
+        try:
+            _wait_for(lambda: limit.active == limit.limit, "calls not held")
+            t = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(_request(), metadata=_md("key-b"), timeout=30))
+            assert time.monotonic() - t < 5  # refused, not queued behind the held calls
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert "calls in progress" in e.value.details()
+            assert int(dict(e.value.trailing_metadata())["retry-after-ms"]) > 0
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ListModels(pb.ListModelsRequest(), metadata=_md("key-b"), timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=10)
+            assert health.status in (health_pb2.HealthCheckResponse.SERVING,
+                                     health_pb2.HealthCheckResponse.NOT_SERVING)
+        finally:
+            for call in held:
+                call.cancel()
+        _wait_for(lambda: limit.active == 0, "cancelled calls kept their places")
+        models = stub.ListModels(pb.ListModelsRequest(), metadata=_md("key-b"), timeout=30)
+        assert models.models
