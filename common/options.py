@@ -43,12 +43,18 @@ def opt(p: argparse.ArgumentParser | Any, flag: str, *, env: bool = True, **kw: 
 
 # -- option groups --------------------------------------------------------------------------
 def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = True) -> None:
-    from kvrelay.engine.config import THREAD_BINDINGS  # stdlib only: cheap to import
+    from kvrelay.engine.config import (  # stdlib only: cheap to import
+        DTYPES,
+        KV_CACHE_DTYPES,
+        THREAD_BINDINGS,
+    )
 
     g = p.add_argument_group("engine")
     opt(g, "--model", required=model_required and env_name("--model") not in os.environ,
         help="checkpoint directory (config.json + *.safetensors + tokenizer)")
-    opt(g, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    opt(g, "--dtype", default="auto", choices=list(DTYPES),
+        help="the weights' dtype; auto: the checkpoint's where the device has kernels for it "
+             "(bf16 checkpoints run bf16 on CPU and GPU; on CPU the activations stay fp32)")
     opt(g, "--device", default="auto", help="auto|cpu|cuda|cuda:N")
     opt(g, "--max-model-len", type=int, default=None)
     opt(g, "--block-size", type=int, default=16, help="tokens per KV block")
@@ -56,6 +62,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--gpu-memory-utilization", type=float, default=0.9,
         help="on CUDA the KV cache also stays within this fraction of the GPU's memory")
     opt(g, "--num-kv-blocks", type=int, default=None, help="exact KV blocks (overrides budget)")
+    opt(g, "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="what the KV cache stores and KV transfer moves; auto: the weights' dtype (both "
+             "pools of a deployment must agree)")
     opt(g, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
     opt(g, "--kv-head-groups", type=int, default=1,
         help="keep the KV heads (each rank's) in this many groups, laid out as the ranks of a "
@@ -108,6 +117,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         gpu_memory_utilization=float(getattr(args, "gpu_memory_utilization", 0.9)),
         enable_prefix_caching=not args.no_prefix_caching,
         kv_head_groups=int(getattr(args, "kv_head_groups", 1)),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         max_num_batched_tokens=int(args.max_num_batched_tokens),
         max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),

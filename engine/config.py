@@ -28,12 +28,17 @@ def parse_bytes(value: str | int) -> int:
 
 
 THREAD_BINDINGS = ("auto", "on", "off")  # where the engine threads run: engine.cpu.thread_pinning
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # the weights' (ModelConfig.dtype)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # checkpoint directory (config.json + *.safetensors)
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # The weights' dtype. auto: the checkpoint's (config.json's dtype/torch_dtype) where the
+    # device has kernels for it: bf16 stays bf16 on CPU and GPU; fp32 (or unstated) runs fp32 on
+    # CPU and bf16 on CUDA. On CPU the activations stay fp32 whatever this is (Platform).
+    dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     attention_backend: Literal["auto", "native", "sdpa", "flash"] = "auto"
@@ -58,8 +63,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("ModelConfig.model must name a checkpoint directory")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {'|'.join(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "native", "sdpa", "flash"):
@@ -91,10 +96,16 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Keep the KV heads in this many groups, each a tensor of its own (see engine/kv_cache.py).
     kv_head_groups: int = 1
+    # What the KV cache stores (and KV transfer moves). auto: the weights' dtype, so a bf16
+    # checkpoint keeps bf16 KV (half the bytes per token held and sent).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_head_groups < 1:
             raise ValueError(f"kv_head_groups must be positive, got {self.kv_head_groups}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {'|'.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))

@@ -56,22 +56,31 @@ class ModelRunner:
         # What differs between a CPU and a GPU engine: engine/cpu/, engine/cuda/.
         self.platform: Platform = platform_for(self.device, config)
         self.platform.configure()
-        self.dtype = self.platform.default_dtype() if mc.dtype == "auto" else \
-            dtype_from_name(mc.dtype)
-        self.attention = self.platform.attention(mc.attention_backend, self.dtype)
-        self.backend = self.attention.name
         from kvrelay.engine.models.arch import load_model_config
 
         _, arch = load_model_config(mc.model)
+        # Three dtypes: the weights' (the checkpoint's under auto), the activations' (the
+        # platform's: fp32 on CPU whatever the weights) and the KV cache's (the weights' under
+        # auto: what a peer's layout must match).
+        checkpoint = None if arch.checkpoint_dtype is None else \
+            dtype_from_name(arch.checkpoint_dtype)
+        self.dtype = self.platform.weight_dtype(checkpoint) if mc.dtype == "auto" else \
+            dtype_from_name(mc.dtype)
+        self.compute_dtype = self.platform.compute_dtype(self.dtype)
+        cc = config.cache
+        self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else \
+            dtype_from_name(cc.kv_cache_dtype)
+        self.attention = self.platform.attention(mc.attention_backend, self.compute_dtype)
+        self.backend = self.attention.name
         max_len = min(mc.max_model_len or arch.max_position_embeddings,
                       arch.max_position_embeddings)
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
+                                           compute_dtype=self.compute_dtype,
                                            attn_fn=self.attention, max_positions=max_len,
                                            shard=shard, platform=self.platform)
         self.shard = shard
         # Under TP each rank holds its own heads' KV (the budget is per rank).
         kv_heads = arch.num_kv_heads if shard is None else local_kv_heads(arch, shard.size)
-        cc = config.cache
         block_size = self.platform.kv_block_size(cc.block_size, self.attention)
         # --num-kv-blocks counts blocks of the configured size: keep the tokens it meant.
         exact = None if cc.num_blocks is None else max(1, cc.num_blocks * cc.block_size
@@ -79,18 +88,18 @@ class ModelRunner:
         num_blocks = exact or blocks_for_budget(
             self.platform.kv_budget(cc.kv_cache_memory, cc.gpu_memory_utilization),
             num_layers=arch.num_layers, num_kv_heads=kv_heads,
-            head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.dtype))
+            head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.kv_dtype))
         self.kv_groups = groups = cc.kv_head_groups
         check_kv_head_groups(groups, kv_heads)
         self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads // groups, arch.head_dim,
-                                   block_size, num_blocks, dtype_name(self.dtype))
+                                   block_size, num_blocks, dtype_name(self.kv_dtype))
         if shard is not None and shard.kv_shm:
             self.kv = shared_kv_cache(shard.kv_shm, shard.rank, kv_shape(self.kv_spec, groups),
                                       self.kv_spec.torch_dtype)
         else:
             self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
         self.model.bind_kv_cache(self.kv)
-        self.attention.bind_cache(self.kv_spec.num_kv_heads, arch.head_dim, self.dtype,
+        self.attention.bind_cache(self.kv_spec.num_kv_heads, arch.head_dim, self.kv_dtype,
                                   self.device)
         # What a KV transport registers: the tensor, or group 0 and the others as its ranks
         # (under TP, rank 0 maps every rank's groups: TPModelRunner).

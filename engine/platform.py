@@ -30,8 +30,13 @@ class Platform(Protocol):
     name: str
     device: torch.device
 
-    def default_dtype(self) -> torch.dtype:
-        """The model's dtype under ``--dtype auto``."""
+    def weight_dtype(self, checkpoint: torch.dtype | None) -> torch.dtype:
+        """What ``--dtype auto`` stores the weights as, for a checkpoint written in
+        ``checkpoint`` (None: its config does not say)."""
+
+    def compute_dtype(self, weights: torch.dtype) -> torch.dtype:
+        """The activations' dtype (residual stream, attention, logits) over weights stored as
+        ``weights``."""
 
     def configure(self) -> None:
         """Set up the calling thread and the process before the model is built (threads,

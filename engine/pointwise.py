@@ -89,8 +89,10 @@ def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
         if rc != 0:
             raise ValueError("negative slot in the slot mapping")
         return
-    k_cache.index_copy_(0, slots, k[:n])
-    v_cache.index_copy_(0, slots, v[:n])
+    # A cache of another dtype (bf16 KV under fp32 activations) gets each value rounded to
+    # nearest even, as every path that stores into it does.
+    k_cache.index_copy_(0, slots, k[:n].to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v[:n].to(v_cache.dtype))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,7 @@ _CHECKS: tuple[tuple[str, str, str], ...] = (
     ("model_kv_heads", "has num_kv_heads", "--model (the same checkpoint)"),
     ("head_dim", "has head_dim", "--model (the same checkpoint)"),
     ("block_size", "has block_size", "--block-size"),
-    ("dtype", "stores KV as", "--dtype"),
+    ("dtype", "stores KV as", "--kv-cache-dtype (or --dtype, which it follows by default)"),
     ("device_kind", "keeps KV on", "--device kind (cpu or cuda)"),
 )
 

@@ -82,7 +82,9 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
     """Write a tiny ``arch`` checkpoint (see ``ARCHS``) to ``out_dir`` and return it.
 
     ``overrides`` replace config fields (``num_hidden_layers=3``) or, for the keys
-    ``legacy_rope``, ``bias_std``, ``embed_std`` and ``max_shard_size``, the spec's own settings.
+    ``legacy_rope``, ``bias_std``, ``embed_std`` and ``max_shard_size``, the spec's own settings;
+    ``dtype`` (a ``torch.dtype``, default fp32) is what the weights are written in, and the
+    config says so, as a real checkpoint's does.
     Each arch draws its weights from its own stream (``seed`` mixed with the arch's name), so
     two arches never share weights by accident.
     """
@@ -95,6 +97,7 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
     bias_std = overrides.pop("bias_std", spec.bias_std)
     embed_std = overrides.pop("embed_std", spec.embed_std)
     max_shard_size = overrides.pop("max_shard_size", spec.max_shard_size)
+    dtype = overrides.pop("dtype", torch.float32)
     kwargs = {**_BASE, **spec.config, **overrides}
     if kwargs["vocab_size"] < TOKENIZER_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE}")
@@ -107,6 +110,7 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
                         embed_std=embed_std, norm_jitter=0.3, bias_std=bias_std)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    model.to(dtype)
     os.makedirs(out_dir, exist_ok=True)
     save_kw: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size is not None:

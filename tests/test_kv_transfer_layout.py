@@ -43,7 +43,7 @@ def test_num_blocks_may_differ() -> None:
     ("block_size", 32, "peer has block_size 32, we have 16: start both pools with the same "
                        "--block-size"),
     ("dtype", "bfloat16", "peer stores KV as bfloat16, we have float32: start both pools with "
-                          "the same --dtype"),
+                          "the same --kv-cache-dtype"),
     ("model_id", "m-2", "peer serves model m-2, we have m-1: start both pools with the same "
                         "--model"),
     ("num_kv_heads", 8, "peer has num_kv_heads 8, we have 2"),

@@ -180,6 +180,14 @@ def test_incompatible_layout_is_refused_with_the_flag_to_change(sender) -> None:
     assert "peer has block_size 32, we have 8: start both pools with the same --block-size" in msg
     assert not ei.value.retriable
     assert not tr.has_peer("decode-x")
+    # A bf16 KV peer of an fp32 sender (or the reverse): the bytes of a block differ in size
+    # and meaning, so the handshake names both dtypes and the flag.
+    bf16 = KVLayout.from_spec(KVCacheSpec(3, 2, 16, 8, 64, "bfloat16"), MODEL_ID)
+    with pytest.raises(IncompatibleKVLayout) as ei:
+        tr.add_peer(PeerInfo("decode-y", b"not-used", bf16, 0x1000, 0, "abc"))
+    assert "peer stores KV as bfloat16, we have float32: start both pools with the same " \
+        "--kv-cache-dtype" in str(ei.value)
+    assert not tr.has_peer("decode-y")
 
 
 def test_write_validates_block_ids_and_layers(sender) -> None:

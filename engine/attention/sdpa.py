@@ -43,6 +43,12 @@ def zero_padding(out: torch.Tensor, meta: AttentionMetadata) -> None:
         out[n:].zero_()
 
 
+def widened(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows in the queries' dtype (a bf16 cache under fp32 activations: SDPA
+    takes one dtype)."""
+    return kv if kv.dtype == dtype else kv.to(dtype)
+
+
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,8 +76,8 @@ def prefill_attention(
             ks = k[span.q_start:span.q_start + span.q_len]
             vs = v[span.q_start:span.q_start + span.q_len]
         else:
-            ks = meta.gather(k_cache, span.ctx_slots, 0)
-            vs = meta.gather(v_cache, span.ctx_slots, 1)
+            ks = widened(meta.gather(k_cache, span.ctx_slots, 0), q.dtype)
+            vs = widened(meta.gather(v_cache, span.ctx_slots, 1), q.dtype)
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = span.mask(window, q.device)
@@ -102,8 +108,8 @@ def grouped_decode_attention(
         qd = q[start:start + g.count].view(g.count, kv_heads, group, head_dim)
         shape = (g.count, g.block_tables.shape[1] * bs, kv_heads, head_dim)
         flat = g.block_tables.reshape(-1)
-        kd = meta.gather(k_blocks, flat, 0).view(shape).transpose(1, 2)
-        vd = meta.gather(v_blocks, flat, 1).view(shape).transpose(1, 2)
+        kd = widened(meta.gather(k_blocks, flat, 0).view(shape), q.dtype).transpose(1, 2)
+        vd = widened(meta.gather(v_blocks, flat, 1).view(shape), q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, bs),
                                            scale=scale)
         out[start:start + g.count] = o.reshape(g.count, num_heads, head_dim)

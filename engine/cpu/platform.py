@@ -37,7 +37,16 @@ class CpuPlatform:
         self.linear_kernel = linear_kernel
         self.prefill_rows = prefill_rows
 
-    def default_dtype(self) -> torch.dtype:
+    def weight_dtype(self, checkpoint: torch.dtype | None) -> torch.dtype:
+        # bf16 as written: the kernels widen it to fp32 in registers, so a weight streams at
+        # half the bytes. fp16 has no such kernel here and widens exactly into fp32.
+        return torch.bfloat16 if checkpoint == torch.bfloat16 else torch.float32
+
+    def compute_dtype(self, weights: torch.dtype) -> torch.dtype:
+        # Activations stay fp32 on CPU whatever the weights: there is no bf16 arithmetic to gain
+        # on AVX2/AVX-512 without avx512_bf16/AMX (a bf16 op widens to fp32 anyway), the
+        # residual stream keeps fp32's precision, and norms, softmax, rope and the sampler
+        # read it as they do in fp32.
         return torch.float32
 
     def configure(self) -> None:

@@ -28,8 +28,13 @@ class CudaPlatform:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def default_dtype(self) -> torch.dtype:
-        return torch.bfloat16
+    def weight_dtype(self, checkpoint: torch.dtype | None) -> torch.dtype:
+        # A half-precision checkpoint runs as written; an fp32 one (or one that does not say)
+        # in bf16, as vLLM and SGLang run it: flash-attn and the tensor cores take no fp32.
+        return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+    def compute_dtype(self, weights: torch.dtype) -> torch.dtype:
+        return weights
 
     def configure(self) -> None:
         torch.cuda.set_device(self.device)  # this thread's kernels and events on its GPU

@@ -47,6 +47,9 @@ class ModelArch:
     qk_norm: bool
     layer_windows: tuple[int | None, ...]  # sliding window per layer (None = full attention)
     identity: str  # stable digest of the config: peers exchanging KV must agree on it
+    # What the weights were written in (config.json's ``dtype``/``torch_dtype``: "bfloat16",
+    # "float16", "float32"), or None where the config does not say: ``--dtype auto`` reads it.
+    checkpoint_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -203,7 +206,23 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         qk_norm=family == "qwen3",
         layer_windows=windows,
         identity=f"{arch}:{digest.hexdigest()[:16]}",
+        checkpoint_dtype=checkpoint_dtype(cfg),
     )
+
+
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_dtype(cfg: Any) -> str | None:
+    """The dtype a config says its weights are in (transformers 5 writes ``dtype``, earlier
+    versions ``torch_dtype``; AutoConfig may hold a ``torch.dtype``), None when it says none
+    this engine knows."""
+    for key in ("dtype", "torch_dtype"):
+        value = getattr(cfg, key, None)
+        if value is not None:
+            name = str(value).removeprefix("torch.")
+            return name if name in CHECKPOINT_DTYPES else None
+    return None
 
 
 def rope_parameters(cfg: Any) -> dict[str, Any]:

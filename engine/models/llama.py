@@ -213,10 +213,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The model over weights of the default dtype at construction (the checkpoint's) and
+    activations of ``compute_dtype`` (default: the same): the residual stream, q/k/v, attention
+    and logits are ``compute_dtype``, and so are the norm weights; the embedding rows are
+    widened as they are gathered and the linears take ``compute_dtype`` in and out (on CPU bf16
+    weights under fp32 activations: their kernels widen the weights in registers)."""
+
     def __init__(self, arch: ModelArch, attn_fn: AttentionFn, inv_freq: torch.Tensor,
-                 rope_scale: float, max_positions: int):
+                 rope_scale: float, max_positions: int,
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.arch = arch
+        self.compute_dtype = compute_dtype or torch.get_default_dtype()
         self.embed = empty_param(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, attn_fn)
                                     for i in range(arch.num_layers))
@@ -226,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = None  # shares the embedding (see weights())
         self.rotary = Rotary(inv_freq, rope_scale, max_positions)
         self.fused_decode: FusedPath | None = None  # the platform's, set at load
+        for m in self.modules():  # a norm's weight scales activations: it is one of them
+            if isinstance(m, RMSNorm) and m.weight.dtype != self.compute_dtype:
+                m.weight = nn.Parameter(m.weight.to(self.compute_dtype), requires_grad=False)
 
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
         """Give each layer flat views of its K and V planes of the engine's KV tensor (of every
@@ -240,6 +251,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        if h.dtype != self.compute_dtype:
+            h = h.to(self.compute_dtype)
         layers = self.layers
         meta = current_metadata()
         last = meta.last_layer
@@ -263,5 +276,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.norm.add_and_norm(hidden.contiguous(), None) if h is None else h
         lm = self.lm_head
         if lm.weight is None and not lm.is_packed:  # tied, unpacked
-            return F.linear(h, self.embed)
+            # Widened for the call, not h rounded (as Linear does): a CPU without the native
+            # GEMM is the only place this runs with two dtypes.
+            return F.linear(h, self.embed.to(h.dtype))
         return self.lm_head(h)
