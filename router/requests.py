@@ -62,6 +62,9 @@ class GenerateSpec:
     # The client's span (common.tracing.from_traceparent), parent of the router's; None: a
     # trace of its own (or tracing is off).
     trace_parent: Any = None
+    # Who sent it: a digest of its API key when the router checks keys, "" otherwise. Request
+    # ids are unique per tenant, not across tenants.
+    tenant: str = ""
 
 
 @dataclass

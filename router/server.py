@@ -112,7 +112,8 @@ class Router:
             max_model_len=arch.max_position_embeddings,
             eos_token_ids=frozenset(eos_token_ids(st.model, tokenizer)),
             max_inflight=st.config.max_inflight, metrics=self.metrics,
-            cache_salt_by_api_key=st.cache_salt_by_api_key, chat_template=st.chat_template)
+            cache_salt_by_api_key=st.cache_salt_by_api_key, chat_template=st.chat_template,
+            keyed_tenants=bool(st.api_keys))
 
         keys = SecretSet(st.api_keys)
         self._start_public(keys)

@@ -70,7 +70,8 @@ class RouterService:
     def __init__(self, lifecycle: Lifecycle, tokenizer: object, *, model_name: str,
                  vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
                  max_inflight: int = 512, metrics: RouterMetrics | None = None,
-                 cache_salt_by_api_key: bool = False, chat_template: str | None = None):
+                 cache_salt_by_api_key: bool = False, chat_template: str | None = None,
+                 keyed_tenants: bool = False):
         self.lifecycle = lifecycle
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -79,6 +80,9 @@ class RouterService:
         self.eos_token_ids = eos_token_ids
         self.max_inflight = max_inflight
         self.cache_salt_by_api_key = cache_salt_by_api_key
+        # Requests are told apart by API key (the router checks keys): request ids are scoped
+        # by key. Without keys every request is one tenant's.
+        self.keyed_tenants = keyed_tenants
         self.chat_template = chat_template  # None: the tokenizer's own
         if chat_template:  # a broken template fails at start, not on every request
             try:
@@ -91,8 +95,9 @@ class RouterService:
         self.admission = Admission()
         self.max_body_values = max_model_len + 2 * vocab_size + BODY_VALUES_SLACK
         self._queued = 0  # jobs submitted to the tokenizer threads and not yet done
-        # request ids in flight -> set when that request has left (a client may reuse an id)
-        self._active: dict[str, asyncio.Event] = {}
+        # (tenant, request id) in flight -> set when that request has left (a client may
+        # reuse an id; another tenant's use of it is none of its business)
+        self._active: dict[tuple[str, str], asyncio.Event] = {}
         self.metrics = metrics
         lifecycle.eos_token_ids = eos_token_ids
         # (time, ttft_ms) and (time, mean itl ms) of recently finished requests (autoscaling)
@@ -240,7 +245,14 @@ class RouterService:
         if bad_id is not None:
             raise invalid(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
         return GenerateSpec(rid, list(token_ids), sampling, deadline, arrival=t0,
-                            cache_salt=salt)
+                            cache_salt=salt, tenant=self.tenant_of(api_key))
+
+    def tenant_of(self, api_key: str | None) -> str:
+        """The tenant a request presenting ``api_key`` belongs to: a digest of the key when the
+        router checks keys (the key itself is kept out of state and logs), else ""."""
+        if not (self.keyed_tenants and api_key):
+            return ""
+        return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
 
     def cache_salt(self, given: str | None, api_key: str | None) -> str | None:
         """The request's prefix-cache namespace: its own ``cache_salt``, within its API key's
@@ -261,15 +273,16 @@ class RouterService:
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
         if (full := self.at_capacity()) is not None:
             raise full
-        prev = self._active.get(spec.request_id)
+        key = (spec.tenant, spec.request_id)
+        prev = self._active.get(key)
         if prev is not None:  # a retry right after a cancel may overtake the cancel a little
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(prev.wait(), DUPLICATE_ID_WAIT_S)
-            if spec.request_id in self._active:
+            if key in self._active:
                 raise RouterError(grpc.StatusCode.ALREADY_EXISTS,
                                   f"request id {spec.request_id!r} is in use by a request in "
                                   f"flight")
-        left = self._active[spec.request_id] = asyncio.Event()
+        left = self._active[key] = asyncio.Event()
         self.inflight += 1
         m = self.metrics
         if m is not None:
@@ -283,8 +296,8 @@ class RouterService:
             raise
         finally:
             self.inflight -= 1
-            if self._active.get(spec.request_id) is left:
-                del self._active[spec.request_id]
+            if self._active.get(key) is left:
+                del self._active[key]
             left.set()
             if m is not None:
                 m.in_flight.labels(m.model).dec()

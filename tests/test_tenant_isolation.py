@@ -79,3 +79,25 @@ def test_the_public_grpc_server_bounds_its_concurrent_calls(router) -> None:
         _wait_for(lambda: limit.active == 0, "cancelled calls kept their places")
         models = stub.ListModels(pb.ListModelsRequest(), metadata=_md("key-b"), timeout=30)
         assert models.models
+
+
+def test_request_ids_are_scoped_by_api_key(router) -> None:
+    """A request id in flight under one key is free under another: an ALREADY_EXISTS would tell
+    one tenant which ids another uses. Under its own key the id is still taken."""
+    with grpc.insecure_channel(router.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        held = stub.Generate(_request("shared-id"), metadata=_md("key-a"), timeout=60)
+        try:
+            _wait_for(lambda: router.router.service.inflight == 1, "not in flight")
+            # key-b's request with the same id is accepted: it waits for a worker like any
+            # other (this module's router has none), until its own deadline.
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(_request("shared-id"), metadata=_md("key-b"), timeout=3))
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(_request("shared-id"), metadata=_md("key-a"), timeout=30))
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+        finally:
+            held.cancel()
+    _wait_for(lambda: router.router.service.inflight == 0, "request kept its slot")
+
