@@ -157,7 +157,7 @@ def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
         http_port=None if args.http_port in (None, "", "-1") else int(args.http_port),
         served_model_name=args.served_model_name,
         api_keys=_read_secret_list(args.api_keys, args.api_key_file),
-        cache_salt_by_api_key=bool(args.cache_salt_by_api_key),
+        cache_salt_by_api_key=_tristate(args.cache_salt_by_api_key),
         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
         cluster_token=cluster_token_from_args(args), tls=tls,
         otlp_traces_endpoint=args.otlp_traces_endpoint or None,
@@ -170,6 +170,13 @@ def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
                             worker_wait_s=float(args.worker_wait),
                             prefill_ahead=bool(args.prefill_ahead),
                             stream_sessions=bool(args.stream_sessions)))
+
+
+def _tristate(value: bool | str | None) -> bool | None:
+    """A BooleanOptionalAction left unset (None), set by flag (a bool) or by env (a string)."""
+    if value is None or isinstance(value, bool):
+        return value
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -309,10 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--chat-template", default=None,
         help="Jinja chat template (a file, or the template itself) for /v1/chat/completions, "
              "instead of the tokenizer's own; needed for checkpoints without one")
-    opt(p, "--cache-salt-by-api-key", action="store_true", default=False,
+    opt(p, "--cache-salt-by-api-key", action=argparse.BooleanOptionalAction, default=None,
         help="isolate prefix-cache sharing per API key (as if each key's requests carried "
              "their own cache_salt): one tenant cannot tell from cached_tokens or TTFT what "
-             "another sent")
+             "another sent. Default: on when API keys are set; --no-cache-salt-by-api-key "
+             "lets keys share cached prefixes")
     opt(p, "--tls-cert", default=None)
     opt(p, "--tls-key", default=None)
     add_common_process_options(p)

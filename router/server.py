@@ -53,8 +53,9 @@ class RouterSettings:
     http_port: int | None = None  # OpenAI-compatible HTTP API when set
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
-    # Each API key gets its own prefix-cache namespace (cache_salt derived from the key).
-    cache_salt_by_api_key: bool = False
+    # Each API key gets its own prefix-cache namespace (cache_salt derived from the key);
+    # None: so when API keys are set.
+    cache_salt_by_api_key: bool | None = None
     chat_template: str | None = None  # Jinja; None: the tokenizer's own
     otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
     cluster_token: str | None = None
@@ -112,8 +113,9 @@ class Router:
             max_model_len=arch.max_position_embeddings,
             eos_token_ids=frozenset(eos_token_ids(st.model, tokenizer)),
             max_inflight=st.config.max_inflight, metrics=self.metrics,
-            cache_salt_by_api_key=st.cache_salt_by_api_key, chat_template=st.chat_template,
-            keyed_tenants=bool(st.api_keys))
+            cache_salt_by_api_key=(bool(st.api_keys) if st.cache_salt_by_api_key is None
+                                   else st.cache_salt_by_api_key),
+            chat_template=st.chat_template, keyed_tenants=bool(st.api_keys))
 
         keys = SecretSet(st.api_keys)
         self._start_public(keys)

@@ -101,3 +101,27 @@ def test_request_ids_are_scoped_by_api_key(router) -> None:
             held.cancel()
     _wait_for(lambda: router.router.service.inflight == 0, "request kept its slot")
 
+
+def test_the_prefix_cache_is_salted_per_key_by_default_when_keys_are_set(router,
+                                                                        demo_model_dir) -> None:
+    service = router.router.service
+    assert service.cache_salt_by_api_key
+    a, b = service.cache_salt(None, "key-a"), service.cache_salt(None, "key-b")
+    assert a and b and a != b and "key-a" not in a
+    assert service.cache_salt("s", "key-a") not in (a, service.cache_salt("s", "key-b"))
+    with RouterInProcess(demo_model_dir) as open_router:  # no keys: nothing to salt by
+        assert not open_router.router.service.cache_salt_by_api_key
+        assert open_router.router.service.cache_salt(None, "anything") is None
+    with RouterInProcess(demo_model_dir, api_keys=KEYS, cache_salt_by_api_key=False) as shared:
+        assert shared.router.service.cache_salt(None, "key-a") is None  # asked for: shared
+
+
+def test_the_cli_salts_by_key_unless_told_not_to() -> None:
+    from kvrelay.cli import build_parser, router_settings_from_args
+
+    def settings(*argv: str):
+        return router_settings_from_args(build_parser().parse_args(["router", "--model", "m",
+                                                                    *argv]))
+    assert settings().cache_salt_by_api_key is None  # on exactly when keys are set
+    assert settings("--cache-salt-by-api-key").cache_salt_by_api_key is True
+    assert settings("--no-cache-salt-by-api-key").cache_salt_by_api_key is False
