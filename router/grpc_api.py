@@ -25,6 +25,7 @@ from kvrelay.router.errors import RouterError
 from kvrelay.router.outputs import Delta
 from kvrelay.router.registry import WorkerIdTaken, WorkerRegistry
 from kvrelay.router.service import RouterService
+from kvrelay.router.trace import client_parent
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             ticket.release()
         if tracing.enabled():
-            spec.trace_parent = tracing.from_metadata(context.invocation_metadata())
+            spec.trace_parent = client_parent(v for k, v in context.invocation_metadata() or ()
+                                              if k == tracing.TRACEPARENT)
         with request_context(spec.request_id):
             deltas = Coalescer(self.service.generate(spec))
             try:

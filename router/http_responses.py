@@ -27,6 +27,7 @@ from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec
 from kvrelay.router.openai_models import _Common
 from kvrelay.router.service import Delta, RouterService
+from kvrelay.router.trace import client_parent
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ async def respond(service: RouterService, spec: GenerateSpec, req: _Common,
     """Run ``spec`` and answer it as ``req`` asks (streamed or not). ``echo``: the prompt's
     text, put before each choice's (completions)."""
     if tracing.enabled():
-        spec.trace_parent = tracing.from_traceparent(request.headers.get("traceparent"))
+        spec.trace_parent = client_parent(request.headers.getlist("traceparent"))
     rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
     created = int(time.time())
     model = service.model_name

@@ -125,3 +125,50 @@ def test_the_cli_salts_by_key_unless_told_not_to() -> None:
     assert settings().cache_salt_by_api_key is None  # on exactly when keys are set
     assert settings("--cache-salt-by-api-key").cache_salt_by_api_key is True
     assert settings("--no-cache-salt-by-api-key").cache_salt_by_api_key is False
+
+
+# -- the client's traceparent ---------------------------------------------------------------------
+TRACE_ID, SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+@pytest.fixture()
+def tracing_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrelay.common import tracing
+    monkeypatch.setattr(tracing, "_tracer", object())  # on, as far as parsing is concerned
+
+
+def test_a_valid_traceparent_is_continued_under_the_routers_own_sampling(tracing_on) -> None:
+    """The client's trace and span ids are kept (W3C propagation); its flags are not: a client
+    cannot turn the router's (and so the workers') recording of its request off."""
+    from kvrelay.router.trace import client_parent
+    for flags in ("01", "00", "ff"):
+        parent = client_parent([f"00-{TRACE_ID}-{SPAN_ID}-{flags}"])
+        ctx = parent.get_span_context()
+        assert (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}") == (TRACE_ID, SPAN_ID)
+        assert ctx.trace_flags.sampled and int(ctx.trace_flags) == 1, flags
+    assert client_parent([f" 00-{TRACE_ID}-{SPAN_ID}-01\t".encode()]) is not None
+    # A later version may carry more fields after its flags.
+    assert client_parent([f"01-{TRACE_ID}-{SPAN_ID}-01-what-comes-later"]) is not None
+
+
+@pytest.mark.parametrize("values", [
+    [],
+    [f"00-{TRACE_ID.upper()}-{SPAN_ID}-01"],  # W3C ids are lowercase hex
+    [f"00-{TRACE_ID}-{SPAN_ID.upper()}-01"],
+    [f"ff-{TRACE_ID}-{SPAN_ID}-01"],  # version ff is invalid
+    [f"00-{TRACE_ID}-{SPAN_ID}-01-extra"],  # version 00 ends at its flags
+    [f"01-{TRACE_ID}-{SPAN_ID}-01extra"],
+    [f"00-{'0' * 32}-{SPAN_ID}-01"], [f"00-{TRACE_ID}-{'0' * 16}-01"],
+    [f"00-{TRACE_ID}-{SPAN_ID}-1"], [f"00-{TRACE_ID[:-1]}-{SPAN_ID}-01"],
+    [f"00-{TRACE_ID}-{SPAN_ID}-01\n"], ["00-" + "a" * 10_000],
+    [f"00-{TRACE_ID}-{SPAN_ID}-01", f"00-{TRACE_ID}-{SPAN_ID}-01"],  # duplicates: ignored
+    ["junk"], [""],
+])
+def test_a_malformed_traceparent_starts_a_trace_of_the_routers_own(tracing_on, values) -> None:
+    from kvrelay.router.trace import client_parent
+    assert client_parent(values) is None
+
+
+def test_without_tracing_no_traceparent_is_read() -> None:
+    from kvrelay.router.trace import client_parent
+    assert client_parent([f"00-{TRACE_ID}-{SPAN_ID}-01"]) is None
