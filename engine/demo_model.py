@@ -184,12 +184,21 @@ def demo_config(size: str = "tiny") -> Any:
     return config
 
 
-def write_demo_model(out_dir: str, size: str = "tiny", seed: int = 0) -> str:
-    """Write the demo checkpoint of ``size`` ("tiny" or "base") to ``out_dir``; returns it."""
+DEMO_DTYPES = ("bfloat16", "float32")
+
+
+def write_demo_model(out_dir: str, size: str = "tiny", seed: int = 0,
+                     dtype: str = "bfloat16") -> str:
+    """Write the demo checkpoint of ``size`` ("tiny" or "base") to ``out_dir``; returns it.
+    Its weights are written in ``dtype``: bf16 by default, as real checkpoints are (the
+    weights are drawn in fp32 and rounded once, so the fp32 and bf16 demo models of a seed
+    differ only by that rounding)."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if dtype not in DEMO_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DEMO_DTYPES)}, got {dtype!r}")
     config = demo_config(size)
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
         model = LlamaForCausalLM(config)
@@ -197,13 +206,14 @@ def write_demo_model(out_dir: str, size: str = "tiny", seed: int = 0) -> str:
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
                                                eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
+    model.to(getattr(torch, dtype))  # config.json then says so too
     os.makedirs(out_dir, exist_ok=True)
     with quiet_transformers():
         model.save_pretrained(out_dir, safe_serialization=True)
     write_demo_tokenizer(out_dir)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("wrote the %s demo model (%.1fM parameters, seed %d) to %s",
-                size, n_params / 1e6, seed, out_dir)
+    logger.info("wrote the %s demo model (%.1fM parameters, %s, seed %d) to %s",
+                size, n_params / 1e6, dtype, seed, out_dir)
     return out_dir
 
 

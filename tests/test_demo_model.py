@@ -57,6 +57,23 @@ def test_demo_model_validates_arguments(tmp_path: Any) -> None:
         write_demo_model(str(tmp_path), size="huge")
     with pytest.raises(ValueError, match="seed"):
         write_demo_model(str(tmp_path), seed=-1)
+    with pytest.raises(ValueError, match="dtype"):
+        write_demo_model(str(tmp_path), dtype="float16")
+
+
+def test_demo_model_is_written_in_bf16_as_real_checkpoints_are(demo_model_dir: str,
+                                                               tmp_path: Any) -> None:
+    from safetensors import safe_open
+
+    assert read_json(demo_model_dir, "config.json")["dtype"] == "bfloat16"
+    fp32 = write_demo_model(str(tmp_path / "fp32"), dtype="float32")
+    assert read_json(fp32, "config.json")["dtype"] == "float32"
+    with safe_open(os.path.join(demo_model_dir, "model.safetensors"), "pt") as a, \
+            safe_open(os.path.join(fp32, "model.safetensors"), "pt") as b:
+        for name in a.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            assert x.dtype == torch.bfloat16 and y.dtype == torch.float32
+            assert torch.equal(x, y.to(torch.bfloat16)), name  # one rounding apart
 
 
 def test_demo_sizes() -> None:
