@@ -30,7 +30,6 @@ from kvrelay.engine.engine_core import (
     Reservation,
 )
 from kvrelay.engine.outputs import ErrorKind
-from kvrelay.engine.platform import platform_for
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.tp_shard import TensorParallelError
@@ -306,7 +305,7 @@ class AsyncEngine:
     def _run(self) -> None:
         core = self.core
         # On its GPU, or with its OpenMP threads pinned one per CPU (Platform.bind_thread).
-        self.pinned = platform_for(core.runner.device).bind_thread(core.config.model)
+        self.pinned = core.runner.platform.bind_thread(core.config.model)
         conn = core.connector
         while not self._stop.is_set():
             if core.has_schedulable():
