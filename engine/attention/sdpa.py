@@ -49,6 +49,11 @@ def widened(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return kv if kv.dtype == dtype else kv.to(dtype)
 
 
+def stored(kv: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``kv`` rounded as a cache of ``cache_dtype`` stores it, in its own dtype."""
+    return kv if kv.dtype == cache_dtype else kv.to(cache_dtype).to(kv.dtype)
+
+
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -73,8 +78,10 @@ def prefill_attention(
     for span in meta.prefills:
         qs = q[span.q_start:span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)
         if span.ctx_slots is None:
-            ks = k[span.q_start:span.q_start + span.q_len]
-            vs = v[span.q_start:span.q_start + span.q_len]
+            # The keys as the cache holds them (rounded, in a narrower cache): a prompt then
+            # attends over the same values whether its prefix was computed now or found cached.
+            ks = stored(k[span.q_start:span.q_start + span.q_len], k_cache.dtype)
+            vs = stored(v[span.q_start:span.q_start + span.q_len], v_cache.dtype)
         else:
             ks = widened(meta.gather(k_cache, span.ctx_slots, 0), q.dtype)
             vs = widened(meta.gather(v_cache, span.ctx_slots, 1), q.dtype)
