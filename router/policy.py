@@ -141,8 +141,20 @@ class CostModel:
 
     def __init__(self, registry: WorkerRegistry):
         self.registry = registry
+        # The fit last chosen per kind of work, and the ``now`` it was chosen at: one ranking
+        # estimates every worker at one ``now``, and so scans the pool once, not once a worker.
+        self._chosen: dict[str, tuple[float, StepCostFit]] = {}
 
-    def _fit(self, work: str) -> StepCostFit:
+    def _fit(self, work: str, now: float) -> StepCostFit:
+        """:meth:`_choose_fit`, once per ``now``."""
+        kept = self._chosen.get(work)
+        if kept is not None and kept[0] == now:
+            return kept[1]
+        fit = self._choose_fit(work)
+        self._chosen[work] = (now, fit)
+        return fit
+
+    def _choose_fit(self, work: str) -> StepCostFit:
         """The step-time fit to predict ``work`` with: "prompt" (prefill compute) from the
         most measured fit of the prefill pool, then of role=both workers, then of the decode
         pool; "decode" (a decode step) the other way round; the priors until any engine has
@@ -181,7 +193,7 @@ class CostModel:
         usable = (len(req) - 1) // bs
         cached = min(w.cached_blocks(req.hashes(bs), now), usable) * bs
         new = len(req) - cached
-        seconds = self._fit("prompt").prompt_seconds(
+        seconds = self._fit("prompt", now).prompt_seconds(
             new, w.perf.step_tokens, queued=w.queued_tokens_estimate, context=cached)
         return PrefillEstimate(w, cached, new, seconds)
 
@@ -191,7 +203,8 @@ class CostModel:
         cached = min(w.cached_blocks(req.hashes(bs), now), len(req) // bs)
         uncached = -(-len(req) // bs) - cached
         fits = w.free_blocks_estimate >= blocks_needed - cached
-        step = self._decode_step_s(w, self._fit("decode"), w.batch_estimate + 1, len(req))
+        step = self._decode_step_s(w, self._fit("decode", now), w.batch_estimate + 1,
+                                   len(req))
         return DecodeEstimate(w, cached, uncached, fits, self.registry.perf.transfer_s(uncached),
                               req.max_tokens * step)
 
@@ -200,8 +213,8 @@ class CostModel:
         cached = min(w.cached_blocks(req.hashes(bs), now), (len(req) - 1) // bs) * bs
         new = len(req) - cached
         batch = w.batch_estimate
-        fit = self._fit("prompt")
-        wait = self._decode_step_s(w, self._fit("decode"), batch, len(req)) if batch else 0.0
+        fit = self._fit("prompt", now)
+        wait = self._decode_step_s(w, self._fit("decode", now), batch, len(req)) if batch else 0.0
         seconds = (perf.reserve_rpc_s.value + wait  # the call, the step it waits for
                    + fit.prompt_seconds(new, perf.step_tokens, queued=w.queued_tokens_estimate,
                                         context=cached))

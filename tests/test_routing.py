@@ -214,6 +214,24 @@ def test_prefix_aware_decode_prefers_the_cached_prefix_among_those_with_room(fit
     assert policy.rank_decode([d1, d2], need, req) == [d1, d2]
 
 
+def test_a_ranking_chooses_each_step_time_fit_once_not_once_per_worker(fitted) -> None:
+    """Ranking N workers scans the pool for the fit to price them with once per kind of work
+    (it was once per worker: N x N for a pool of N)."""
+    reg, _ = fitted
+    policy = make_policy("auto", reg)
+    ds = [worker(reg, f"d{i}", "decode") for i in range(12)]
+    ps = [worker(reg, f"p{i}", "prefill") for i in range(12)]
+    scans: list[str] = []
+    alive = reg.alive
+    reg.alive = lambda role: scans.append(role) or alive(role)  # type: ignore[method-assign]
+    req = RouteRequest(ids(300, 9), max_tokens=16)
+    policy.rank_decode(ds, -(-301 // BS), req)
+    policy.rank_prefill(ps, req)
+    policy.route(req, ds, ps)
+    # decode and prompt fits per ranking: at most a scan of each role per kind of work each
+    assert len(scans) <= 3 * 2 * 3, scans
+
+
 def test_expected_blocks_count_until_the_beats_can_report_them() -> None:
     reg = WorkerRegistry(heartbeat_interval_s=0.1)
     w = worker(reg, "p", "prefill")
