@@ -59,7 +59,7 @@ def test_a_loaded_models_panels_share_the_arena_and_decode_the_same(demo_model_d
     lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     ptrs = [lin.kernel.panels.data_ptr() for lin in lins]
     assert ptrs[0] % hugepages.HUGE_PAGE == 0 and ptrs == sorted(ptrs)
-    assert ptrs[-1] - ptrs[0] < sum(lin.kernel.panels.numel() * 4 for lin in lins)
+    assert ptrs[-1] - ptrs[0] < sum(lin.kernel.panels.nbytes for lin in lins)
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * len(prompts)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     del llm

@@ -8,8 +8,14 @@ so replicas of one deployment could differ. The result (the kernel, and the rows
 ``mixed`` takes the panels) is kept in one small JSON file per key under the cache directory,
 beside the native build: the native kernels' build (its name holds their sources, flags, compiler
 and CPU), the torch build, the thread count, the rows a prefill step was timed at (the engine's
-token budget) and every linear's shape (a tensor-parallel shard has its own). A later engine of the
-same key packs only the kept kernel. Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
+token budget), every linear's shape (a tensor-parallel shard has its own) and the weights' dtype
+(fp32 or bf16: other kernels, other timings). A later engine of the same key packs only the kept
+kernel. Delete ``$KVRELAY_CACHE_DIR/linear_kernel`` to measure again.
+
+bf16 weights (a bf16 checkpoint under ``--dtype auto``) compete the same way, between bf16
+panels and oneDNN's bf16 linear; where this CPU has no oneDNN bf16 (AVX2-only cores, see
+:func:`~kvrelay.engine.cpu.packed_linear.onednn_packing_available`) the panels are packed
+without timing, as they are for fp32 where oneDNN is missing.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.engine.cpu import gemm, hugepages, native, packed_linear
+from kvrelay.engine.cpu import hugepages, native, packed_linear
 from kvrelay.engine.cpu.packed_linear import (
     LINEAR_KERNELS,
     MIXED_PANEL_ROWS,
     PackedLinear,
     onednn_packing_available,
     packed,
+    panels_available,
 )
 from kvrelay.engine.models.linear import Linear
 
@@ -46,9 +53,10 @@ logger = logging.getLogger(__name__)
 PREFILL_ROWS = 2048
 
 
-def cache_key(shapes: Sequence[tuple[int, int]], threads: int, prefill_rows: int) -> str:
+def cache_key(shapes: Sequence[tuple[int, int]], threads: int, prefill_rows: int,
+              dtype: torch.dtype) -> str:
     text = "|".join([native.library_name(), torch.__version__, str(threads), str(prefill_rows),
-                     ";".join(f"{a}x{b}" for a, b in shapes)])
+                     ";".join(f"{a}x{b}" for a, b in shapes), str(dtype)])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -86,14 +94,19 @@ def linears(model: LlamaForCausalLM) -> list[Linear]:
 
 
 def pack_weights(model: LlamaForCausalLM, *, onednn: bool = True, panels: bool = False) -> None:
-    """Repack every linear for oneDNN and/or the panel GEMM (CPU, fp32), after the weights
-    are loaded (see :class:`~kvrelay.engine.cpu.packed_linear.PackedLinear`); a tied LM head
-    packs the embedding."""
+    """Repack every linear for oneDNN and/or the panel GEMM (CPU, fp32 or bf16 weights), after
+    the weights are loaded (see :class:`~kvrelay.engine.cpu.packed_linear.PackedLinear`); a
+    tied LM head packs the embedding."""
     for m in linears(model):
         if m is not model.lm_head:
             packed_linear.pack(m, onednn=onednn, panels=panels)
     packed_linear.pack(model.lm_head, model.embed if model.arch.tie_word_embeddings else None,
                        onednn=onednn, panels=panels)
+
+
+def weight_dtype(model: LlamaForCausalLM) -> torch.dtype:
+    """The dtype the (unpacked) linears' weights are stored in: the checkpoint's as loaded."""
+    return next(m.weight.dtype for m in linears(model) if m.weight is not None)
 
 
 def linear_shapes(model: LlamaForCausalLM) -> list[tuple[int, int]]:
@@ -131,11 +144,12 @@ def time_linears(model: LlamaForCausalLM, rows: int, layers: int | None = None,
                  reps: int = 3) -> tuple[float, float]:
     """Seconds of one pass of ``rows`` rows through the linears of the first ``layers``
     layers (all, and the LM head, by default) via the panels and via oneDNN: the best of
-    ``reps`` each, interleaved so both see the same machine."""
+    ``reps`` each, interleaved so both see the same machine. The rows are fp32, as the
+    activations are on CPU whatever the weights."""
     mods = linears(model) if layers is None else [
         m for layer in model.layers[:layers] for m in layer.modules() if isinstance(m, Linear)]
     xs: list[tuple[PackedLinear, torch.Tensor | None, torch.Tensor]] = [
-        (k, m.bias, torch.randn(rows, k.panels.shape[1])) for m in mods
+        (k, m.bias, torch.randn(rows, k.panels.shape[1], dtype=torch.float32)) for m in mods
         if (k := packed(m)) is not None and k.panels is not None]
 
     def run(panels: bool) -> float:
@@ -157,26 +171,29 @@ def time_linears(model: LlamaForCausalLM, rows: int, layers: int | None = None,
 # -- the choice --------------------------------------------------------------------------------
 def choose_linear_kernel(model: LlamaForCausalLM, kernel: str,
                          prefill_rows: int = PREFILL_ROWS) -> str:
-    """Pack the linears for ``kernel`` (CPU, fp32) and return the one kept: ``panels`` (the
-    native panel GEMM, every row count), ``onednn`` (oneDNN's prepacked linear), ``mixed``
+    """Pack the linears for ``kernel`` (CPU, fp32 or bf16 weights: the copies keep the
+    weights' dtype) and return the one kept: ``panels`` (the native panel GEMM, every row
+    count), ``onednn`` (oneDNN's prepacked linear), ``mixed``
     (panels up to ``MIXED_PANEL_ROWS`` rows, oneDNN above: two copies of the weights) or
     ``auto``: pack both and time them (:func:`_measure_linears`), keeping oneDNN's copy only
-    where it wins. Kept per build, threads, token budget and shapes (:func:`save`)."""
+    where it wins. Kept per build, threads, token budget, shapes and dtype (:func:`save`)."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {'|'.join(LINEAR_KERNELS)}, "
                          f"got {kernel!r}")
-    have_panels, have_onednn = gemm.available(), onednn_packing_available()
+    dtype = weight_dtype(model)
+    have_panels, have_onednn = panels_available(dtype), onednn_packing_available(dtype)
     if kernel in ("panels", "mixed") and not have_panels:
-        raise RuntimeError(f"linear_kernel={kernel}: the native panel GEMM is unavailable "
-                           "(it needs AVX2+FMA and a C compiler; see the log)")
+        raise RuntimeError(f"linear_kernel={kernel}: the native panel GEMM is unavailable for "
+                           f"{dtype} weights (it needs AVX2+FMA and a C compiler; see the log)")
     if kernel in ("onednn", "mixed") and not have_onednn:
-        raise RuntimeError(f"linear_kernel={kernel}: this torch build cannot prepack for oneDNN")
+        raise RuntimeError(f"linear_kernel={kernel}: this torch build cannot prepack {dtype} "
+                           "weights for oneDNN on this CPU")
     if kernel == "auto" and not (have_panels and have_onednn):
         kernel = "panels" if have_panels else "onednn"
     panel_rows = MIXED_PANEL_ROWS
-    if kernel == "auto":  # measured before for this build, thread count and shapes?
+    if kernel == "auto":  # measured before for this build, thread count, shapes and dtype?
         prefill_rows = max(MIXED_PANEL_ROWS + 1, min(prefill_rows, PREFILL_ROWS))
-        key = cache_key(linear_shapes(model), torch.get_num_threads(), prefill_rows)
+        key = cache_key(linear_shapes(model), torch.get_num_threads(), prefill_rows, dtype)
         kept = load(key)
         if kept is not None:
             kernel, panel_rows = kept

@@ -12,9 +12,14 @@ import torch
 
 from kvrelay.engine.attention import AttentionBackend, select_backend
 from kvrelay.engine.config import ModelConfig
-from kvrelay.engine.cpu import gemm, kernel_choice
+from kvrelay.engine.cpu import kernel_choice
 from kvrelay.engine.cpu.fused_decode import FusedDecode
-from kvrelay.engine.cpu.packed_linear import onednn_packing_available, packed
+from kvrelay.engine.cpu.packed_linear import (
+    PACKED_DTYPES,
+    onednn_packing_available,
+    packed,
+    panels_available,
+)
 from kvrelay.engine.cpu.thread_pinning import pin_engine_threads
 from kvrelay.engine.heap import bound_onednn_caches
 
@@ -59,9 +64,11 @@ class CpuPlatform:
 
     def prepare_model(self, model: LlamaForCausalLM, dtype: torch.dtype) -> str:
         """Pack the linears for the configured kernel (``auto``: timed, or as kept before) and
-        build the fused decode layers over them, on CPU fp32 where either kernel is here;
+        build the fused decode layers over them, for fp32 or bf16 weights (``dtype``: the
+        copies keep it; the activations are fp32 either way) where either kernel takes them;
         returns the linears' kernel (``dense``: left unpacked)."""
-        if dtype != torch.float32 or not (onednn_packing_available() or gemm.available()):
+        if dtype not in PACKED_DTYPES \
+                or not (onednn_packing_available(dtype) or panels_available(dtype)):
             model.fused_decode = None
             return "dense"
         kernel = kernel_choice.choose_linear_kernel(model, self.linear_kernel,
