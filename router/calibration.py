@@ -116,7 +116,8 @@ class Calibrator:
 
     async def _fit_reported(self, w: WorkerState) -> bool:
         """Whether ``w``'s beats carry a step-time fit, waiting up to two beats for one."""
-        give_up = time.monotonic() + 2.0 * self.lc.registry.heartbeat_interval_s
-        while w.perf.step_cost is None and time.monotonic() < give_up:
-            await asyncio.sleep(0.02)
+        if w.perf.step_cost is None:
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11 on
+                await asyncio.wait_for(w.perf.fit_reported.wait(),
+                                       2.0 * self.lc.registry.heartbeat_interval_s)
         return w.perf.step_cost is not None

@@ -7,6 +7,7 @@ fitted here: KV transfer time against bytes, RPC round trips, arrival rates."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass, field
 
@@ -165,3 +166,10 @@ class WorkerPerf:
     step_tokens: int = PRIOR_STEP_TOKENS
     reserve_rpc_s: Ewma = field(default_factory=lambda: Ewma(PRIOR_RPC_S))
     arrivals: RateMeter = field(default_factory=RateMeter)
+    # Set by the beat that reports ``step_cost`` (the registry runs on the router's loop):
+    # calibration waits on it instead of polling.
+    fit_reported: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def report_fit(self, fit: StepCostFit, step_tokens: int) -> None:
+        self.step_cost, self.step_tokens = fit, step_tokens
+        self.fit_reported.set()

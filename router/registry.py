@@ -185,7 +185,7 @@ class WorkerRegistry:
         want_full = w.reported.apply_beat(req, now) or (joined and not req.full_block_set)
         fit = step_cost_from_proto(req.load.step_cost)
         if fit is not None:  # a beat without one keeps the last (none: the priors)
-            w.perf.step_cost, w.perf.step_tokens = fit
+            w.perf.report_fit(*fit)
         w.accounting.at_beat()
         if joined:
             self._add(w)
