@@ -3,8 +3,10 @@
     .venv/bin/python -m bench.serving.serve_compare [--model-size base] [--rates 1,1.5] \\
         [--configs ...]
 
-Each configuration serves the same checkpoint (fp32, two threads on the same two cores, the same
-token budget, sequence limit and KV size) and is measured with ``vllm bench serve`` (from the
+Each configuration serves the same checkpoint in the same dtype (``--dtype``, default bf16: the
+demo checkpoint is written in it, kvrelay serves it with bf16 weights and KV and fp32
+activations, vLLM with ``--dtype``; two threads on the same two cores, the same token budget,
+sequence limit and KV size) and is measured with ``vllm bench serve`` (from the
 vLLM venv, ``bench/serving/setup_vllm.sh``) on random token prompts, ``--ignore-eos``:
 
 * ``sat``: ``--num-prompts`` requests at once (request rate inf): output tok/s at saturation;
@@ -84,14 +86,14 @@ def serve(config: str, a: argparse.Namespace, port: int, work: Path) -> Iterator
                       "--router", f"127.0.0.1:{control}", "--port", "0", "--num-threads",
                       str(a.threads), "--kv-cache-memory", f"{a.kv_gib}GiB",
                       "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                      "--max-num-seqs", str(a.max_num_seqs)]
+                      "--max-num-seqs", str(a.max_num_seqs), "--dtype", a.dtype]
             if config == "kvrelay-agg-tpot":
                 worker += ["--tpot-slo-ms", str(a.slo_tpot_ms)]
             start(worker, "worker", {"OMP_NUM_THREADS": str(a.threads)})
             url = f"http://127.0.0.1:{port}"
             wait_ready(url + "/health", router, a.startup_timeout, logs[0])
         else:
-            start([str(VLLM_VENV / "vllm"), "serve", a.model, "--dtype", "float32", "--host",
+            start([str(VLLM_VENV / "vllm"), "serve", a.model, "--dtype", a.dtype, "--host",
                    "127.0.0.1", "--port", str(port), "--served-model-name", "demo",
                    "--max-model-len", str(a.max_model_len), "--max-num-seqs",
                    str(a.max_num_seqs), "--max-num-batched-tokens",
@@ -135,6 +137,9 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--model-size", default="base", choices=["tiny", "base"])
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the checkpoint's dtype (the demo model is written in it) and both "
+                         "servers'")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--sat-prompts", type=int, default=64)
@@ -156,8 +161,9 @@ def main() -> int:
     if a.model is None:
         from kvrelay.engine.demo_model import write_demo_model
 
-        a.model = write_demo_model(str(work / a.model_size), size=a.model_size)
-    out_dir = Path(a.results_dir or ROOT / "bench" / "results" / f"serve_{a.model_size}")
+        a.model = write_demo_model(str(work / a.model_size), size=a.model_size, dtype=a.dtype)
+    out_dir = Path(a.results_dir or
+                   ROOT / "bench" / "results" / f"serve_{a.model_size}_{a.dtype}")
     out_dir.mkdir(parents=True, exist_ok=True)
     rates = [r for r in a.rates.split(",") if r]
     results: dict[str, dict[str, dict]] = {}
@@ -170,7 +176,8 @@ def main() -> int:
                 res[f"rate {r}"] = bench(url, a, out_dir, f"{config}-rate{r}", r, n, 1 + i)
             results[config] = res
 
-    lines = [f"model {a.model} ({a.model_size}); {a.input_len}->{a.output_len} random prompts, "
+    lines = [f"model {a.model} ({a.model_size}, {a.dtype}); {a.input_len}->{a.output_len} "
+             f"random prompts, "
              f"--ignore-eos; {a.threads} threads; SLO TTFT <= {a.slo_ttft_ms:g} ms, TPOT <= "
              f"{a.slo_tpot_ms:g} ms; client: vllm bench serve", "",
              f"{'config':>18} {'run':>9} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
