@@ -1,4 +1,5 @@
-"""Linear layers through the native panel GEMM (``engine/cpu/csrc/gemm.c``), fp32 on the CPU.
+"""Linear layers through the native panel GEMM (``engine/cpu/csrc/gemm.c``) on the CPU: fp32
+activations, fp32 or bf16 weights.
 
 The weight ``[N, K]`` is stored once as ``P = ceil(N / NR)`` panels ``[P, K, NR]`` (NR output
 columns each, zero padded): one panel is a single sequential stream, and the kernel's register
@@ -9,6 +10,11 @@ same tile runs compute-bound. Measured on a 2-core AMD EPYC (Zen 3, AVX2), ~150M
 projection shapes, against oneDNN's prepacked linear: 1.2-1.36x faster at 1-64 rows, 1.2x at
 128-512 and 1.1x at 2048 (``bench.engine.throughput`` samples both side by side; the loader
 picks per machine, see :func:`kvrelay.engine.cpu.kernel_choice.choose_linear_kernel`).
+
+bf16 weights are packed in the same layout, as bf16: the kernel widens them to fp32 in registers
+and accumulates in fp32 (the product is ``x @ W.float().T`` up to the order of the sums, the
+same order as an fp32 copy of the weight), streaming half the bytes per call
+(``python -m bench.engine.gemm_bf16`` pairs the two).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 from kvrelay.engine.cpu import native
 
 UNAVAILABLE = "the native panel GEMM is unavailable on this machine"
+_KERNELS = {torch.float32: "kvr_gemm_panels_f32", torch.bfloat16: "kvr_gemm_panels_bf16"}
 
 
 def panel_width() -> int:
@@ -56,7 +63,7 @@ def pack_panels(w: torch.Tensor, kblock: int | None = None) -> torch.Tensor:
     each block's rows of every panel together: ``[P, kn, NR]`` per block, so one block is the
     plain ``[P, K, NR]``. The result has that shape whatever the blocks (their order is the
     kernel's business, as with oneDNN's packed weights): pass the same ``kblock`` to
-    :func:`panel_linear`."""
+    :func:`panel_linear`. The panels keep ``w``'s dtype (fp32 or bf16)."""
     nr = panel_width()
     if nr == 0:
         raise RuntimeError(UNAVAILABLE)
@@ -75,17 +82,21 @@ def pack_panels(w: torch.Tensor, kblock: int | None = None) -> torch.Tensor:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int, threads: int, kblock: int) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x`` ``[M, K]`` (fp32, CPU) over :func:`pack_panels`' layout
-    (packed with ``kblock``)."""
+    (packed with ``kblock``), fp32 or bf16 panels; the bias fp32 (or None), the result fp32."""
     lib = native.load()
     assert lib is not None
+    fn = _KERNELS.get(panels.dtype)
+    assert fn is not None, f"no panel GEMM for {panels.dtype} weights"
+    assert x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+    assert panels.is_contiguous()
     if not x.is_contiguous():
         x = x.contiguous()
     m, k = x.shape
     assert k == panels.shape[1], (k, tuple(panels.shape))
     y = x.new_empty(m, out_features)
-    rc = lib.kvr_gemm_panels_f32(x.data_ptr(), panels.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                 m, k, out_features, threads, kblock)
+    rc = getattr(lib, fn)(x.data_ptr(), panels.data_ptr(),
+                          None if bias is None else bias.data_ptr(), y.data_ptr(),
+                          m, k, out_features, threads, kblock)
     if rc != 0:
         raise RuntimeError(f"native panel GEMM failed ({rc})")
     return y

@@ -187,9 +187,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvr_paged_prefill_f32
     fn.argtypes = [ptr] * 8 + [i64] * 6 + [f32, i64, cint]
     fn.restype = cint
-    fn = lib.kvr_gemm_panels_f32
-    fn.argtypes = [ptr] * 4 + [i64] * 3 + [cint, i64]
-    fn.restype = cint
+    for fn in (lib.kvr_gemm_panels_f32, lib.kvr_gemm_panels_bf16):
+        fn.argtypes = [ptr] * 4 + [i64] * 3 + [cint, i64]
+        fn.restype = cint
     lib.kvr_gemm_panel_width.restype = cint
     lib.kvr_gemm_kblock.restype = cint
     lib.kvr_gemm_tuning.argtypes = [ptr, ptr]

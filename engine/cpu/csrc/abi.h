@@ -9,6 +9,11 @@
 
 #define KVR_ABI_VERSION 17
 
+/* Element types of weights and KV caches (the kv_dtype / wdtype arguments and fields): bf16 is
+ * stored as the top 16 bits of an fp32, widened on load, rounded to nearest even on store. */
+#define KVR_DTYPE_F32 0
+#define KVR_DTYPE_BF16 1
+
 /* decode_layer.c: one decoder layer's weights and KV cache, and one step's rows. */
 typedef struct {
     const float *qkv, *qkv_b, *o, *o_b, *gu, *gu_b, *down, *down_b; /* panels; biases or NULL */

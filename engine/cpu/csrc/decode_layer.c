@@ -81,7 +81,7 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
             for (int64_t r = 0; r < M; r++)
                 kvr__add_rmsnorm_row(S->h + r * hid, NULL, L->in_w, S->x + r * hid, hid, L->in_eps);
         }
-        failed |= kvr__gemm_for(S->x, L->qkv, L->qkv_b, qkv, M, hid, nqkv, L->kblock);
+        failed |= kvr__gemm_for(S->x, L->qkv, L->qkv_b, qkv, M, hid, nqkv, L->kblock, KVR_DTYPE_F32);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             const float *row = qkv + r * nqkv, *c = S->cos + S->positions[r] * half,
@@ -110,16 +110,16 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
                 for (int64_t g = 0; g < G; g++)
                     memcpy(att + r * qs + g * gq, att_g + (g * M + r) * gq, sizeof(float) * gq);
         }
-        failed |= kvr__gemm_for(att, L->o, L->o_b, delta, M, qs, hid, L->kblock);
+        failed |= kvr__gemm_for(att, L->o, L->o_b, delta, M, qs, hid, L->kblock, KVR_DTYPE_F32);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
             kvr__add_rmsnorm_row(S->h + r * hid, delta + r * hid, L->post_w, S->x + r * hid, hid,
                                  L->eps);
-        failed |= kvr__gemm_for(S->x, L->gu, L->gu_b, gu, M, hid, 2 * I, L->kblock);
+        failed |= kvr__gemm_for(S->x, L->gu, L->gu_b, gu, M, hid, 2 * I, L->kblock, KVR_DTYPE_F32);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
             kvr__silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
-        failed |= kvr__gemm_for(act, L->down, L->down_b, delta, M, I, hid, L->kblock);
+        failed |= kvr__gemm_for(act, L->down, L->down_b, delta, M, I, hid, L->kblock, KVR_DTYPE_F32);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             float *hr = S->h + r * hid;

@@ -1,10 +1,16 @@
-/* fp32 GEMM y[M,N] = x[M,K] W^T (+ bias) over weights packed in panels. */
+/* GEMM y[M,N] = x[M,K] W^T (+ bias) over weights packed in panels: x, y and the bias fp32, the
+ * weights fp32 or bf16 (wdt: KVR_DTYPE_F32 or KVR_DTYPE_BF16, the same layout). A bf16 weight is
+ * the top half of an fp32 one: the microkernel widens it in registers (see micro) and
+ * accumulates in fp32, so both dtypes run the same FMAs in the same order, giving the same bits
+ * for the same values, and a bf16 weight streams at half the bytes (what decode-sized calls are
+ * bound by). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 #include <omp.h>
 
+#include "abi.h"
 #include "kernels.h"
 
 #if defined(__AVX512F__)
@@ -23,6 +29,10 @@ typedef __m512 vreg;
 #define VFMA _mm512_fmadd_ps
 #define VZERO _mm512_setzero_ps
 #define VADD _mm512_add_ps
+typedef __m512i vint;
+#define VLOADI(p) _mm512_loadu_si512((const void *)(p))
+#define VEVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)) /* see micro */
+#define VODD(v) _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VW 8
 #define MR 6
@@ -33,6 +43,11 @@ typedef __m256 vreg;
 #define VFMA _mm256_fmadd_ps
 #define VZERO _mm256_setzero_ps
 #define VADD _mm256_add_ps
+typedef __m256i vint;
+#define VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VEVEN(v) _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+#define VODD(v) _mm256_and_ps(_mm256_castsi256_ps(v), \
+                              _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)))
 #endif
 
 #ifdef VW
@@ -41,19 +56,30 @@ typedef __m256 vreg;
 /* Software prefetch of the weight stream this many k-rows (of NR floats) ahead: 16 KiB on AVX2,
  * past the current K block and into the next panel. The hardware prefetchers alone leave
  * decode-sized calls (4-16 rows) short of the stream bandwidth: +8-20% measured there on a
- * Zen 3, level at 1 and 32-64 rows. Not measured on AVX-512 (two lines per k-row): off there. */
+ * Zen 3, level at 1 and 32-64 rows. Not measured on AVX-512 (two lines per k-row): off there.
+ * bf16 weights are prefetched the same number of bytes ahead (twice the k-rows). */
 #if VW == 8
 #define PF_ROWS 256
 #endif
+
 /* On AVX-512, the next panel's prefetch instead (panel_rows); not measured on AVX2. */
 #define NEXT_PANEL_PF (VW == 16)
 
 /* acc (mr rows x NR) = (first ? 0 : acc) + x[0:mr, 0:kn] @ w[0:kn, 0:NR]; x rows ldx apart, or
- * with km, x k-major (element (m, k) at x[k * mr + m]). nxt, where not NULL: the same k-rows of
- * the thread's next panel, pulled into L2 meanwhile. */
+ * with km, x k-major (element (m, k) at x[k * mr + m]); w fp32, or bf16 with bf (a compile-time
+ * constant in every caller: micro is inlined into micro_dt's cases). nxt, where not NULL: the
+ * same k-rows of the thread's next panel, pulled into L2 meanwhile.
+ *
+ * A k-row of bf16 weights is one vector load of NR / 2 32-bit words, word j holding columns 2j
+ * (low half) and 2j + 1 (high half): shifted up 16 bits it is the even columns as fp32, masked
+ * to its high half the odd ones. So acc holds a bf16 tile's columns even-first (store_rows puts
+ * them back in order): one load and two logic ops a k-row, where widening each half on its own
+ * (zero-extend 16 -> 32 bits, then shift) takes two loads, two shuffles and two shifts, beside
+ * the 2 x MR FMAs on the same vector ports. */
 static inline __attribute__((always_inline)) void micro(const int mr, const float *x, int64_t ldx,
-    const float *w, int64_t kn, float *acc, int64_t ldacc, int first, const int pf,
-    const float *nxt, const int km) {
+    const void *w, int64_t kn, float *acc, int64_t ldacc, int first, const int pf,
+    const void *nxt, const int km, const int bf) {
+    const int64_t rowb = NR * (bf ? 2 : 4); /* bytes per k-row of w */
     vreg a0[MR], a1[MR];
     #pragma GCC unroll 16
     for (int m = 0; m < MR; m++)
@@ -63,15 +89,23 @@ static inline __attribute__((always_inline)) void micro(const int mr, const floa
         }
     for (int64_t k = 0; k < kn; k++) {
 #ifdef PF_ROWS
-        if (pf) _mm_prefetch((const char *)(w + (k + PF_ROWS) * NR), _MM_HINT_T0);
+        if (pf) _mm_prefetch((const char *)w + k * rowb + PF_ROWS * NR * 4, _MM_HINT_T0);
 #else
         (void)pf;
 #endif
-        if (nxt) {
-            _mm_prefetch((const char *)(nxt + k * NR), _MM_HINT_T1);
-            _mm_prefetch((const char *)(nxt + k * NR + NR / 2), _MM_HINT_T1);
+        if (nxt) { /* a k-row's lines: two of fp32 on AVX-512, one of bf16 */
+            _mm_prefetch((const char *)nxt + k * rowb, _MM_HINT_T1);
+            if (rowb > 64) _mm_prefetch((const char *)nxt + k * rowb + 64, _MM_HINT_T1);
         }
-        const vreg w0 = VLOAD(w + k * NR), w1 = VLOAD(w + k * NR + VW);
+        vreg w0, w1;
+        if (bf) {
+            const vint v = VLOADI((const uint16_t *)w + k * NR);
+            w0 = VEVEN(v);
+            w1 = VODD(v);
+        } else {
+            w0 = VLOAD((const float *)w + k * NR);
+            w1 = VLOAD((const float *)w + k * NR + VW);
+        }
         #pragma GCC unroll 16
         for (int m = 0; m < MR; m++)
             if (m < mr) {
@@ -85,14 +119,14 @@ static inline __attribute__((always_inline)) void micro(const int mr, const floa
         if (m < mr) { VSTORE(acc + m * ldacc, a0[m]); VSTORE(acc + m * ldacc + VW, a1[m]); }
 }
 
-static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w, int64_t kn,
-                             float *acc, int64_t ldacc, int first, int pf, const float *nxt,
-                             int km) {
+static inline __attribute__((always_inline)) void micro_dt(int mr, const float *x, int64_t ldx,
+    const void *w, int64_t kn, float *acc, int64_t ldacc, int first, int pf, const void *nxt,
+    int km, const int bf) {
 #define MICRO_CASE(R) case R: \
-        if (km) micro(R, x, ldx, w, kn, acc, ldacc, first, 0, nxt, 1); \
-        else if (nxt) micro(R, x, ldx, w, kn, acc, ldacc, first, 0, nxt, 0); \
-        else if (pf) micro(R, x, ldx, w, kn, acc, ldacc, first, 1, NULL, 0); \
-        else micro(R, x, ldx, w, kn, acc, ldacc, first, 0, NULL, 0); \
+        if (km) micro(R, x, ldx, w, kn, acc, ldacc, first, 0, nxt, 1, bf); \
+        else if (nxt) micro(R, x, ldx, w, kn, acc, ldacc, first, 0, nxt, 0, bf); \
+        else if (pf) micro(R, x, ldx, w, kn, acc, ldacc, first, 1, NULL, 0, bf); \
+        else micro(R, x, ldx, w, kn, acc, ldacc, first, 0, NULL, 0, bf); \
         break;
     switch (mr) {
 #if MR > 8
@@ -110,9 +144,16 @@ static inline void micro_any(int mr, const float *x, int64_t ldx, const float *w
     MICRO_CASE(4)
     MICRO_CASE(3)
     MICRO_CASE(2)
-    default: micro(1, x, ldx, w, kn, acc, ldacc, first, 1, nxt, 0); break;
+    default: micro(1, x, ldx, w, kn, acc, ldacc, first, 1, nxt, 0, bf); break;
     }
 #undef MICRO_CASE
+}
+
+/* micro for any mr <= MR, each case compiled for both weight dtypes (wdt). */
+static void micro_any(int mr, const float *x, int64_t ldx, const void *w, int64_t kn, float *acc,
+                      int64_t ldacc, int first, int pf, const void *nxt, int km, int wdt) {
+    if (wdt == KVR_DTYPE_BF16) micro_dt(mr, x, ldx, w, kn, acc, ldacc, first, pf, nxt, km, 1);
+    else micro_dt(mr, x, ldx, w, kn, acc, ldacc, first, pf, nxt, km, 0);
 }
 
 /* Choices that measured differently on different cores (AVX-512 only; AVX2 keeps the first):
@@ -171,12 +212,13 @@ static int chunk_rows(int64_t rows, int *mrs) {
 
 /* The packed layout: K rows in blocks of kb (kb <= 0 or kb >= K: one block), each block's rows
  * of every panel together, [P, kn, NR] (kn = kb, less in the last block); one block is the
- * plain [P, K, NR]. The k-rows [k0, k0 + n) of panel p, n within one block: */
-static inline const float *panel_at(const float *wp, int64_t p, int64_t k0, int64_t K,
-                                    int64_t P, int64_t kb) {
-    if (kb <= 0 || kb >= K) return wp + (p * K + k0) * NR;
+ * plain [P, K, NR]; elements of wdt. The k-rows [k0, k0 + n) of panel p, n within one block: */
+static inline const void *panel_at(const void *wp, int64_t p, int64_t k0, int64_t K, int64_t P,
+                                   int64_t kb, int wdt) {
+    const int64_t esz = wdt == KVR_DTYPE_BF16 ? 2 : 4;
+    if (kb <= 0 || kb >= K) return (const char *)wp + (p * K + k0) * NR * esz;
     const int64_t b0 = k0 / kb * kb, kn = K - b0 < kb ? K - b0 : kb;
-    return wp + b0 * P * NR + (p * kn + k0 - b0) * NR;
+    return (const char *)wp + (b0 * P * NR + (p * kn + k0 - b0) * NR) * esz;
 }
 
 static inline int64_t block_end(int64_t k0, int64_t K, int64_t kb) { /* past k0's block */
@@ -196,13 +238,18 @@ static float *thread_buf(int i, int64_t n) {
     return buf[i];
 }
 
+/* The accumulator tile's rows (NR apart; over bf16 weights even columns first, see micro) into
+ * y's rows [m, m + mr), panel p's columns, the bias added. */
 static void store_rows(const float *acc, const float *bias, float *y, int64_t m, int mr,
-                       int64_t N, int64_t p) {
+                       int64_t N, int64_t p, int wdt) {
     const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
     for (int r = 0; r < mr; r++) {
         float *dst = y + (m + r) * N + p * NR;
         const float *src = acc + r * NR;
-        if (bias) for (int64_t j = 0; j < ncols; j++) dst[j] = src[j] + bias[p * NR + j];
+        if (wdt == KVR_DTYPE_BF16)
+            for (int64_t j = 0; j < ncols; j++)
+                dst[j] = src[(j & 1) * VW + j / 2] + (bias ? bias[p * NR + j] : 0.f);
+        else if (bias) for (int64_t j = 0; j < ncols; j++) dst[j] = src[j] + bias[p * NR + j];
         else memcpy(dst, src, ncols * sizeof(float));
     }
 }
@@ -217,25 +264,26 @@ static void store_rows(const float *acc, const float *bias, float *y, int64_t m,
  * matmul ceiling), hence FUSE_ROWS (above). Packing the rows KBF floats apart (against L1 set
  * conflicts of rows K floats apart) measured no better. */
 #define KBF 32
-static void panel_rows_fused(const float *x, const float *wp, const float *bias, float *y,
-                             int64_t m0, int64_t m1, int64_t K, int64_t N, int64_t p, int64_t kb) {
+static void panel_rows_fused(const float *x, const void *wp, const float *bias, float *y,
+                             int64_t m0, int64_t m1, int64_t K, int64_t N, int64_t p, int64_t kb,
+                             int wdt) {
     float acc[FUSE_ROWS * NR] __attribute__((aligned(64)));
     int mrs[FUSE_ROWS];
     const int n = chunk_rows(m1 - m0, mrs);
     const int64_t P = (N + NR - 1) / NR;
     for (int64_t k0 = 0, kn; k0 < K; k0 += kn) {
         kn = block_end(k0, K, kb) - k0 < KBF ? block_end(k0, K, kb) - k0 : KBF;
-        const float *w = panel_at(wp, p, k0, K, P, kb);
+        const void *w = panel_at(wp, p, k0, K, P, kb, wdt);
         int64_t m = 0;
         for (int c = 0; c < n; c++) {
             micro_any(mrs[c], x + (m0 + m) * K + k0, K, w, kn, acc + m * NR, NR, k0 == 0, c == 0,
-                      NULL, 0);
+                      NULL, 0, wdt);
             m += mrs[c];
         }
     }
     int64_t m = 0;
     for (int c = 0; c < n; c++) {
-        store_rows(acc + m * NR, bias, y, m0 + m, mrs[c], N, p);
+        store_rows(acc + m * NR, bias, y, m0 + m, mrs[c], N, p, wdt);
         m += mrs[c];
     }
 }
@@ -247,11 +295,11 @@ static void panel_rows_fused(const float *x, const float *wp, const float *bias,
  * the ~150M model's projections as 12 layers' worth of weights (from memory, not L3), paired
  * against no prefetch on the 2-vCPU Cascade Lake: 1.08-1.17x at 6-12 rows, 1.05-1.12x at
  * 24-40, level at 1-4 rows; beside the fused order (13-20 rows) it measured level or worse. */
-static void panel_rows(const float *x, const float *xk, const float *wp, const float *bias,
+static void panel_rows(const float *x, const float *xk, const void *wp, const float *bias,
                        float *y, int64_t m0, int64_t m1, int64_t K, int64_t N, int64_t p,
-                       int next, int64_t kb) {
+                       int next, int64_t kb, int wdt) {
     if (m1 - m0 > MR && m1 - m0 <= tuning.fuse_rows) {
-        panel_rows_fused(x, wp, bias, y, m0, m1, K, N, p, kb);
+        panel_rows_fused(x, wp, bias, y, m0, m1, K, N, p, kb, wdt);
         return;
     }
     float acc[MR * NR] __attribute__((aligned(64)));
@@ -264,16 +312,15 @@ static void panel_rows(const float *x, const float *xk, const float *wp, const f
         const float *xm = x + m * K;
         for (int64_t k0 = 0, kn; k0 < K; k0 += kn) {
             kn = block_end(k0, K, kb) - k0 < step ? block_end(k0, K, kb) - k0 : step;
-            const float *nxt = pf && (chunks == 1 || c == 1)
-                ? panel_at(wp, p + 1, k0, K, P, kb) : NULL;
+            const void *nxt = pf && (chunks == 1 || c == 1)
+                ? panel_at(wp, p + 1, k0, K, P, kb, wdt) : NULL;
+            const void *w = panel_at(wp, p, k0, K, P, kb, wdt);
             if (xk)
-                micro_any(mr, xk + k0 * mr, K, panel_at(wp, p, k0, K, P, kb), kn, acc, NR,
-                          k0 == 0, 1, nxt, 1);
+                micro_any(mr, xk + k0 * mr, K, w, kn, acc, NR, k0 == 0, 1, nxt, 1, wdt);
             else
-                micro_any(mr, xm + k0, K, panel_at(wp, p, k0, K, P, kb), kn, acc, NR, k0 == 0,
-                          1, nxt, 0);
+                micro_any(mr, xm + k0, K, w, kn, acc, NR, k0 == 0, 1, nxt, 0, wdt);
         }
-        store_rows(acc, bias, y, m, mr, N, p);
+        store_rows(acc, bias, y, m, mr, N, p, wdt);
         m += mr;
     }
 }
@@ -302,8 +349,8 @@ static const float *pack_kmajor(const float *x, int64_t M, int64_t K) {
  * phases (0.94x, 0.89x): none. Whole decode steps at batch 8, paired over the blocked and the
  * plain layout: 0.98x the time in the slow phase, level in the fast one. Returns nonzero on
  * this thread when a buffer could not grow. */
-static int blocked_rows(const float *x, const float *wp, const float *bias, float *y, int64_t M,
-                        int64_t K, int64_t N, int64_t kb) {
+static int blocked_rows(const float *x, const void *wp, const float *bias, float *y, int64_t M,
+                        int64_t K, int64_t N, int64_t kb, int wdt) {
     const int64_t P = (N + NR - 1) / NR;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t lo = P * t / nt, hi = P * (t + 1) / nt;
@@ -315,20 +362,28 @@ static int blocked_rows(const float *x, const float *wp, const float *bias, floa
         for (int64_t m = 0; m < M; m++) memcpy(xb + m * kn, x + m * K + k0, kn * sizeof(float));
         for (int64_t p = lo; p < hi; p++) {
             float *a = acc + (p - lo) * MR * NR;
-            micro_any((int)M, xb, kn, panel_at(wp, p, k0, K, P, kb), kn, a, NR, k0 == 0, 1,
-                      NULL, 0);
-            if (k0 + kn == K) store_rows(a, bias, y, 0, (int)M, N, p);
+            micro_any((int)M, xb, kn, panel_at(wp, p, k0, K, P, kb, wdt), kn, a, NR, k0 == 0, 1,
+                      NULL, 0, wdt);
+            if (k0 + kn == K) store_rows(a, bias, y, 0, (int)M, N, p, wdt);
         }
     }
     return 0;
 }
+#else
+/* No kernel at this ISA level (below AVX2 + FMA): the library still builds, for the attention
+ * kernels and the pointwise ops, and kvr_gemm_panel_width reports 0. */
+static struct {
+    int fuse_rows, balance, pf_min_rows, pack_min_k;
+} tuning;
+static const int kblock = 0;
 #endif
 
-/* y = x W^T (+ bias) with the panels (K-blocked by kb, see panel_at) shared among the threads
- * of the enclosing parallel region (a worksharing loop: every thread calls it, and it ends in a
- * barrier). Returns nonzero on a thread whose scratch could not be allocated. */
-int kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y, int64_t M,
-                  int64_t K, int64_t N, int64_t kb) {
+/* y = x W^T (+ bias) with the panels (K-blocked by kb, see panel_at; elements of wdt) shared
+ * among the threads of the enclosing parallel region (a worksharing loop: every thread calls
+ * it, and it ends in a barrier). Returns nonzero on a thread whose scratch could not be
+ * allocated. */
+int kvr__gemm_for(const float *x, const void *wp, const float *bias, float *y, int64_t M,
+                  int64_t K, int64_t N, int64_t kb, int wdt) {
 #ifdef VW
     const int64_t P = (N + NR - 1) / NR;
     /* Prefill-sized calls hand panels out one at a time: where the engine shares its cores
@@ -339,9 +394,9 @@ int kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y, 
     if (M > 64) {
         #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < P; p++)
-            panel_rows(x, NULL, wp, bias, y, 0, M, K, N, p, 0, kb);
+            panel_rows(x, NULL, wp, bias, y, 0, M, K, N, p, 0, kb, wdt);
     } else if (M >= 1 && M <= MR && kb > 0 && kb < K) { /* (no rows: nothing to run) */
-        const int failed = blocked_rows(x, wp, bias, y, M, K, N, kb);
+        const int failed = blocked_rows(x, wp, bias, y, M, K, N, kb, wdt);
         #pragma omp barrier
         return failed;
     } else {
@@ -349,10 +404,10 @@ int kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y, 
             ? pack_kmajor(x, M, K) : NULL;
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++)
-            panel_rows(x, xk, wp, bias, y, 0, M, K, N, p, p + 1 < P, kb);
+            panel_rows(x, xk, wp, bias, y, 0, M, K, N, p, p + 1 < P, kb, wdt);
     }
 #else
-    (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)K; (void)N; (void)kb;
+    (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)K; (void)N; (void)kb; (void)wdt;
 #endif
     return 0;
 }
@@ -383,18 +438,31 @@ int kvr_gemm_panel_width(void) {
 /* The K block of the layout this CPU's weights are packed in (panel_at; 0: one block). */
 int kvr_gemm_kblock(void) { return kblock; }
 
-/* Returns 0; -1 on bad arguments or without a kernel, -3 out of memory. */
-int kvr_gemm_panels_f32(const float *x, const float *wp, const float *bias, float *y,
-                        int64_t M, int64_t K, int64_t N, int nthreads, int64_t kb) {
-    int failed = kb < 0;
+static int gemm_panels(const float *x, const void *wp, const float *bias, float *y, int64_t M,
+                       int64_t K, int64_t N, int nthreads, int64_t kb, int wdt) {
 #ifdef VW
+    int failed = kb < 0;
     if (!failed) {
         #pragma omp parallel num_threads(nthreads) reduction(|:failed)
-        failed |= kvr__gemm_for(x, wp, bias, y, M, K, N, kb);
+        failed |= kvr__gemm_for(x, wp, bias, y, M, K, N, kb, wdt);
     }
     return kb < 0 ? -1 : failed ? -3 : 0;
 #else
     (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)K; (void)N; (void)nthreads;
+    (void)kb; (void)wdt;
     return -1;
 #endif
+}
+
+/* y = x W^T (+ bias), x and y fp32 [M, K] and [M, N], the bias fp32 [N] or NULL, W packed as
+ * gemm.pack_panels packs it with kb, fp32 (_f32) or bf16 (_bf16). Returns 0; -1 on bad
+ * arguments or without a kernel, -3 out of memory. */
+int kvr_gemm_panels_f32(const float *x, const float *wp, const float *bias, float *y,
+                        int64_t M, int64_t K, int64_t N, int nthreads, int64_t kb) {
+    return gemm_panels(x, wp, bias, y, M, K, N, nthreads, kb, KVR_DTYPE_F32);
+}
+
+int kvr_gemm_panels_bf16(const float *x, const uint16_t *wp, const float *bias, float *y,
+                         int64_t M, int64_t K, int64_t N, int nthreads, int64_t kb) {
+    return gemm_panels(x, wp, bias, y, M, K, N, nthreads, kb, KVR_DTYPE_BF16);
 }

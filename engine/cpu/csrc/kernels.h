@@ -4,10 +4,11 @@
 #define KVR_KERNELS_H
 #include <stdint.h>
 
-/* gemm.c: y = x W^T (+ bias) over packed panels (K-blocked by kb), a worksharing loop of the
- * enclosing region; nonzero on a thread whose scratch could not be allocated. */
-int kvr__gemm_for(const float *x, const float *wp, const float *bias, float *y, int64_t M,
-                  int64_t K, int64_t N, int64_t kb);
+/* gemm.c: y = x W^T (+ bias) over packed panels (K-blocked by kb; fp32 or bf16 elements, wdt:
+ * abi.h's KVR_DTYPE_*), a worksharing loop of the enclosing region; nonzero on a thread whose
+ * scratch could not be allocated. */
+int kvr__gemm_for(const float *x, const void *wp, const float *bias, float *y, int64_t M,
+                  int64_t K, int64_t N, int64_t kb, int wdt);
 
 /* pointwise.c: one row each. */
 void kvr__add_rmsnorm_row(float *x, const float *d, const float *w, float *y, int64_t dim,
