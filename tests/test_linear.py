@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kvrelay.engine.cpu import gemm, packed_linear
 from kvrelay.engine.cpu.packed_linear import MIXED_PANEL_ROWS, onednn_packing_available, packed
+from kvrelay.engine.cpu.platform import mlp_chunk_rows
 from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.models.llama import MLP
 
@@ -142,7 +143,8 @@ def test_mixed_takes_the_panels_up_to_the_row_limit(two_threads, monkeypatch) ->
 def test_mlp_row_chunks_match_one_pass(two_threads, rows: int) -> None:
     arch = SimpleNamespace(hidden_size=32, intermediate_size=48, mlp_bias=True)
     mlp = MLP(arch)
-    assert mlp.chunk_rows >= 2**14  # tiny MLPs never chunk on their own
+    assert mlp.chunk_rows is None  # chunks are the platform's call (CpuPlatform.prepare_model)
+    assert mlp_chunk_rows(48) >= 2**14 and mlp_chunk_rows(2048) == 1024  # tiny MLPs never do
     g = torch.Generator().manual_seed(rows)
     for p in mlp.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
