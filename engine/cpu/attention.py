@@ -8,6 +8,10 @@ whose CPU kernel is tuned for long query blocks rather than one query row: at ba
 tokens that is ~5x the bytes and time of reading the cache once (measured, ~150M demo model).
 The C kernel reads each sequence's K/V rows straight out of the paged cache through its block
 table, once.
+
+The queries and outputs are fp32; the cache is fp32 or bf16 (half the bytes a decode step reads),
+widened to fp32 as it is read: a bf16 cache gives the fp32 result over its values, as if it
+were widened first.
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ class NativeMetadata(SdpaMetadata):
                 setattr(self, name, h2d(t))
         return self
 
+# The kernels' kv_dtype for each cache dtype (csrc/abi.h's KVR_DTYPE_*).
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def kv_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The kernels' code for the caches' dtype (both the same, fp32 or bf16)."""
+    code = KV_DTYPES.get(k_cache.dtype)
+    assert code is not None and v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    return code
+
+
 # Fewest keys in one decode work item: the kernel cuts a sequence's context into partitions of
 # at least this many keys, so a small batch with long contexts still gives every thread work
 # (the partial softmaxes merge exactly).
@@ -67,17 +82,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_size: int, scale: float, window: int | None) -> torch.Tensor:
     """Decode attention of ``q [N, H, D]`` over the paged caches (flat ``[slots, KVH, D]``),
     sequence ``i`` seeing its first ``ctx_lens[i]`` keys through ``block_tables[i]`` (int32,
-    ``[N, W]``). Writes and returns ``out [N, H, D]``; every tensor contiguous fp32 on CPU."""
+    ``[N, W]``). Writes and returns ``out [N, H, D]``; every tensor contiguous on CPU, ``q`` and
+    ``out`` fp32, the caches fp32 or bf16."""
     lib = load()
     assert lib is not None, "native kernels unavailable"
     n, h, d = q.shape
     kvh = k_cache.shape[1]
     assert q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
+    assert v_cache.is_contiguous() and out.dtype == torch.float32
     assert q.dtype == torch.float32 and block_tables.dtype == torch.int32
-    rc = lib.kvr_paged_decode_f32(
+    rc = lib.kvr_paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         ctx_lens.data_ptr(), out.data_ptr(), n, h, kvh, d, block_size, block_tables.shape[1],
-        scale, window or 0, MIN_PART_TOKENS, torch.get_num_threads())
+        scale, window or 0, MIN_PART_TOKENS, torch.get_num_threads(),
+        kv_dtype(k_cache, v_cache))
     if rc != 0:
         raise RuntimeError(f"native paged decode attention failed ({rc})")
     return out
@@ -89,19 +107,21 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Causal attention of prefill spans over the paged caches. ``spans`` is int32 ``[3, S]``:
     each span's first row in ``q [T, H, D]``, its row count, and the keys visible to its last
     row (cached prefix plus its new tokens, whose K/V are already in the caches);
-    ``block_tables`` int32 ``[S, W]``. Writes the spans' rows of ``out [T, H, D]``."""
+    ``block_tables`` int32 ``[S, W]``. Writes the spans' rows of ``out [T, H, D]``. ``q`` and
+    ``out`` fp32, the caches fp32 or bf16."""
     lib = load()
     assert lib is not None, "native kernels unavailable"
     h, d = q.shape[1], q.shape[2]
     assert q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
+    assert v_cache.is_contiguous() and out.dtype == torch.float32
     assert q.dtype == torch.float32 and block_tables.dtype == torch.int32
     assert spans.dtype == torch.int32 and spans.is_contiguous()
     n = spans.shape[1]
-    rc = lib.kvr_paged_prefill_f32(
+    rc = lib.kvr_paged_prefill(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         spans[0].data_ptr(), spans[1].data_ptr(), spans[2].data_ptr(), out.data_ptr(), n, h,
         k_cache.shape[1], d, block_size, block_tables.shape[1], scale, window or 0,
-        torch.get_num_threads())
+        torch.get_num_threads(), kv_dtype(k_cache, v_cache))
     if rc != 0:
         raise RuntimeError(f"native paged prefill attention failed ({rc})")
     return out
@@ -132,29 +152,36 @@ def native_attention(
 
 
 class NativeBackend(SdpaBackend):
-    """The native paged kernels (CPU, fp32). The prefill kernel's vectors are 16 floats wide:
-    other head sizes run their prefill spans through SDPA (:meth:`bind_cache` decides)."""
+    """The native paged kernels (CPU, fp32 activations over an fp32 or bf16 cache). The prefill
+    kernel's vectors are 16 floats wide: other head sizes run their prefill spans through SDPA
+    (:meth:`bind_cache` decides), which widens a bf16 cache's rows as it gathers them. A cache
+    of another dtype (fp16) runs every step through SDPA (``native_kv`` False)."""
 
     name = "native"
 
     def __init__(self) -> None:
         super().__init__()
         self.native_prefill = True
+        self.native_kv = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, window: int | None) -> torch.Tensor:
-        assert isinstance(meta, NativeMetadata)
+        if not isinstance(meta, NativeMetadata):  # a cache the kernels do not read
+            return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window)
         return native_attention(q, k, v, k_cache, v_cache, meta, scale, window)
 
     def bind_cache(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device) -> None:
         super().bind_cache(num_kv_heads, head_dim, dtype, device)
-        self.native_prefill = head_dim % 16 == 0
+        self.native_kv = dtype in KV_DTYPES
+        self.native_prefill = self.native_kv and head_dim % 16 == 0
         # The last layer on the rows read alone needs the spans as one tensor.
         self.prunes_last_layer = self.native_prefill
 
-    def metadata(self, step: StepLayout) -> NativeMetadata:
+    def metadata(self, step: StepLayout) -> SdpaMetadata:
+        if not self.native_kv:
+            return super().metadata(step)
         bs, p = step.block_size, step.num_prefills
         spans = prefill_spans(step, gather=not self.native_prefill)
         meta = NativeMetadata(step.slot_mapping, step.num_prefill_tokens, bs, prefills=spans)
@@ -172,14 +199,18 @@ class NativeBackend(SdpaBackend):
         meta.workspace = self.workspace(meta.gather_rows())
         return meta
 
-    def decode_metadata(self, rows: DecodeRows) -> NativeMetadata:
+    def decode_metadata(self, rows: DecodeRows) -> SdpaMetadata:
+        if not self.native_kv:
+            return super().decode_metadata(rows)
         return NativeMetadata(rows.slot_mapping, 0, rows.block_size,
                               decode_lens=rows.seq_lens, decode_tables=rows.block_tables)
 
     def last_layer_rows(self, meta: AttentionMetadata, sampling: list[int]) \
             -> dict[int, int] | None:
+        if not self.prunes_last_layer:
+            return None
         assert isinstance(meta, NativeMetadata)
-        return last_layer_rows(meta, sampling) if self.prunes_last_layer else None
+        return last_layer_rows(meta, sampling)
 
 
 def last_layer_rows(meta: NativeMetadata, sampling: list[int]) -> dict[int, int] | None:

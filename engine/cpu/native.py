@@ -180,12 +180,12 @@ def build(cc: str | None = None, isa: IsaLevel | None = None) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, f32, ptr, cint = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-    fn = lib.kvr_paged_decode_f32
+    fn = lib.kvr_paged_decode
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, i64,
-                   cint]
+                   cint, cint]
     fn.restype = cint
-    fn = lib.kvr_paged_prefill_f32
-    fn.argtypes = [ptr] * 8 + [i64] * 6 + [f32, i64, cint]
+    fn = lib.kvr_paged_prefill
+    fn.argtypes = [ptr] * 8 + [i64] * 6 + [f32, i64, cint, cint]
     fn.restype = cint
     for fn in (lib.kvr_gemm_panels_f32, lib.kvr_gemm_panels_bf16):
         fn.argtypes = [ptr] * 4 + [i64] * 3 + [cint, i64]
@@ -205,9 +205,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = cint
     lib.kvr_decode_layer_f32.argtypes = [ptr, ptr]
     lib.kvr_decode_layer_f32.restype = cint
-    fn = lib.kvr_write_kv_f32
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint]
-    fn.restype = cint
+    for fn in (lib.kvr_write_kv_f32, lib.kvr_write_kv_bf16):
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint]
+        fn.restype = cint
     fn = lib.kvr_argmax_rows_f32
     fn.argtypes = [ptr, i64, i64, ptr, cint]
     fn.restype = cint

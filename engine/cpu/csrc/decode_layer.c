@@ -99,10 +99,12 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
             float *og = att_g + g * M * gq;
             if (P)
                 failed |= kvr__prefill_run(&pp, qg, kc, vc, S->span_tables, og, hq, hk, D,
-                                           S->block_size, S->span_width, L->scale, L->window);
+                                           S->block_size, S->span_width, L->scale, L->window,
+                                           KVR_DTYPE_F32);
             if (N)
                 failed |= kvr__decode_run(&pl, qg + P * gq, kc, vc, S->tables, og + P * gq, hq,
-                                          hk, D, S->block_size, S->width, L->scale);
+                                          hk, D, S->block_size, S->width, L->scale,
+                                          KVR_DTYPE_F32);
         }
         if (G > 1) {
 #pragma omp for schedule(static)

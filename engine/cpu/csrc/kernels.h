@@ -16,9 +16,10 @@ void kvr__add_rmsnorm_row(float *x, const float *d, const float *w, float *y, in
 void kvr__rope_row(const float *a, float *o, int64_t heads, int64_t hd, const float *c,
                    const float *s);
 void kvr__silu_mul_row(const float *g, const float *u, float *o, int64_t inter);
+void kvr__store_kv_row(void *dst, const float *src, int64_t n, int kv_dtype);
 
 /* paged_decode.c: decode attention as a plan (made before the parallel region) and its run
- * (every thread of the region calls it). */
+ * (every thread of the region calls it); q and out fp32, the caches fp32 or bf16 (kv_dtype). */
 typedef struct {
     int32_t seq;
     int32_t begin; /* first key */
@@ -37,9 +38,9 @@ int kvr__decode_plan(const int32_t *lens, int64_t N, int64_t H, int64_t D, int64
                      int64_t W, int64_t window, int64_t min_part, int num_threads,
                      kvr_decode_plan_t *pl);
 void kvr__decode_plan_free(kvr_decode_plan_t *pl);
-int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const float *k_cache,
-                    const float *v_cache, const int32_t *tables, float *out, int64_t H,
-                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale);
+int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const void *k_cache,
+                    const void *v_cache, const int32_t *tables, float *out, int64_t H,
+                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int kv_dtype);
 /* paged_prefill.c: prefill attention as a plan and its run, the same way. */
 typedef struct {
     int32_t span;
@@ -61,8 +62,8 @@ int kvr__prefill_plan(const int32_t *q_start, const int32_t *q_len, const int32_
                       int64_t S, int64_t KVH, int64_t D, int64_t bs, int64_t W,
                       kvr_prefill_plan_t *pl);
 void kvr__prefill_plan_free(kvr_prefill_plan_t *pl);
-int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const float *k_cache,
-                     const float *v_cache, const int32_t *tables, float *out, int64_t H,
-                     int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale,
-                     int64_t window);
+int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const void *k_cache,
+                     const void *v_cache, const int32_t *tables, float *out, int64_t H,
+                     int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
+                     int kv_dtype);
 #endif

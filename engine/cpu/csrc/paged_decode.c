@@ -1,4 +1,5 @@
-/* Paged decode attention for the CPU (fp32), built on first use by kvrelay.engine.cpu.native.
+/* Paged decode attention for the CPU (fp32 queries and outputs; an fp32 or bf16 KV cache, widened
+ * to fp32 as it is read), built on first use by kvrelay.engine.cpu.native.
  *
  * Decode: every decoding sequence's single query row attends over its cached K/V, read straight
  * out of the paged cache through its block table, without gathering it anywhere first. Work is
@@ -10,7 +11,7 @@
  *
  * Layouts (contiguous, row-major):
  *   q        [N, H, D]                  one query row per decoding sequence
- *   k_cache  [num_blocks * bs, KVH, D]  (v_cache the same)
+ *   k_cache  [num_blocks * bs, KVH, D]  (v_cache the same), fp32 or bf16 (kv_dtype)
  *   tables   int32 [N, W]               block ids of each sequence
  *   lens     int32 [N]                  keys visible to each sequence (new token included)
  *   out      [N, H, D]
@@ -70,16 +71,24 @@ static inline vf reduce_vl(const vf a[8]) {
 }
 #endif
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const void *b,
+                                                        int64_t d, const int bf) {
     float s = 0.f;
-    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
+    for (int64_t i = 0; i < d; i++) s += a[i] * kv_at(b, i, bf);
     return s;
 }
 
-/* Scores of up to VL consecutive keys (rows `row` floats apart from k0, this head's slice) for
+/* A cache row's address: element i of a cache of fp32 or (bf) bf16 values. */
+static inline __attribute__((always_inline)) const void *kv_ptr(const void *cache, int64_t i,
+                                                               const int bf) {
+    return (const char *)cache + i * (bf ? 2 : 4);
+}
+
+/* Scores of up to VL consecutive keys (rows `row` values apart from k0, this head's slice) for
  * query head q (D floats, D a multiple of VL), scaled, into s[0..cnt). */
-static inline void scores_vl(const float *restrict q, const float *restrict k0, int64_t row,
-                             int64_t D, int64_t cnt, float scale, float *restrict s) {
+static inline __attribute__((always_inline)) void scores_vl(
+    const float *restrict q, const void *k0, int64_t row, int64_t D, int64_t cnt, float scale,
+    float *restrict s, const int bf) {
     vf a[VL];
 #pragma GCC unroll 16
     for (int t = 0; t < VL; t++) a[t] = splat(0.f);
@@ -87,12 +96,12 @@ static inline void scores_vl(const float *restrict q, const float *restrict k0, 
         for (int64_t i = 0; i < D; i += VL) {
             const vf qv = *(const vf *)(q + i);
 #pragma GCC unroll 16
-            for (int t = 0; t < VL; t++) a[t] += qv * *(const vf *)(k0 + t * row + i);
+            for (int t = 0; t < VL; t++) a[t] += qv * load_kv(k0, t * row + i, bf);
         }
     } else {
         for (int64_t i = 0; i < D; i += VL) {
             const vf qv = *(const vf *)(q + i);
-            for (int64_t t = 0; t < cnt; t++) a[t] += qv * *(const vf *)(k0 + t * row + i);
+            for (int64_t t = 0; t < cnt; t++) a[t] += qv * load_kv(k0, t * row + i, bf);
         }
     }
     const vf r = reduce_vl(a) * splat(scale);
@@ -104,10 +113,12 @@ static inline void scores_vl(const float *restrict q, const float *restrict k0, 
 }
 
 /* Scores of up to 16 consecutive keys (a run within one block), VL at a time. */
-static inline void scores16(const float *restrict q, const float *restrict k0, int64_t row,
-                            int64_t D, int64_t cnt, float scale, float *restrict s) {
+static inline __attribute__((always_inline)) void scores16(
+    const float *restrict q, const void *k0, int64_t row, int64_t D, int64_t cnt, float scale,
+    float *restrict s, const int bf) {
     for (int64_t g = 0; g < cnt; g += VL)
-        scores_vl(q, k0 + g * row, row, D, cnt - g < VL ? cnt - g : VL, scale, s + g);
+        scores_vl(q, kv_ptr(k0, g * row, bf), row, D, cnt - g < VL ? cnt - g : VL, scale, s + g,
+                  bf);
 }
 
 /* The rows the kernel asks for while it computes: those PF_RUNS runs of 16 keys ahead, into L2
@@ -123,18 +134,19 @@ static inline void scores16(const float *restrict q, const float *restrict k0, i
 
 /* Asks for part `part` of `parts` of the cache lines of the 16 keys from `pos` (within
  * [0, end), across blocks): every parts-th line. Spread over the heads' work, the run's 256
- * lines go out a few at a time instead of in one burst that fills the miss buffers and stalls
- * the arithmetic behind it. */
-static inline void prefetch_part(const float *cache, const int32_t *table, int64_t pos,
+ * lines (128 of bf16) go out a few at a time instead of in one burst that fills the miss buffers
+ * and stalls the arithmetic behind it. */
+static inline void prefetch_part(const void *cache, const int32_t *table, int64_t pos,
                                  int64_t end, int64_t bs, int64_t row, int64_t part,
-                                 int64_t parts) {
+                                 int64_t parts, int64_t esz) {
     int64_t line0 = 0; /* the run's line index at this block's first line */
     for (int64_t left = 16; left > 0 && pos < end;) {
         int64_t cnt = bs - pos % bs;
         if (cnt > end - pos) cnt = end - pos;
         if (cnt > left) cnt = left;
-        const char *p = (const char *)(cache + ((int64_t)table[pos / bs] * bs + pos % bs) * row);
-        const int64_t lines = (cnt * row * (int64_t)sizeof(float) + 63) / 64;
+        const char *p =
+            (const char *)cache + ((int64_t)table[pos / bs] * bs + pos % bs) * row * esz;
+        const int64_t lines = (cnt * row * esz + 63) / 64;
         for (int64_t i = line0 + (part - line0 % parts + parts) % parts; i < line0 + lines;
              i += parts)
             _mm_prefetch(p + (i - line0) * 64, PF_HINT);
@@ -146,23 +158,26 @@ static inline void prefetch_part(const float *cache, const int32_t *table, int64
 
 /* An item reads K rows [begin, end) and then V rows [begin, end): one stream of 2n keys, of which
  * `at` is the one PF_RUNS runs ahead of the run in hand (K's tail runs into V's head). */
-static inline void prefetch_ahead(const float *k_cache, const float *v_cache,
+static inline void prefetch_ahead(const void *k_cache, const void *v_cache,
                                   const int32_t *table, int64_t begin, int64_t end, int64_t at,
-                                  int64_t bs, int64_t row, int64_t part, int64_t parts) {
+                                  int64_t bs, int64_t row, int64_t part, int64_t parts,
+                                  int64_t esz) {
     const int64_t n = end - begin;
-    if (at < n) prefetch_part(k_cache, table, begin + at, end, bs, row, part, parts);
-    else if (at < 2 * n) prefetch_part(v_cache, table, begin + at - n, end, bs, row, part, parts);
+    if (at < n) prefetch_part(k_cache, table, begin + at, end, bs, row, part, parts, esz);
+    else if (at < 2 * n)
+        prefetch_part(v_cache, table, begin + at - n, end, bs, row, part, parts, esz);
 }
 
 /* One item: for every head, softmax(q K^T * scale) V over keys [begin, end). Writes the
  * unnormalised output rows to o (H x D) and each head's max and sum to m and l. `scores` holds
- * H x (end - begin) floats, rounded up to a multiple of VL. */
-static void attend(const float *restrict q, const float *restrict k_cache,
-                   const float *restrict v_cache, const int32_t *restrict table, int64_t H,
-                   int64_t KVH, int64_t D, int64_t bs, int32_t begin, int32_t end, float scale,
-                   float *restrict scores, float *restrict o, float *restrict m,
-                   float *restrict l) {
-    const int64_t n = end - begin, G = H / KVH, row = KVH * D;
+ * H x (end - begin) floats, rounded up to a multiple of VL. The caches fp32, or bf16 with bf
+ * (attend_any compiles both). */
+static inline __attribute__((always_inline)) void attend(
+    const float *restrict q, const void *k_cache, const void *v_cache,
+    const int32_t *restrict table, int64_t H, int64_t KVH, int64_t D, int64_t bs, int32_t begin,
+    int32_t end, float scale, float *restrict scores, float *restrict o, float *restrict m,
+    float *restrict l, const int bf) {
+    const int64_t n = end - begin, G = H / KVH, row = KVH * D, esz = bf ? 2 : 4;
     const int64_t stride = (n + VL - 1) / VL * VL; /* scores row of one head */
     const int vec = D % VL == 0;
     /* Pass 1, K: runs of up to 16 keys that lie in one block (contiguous rows). */
@@ -171,15 +186,19 @@ static void attend(const float *restrict q, const float *restrict k_cache,
         int64_t cnt = bs - pos0 % bs;
         if (cnt > n - t0) cnt = n - t0;
         if (cnt > 16) cnt = 16;
-        const float *kb = k_cache + ((int64_t)table[pos0 / bs] * bs + pos0 % bs) * row;
+        const void *kb =
+            kv_ptr(k_cache, ((int64_t)table[pos0 / bs] * bs + pos0 % bs) * row, bf);
         for (int64_t h = 0; h < H; h++) {
-            prefetch_ahead(k_cache, v_cache, table, begin, end, t0 + PF_RUNS * 16, bs, row, h, H);
-            const float *qh = q + h * D, *k0 = kb + (h / G) * D;
+            prefetch_ahead(k_cache, v_cache, table, begin, end, t0 + PF_RUNS * 16, bs, row, h, H,
+                           esz);
+            const float *qh = q + h * D;
+            const void *k0 = kv_ptr(kb, (h / G) * D, bf);
             float *s = scores + h * stride + t0;
             if (vec) {
-                scores16(qh, k0, row, D, cnt, scale, s);
+                scores16(qh, k0, row, D, cnt, scale, s, bf);
             } else {
-                for (int64_t t = 0; t < cnt; t++) s[t] = dot(qh, k0 + t * row, D) * scale;
+                for (int64_t t = 0; t < cnt; t++)
+                    s[t] = dot(qh, kv_ptr(k0, t * row, bf), D, bf) * scale;
             }
         }
         t0 += cnt;
@@ -207,21 +226,33 @@ static void attend(const float *restrict q, const float *restrict k_cache,
     }
     /* Pass 2, V: a run's rows at a time (they stay in L1 while every head uses them). */
     memset(o, 0, sizeof(float) * H * D);
-    const float *rows[16];
+    const void *rows[16];
     for (int64_t t0 = 0; t0 < n;) {
         const int64_t pos0 = begin + t0;
         int64_t cnt = bs - pos0 % bs;
         if (cnt > n - t0) cnt = n - t0;
         if (cnt > 16) cnt = 16;
-        const float *vb = v_cache + ((int64_t)table[pos0 / bs] * bs + pos0 % bs) * row;
+        const int64_t vb = ((int64_t)table[pos0 / bs] * bs + pos0 % bs) * row;
         for (int64_t h = 0; h < H; h++) {
             prefetch_ahead(k_cache, v_cache, table, begin, end, n + t0 + PF_RUNS * 16, bs, row, h,
-                           H);
-            for (int64_t t = 0; t < cnt; t++) rows[t] = vb + t * row + (h / G) * D;
-            axpy_rows(o + h * D, scores + h * stride + t0, rows, cnt, D);
+                           H, esz);
+            for (int64_t t = 0; t < cnt; t++)
+                rows[t] = kv_ptr(v_cache, vb + t * row + (h / G) * D, bf);
+            axpy_rows(o + h * D, scores + h * stride + t0, rows, cnt, D, bf);
         }
         t0 += cnt;
     }
+}
+
+static void attend_any(const float *restrict q, const void *k_cache, const void *v_cache,
+                       const int32_t *restrict table, int64_t H, int64_t KVH, int64_t D,
+                       int64_t bs, int32_t begin, int32_t end, float scale,
+                       float *restrict scores, float *restrict o, float *restrict m,
+                       float *restrict l, int kv_dtype) {
+    if (kv_dtype == KVR_DTYPE_BF16)
+        attend(q, k_cache, v_cache, table, H, KVH, D, bs, begin, end, scale, scores, o, m, l, 1);
+    else
+        attend(q, k_cache, v_cache, table, H, KVH, D, bs, begin, end, scale, scores, o, m, l, 0);
 }
 
 /* Cuts the sequences into items: partitions of `part` keys, enough for ~4 items per thread and
@@ -280,9 +311,9 @@ void kvr__decode_plan_free(kvr_decode_plan_t *pl) {
 /* The plan's items and then the merge of cut sequences, shared among the threads of the
  * enclosing parallel region (every thread calls this; worksharing loops inside, each ending in
  * a barrier). Returns nonzero on this thread when its scratch could not be allocated. */
-int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const float *k_cache,
-                    const float *v_cache, const int32_t *tables, float *out, int64_t H,
-                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale) {
+int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const void *k_cache,
+                    const void *v_cache, const int32_t *tables, float *out, int64_t H,
+                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int kv_dtype) {
     const item_t *items = pl->items;
     const int64_t n_items = pl->n_items;
     float *scores = malloc(sizeof(float) * H * (pl->part + VL));
@@ -299,8 +330,8 @@ int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const float *k_
             float *base = pl->partial + (int64_t)w.slot * H * (D + 2);
             m = base, l = base + H, o = base + 2 * H;
         }
-        attend(q + (int64_t)w.seq * H * D, k_cache, v_cache, tables + (int64_t)w.seq * W, H, KVH,
-               D, bs, w.begin, w.end, scale, scores, o, m, l);
+        attend_any(q + (int64_t)w.seq * H * D, k_cache, v_cache, tables + (int64_t)w.seq * W, H,
+                   KVH, D, bs, w.begin, w.end, scale, scores, o, m, l, kv_dtype);
         if (w.slot < 0) {
             for (int64_t h = 0; h < H; h++) {
                 const float inv = 1.f / l[h];
@@ -342,20 +373,23 @@ int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const float *k_
     return !ok;
 }
 
-/* Returns 0, or a negative number on bad arguments / out of memory. */
-int kvr_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                         const int32_t *tables, const int32_t *lens, float *out, int64_t N,
-                         int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale,
-                         int64_t window, int64_t min_part, int num_threads) {
+/* The caches fp32 or bf16 (kv_dtype: KVR_DTYPE_F32 or KVR_DTYPE_BF16). Returns 0, or a negative
+ * number on bad arguments / out of memory. */
+int kvr_paged_decode(const float *q, const void *k_cache, const void *v_cache,
+                     const int32_t *tables, const int32_t *lens, float *out, int64_t N, int64_t H,
+                     int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
+                     int64_t min_part, int num_threads, int kv_dtype) {
     if (N <= 0) return 0;
-    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || bs <= 0 || min_part <= 0 || num_threads < 1)
+    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || bs <= 0 || min_part <= 0 || num_threads < 1 ||
+        (kv_dtype != KVR_DTYPE_F32 && kv_dtype != KVR_DTYPE_BF16))
         return -1;
     kvr_decode_plan_t pl;
     const int rc = kvr__decode_plan(lens, N, H, D, bs, W, window, min_part, num_threads, &pl);
     if (rc) return rc;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(|:failed)
-    failed |= kvr__decode_run(&pl, q, k_cache, v_cache, tables, out, H, KVH, D, bs, W, scale);
+    failed |= kvr__decode_run(&pl, q, k_cache, v_cache, tables, out, H, KVH, D, bs, W, scale,
+                              kv_dtype);
     kvr__decode_plan_free(&pl);
     return failed ? -3 : 0;
 }

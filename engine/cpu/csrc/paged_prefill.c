@@ -1,4 +1,6 @@
-/* Paged prefill attention for the CPU (fp32), built on first use by kvrelay.engine.cpu.native.
+/* Paged prefill attention for the CPU (fp32 queries and outputs; an fp32 or bf16 KV cache, widened
+ * to fp32 as it is read: the keys once, into their transposed tiles, the values in the PV
+ * kernels' loads), built on first use by kvrelay.engine.cpu.native.
  *
  * Prefill: spans of new query rows, each attending causally over its sequence's cached prefix
  * and its own new keys (already written to the cache), read through the block table: no gather,
@@ -20,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "abi.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -74,10 +77,11 @@ static inline void qk_tile(const float *restrict qr, int64_t ldq, const float *r
 }
 
 /* O[r][0..D) += sum_c P[r][c] V[c][0..D) over nk keys, R rows at a time with R x DV <= ACC
- * accumulators (DV = D / VL vectors per row). */
+ * accumulators (DV = D / VL vectors per row); V rows fp32, or bf16 with bf. */
 #define PV_KERNEL(DV, R)                                                                         \
-    static inline void pv_##DV(const float *restrict p, const float *const *restrict vrows,     \
-                               int64_t nk, float *restrict o, int64_t D) {                      \
+    static inline __attribute__((always_inline)) void pv_##DV(                                 \
+        const float *restrict p, const void *const *restrict vrows, int64_t nk,                 \
+        float *restrict o, int64_t D, const int bf) {                                           \
         vf acc[R][DV];                                                                           \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                     \
             _Pragma("GCC unroll 16") for (int j = 0; j < DV; j++)                                \
@@ -85,7 +89,7 @@ static inline void qk_tile(const float *restrict qr, int64_t ldq, const float *r
         for (int64_t c = 0; c < nk; c++) {                                                       \
             vf v[DV];                                                                            \
             _Pragma("GCC unroll 16") for (int j = 0; j < DV; j++)                                \
-                v[j] = *(const vf *)(vrows[c] + j * VL);                                         \
+                v[j] = load_kv(vrows[c], j * VL, bf);                                            \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                               \
                 const vf b = splat(p[r * KT + c]);                                               \
                 _Pragma("GCC unroll 16") for (int j = 0; j < DV; j++) acc[r][j] += b * v[j];     \
@@ -109,9 +113,10 @@ PV_KERNEL(8, 1)
 #endif
 
 /* One row at a time, any D multiple of VL (rows left over by the blocked kernels). */
-static inline void pv_row(const float *restrict p, const float *const *restrict vrows, int64_t nk,
-                          float *restrict o, int64_t D) {
-    axpy_rows(o, p, vrows, nk, D);
+static inline __attribute__((always_inline)) void pv_row(
+    const float *restrict p, const void *const *restrict vrows, int64_t nk, float *restrict o,
+    int64_t D, const int bf) {
+    axpy_rows(o, p, vrows, nk, D, bf);
 }
 
 /* The keys of tile [k0, k0 + nk) that item row r (at position pos) sees: [*a, *b). */
@@ -176,12 +181,13 @@ static int tile_softmax(float *restrict sbuf, float *restrict obuf, float *restr
     return 1;
 }
 
-static void prefill_item(const float *restrict q, const float *restrict kt_all,
-                         const float *restrict v_cache, const int32_t *restrict table,
-                         int64_t q_start, int64_t q_len, int64_t ctx, const kvr_pitem_t *w,
-                         int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
-                         float *restrict out, float *restrict sbuf, float *restrict obuf,
-                         float *restrict ms, int64_t rowsv, float *restrict qbuf) {
+/* One item; v_cache fp32, or bf16 with bf (prefill_any compiles both). */
+static inline __attribute__((always_inline)) void prefill_item(
+    const float *restrict q, const float *restrict kt_all, const void *v_cache,
+    const int32_t *restrict table, int64_t q_start, int64_t q_len, int64_t ctx,
+    const kvr_pitem_t *w, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
+    int64_t window, float *restrict out, float *restrict sbuf, float *restrict obuf,
+    float *restrict ms, int64_t rowsv, float *restrict qbuf, const int bf) {
     const int64_t G = H / KVH, row = KVH * D, nq = w->nq;
     const int64_t rows = G * nq;              /* item rows: r = g * nq + i */
     const int64_t rowsp = ROWS_PADDED(rows); /* padded for the QK tile */
@@ -197,7 +203,7 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
     float *m = ms, *l = ms + rowsv, *mn = ms + 2 * rowsv;
     for (int64_t r = 0; r < rowsv; r++) m[r] = mn[r] = -FLT_MAX, l[r] = 0.f;
     const int64_t k_first = window > 0 && pos_lo - window + 1 > 0 ? pos_lo - window + 1 : 0;
-    const float *vrows[KT];
+    const void *vrows[KT];
     for (int64_t k0 = k_first / KT * KT; k0 <= pos_hi; k0 += KT) {
         const int64_t nk = k0 + KT <= ctx ? KT : ctx - k0;
         const float *kt = kt_all + k0 * D; /* [D][KT] tile of this KV head's transposed keys */
@@ -205,13 +211,14 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
         if (!tile_softmax(sbuf, obuf, ms, rowsv, rows, nq, pos_lo, k0, nk, window, D)) continue;
         for (int64_t c = 0; c < nk; c++) {
             const int64_t pos = k0 + c;
-            vrows[c] = v_cache + ((int64_t)table[pos / bs] * bs + pos % bs) * row + w->kvh * D;
+            const int64_t at = ((int64_t)table[pos / bs] * bs + pos % bs) * row + w->kvh * D;
+            vrows[c] = (const char *)v_cache + at * (bf ? 2 : 4);
         }
         const int64_t dv = D / VL;
         int64_t r = 0;
 #define PV_CASE(DV, R)                                                                           \
     case DV:                                                                                     \
-        for (; r + R <= rows; r += R) pv_##DV(sbuf + r * KT, vrows, nk, obuf + r * D, D);        \
+        for (; r + R <= rows; r += R) pv_##DV(sbuf + r * KT, vrows, nk, obuf + r * D, D, bf);    \
         break;
         switch (dv) {
 #if VL == 16
@@ -229,7 +236,7 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
         default:
             break;
         }
-        for (; r < rows; r++) pv_row(sbuf + r * KT, vrows, nk, obuf + r * D, D);
+        for (; r < rows; r++) pv_row(sbuf + r * KT, vrows, nk, obuf + r * D, D, bf);
     }
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++) {
@@ -238,6 +245,20 @@ static void prefill_item(const float *restrict q, const float *restrict kt_all,
             float *dst = out + ((q_start + w->q0 + i) * H + w->kvh * G + g) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = obuf[r * D + d] * inv;
         }
+}
+
+static void prefill_any(const float *restrict q, const float *restrict kt_all,
+                        const void *v_cache, const int32_t *restrict table, int64_t q_start,
+                        int64_t q_len, int64_t ctx, const kvr_pitem_t *w, int64_t H, int64_t KVH,
+                        int64_t D, int64_t bs, float scale, int64_t window, float *restrict out,
+                        float *restrict sbuf, float *restrict obuf, float *restrict ms,
+                        int64_t rowsv, float *restrict qbuf, int kv_dtype) {
+    if (kv_dtype == KVR_DTYPE_BF16)
+        prefill_item(q, kt_all, v_cache, table, q_start, q_len, ctx, w, H, KVH, D, bs, scale,
+                     window, out, sbuf, obuf, ms, rowsv, qbuf, 1);
+    else
+        prefill_item(q, kt_all, v_cache, table, q_start, q_len, ctx, w, H, KVH, D, bs, scale,
+                     window, out, sbuf, obuf, ms, rowsv, qbuf, 0);
 }
 
 /* The work of one call: its items and where each (span, KV head)'s transposed keys go. */
@@ -281,10 +302,10 @@ void kvr__prefill_plan_free(kvr_prefill_plan_t *pl) {
 
 /* Every thread of the enclosing parallel region calls this; nonzero where this thread ran out
  * of memory (its share of the items then undone). */
-int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const float *k_cache,
-                     const float *v_cache, const int32_t *tables, float *out, int64_t H,
-                     int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale,
-                     int64_t window) {
+int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const void *k_cache,
+                     const void *v_cache, const int32_t *tables, float *out, int64_t H,
+                     int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
+                     int kv_dtype) {
     const int64_t G = H / KVH, row = KVH * D, S = pl->S;
     const int32_t *ctx_len = pl->ctx_len;
     /* Phase 1: every span's keys, per KV head, transposed into [D][KT] tiles. */
@@ -298,13 +319,17 @@ int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const float *
                 float *tile = dst + k0 * D;
                 for (int64_t c = 0; c < KT; c++) {
                     const int64_t pos = k0 + c;
-                    if (pos < n) {
-                        const float *kr = k_cache +
-                                          ((int64_t)table[pos / bs] * bs + pos % bs) * row +
-                                          h * D;
-                        for (int64_t d = 0; d < D; d++) tile[d * KT + c] = kr[d];
-                    } else {
+                    if (pos >= n) {
                         for (int64_t d = 0; d < D; d++) tile[d * KT + c] = 0.f;
+                        continue;
+                    }
+                    const int64_t at = ((int64_t)table[pos / bs] * bs + pos % bs) * row + h * D;
+                    if (kv_dtype == KVR_DTYPE_BF16) {
+                        const uint16_t *kr = (const uint16_t *)k_cache + at;
+                        for (int64_t d = 0; d < D; d++) tile[d * KT + c] = bf16_to_f32(kr[d]);
+                    } else {
+                        const float *kr = (const float *)k_cache + at;
+                        for (int64_t d = 0; d < D; d++) tile[d * KT + c] = kr[d];
                     }
                 }
             }
@@ -322,22 +347,24 @@ int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const float *
         if (!ok) continue;
         const kvr_pitem_t *w = &pl->items[i];
         const int64_t j = w->span;
-        prefill_item(q, pl->kt + pl->kt_off[j * KVH + w->kvh], v_cache, tables + j * W,
-                     pl->q_start[j], pl->q_len[j], ctx_len[j], w, H, KVH, D, bs, scale, window,
-                     out, sbuf, obuf, ml, rowsv, qbuf);
+        prefill_any(q, pl->kt + pl->kt_off[j * KVH + w->kvh], v_cache, tables + j * W,
+                    pl->q_start[j], pl->q_len[j], ctx_len[j], w, H, KVH, D, bs, scale, window,
+                    out, sbuf, obuf, ml, rowsv, qbuf, kv_dtype);
     }
     free(sbuf), free(obuf), free(qbuf), free(ml);
     return !ok;
 }
 
-/* Returns 0, or a negative number on bad arguments / out of memory. */
-int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache,
-                          const int32_t *tables, const int32_t *q_start, const int32_t *q_len,
-                          const int32_t *ctx_len, float *out, int64_t S, int64_t H, int64_t KVH,
-                          int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
-                          int num_threads) {
+/* The caches fp32 or bf16 (kv_dtype: KVR_DTYPE_F32 or KVR_DTYPE_BF16). Returns 0, or a negative
+ * number on bad arguments / out of memory. */
+int kvr_paged_prefill(const float *q, const void *k_cache, const void *v_cache,
+                      const int32_t *tables, const int32_t *q_start, const int32_t *q_len,
+                      const int32_t *ctx_len, float *out, int64_t S, int64_t H, int64_t KVH,
+                      int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
+                      int num_threads, int kv_dtype) {
     if (S <= 0) return 0;
-    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % VL || bs <= 0 || num_threads < 1)
+    if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % VL || bs <= 0 || num_threads < 1 ||
+        (kv_dtype != KVR_DTYPE_F32 && kv_dtype != KVR_DTYPE_BF16))
         return -1;
     kvr_prefill_plan_t pl;
     int rc = kvr__prefill_plan(q_start, q_len, ctx_len, S, KVH, D, bs, W, &pl);
@@ -345,7 +372,7 @@ int kvr_paged_prefill_f32(const float *q, const float *k_cache, const float *v_c
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     failed |= kvr__prefill_run(&pl, q, k_cache, v_cache, tables, out, H, KVH, D, bs, W, scale,
-                               window);
+                               window, kv_dtype);
     kvr__prefill_plan_free(&pl);
     return failed ? -3 : 0;
 }

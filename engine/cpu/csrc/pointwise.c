@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -105,6 +106,37 @@ int kvr_write_kv_f32(const float *k, int64_t ldk, const float *v, int64_t ldv,
         if (s < 0) { bad = 1; continue; }
         memcpy(k_cache + s * row, k + i * ldk, row * sizeof(float));
         memcpy(v_cache + s * row, v + i * ldv, row * sizeof(float));
+    }
+    return bad ? -1 : 0;
+}
+
+/* n floats into a KV cache row: copied (fp32), or rounded to bf16 as torch rounds them
+ * (kv_dtype KVR_DTYPE_BF16; see vec.h), so the per-op path's torch store and the fused layers'
+ * native one leave the same bits. */
+void kvr__store_kv_row(void *dst, const float *src, int64_t n, int kv_dtype) {
+    if (kv_dtype != KVR_DTYPE_BF16) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) store_bf16(d + i, *(const vf *)(src + i));
+    for (; i < n; i++) d[i] = f32_to_bf16(src[i]);
+}
+
+/* kvr_write_kv_f32 into bf16 caches (the values rounded to nearest even, as .to(torch.bfloat16)
+ * rounds them). */
+int kvr_write_kv_bf16(const float *k, int64_t ldk, const float *v, int64_t ldv,
+                      const int64_t *slots, int64_t n, uint16_t *k_cache, uint16_t *v_cache,
+                      int64_t row, int nthreads) {
+    const int nt = n * row < SERIAL_ELEMS ? 1 : nthreads;
+    int bad = 0;
+    #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:bad)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = slots[i];
+        if (s < 0) { bad = 1; continue; }
+        kvr__store_kv_row(k_cache + s * row, k + i * ldk, row, KVR_DTYPE_BF16);
+        kvr__store_kv_row(v_cache + s * row, v + i * ldv, row, KVR_DTYPE_BF16);
     }
     return bad ? -1 : 0;
 }

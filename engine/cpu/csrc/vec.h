@@ -17,8 +17,50 @@
 #endif
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2))); /* VL bf16 values */
 
 static inline vf splat(float x) { return (vf){} + x; }
+
+/* bf16 (abi.h's KVR_DTYPE_BF16) is the top half of an fp32: widened exactly by a shift (each
+ * lane zero-extended to 32 bits and shifted up: vpmovzxwd + vpslld), and rounded to it as torch's
+ * .to(torch.bfloat16) rounds, to nearest even, every NaN to 0xffff (its vector conversion's; so
+ * a torch path and a native one store the same bits). */
+static inline vf load_bf16(const uint16_t *p) {
+    return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff; /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* VL floats rounded to bf16 (as f32_to_bf16, lane-wise) into p. */
+static inline void store_bf16(uint16_t *p, vf x) {
+    const vu u = (vu)x;
+    const vi nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    *(vh *)p = __builtin_convertvector((vu)(((vi)r & ~nan) | (nan & 0xffff)), vh);
+}
+
+/* VL values of a KV cache row from element i of p: fp32, or bf16 with bf (a compile-time
+ * constant wherever the kernels call it: each is compiled for both). */
+static inline __attribute__((always_inline)) vf load_kv(const void *p, int64_t i, const int bf) {
+    return bf ? load_bf16((const uint16_t *)p + i) : *(const vf *)((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) float kv_at(const void *p, int64_t i, const int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 static inline vf vmax(vf a, vf b) {
     vi gt = a > b; /* lanes of all ones where a > b */
@@ -76,17 +118,18 @@ static inline float hmax_lanes(vf v) {
     return v[0];
 }
 
-/* o[i0, i0 + W VL) += sum_t p[t] * rows[t][same]: W accumulator vectors held across the rows. */
+/* o[i0, i0 + W VL) += sum_t p[t] * rows[t][same]: W accumulator vectors held across the rows
+ * (KV rows: fp32, or bf16 with bf). */
 static inline __attribute__((always_inline)) void axpy_slice(
-    float *restrict o, const float *restrict p, const float *const *restrict rows, int64_t n,
-    int64_t i0, const int W) {
+    float *restrict o, const float *restrict p, const void *const *restrict rows, int64_t n,
+    int64_t i0, const int W, const int bf) {
     vf acc[8];
 #pragma GCC unroll 8
     for (int j = 0; j < W; j++) acc[j] = *(const vf *)(o + i0 + j * VL);
     for (int64_t t = 0; t < n; t++) {
         const vf b = splat(p[t]);
 #pragma GCC unroll 8
-        for (int j = 0; j < W; j++) acc[j] += b * *(const vf *)(rows[t] + i0 + j * VL);
+        for (int j = 0; j < W; j++) acc[j] += b * load_kv(rows[t], i0 + j * VL, bf);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < W; j++) *(vf *)(o + i0 + j * VL) = acc[j];
@@ -94,17 +137,18 @@ static inline __attribute__((always_inline)) void axpy_slice(
 
 /* o[D] += sum_t p[t] * rows[t][D]: D in slices of up to 8 vectors held in registers across
  * the rows (independent FMA chains, not one chain per vector through every row). */
-static inline void axpy_rows(float *restrict o, const float *restrict p,
-                             const float *const *restrict rows, int64_t n, int64_t d) {
+static inline __attribute__((always_inline)) void axpy_rows(
+    float *restrict o, const float *restrict p, const void *const *restrict rows, int64_t n,
+    int64_t d, const int bf) {
     if (d % VL == 0) {
         int64_t i = 0;
-        for (; i + 8 * VL <= d; i += 8 * VL) axpy_slice(o, p, rows, n, i, 8);
-        for (; i + 4 * VL <= d; i += 4 * VL) axpy_slice(o, p, rows, n, i, 4);
-        for (; i < d; i += VL) axpy_slice(o, p, rows, n, i, 1);
+        for (; i + 8 * VL <= d; i += 8 * VL) axpy_slice(o, p, rows, n, i, 8, bf);
+        for (; i + 4 * VL <= d; i += 4 * VL) axpy_slice(o, p, rows, n, i, 4, bf);
+        for (; i < d; i += VL) axpy_slice(o, p, rows, n, i, 1, bf);
         return;
     }
     for (int64_t t = 0; t < n; t++)
-        for (int64_t i = 0; i < d; i++) o[i] += p[t] * rows[t][i];
+        for (int64_t i = 0; i < d; i++) o[i] += p[t] * kv_at(rows[t], i, bf);
 }
 
 #endif
