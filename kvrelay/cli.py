@@ -165,6 +165,9 @@ def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
         config=RouterConfig(policy=args.policy, lease_ttl_s=float(args.lease_ttl),
                             kv_timeout_s=float(args.kv_timeout),
                             max_inflight=int(args.max_inflight),
+                            max_queued=None if args.max_queued in (None, "") else
+                            int(args.max_queued),
+                            queue_wait_s=float(args.queue_wait),
                             max_migrations=int(args.max_migrations),
                             kv_wait_s=float(args.kv_wait),
                             worker_wait_s=float(args.worker_wait),
@@ -294,7 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="alias of --routing-policy")
     opt(p, "--lease-ttl", type=float, default=rc.lease_ttl_s)
     opt(p, "--kv-timeout", type=float, default=rc.kv_timeout_s)
-    opt(p, "--max-inflight", type=int, default=rc.max_inflight)
+    opt(p, "--max-inflight", type=int, default=rc.max_inflight,
+        help="requests in flight at once, shared fairly between API keys")
+    opt(p, "--max-queued", type=int, default=rc.max_queued,
+        help="requests that may wait for an in-flight slot (default: --max-inflight; each API "
+             "key its share); past it the least important is refused 429")
+    opt(p, "--queue-wait", type=float, default=rc.queue_wait_s,
+        help="seconds a request may wait for an in-flight slot before a 429")
     opt(p, "--max-migrations", type=int, default=rc.max_migrations)
     opt(p, "--kv-wait", type=float, default=rc.kv_wait_s,
         help="seconds a request may wait for decode KV room before RESOURCE_EXHAUSTED")

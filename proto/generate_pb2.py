@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvrelay/proto/generate.proto\x12\nkvrelay.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfa\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x1d\n\x15resumed_output_tokens\x18\x12 \x01(\r\x12\x30\n\nstructured\x18\x13 \x01(\x0b\x32\x1c.kvrelay.v1.StructuredOutput\x12\x0e\n\x01n\x18\x17 \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\x0b\x88\x01\x01\x12\'\n\tbad_words\x18\x19 \x03(\x0b\x32\x14.kvrelay.v1.TokenIds\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x83\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvrelay.v1.ChoiceListH\x00\x42\x06\n\x04kind\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xa8\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x13\n\x0bmean_itl_ms\x18\x06 \x01(\x01\x12\x12\n\nreserve_ms\x18\x07 \x01(\x01\x12\x19\n\x11\x64\x65\x63ode_kv_wait_ms\x18\x08 \x01(\x01\"8\n\nTraceEvent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04t_ms\x18\x02 \x01(\x01\x12\x0e\n\x06worker\x18\x03 \x01(\t\"\xf7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.kvrelay.v1.Timing\x12%\n\x05trace\x18\x08 \x03(\x0b\x32\x16.kvrelay.v1.TraceEvent\x12\x13\n\x0bstop_reason\x18\t \x01(\t\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\r\n\x05index\x18\x0b \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelCard*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvrelay/proto/generate.proto\x12\nkvrelay.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfa\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x1d\n\x15resumed_output_tokens\x18\x12 \x01(\r\x12\x30\n\nstructured\x18\x13 \x01(\x0b\x32\x1c.kvrelay.v1.StructuredOutput\x12\x0e\n\x01n\x18\x17 \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\x0b\x88\x01\x01\x12\'\n\tbad_words\x18\x19 \x03(\x0b\x32\x14.kvrelay.v1.TokenIds\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x83\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvrelay.v1.ChoiceListH\x00\x42\x06\n\x04kind\"\xe1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xa8\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x13\n\x0bmean_itl_ms\x18\x06 \x01(\x01\x12\x12\n\nreserve_ms\x18\x07 \x01(\x01\x12\x19\n\x11\x64\x65\x63ode_kv_wait_ms\x18\x08 \x01(\x01\"8\n\nTraceEvent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04t_ms\x18\x02 \x01(\x01\x12\x0e\n\x06worker\x18\x03 \x01(\t\"\xf7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.kvrelay.v1.Timing\x12%\n\x05trace\x18\x08 \x03(\x0b\x32\x16.kvrelay.v1.TraceEvent\x12\x13\n\x0bstop_reason\x18\t \x01(\t\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\r\n\x05index\x18\x0b \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelCard*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2321
-  _globals['_FINISHREASON']._serialized_end=2466
+  _globals['_FINISHREASON']._serialized_start=2339
+  _globals['_FINISHREASON']._serialized_end=2484
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUT']._serialized_start=994
   _globals['_STRUCTUREDOUTPUT']._serialized_end=1125
   _globals['_GENERATEREQUEST']._serialized_start=1128
-  _globals['_GENERATEREQUEST']._serialized_end=1335
-  _globals['_TOPLOGPROB']._serialized_start=1337
-  _globals['_TOPLOGPROB']._serialized_end=1384
-  _globals['_TOKENLOGPROB']._serialized_start=1386
-  _globals['_TOKENLOGPROB']._serialized_end=1472
-  _globals['_USAGE']._serialized_start=1474
-  _globals['_USAGE']._serialized_end=1561
-  _globals['_TIMING']._serialized_start=1564
-  _globals['_TIMING']._serialized_end=1732
-  _globals['_TRACEEVENT']._serialized_start=1734
-  _globals['_TRACEEVENT']._serialized_end=1790
-  _globals['_GENERATERESPONSE']._serialized_start=1793
-  _globals['_GENERATERESPONSE']._serialized_end=2168
-  _globals['_LISTMODELSREQUEST']._serialized_start=2170
-  _globals['_LISTMODELSREQUEST']._serialized_end=2189
-  _globals['_MODELCARD']._serialized_start=2191
-  _globals['_MODELCARD']._serialized_end=2257
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2259
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2318
-  _globals['_GENERATION']._serialized_start=2469
-  _globals['_GENERATION']._serialized_end=2631
+  _globals['_GENERATEREQUEST']._serialized_end=1353
+  _globals['_TOPLOGPROB']._serialized_start=1355
+  _globals['_TOPLOGPROB']._serialized_end=1402
+  _globals['_TOKENLOGPROB']._serialized_start=1404
+  _globals['_TOKENLOGPROB']._serialized_end=1490
+  _globals['_USAGE']._serialized_start=1492
+  _globals['_USAGE']._serialized_end=1579
+  _globals['_TIMING']._serialized_start=1582
+  _globals['_TIMING']._serialized_end=1750
+  _globals['_TRACEEVENT']._serialized_start=1752
+  _globals['_TRACEEVENT']._serialized_end=1808
+  _globals['_GENERATERESPONSE']._serialized_start=1811
+  _globals['_GENERATERESPONSE']._serialized_end=2186
+  _globals['_LISTMODELSREQUEST']._serialized_start=2188
+  _globals['_LISTMODELSREQUEST']._serialized_end=2207
+  _globals['_MODELCARD']._serialized_start=2209
+  _globals['_MODELCARD']._serialized_end=2275
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2277
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2336
+  _globals['_GENERATION']._serialized_start=2487
+  _globals['_GENERATION']._serialized_end=2649
 # @@protoc_insertion_point(module_scope)

@@ -71,16 +71,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         kind = request.WhichOneof("prompt")
-        # Admission before work, as on HTTP: the in-flight cap and the room for requests being
-        # validated and tokenized are checked before the prompt is looked at (gRPC itself
-        # refused a message over MAX_GRPC_REQUEST_BYTES before parsing it).
-        if (full := self.service.at_capacity()) is not None:
+        api_key = bearer_or_key(dict(context.invocation_metadata() or ()))
+        tenant = self.service.tenant_of(api_key)
+        # Admission before work, as on HTTP: a slot or a place in the fair queue (this
+        # request's priority known already), and room for requests being validated and
+        # tokenized, are checked before the prompt is looked at (gRPC itself refused a message
+        # over MAX_GRPC_REQUEST_BYTES before parsing it).
+        if (full := self.service.arrival_refusal(tenant, request.priority)) is not None:
             await abort_with(context, full)
         admission = self.service.admission
-        ticket = admission.enter(request.ByteSize())
+        ticket = admission.enter(request.ByteSize(), tenant)
         if ticket is None:
             await abort_with(context, RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                  admission.busy_message(),
+                                                  admission.busy_message(tenant),
                                                   retry_after_s=RETRY_AFTER_S))
         assert ticket is not None
         try:
@@ -97,8 +100,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 text=request.text if kind == "text" else None,
                 token_ids=request.token_ids.ids if kind == "token_ids" else None,
                 sampling=sampling, timeout_ms=timeout_ms, model=request.model or None,
-                cache_salt=request.cache_salt or None,
-                api_key=bearer_or_key(dict(context.invocation_metadata() or ())))
+                cache_salt=request.cache_salt or None, api_key=api_key,
+                priority=request.priority)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RouterError as e:

@@ -137,14 +137,17 @@ class HttpServer:
         # stream, which cost ~40% of the HTTP layer's CPU per streamed request.
         service = self.service
 
-        def busy(path: str) -> str | None:
-            full = service.at_capacity() if path.startswith(GENERATION_PATHS) else None
+        def busy(path: str, tenant: str) -> str | None:
+            if not path.startswith(GENERATION_PATHS):
+                return None
+            full = service.arrival_refusal(tenant)
             return full.message if full is not None else None
 
         # Admission first (innermost but for the key check): nothing is read or parsed for a
         # request the router cannot take now.
         app.add_middleware(Admit, limit=MAX_HTTP_BODY_BYTES, admission=service.admission,
-                           busy=busy, paths=BODY_PATHS, refuse=_refuse)
+                           busy=busy, paths=BODY_PATHS, refuse=_refuse,
+                           tenant_of=service.tenant_of)
         if self.api_keys:
             app.add_middleware(ApiKeyAuth, check=self.api_keys.check,
                                prefixes=("/v1/", "/tokenize", "/detokenize"), refuse=_refuse)

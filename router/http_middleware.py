@@ -19,38 +19,44 @@ Refuse = Callable[[int, str], Any]  # (HTTP status, message) -> an ASGI response
 class Admit:
     """Admission before work, for requests with a body (``POST`` to ``paths``), decided before
     the body is read: over ``limit`` bytes is a 413 (by its Content-Length, or counted as it
-    arrives when chunked); ``busy(path)`` (the in-flight cap) or a full ``admission`` (requests
-    and body bytes being parsed and tokenized) is a 429 with Retry-After. An admitted request
-    holds its ticket (``scope["kvrelay.admission"]``) until its route has built its spec
+    arrives when chunked); ``busy(path, tenant)`` (no in-flight slot or place in the fair queue
+    for the request's tenant, ``tenant_of(key)`` of the API key it presents) or a full
+    ``admission`` (requests and body bytes being parsed and tokenized, the tenant's share of
+    them) is a 429 with Retry-After. An admitted request holds its ticket
+    (``scope["kvrelay.admission"]``) until its route has built its spec
     (``http_body.admitted``), its answer starts, or it ends."""
 
     def __init__(self, app: Any, limit: int, admission: Admission,
-                 busy: Callable[[str], str | None], paths: tuple[str, ...], refuse: Refuse):
+                 busy: Callable[[str, str], str | None], paths: tuple[str, ...], refuse: Refuse,
+                 tenant_of: Callable[[str | None], str] = lambda key: ""):
         self.app = app
         self.limit = limit
         self.admission = admission
         self.busy = busy
         self.paths = paths
         self.refuse = refuse
+        self.tenant_of = tenant_of
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS") \
                 or not scope["path"].startswith(self.paths):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or ())
+        raw_headers = scope.get("headers") or []
+        headers = dict(raw_headers)
         length = headers.get(b"content-length")
         chunked = length is None and headers.get(b"transfer-encoding") is not None
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             await self._refuse(413, f"the request body is larger than {self.limit} bytes",
                                scope, receive, send)
             return
-        if (why := self.busy(scope["path"])) is not None:
+        tenant = self.tenant_of(presented_key(raw_headers))
+        if (why := self.busy(scope["path"], tenant)) is not None:
             await self._refuse(429, why, scope, receive, send)
             return
-        ticket = self.admission.enter(int(length) if length is not None else 0)
+        ticket = self.admission.enter(int(length) if length is not None else 0, tenant)
         if ticket is None:
-            await self._refuse(429, self.admission.busy_message(), scope, receive, send)
+            await self._refuse(429, self.admission.busy_message(tenant), scope, receive, send)
             return
         try:
             if chunked:

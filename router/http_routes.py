@@ -38,7 +38,7 @@ def openai_routes(service: RouterService) -> APIRouter:
                 request_id=req.request_id, text=prompt if isinstance(prompt, str) else None,
                 token_ids=prompt if isinstance(prompt, list) else None, sampling=sp,
                 timeout_ms=req.timeout_ms, model=req.model, cache_salt=req.cache_salt,
-                api_key=_api_key(request))
+                api_key=_api_key(request), priority=req.priority)
             echo = None
             if req.echo:
                 echo = prompt if isinstance(prompt, str) else await service.decode(prompt)
@@ -63,7 +63,8 @@ def openai_routes(service: RouterService) -> APIRouter:
                                             token_ids=ids, sampling=sp,
                                             timeout_ms=req.timeout_ms, model=req.model,
                                             cache_salt=req.cache_salt,
-                                            api_key=_api_key(request))
+                                            api_key=_api_key(request),
+                                            priority=req.priority)
         except ValueError as e:
             return error_response(400, str(e), param=getattr(e, "param", None))
         except RouterError as e:

@@ -64,6 +64,8 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     # kvrelay extension: include the per-request trace in the final response/chunk.
     return_trace: bool = False
+    # vLLM's: under overload lower values are served first and shed last (router.fairness).
+    priority: int = Field(default=0, ge=-INT32_MAX - 1, le=INT32_MAX)
     # Structured output: OpenAI's response_format, or vLLM's guided_* (at most one of them).
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

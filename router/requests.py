@@ -27,6 +27,10 @@ class RouterConfig:
     max_prefill_attempts: int = 3
     max_migrations: int = 2
     max_inflight: int = 512
+    # Requests that may wait for an in-flight slot (None: max_inflight), each tenant its share,
+    # and how long one waits before a 429 (router.fairness).
+    max_queued: int | None = None
+    queue_wait_s: float = 5.0
     worker_wait_s: float = 5.0  # how long a request waits for a worker to appear
     # How long a request waits for KV room on the decode pool before RESOURCE_EXHAUSTED: blocks
     # come back as requests finish, so a burst queues briefly instead of failing at once.
@@ -47,6 +51,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_prefill_attempts < 1 or self.max_migrations < 0 or self.max_inflight < 1:
             raise ValueError("max_prefill_attempts >= 1, max_migrations >= 0, max_inflight >= 1")
+        if (self.max_queued is not None and self.max_queued < 0) or self.queue_wait_s < 0:
+            raise ValueError("max_queued >= 0 and queue_wait_s >= 0")
 
 
 @dataclass
@@ -63,8 +69,11 @@ class GenerateSpec:
     # trace of its own (or tracing is off).
     trace_parent: Any = None
     # Who sent it: a digest of its API key when the router checks keys, "" otherwise. Request
-    # ids are unique per tenant, not across tenants.
+    # ids are unique per tenant, not across tenants; the in-flight slots are shared by tenant.
     tenant: str = ""
+    # Lower is more important (vLLM's sense; 0 the default): the first served from the fair
+    # queue, the last shed from it (router.fairness).
+    priority: int = 0
 
 
 @dataclass

@@ -115,7 +115,8 @@ class Router:
             max_inflight=st.config.max_inflight, metrics=self.metrics,
             cache_salt_by_api_key=(bool(st.api_keys) if st.cache_salt_by_api_key is None
                                    else st.cache_salt_by_api_key),
-            chat_template=st.chat_template, keyed_tenants=bool(st.api_keys))
+            chat_template=st.chat_template, tenant_keys=len(set(st.api_keys)),
+            max_queued=st.config.max_queued, queue_wait_s=st.config.queue_wait_s)
 
         keys = SecretSet(st.api_keys)
         self._start_public(keys)

@@ -30,6 +30,7 @@ from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
 from kvrelay.engine.tokenizer import apply_chat_template
 from kvrelay.router.admission import RETRY_AFTER_S, Admission
 from kvrelay.router.errors import RouterError
+from kvrelay.router.fairness import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, FairQueue
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.outputs import ChoiceOutputs, Delta
@@ -71,18 +72,21 @@ class RouterService:
                  vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
                  max_inflight: int = 512, metrics: RouterMetrics | None = None,
                  cache_salt_by_api_key: bool = False, chat_template: str | None = None,
-                 keyed_tenants: bool = False):
+                 tenant_keys: int = 0, max_queued: int | None = None,
+                 queue_wait_s: float = 5.0):
         self.lifecycle = lifecycle
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.max_inflight = max_inflight
         self.cache_salt_by_api_key = cache_salt_by_api_key
-        # Requests are told apart by API key (the router checks keys): request ids are scoped
-        # by key. Without keys every request is one tenant's.
-        self.keyed_tenants = keyed_tenants
+        # Requests are told apart by API key when the router checks keys (``tenant_keys`` of
+        # them): request ids are scoped by key, and with several keys the in-flight slots are
+        # shared fairly between them. Without keys every request is one tenant's.
+        self.keyed_tenants = tenant_keys > 0
+        self.fair = FairQueue(max_inflight, max_waiting=max_queued, wait_s=queue_wait_s,
+                              shared=tenant_keys > 1)
         self.chat_template = chat_template  # None: the tokenizer's own
         if chat_template:  # a broken template fails at start, not on every request
             try:
@@ -90,9 +94,8 @@ class RouterService:
                                     chat_template=chat_template)
             except ValueError as e:
                 raise ValueError(f"--chat-template does not render a conversation: {e}") from e
-        self.inflight = 0
         # requests not yet in flight: being read, parsed, validated and tokenized
-        self.admission = Admission()
+        self.admission = Admission(shared=tenant_keys > 1)
         self.max_body_values = max_model_len + 2 * vocab_size + BODY_VALUES_SLACK
         self._queued = 0  # jobs submitted to the tokenizer threads and not yet done
         # (tenant, request id) in flight -> set when that request has left (a client may
@@ -124,15 +127,22 @@ class RouterService:
         cached = self._grammar is not None and self._grammar.is_cached(so)
         await self._run(not cached, lambda: self._grammar_compiler().check(so))
 
+    # -- the in-flight slots -------------------------------------------------------------------
+    @property
+    def max_inflight(self) -> int:
+        return self.fair.slots
+
+    @property
+    def inflight(self) -> int:
+        return self.fair.inflight
+
+    def arrival_refusal(self, tenant: str, priority: int | None = None) -> RouterError | None:
+        """The refusal of a new request of ``tenant`` (``tenant_of``) that could neither take
+        an in-flight slot nor wait for one (``fairness.FairQueue``): checked on arrival,
+        before its body is parsed (``priority`` None: not known yet)."""
+        return self.fair.refusal(tenant, priority)
+
     # -- text <-> ids, off the loop when large -------------------------------------------------
-    def at_capacity(self) -> RouterError | None:
-        """The refusal of a new request while ``max_inflight`` requests are in flight: checked
-        on arrival, before its body is parsed, and again as it starts."""
-        if self.inflight < self.max_inflight:
-            return None
-        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"router at capacity ({self.max_inflight} requests in flight)",
-                           retry_after_s=RETRY_AFTER_S)
 
     async def offload(self, large: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """``fn(*args, **kw)``: on the tokenizer threads when ``large``, else here; raises
@@ -204,8 +214,8 @@ class RouterService:
     async def build_spec(self, *, request_id: str | None, text: str | None,
                          token_ids: Sequence[int] | None, sampling: SamplingParams,
                          timeout_ms: int | None = None, model: str | None = None,
-                         cache_salt: str | None = None, api_key: str | None = None
-                         ) -> GenerateSpec:
+                         cache_salt: str | None = None, api_key: str | None = None,
+                         priority: int = DEFAULT_PRIORITY) -> GenerateSpec:
         """Validate one request; raises RouterError(INVALID_ARGUMENT) with a message.
 
         The cheap checks come first: sizes are checked before anything is scanned or tokenized.
@@ -220,6 +230,8 @@ class RouterService:
         if (text is None) == (token_ids is None):
             raise invalid("give exactly one of a text prompt or prompt token ids")
         deadline = deadline_of(timeout_ms, t0)
+        if not (isinstance(priority, int) and MIN_PRIORITY <= priority <= MAX_PRIORITY):
+            raise invalid(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
         check_stop_strings(sampling)
         salt = self.cache_salt(cache_salt, api_key)
         check_sampling_ids(sampling, self.vocab_size)
@@ -245,7 +257,7 @@ class RouterService:
         if bad_id is not None:
             raise invalid(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
         return GenerateSpec(rid, list(token_ids), sampling, deadline, arrival=t0,
-                            cache_salt=salt, tenant=self.tenant_of(api_key))
+                            cache_salt=salt, tenant=self.tenant_of(api_key), priority=priority)
 
     def tenant_of(self, api_key: str | None) -> str:
         """The tenant a request presenting ``api_key`` belongs to: a digest of the key when the
@@ -271,8 +283,8 @@ class RouterService:
 
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
-        if (full := self.at_capacity()) is not None:
-            raise full
+        """The request's deltas, once it has an in-flight slot (at once, or after its wait in
+        the fair queue, which counts in its time to first token)."""
         key = (spec.tenant, spec.request_id)
         prev = self._active.get(key)
         if prev is not None:  # a retry right after a cancel may overtake the cancel a little
@@ -283,11 +295,12 @@ class RouterService:
                                   f"request id {spec.request_id!r} is in use by a request in "
                                   f"flight")
         left = self._active[key] = asyncio.Event()
-        self.inflight += 1
         m = self.metrics
-        if m is not None:
-            m.in_flight.labels(m.model).inc()
+        slot = None
         try:
+            slot = await self.fair.take(spec.tenant, spec.priority, spec.deadline)
+            if m is not None:
+                m.in_flight.labels(m.model).inc()
             async for d in self._generate(spec):
                 yield d
         except RouterError as e:
@@ -295,12 +308,13 @@ class RouterService:
                 m.failed.labels(m.model, e.code.name).inc()
             raise
         finally:
-            self.inflight -= 1
+            if slot is not None:
+                slot.release()
+                if m is not None:
+                    m.in_flight.labels(m.model).dec()
             if self._active.get(key) is left:
                 del self._active[key]
             left.set()
-            if m is not None:
-                m.in_flight.labels(m.model).dec()
 
     async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Delta]:
         trace = Trace(spec.arrival)

@@ -219,12 +219,12 @@ def test_the_byte_budget_counts_bodies_before_reading_them(router, url) -> None:
 
 
 def test_the_inflight_cap_applies_before_parsing(router, url, encodes) -> None:
-    """At the in-flight cap a generation request is refused on arrival (429, Retry-After), its
-    prompt never tokenized; gRPC too (RESOURCE_EXHAUSTED, retry-after-ms). /tokenize generates
-    nothing and is still served."""
+    """At the in-flight cap, with no place left in the queue for a slot, a generation request
+    is refused on arrival (429, Retry-After), its prompt never tokenized; gRPC too
+    (RESOURCE_EXHAUSTED, retry-after-ms). /tokenize generates nothing and is still served."""
     service = router.router.service
-    old = service.max_inflight
-    service.max_inflight = 0
+    old = service.fair.slots, service.fair.max_waiting
+    service.fair.slots = service.fair.max_waiting = 0
     try:
         r = _post(url, "/v1/completions",
                   json.dumps({**SMALL, "prompt": "long " * 10_000}).encode())
@@ -240,7 +240,7 @@ def test_the_inflight_cap_applies_before_parsing(router, url, encodes) -> None:
         assert encodes == []
         assert _post(url, "/tokenize", json.dumps(SMALL).encode()).status_code == 200
     finally:
-        service.max_inflight = old
+        service.fair.slots, service.fair.max_waiting = old
 
 
 def test_the_tokenizer_queue_is_bounded(router, url, monkeypatch) -> None:

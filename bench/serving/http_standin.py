@@ -47,7 +47,10 @@ class StandinService:
     def effective_max_model_len(self) -> int:
         return 4096
 
-    def at_capacity(self) -> RouterError | None:
+    def tenant_of(self, api_key: str | None) -> str:
+        return ""
+
+    def arrival_refusal(self, tenant: str, priority: int | None = None) -> RouterError | None:
         return None
 
     async def offload(self, large: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
