@@ -27,11 +27,20 @@ HEARTBEAT_INTERVAL_S = 1.0
 LEASE_TTL_S = 10.0
 DRAIN_TIMEOUT_S = 30.0
 
+# Keepalive, both ways, so a dead or wedged peer is noticed without waiting for TCP: a channel
+# pings its server every KEEPALIVE_TIME_MS and drops the connection (failing its calls with
+# UNAVAILABLE) when no ack comes within KEEPALIVE_TIMEOUT_MS; a server pings its clients the
+# same way (a router gone mid-call ends the call's handler, freeing what it holds). Servers
+# accept a client's pings down to MIN_PING_INTERVAL_MS apart, with or without calls in flight,
+# so a client's keepalive is never answered with GOAWAY "too_many_pings".
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+MIN_PING_INTERVAL_MS = 5_000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
@@ -39,8 +48,13 @@ CHANNEL_OPTIONS = [
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.max_ping_strikes", 2),
     ("grpc.so_reuseport", 0),
 ]
 

@@ -65,6 +65,12 @@ class AsyncEngine:
         self.stats: EngineStats = core.stats()
         self.wakeups = 0  # waits ended (command, wake-up, poll, backstop): does it sleep or poll
         self.pinned: dict[int, int] = {}  # engine thread ids -> CPU (Platform.bind_thread)
+        self._step_started: float | None = None  # monotonic start of the step running now
+
+    def busy_since(self) -> float | None:
+        """When the step running now began (monotonic; None between steps): any thread, for
+        a watchdog (``kvrelay.worker.watchdog``)."""
+        return self._step_started
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -340,6 +346,7 @@ class AsyncEngine:
         t0 = time.perf_counter()
         if self.fatal is not None:
             return
+        self._step_started = time.monotonic()
         try:
             outputs = core.step()
         except TensorParallelError as e:
@@ -354,6 +361,8 @@ class AsyncEngine:
         except Exception:
             logger.exception("engine step failed; failing every request in flight")
             outputs = self._fail_all("engine step failed")
+        finally:
+            self._step_started = None
         self.stats = core.stats()
         if self.on_step is not None and outputs:
             self.on_step(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs))

@@ -221,6 +221,20 @@ class NixlConnector(KVConnector):
         self._tx.fence(notif)
         return notif
 
+    # -- self-fencing (sending side): ``self_fence`` ---------------------------------------------
+    def router_answered(self, sent_at: float) -> None:
+        """A router answered the heartbeat sent at ``sent_at`` (monotonic): it listed us."""
+        self._tx.proof.proved(sent_at)
+
+    def admit_send(self, request_id: str) -> bool:
+        """A prefill arrived: False when this worker cannot prove a router lists it now (or it
+        is settling after such a lapse); the call must be refused before anything is written."""
+        return self._tx.admit(request_id)
+
+    def self_fence_lapses(self) -> int:
+        """How many times this sender fenced itself (its proof ran out)."""
+        return self._tx.proof.num_lapses
+
     def is_fenced(self, request_id: str, lease_id: str) -> bool:
         return self._tx.is_fenced(lease_key(request_id, lease_id))
 

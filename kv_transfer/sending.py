@@ -13,7 +13,9 @@ A ``PendingDestination`` is a prefill sent before its destination was reserved: 
 nothing until ``destination_ready``; then blocks already computed go at once (mid-step: the
 layers already saved; after it finished: all of them). ``abandon`` gives up one whose
 destination will never be named. A fenced notification (its receiver gave the blocks up) is
-never written under again. Bookkeeping lives in ``tracker``; this class routes between it and
+never written under again. A sender that cannot prove it is still listed by a router fences
+itself (``self_fence``): requests it knew before the lapse, and writes queued then, never go
+out. Bookkeeping lives in ``tracker``; this class routes between it and
 the I/O thread, under one lock (the engine thread vs the I/O thread).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, NamedTuple
@@ -36,6 +39,7 @@ from kvrelay.kv_transfer.cuda_sync import record_ready_event
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
+from kvrelay.kv_transfer.self_fence import SelfFence
 from kvrelay.kv_transfer.send_tracker import (
     MAX_FENCED,
     Awaiting,
@@ -53,6 +57,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _ABORTED = (FinishReason.ABORT, FinishReason.ERROR)
+_LAPSED = ("this prefill worker could not prove its lease was still current (no router answered "
+           "its heartbeats in time): it fenced itself")
 
 
 def streams_layerwise(mode: str, device: torch.device, cores: int | None = None,
@@ -98,6 +104,9 @@ class Sending:
         self._fenced = BoundedSet(MAX_FENCED)  # notifications whose receivers gave them up
         self._awaiting: dict[str, Awaiting] = {}  # finished, destination not named yet
         self._abandoned: list[str] = []  # awaiting ones given up: their blocks go back
+        self.proof = SelfFence(config.self_fence_s)  # may we still write (``self_fence``)
+        self._epoch_of: OrderedDict[str, int] = OrderedDict()  # request -> epoch it arrived in
+        self._step_epoch: int | None = None  # the epoch this step's writes were planned in
 
     def attach(self, transport: NixlTransport, spec: KVCacheSpec, device: torch.device) -> None:
         """The registered KV cache's transport: nothing is planned or sent before."""
@@ -122,6 +131,7 @@ class Sending:
     # -- the step ------------------------------------------------------------------------------
     def start_step(self, scheduled: Seq[ScheduledSeq]) -> None:
         self._step, self._saved, self._unnamed = {}, set(), []
+        self._step_epoch = None
         if self._spec is None:
             return
         with self._lock:
@@ -138,11 +148,15 @@ class Sending:
         assert self._spec is not None
         if dest.notif in self._fenced:
             self._send.refuse(seq.request_id, dest, "its receiver gave the blocks up")
+        epoch = self._current(seq.request_id)
+        if epoch is None:
+            self._send.refuse(seq.request_id, dest, _LAPSED)
         pw = self._send.plan(seq.request_id, dest, seq.block_table, seq.num_computed_tokens, n,
                              seq.num_prompt_tokens, self._spec.block_size,
                              self.transport.peer_incarnation(dest.peer))
         if pw is None:
             return None
+        self._step_epoch = epoch  # every request planned this step has the current one
         w = self._step.setdefault((dest.peer, pw.incarnation), PeerWrites())
         w.local += pw.local
         w.remote += pw.remote
@@ -170,7 +184,8 @@ class Sending:
             done = tuple(sorted(self._saved))
             for rid, dest, pw in named:
                 self._io().submit(WriteJob(dest.peer, done, pw.local, pw.remote, (rid,),
-                                           pw.incarnation, self._ready_event()))
+                                           pw.incarnation, self._ready_event(),
+                                           self._step_epoch))
 
     def wants_layer_hooks(self, scheduled: Seq[ScheduledSeq]) -> bool:
         """A step that sends KV streams it layer by layer from ``save_layer``; one that sends
@@ -214,7 +229,7 @@ class Sending:
         thread = self._io()
         for (peer, incarnation), w in self._step.items():
             job = WriteJob(peer, layers, w.local, w.remote, tuple(w.request_ids), incarnation,
-                           ready)
+                           ready, self._step_epoch)
             with self._lock:
                 self._send.posted(job.request_ids)
             thread.submit(job)
@@ -223,7 +238,8 @@ class Sending:
         if self._thread is None:
             self._thread = TransferThread(self.transport, self._on_write_end, self._on_notif_end,
                                           max_wait_s=self.config.max_poll_interval_s,
-                                          device=self._device)
+                                          device=self._device,
+                                          may_post=lambda job: self.proof.valid(job.epoch))
         return self._thread
 
     def _on_write_end(self, job: WriteJob, err: KVTransferError | None) -> list[NotifJob]:
@@ -250,6 +266,32 @@ class Sending:
         (a request carrying it writes nothing). Call on the engine thread."""
         with self._lock:
             self._fenced.add(notif)
+
+    def admit(self, request_id: str) -> bool:
+        """A request arrived that will write KV: False when this sender cannot prove it is
+        listed now (or is settling after a lapse), and must refuse it."""
+        epoch = self.proof.admit()
+        if epoch is None:
+            return False
+        with self._lock:
+            self._epoch_of[request_id] = epoch
+            self._epoch_of.move_to_end(request_id)
+            while len(self._epoch_of) > MAX_FENCED:
+                self._epoch_of.popitem(last=False)
+        return True
+
+    def _current(self, request_id: str) -> int | None:
+        """The request's epoch if it may still write (under the lock); None: fenced. A request
+        that was never admitted (an engine driven directly) is admitted now."""
+        if not self.proof.enabled:
+            return 0
+        epoch = self._epoch_of.get(request_id)
+        if epoch is None:
+            epoch = self.proof.admit()
+            if epoch is None:
+                return None
+            self._epoch_of[request_id] = epoch
+        return epoch if self.proof.valid(epoch) else None
 
     def is_fenced(self, notif: bytes) -> bool:
         with self._lock:
@@ -289,6 +331,9 @@ class Sending:
         for go now (all layers), then the notification once every write has ended."""
         assert self._spec is not None
         with self._lock:
+            epoch = None if aborted else self._current(request_id)
+            if not aborted and epoch is None:
+                self._send.refuse(request_id, dest, _LAPSED)
             late = None if aborted else self._send.catch_up(
                 request_id, dest, block_table, num_prompt_tokens, self._spec.block_size,
                 self.transport.peer_incarnation(dest.peer))
@@ -297,7 +342,8 @@ class Sending:
             jobs = self._send.finish(request_id, dest, aborted=aborted)
         if late is not None:
             self._io().submit(WriteJob(dest.peer, tuple(range(self._spec.num_layers)),
-                                       late.local, late.remote, (request_id,), late.incarnation))
+                                       late.local, late.remote, (request_id,), late.incarnation,
+                                       epoch=epoch))
         for job in jobs:
             mark("kv_written", job.request_id)
             self._io().submit(job)

@@ -40,18 +40,22 @@ class WriteJob(NamedTuple):
     request_ids: tuple[str, ...]
     incarnation: str | None = None  # refuse if the peer restarted since (None: no check)
     ready: Any | None = None  # torch.cuda.Event to wait for before posting (None on CPU)
+    epoch: int | None = None  # the sender's proof epoch it was planned in (``self_fence``)
 
 
 OnWriteEnd = Callable[[WriteJob, KVTransferError | None], list[NotifJob]]
 OnNotifEnd = Callable[[NotifJob, KVTransferError | None], None]
+MayPost = Callable[[WriteJob], bool]
 
 
 class TransferThread:
     def __init__(self, transport: NixlTransport, on_write_end: OnWriteEnd,
                  on_notif_end: OnNotifEnd, *, min_wait_s: float = 5e-5,
                  max_wait_s: float = 2e-3, linger_s: float = 0.5,
-                 device: Any | None = None) -> None:
+                 device: Any | None = None, may_post: MayPost | None = None) -> None:
         self._transport = transport
+        # Asked right before each post: False (the sender fenced itself) fails the job unposted.
+        self._may_post = may_post
         self._on_write_end = on_write_end
         self._on_notif_end = on_notif_end
         self._min_wait, self._max_wait, self._linger = min_wait_s, max_wait_s, linger_s
@@ -131,6 +135,10 @@ class TransferThread:
         try:
             if job.ready is not None:
                 job.ready.synchronize()
+            if self._may_post is not None and not self._may_post(job):
+                raise KVTransferError("this prefill worker cannot prove its lease is still current "
+                                      "(no router answered its heartbeats in time): it fenced "
+                                      "itself", retriable=True, peer=job.peer)
             h = self._transport.write(job.peer, job.layers, job.local, job.remote,
                                       incarnation=job.incarnation)
         except KVTransferError as e:

@@ -84,9 +84,16 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         lease_ttl_s=float(args.lease_ttl), drain_timeout_s=float(args.drain_timeout),
         kv_sender_grace_s=None if args.kv_sender_grace in (None, "")
         else float(args.kv_sender_grace),
+        kv_self_fence_s=_opt_float(args.kv_self_fence),
+        kv_write_timeout_s=_opt_float(args.kv_write_timeout),
         kv_layerwise=args.kv_layerwise,
+        engine_watchdog_s=_opt_float(args.engine_watchdog) or None,
         metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None)
+
+
+def _opt_float(value: object) -> float | None:
+    return None if value in (None, "") else float(value)  # type: ignore[arg-type]
 
 
 def raise_memlock_limit(rdma_devices: str = RDMA_DEVICES) -> int:
@@ -125,7 +132,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     setup_logging(f"{args.role}-worker", args.log_level, args.log_format)
     raise_memlock_limit()
-    settings = worker_settings_from_args(args)
+    try:
+        settings = worker_settings_from_args(args)
+    except ValueError as e:  # flags that contradict each other: say which, no traceback
+        raise SystemExit(f"kvrelay worker: {e}") from e
     # the router says the same of its control port (router/server.py)
     warn_if_exposed_without_token("worker control port (Reserve, Prefill, Decode, Fence, Drain)",
                                   settings.host, settings.port, settings.cluster_token)
@@ -263,11 +273,21 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--kv-sender-grace", type=float, default=ws.kv_sender_grace_s,
         help="seconds after a prefill worker left every router's list before the blocks it "
              "was promised (and may still have been writing) are reused (default 10)")
+    opt(p, "--kv-self-fence", type=float, default=ws.kv_self_fence_s,
+        help="a prefill worker stops writing KV this many seconds after a router last answered "
+             "its heartbeat (default 5, at most half the grace); with --kv-write-timeout it "
+             "must stay under --kv-sender-grace")
+    opt(p, "--kv-write-timeout", type=float, default=ws.kv_write_timeout_s,
+        help="seconds a posted KV write may stay in flight before it fails (default 4, at most "
+             "0.4 x the grace)")
     opt(p, "--kv-layerwise", choices=list(KV_LAYERWISE), default=ws.kv_layerwise,
         help="a prefill worker sends each step's KV layer by layer while later layers "
              "compute (on) or whole as the step's forward ends (off); auto: layer by layer "
              "on a GPU, and on a CPU only with a core the compute threads leave free")
     opt(p, "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
+    opt(p, "--engine-watchdog", type=float, default=ws.engine_watchdog_s,
+        help="seconds an engine step may run before the worker reports itself not ready "
+             "(gRPC health NOT_SERVING, kvrelay:engine_stuck) until it ends; 0: off")
     add_engine_options(p)
     add_common_process_options(p)
     p.set_defaults(func=cmd_worker)

@@ -134,6 +134,11 @@ class PrefillService:
         while it computes) and wait for delivery."""
         mark("prefill_rpc_in", rid)
         skip = self._validate(rid, prompt, cache_salt, dest)
+        if not self.kv.admit_send(rid):  # cut off from the routers: it may be gone for them
+            raise CallRefused(grpc.StatusCode.UNAVAILABLE,
+                              "this prefill worker cannot prove a router lists it (heartbeats "
+                              "unanswered, or just restored): refusing to write KV",
+                              FailureKind.FAILURE_DRAINING, nothing_written=True)
         sampling = first_token_only(sampling)
         if dest is None:
             return await self._prefill_then_destination(rid, prompt, sampling, cache_salt, span)

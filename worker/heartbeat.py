@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
@@ -28,9 +29,12 @@ class Heartbeater:
                  load: Callable[[], wpb.WorkerLoad],
                  block_hashes: Callable[[], AbstractSet[int]] | None = None, *,
                  interval_s: float = HEARTBEAT_INTERVAL_S, cluster_token: str | None = None,
-                 on_answer: Callable[[str, wpb.HeartbeatResponse], None] | None = None):
+                 on_answer: Callable[[str, wpb.HeartbeatResponse], None] | None = None,
+                 on_proof: Callable[[float], None] | None = None):
         self.routers = routers
         self.on_answer = on_answer  # called with each router's answer to a beat
+        # Called with the monotonic time an answered beat was sent: a router listed us then.
+        self.on_proof = on_proof
         self.info = info
         self.load = load
         self.block_hashes = block_hashes
@@ -77,6 +81,7 @@ class Heartbeater:
                     elif current is not sent:  # the callback returns the same set if unchanged
                         req.added_block_hashes.extend(current - sent)
                         req.removed_block_hashes.extend(sent - current)
+                sent_at = time.monotonic()
                 try:
                     resp = await stub.Heartbeat(req, metadata=self._md, timeout=2.0)
                 except grpc.aio.AioRpcError as e:
@@ -91,6 +96,8 @@ class Heartbeater:
                 failures = 0
                 self.beats_sent += 1
                 sent = None if resp.want_full_block_set else current
+                if self.on_proof is not None:
+                    self.on_proof(sent_at)
                 if self.on_answer is not None:
                     self.on_answer(router, resp)
                 await asyncio.sleep(resp.interval_s or self.interval_s)

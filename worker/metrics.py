@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -103,6 +103,12 @@ class WorkerMetrics:
                                    ["pool", "worker"], buckets=STEP_BUCKETS,
                                    registry=self.registry).labels(pool, worker)
         self.registry.register(_EngineCollector(stats, pool, worker))
+        self.engine_stuck = Gauge("kvrelay:engine_stuck", "1 while an engine step has run past "
+                                  "the watchdog's limit (readiness is off)", ["pool", "worker"],
+                                  registry=self.registry).labels(pool, worker)
+        self.engine_stalls = Counter("kvrelay:engine_stalls", "Engine steps that ran past the "
+                                     "watchdog's limit", ["pool", "worker"],
+                                     registry=self.registry).labels(pool, worker)
         self._server: object | None = None
 
     def serve(self, host: str, port: int) -> int:

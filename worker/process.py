@@ -38,6 +38,7 @@ from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.worker.heartbeat import Heartbeater
 from kvrelay.worker.settings import WorkerSettings
+from kvrelay.worker.watchdog import EngineWatchdog, WatchdogConfig
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class Worker:
         self._tokens_per_s = 0.0
         self._live_senders: dict[str, frozenset[str]] = {}  # router -> prefill agents it lists
         self.fencer: Fencer | None = None
+        self.watchdog: EngineWatchdog | None = None
 
     # -- assembly ------------------------------------------------------------------------------
     async def _build_engine(self) -> None:
@@ -112,10 +114,14 @@ class Worker:
                 # UCX listens on every interface unless told; a loopback worker keeps its KV
                 # data plane on loopback too.
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-            grace = self.settings.kv_sender_grace_s
+            grace, fence, write = self.settings.kv_timing()
+            # A sender fences itself once no router vouches for it; without routers nobody
+            # declares it gone either (its receivers' holds end otherwise).
+            fenced = role == "prefill" and bool(self.settings.routers)
             self.kv = NixlConnector(NixlConnectorConfig(
                 self.worker_id, model_identity(model_dir), layerwise=self.settings.kv_layerwise,
-                **({} if grace is None else {"sender_gone_grace_s": grace})))
+                sender_gone_grace_s=grace, write_timeout_s=write,
+                self_fence_s=fence if fenced else None))
         # From the files: the worker never tokenizes (structured output reads tokenizer.json
         # when a request first needs it, without transformers).
         eos = eos_token_ids(model_dir)
@@ -180,6 +186,11 @@ class Worker:
         self._services = services
         self.port = bind(self.server, st.host, st.port)
         await self.server.start()
+        if st.engine_watchdog_s is not None:
+            self.watchdog = EngineWatchdog(self.engine.busy_since,
+                                           WatchdogConfig(st.engine_watchdog_s),
+                                           self._on_engine_stuck)
+            self.watchdog.start()
         core = self.engine.core
         self.info = info = wpb.WorkerInfo(
             worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
@@ -192,7 +203,9 @@ class Worker:
                                        bm.cached_hash_set if bm.enable_prefix_caching else None,
                                        interval_s=st.heartbeat_interval_s,
                                        cluster_token=st.cluster_token,
-                                       on_answer=self._on_beat_answer)
+                                       on_answer=self._on_beat_answer,
+                                       on_proof=self.kv.router_answered
+                                       if self.kv is not None and st.role == "prefill" else None)
         self.heartbeater.start()
         logger.info("worker %s (%s) serving on %s:%d, routers %s", self.worker_id, st.role,
                     st.host, self.port, ", ".join(st.routers) or "none")
@@ -234,6 +247,14 @@ class Worker:
         services.append("kvrelay.v1.WorkerControl")
         return services
 
+    def _on_engine_stuck(self, stuck: bool) -> None:
+        """The watchdog's verdict changed: readiness off while a step is stuck, back after."""
+        set_serving(self.health, self._services, not stuck and not self._draining)
+        if self.metrics is not None:
+            self.metrics.engine_stuck.set(1 if stuck else 0)
+            if stuck:
+                self.metrics.engine_stalls.inc()
+
     def _on_beat_answer(self, router: str, resp: wpb.HeartbeatResponse) -> None:
         """A decode worker's held blocks wait on their senders: one gone from every router's
         list for a grace period can no longer write (``Quarantine.observe_alive``)."""
@@ -265,6 +286,8 @@ class Worker:
         if self._stopped.is_set():
             return
         await self.heartbeater.stop()
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         # Routers forget this worker now; its calls still in flight end with the server.
         await self.heartbeater.beat_now(leaving=True, timeout_s=1.0)
         if self.decode_servicer is not None:  # sessions end once their calls did
