@@ -26,7 +26,7 @@ from kvrelay.common.timeline import mark
 from kvrelay.decode_worker.leases import LeaseError, LeaseTable
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_core import EngineOverloaded, RequestIdInUse, RequestOutput
-from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams, check_fork_count
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.connector import NixlConnector
@@ -261,6 +261,7 @@ class DecodeService:
         kv_timeout = kv_timeout_s or DEFAULT_KV_TIMEOUT_S
         try:
             sampling = parse_sampling()
+            check_fork_count(len(fork_tokens), sampling.n)  # before a child is built
             forks = [(fork_id(rid, k), t) for k, t in enumerate(fork_tokens, start=1)]
             call.index = {rid: 0} | {cid: k for k, (cid, _) in enumerate(forks, start=1)}
             call.stream = (self.engine.decode_forks(rid, first_token, sampling, forks) if forks

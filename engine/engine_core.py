@@ -29,7 +29,7 @@ from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.sampler import seeded_generator, skip_draw
-from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams, check_fork_count
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrelay.engine.step_cost import StepCostModel
@@ -233,6 +233,7 @@ class EngineCore:
         if not (0 <= first_token_id < self.vocab_size):
             raise ValueError(f"first token {first_token_id} is outside the vocabulary")
         self.validate_sampling(sampling)
+        check_fork_count(len(forks), sampling.n)
         for cid, tok in forks:
             if cid in self.seqs or cid in self._sending:
                 raise RequestIdInUse(f"request id {cid!r} is already in use")

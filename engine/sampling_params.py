@@ -219,3 +219,11 @@ class SamplingParams:
     @property
     def needs_filtering(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0
+
+
+def check_fork_count(num_forks: int, n: int) -> None:
+    """A decode's forks (choices after the first) number at most ``n - 1``, and ``n`` at most
+    ``SamplingParams.MAX_N``: ValueError otherwise (each fork is a sequence of its own)."""
+    if not 0 <= num_forks <= min(n, SamplingParams.MAX_N) - 1:
+        raise ValueError(f"{num_forks} fork first tokens for n={n}: a request has at most n - 1 "
+                         f"forks (n <= {SamplingParams.MAX_N})")

@@ -205,3 +205,24 @@ def test_aborting_a_reservation_before_its_kv_ends_its_waiting_forks(engines) ->
         "r": "abort", "r#1": "abort", "r#2": "abort"}
     assert not core.has_unfinished()
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_more_forks_than_n_allows_are_refused_and_change_nothing(engines) -> None:
+    """A decode naming more fork first tokens than ``n - 1`` (or than ``MAX_N`` allows) is
+    refused before any child exists: no sequence, no shared block."""
+    from kvrelay.engine.sampling_params import check_fork_count
+
+    core = engines[0]
+    core.reserve("r", list(range(3, 24)))
+    free = core.block_manager.num_free_blocks
+    for n, forks in ((1, 1), (3, 3), (SamplingParams.MAX_N, SamplingParams.MAX_N),
+                     (SamplingParams.MAX_N, 10_000)):
+        with pytest.raises(ValueError, match="forks"):
+            core.start_decode("r", 5, SamplingParams(n=n, max_tokens=4),
+                              [(f"r#{k}", 6) for k in range(1, forks + 1)])
+        assert set(core.seqs) == {"r"} and core.block_manager.num_free_blocks == free
+    check_fork_count(SamplingParams.MAX_N - 1, SamplingParams.MAX_N)  # the most there can be
+    with pytest.raises(ValueError):
+        check_fork_count(SamplingParams.MAX_N, 10**6)  # n past MAX_N does not lift the bound
+    core.abort("r")
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
