@@ -12,6 +12,7 @@ from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.cpu import fused_decode, gemm
 from kvrelay.engine.cpu.fused_decode import FusedDecode
+from kvrelay.engine.cpu.packed_linear import packed
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.kv_connector import KVConnector, ScheduledSeq, TransferEvents
 from kvrelay.engine.sampling_params import SamplingParams
@@ -191,3 +192,35 @@ def test_the_last_fused_layer_gives_the_final_norm(hf_model_dir, monkeypatch) ->
     assert model.fused_decode._normed is not None and True not in norms
     h, x = model.fused_decode._normed
     assert torch.equal(x, real(model.norm, h.clone(), None))
+
+
+BF16_TOKENS = [17, 3, 250, 99, 41, 8, 160, 77, 5, 230]
+
+
+@pytest.mark.parametrize("kv", ["auto", "float32"])
+@pytest.mark.parametrize("arch", ["llama", "llama_bias", "mistral_swa", "qwen2", "llama_tied"])
+def test_bf16_fused_decode_equals_the_per_op_path(hf_model_dir, arch: str, kv: str,
+                                                  monkeypatch) -> None:
+    """A bf16 checkpoint (bf16 panels; a bf16 KV cache under ``auto``, fp32 on request): the
+    fused layers widen the weights and the cache as the per-op kernels do and round K and V into
+    a bf16 cache as the per-op path's torch store does, so the logits are the same bits."""
+    model_dir = hf_model_dir(arch, dtype=torch.bfloat16)
+    fused_core = make_core(model_dir, kv_cache_dtype=kv)
+    plain_core = make_core(model_dir, kv_cache_dtype=kv)
+    model = fused_core.runner.model
+    if model.fused_decode is None:
+        pytest.skip("no bf16 panels here")
+    assert packed(model.layers[0].mlp.down).panels.dtype == torch.bfloat16
+    want_kv = torch.bfloat16 if kv == "auto" else torch.float32
+    assert model.layers[0].attn.k_cache.dtype == want_kv
+    plain_core.runner.model.fused_decode = None
+    taken = count_fused(monkeypatch)
+    prompt = list(range(5, 60))  # past mistral_swa's window of 48 within the decodes
+    fused = decode_logits(fused_core, prompt, BF16_TOKENS)
+    assert taken.count(True) == len(BF16_TOKENS) - 1 + 3  # the decodes and the three prompts
+    plain = decode_logits(plain_core, prompt, BF16_TOKENS)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=0)
+    # and the KV caches the two paths left behind hold the same bits
+    for a, b in zip(model.layers, plain_core.runner.model.layers, strict=True):
+        assert torch.equal(a.attn.k_cache.view(torch.int16 if kv == "auto" else torch.int32),
+                           b.attn.k_cache.view(torch.int16 if kv == "auto" else torch.int32))

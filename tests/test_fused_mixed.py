@@ -90,3 +90,24 @@ def test_the_engine_samples_what_the_per_op_path_samples(hf_model_dir, monkeypat
     plain_core.runner.model.fused_decode = None
     assert fused == generate(plain_core)
     assert len(fused["b"]) == 12
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("llama", {"kv_head_groups": 2}),
+                                     ("mistral_swa", {}), ("qwen2", {"kv_cache_dtype": "float32"})])
+def test_bf16_mixed_steps_equal_the_per_op_path(hf_model_dir, monkeypatch, arch: str,
+                                                kw: dict) -> None:
+    """A bf16 checkpoint (bf16 panels and, but for the fp32 case, a bf16 KV cache, in head
+    groups too): prefill chunks beside decodes through the fused layers, bit for bit."""
+    model_dir = hf_model_dir(arch, dtype=torch.bfloat16)
+    fused_core, plain_core = make_core(model_dir, **kw), make_core(model_dir, **kw)
+    if fused_core.runner.model.fused_decode is None:
+        pytest.skip("no bf16 panels here")
+    want_kv = torch.float32 if kw.get("kv_cache_dtype") == "float32" else torch.bfloat16
+    assert fused_core.runner.kv.dtype == want_kv
+    plain_core.runner.model.fused_decode = None
+    taken = count_fused(monkeypatch)
+    fused = mixed_logits(fused_core, 20)
+    assert taken == [True] * 6
+    plain = mixed_logits(plain_core, 20)
+    for f, p in zip(fused, plain, strict=True):
+        torch.testing.assert_close(f, p, rtol=0, atol=0)

@@ -10,15 +10,17 @@ path, bit for bit.
 
 It applies to steps of decodes (one token per sequence) and prefill chunks that the native
 prefill kernel runs (at most ``MAX_MIXED_ROWS`` rows in all: past that the glue is a small part
-of the step), without padding rows, on a CPU fp32 model with the native attention backend,
-whose linears hold panel-packed weights and are not tensor-parallel shards, without per-head
-q/k norms and without a per-layer KV hook (layer-by-layer KV streaming); any other step takes
-the per-op path. A mixed step was ~1 ms of glue slower than its arithmetic on the ~7M model
-(a 16-token chunk beside 8 decodes: 4.1 ms against 1.5 for the decodes alone), which an ITL
-cap has to leave room for. Where the model's last layer would run only the rows that are
-read (``AttentionMetadata.last_layer``), the fused path runs it for every row and returns
-those rows: the chunk rows' last-layer arithmetic is small at these sizes. A cache in KV head
-groups (``--kv-head-groups``) is passed as group 0's views and the distance between groups.
+of the step), without padding rows, on a CPU model of fp32 activations with the native
+attention backend over an fp32 or bf16 KV cache, whose linears hold panel-packed weights, fp32
+or bf16 (one dtype throughout: the kernels widen bf16 in registers), and are not
+tensor-parallel shards, without per-head q/k norms and without a per-layer KV hook
+(layer-by-layer KV streaming); any other step takes the per-op path. A mixed step was ~1 ms
+of glue slower than its arithmetic on the ~7M model (a 16-token chunk beside 8 decodes: 4.1 ms
+against 1.5 for the decodes alone), which an ITL cap has to leave room for. Where the model's
+last layer would run only the rows that are read (``AttentionMetadata.last_layer``), the fused
+path runs it for every row and returns those rows: the chunk rows' last-layer arithmetic is
+small at these sizes. A cache in KV head groups (``--kv-head-groups``) is passed as group 0's
+views and the distance between groups.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrelay.engine.cpu import gemm, native, prefetch_tuner
-from kvrelay.engine.cpu.attention import MIN_PART_TOKENS, NativeBackend, NativeMetadata
+from kvrelay.engine.cpu.attention import (
+    KV_DTYPES,
+    MIN_PART_TOKENS,
+    NativeBackend,
+    NativeMetadata,
+)
 from kvrelay.engine.cpu.packed_linear import packed
 from kvrelay.engine.cpu.prefetch_tuner import PrefetchTuner
 from kvrelay.engine.models.linear import Linear
@@ -53,7 +60,11 @@ class _Layer(ctypes.Structure):
         [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "window")] + \
         [(n, _F32) for n in ("eps", "next_eps", "scale")] + \
         [(n, _I64) for n in ("kv_groups", "group_stride", "kblock")] + \
-        [("final_w", _P), ("final_eps", _F32), ("in_w", _P), ("in_eps", _F32)]
+        [("final_w", _P), ("final_eps", _F32), ("in_w", _P), ("in_eps", _F32)] + \
+        [(n, _I64) for n in ("wdtype", "kv_dtype")]
+
+# The kernels' codes for the panels' and the caches' dtypes (csrc/abi.h's KVR_DTYPE_*).
+_DTYPES = KV_DTYPES
 
 
 class _Step(ctypes.Structure):
@@ -94,9 +105,12 @@ class FusedDecode:
         """The fused path for ``model``, or None where it does not apply."""
         if not enabled() or native.load() is None:  # the ABI check pins the library's symbols
             return None
-        if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32 \
+        # fp32 activations (the embedding's rows widened as they are gathered: it may be bf16)
+        if model.embed.device.type != "cpu" \
+                or getattr(model, "compute_dtype", torch.float32) != torch.float32 \
                 or model.rotary.cos.dtype != torch.float32 or not model.rotary.cos.is_contiguous():
             return None
+        panel_dtypes = set()
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
             lins = (a.qkv, a.o, m.gate_up, m.down)
@@ -104,6 +118,14 @@ class FusedDecode:
                     or any(type(lin) is not Linear or (k := packed(lin)) is None
                            or k.panels is None for lin in lins):
                 return None
+            panel_dtypes.update(packed(lin).panels.dtype for lin in lins)
+            fp32 = [lin.bias for lin in lins] + [layer.input_norm.weight,
+                                                 layer.post_attn_norm.weight, model.norm.weight]
+            if any(t is not None and t.dtype != torch.float32 for t in fp32):
+                return None
+        # one dtype of panels throughout, fp32 or bf16 (the cache's is checked as it is bound)
+        if len(panel_dtypes) != 1 or not panel_dtypes <= _DTYPES.keys():
+            return None
         return cls(model)
 
     def _build(self) -> list[_Layer]:
@@ -117,7 +139,9 @@ class FusedDecode:
             groups = max(1, len(a.kv_groups))
             qkv, o, gu, down = (packed(lin) for lin in (a.qkv, a.o, m.gate_up, m.down))
             kblock = qkv.kblock
-            assert all(k.kblock == kblock for k in (o, gu, down))
+            assert all(k.kblock == kblock and k.panels.dtype == qkv.panels.dtype
+                       for k in (o, gu, down))
+            assert a.v_cache.dtype == a.k_cache.dtype
             # KV head groups: every group's views equally far apart (one [G, ...] tensor).
             esz = a.k_cache.element_size()
             stride = (a.kv_groups[1][0].data_ptr() - a.k_cache.data_ptr()) // esz \
@@ -134,12 +158,15 @@ class FusedDecode:
                 a.window or 0, layer.post_attn_norm.eps, 0.0 if nxt is None else nxt.eps,
                 a.scale, groups, stride, kblock,
                 _ptr(model.norm.weight if nxt is None else None), model.norm.eps,
-                _ptr(layer.input_norm.weight if i == 0 else None), layer.input_norm.eps))
+                _ptr(layer.input_norm.weight if i == 0 else None), layer.input_norm.eps,
+                wdtype=_DTYPES[qkv.panels.dtype], kv_dtype=_DTYPES[a.k_cache.dtype]))
         self._cache_ptr = model.layers[0].attn.k_cache.data_ptr()
         return layers
 
     def takes(self, rows: int, meta: NativeMetadata) -> bool:
         """Whether a step of ``rows`` rows with this metadata is one this path runs."""
+        if not isinstance(meta, NativeMetadata):  # a cache the native kernels do not read
+            return False
         p, nd = meta.num_prefill_tokens, meta.num_decodes
         if meta.on_kv_written or p + nd != rows or meta.slot_mapping.shape[0] != rows \
                 or rows > (self.max_rows if not p else min(self.max_rows, MAX_MIXED_ROWS)):

@@ -7,26 +7,35 @@
 #define KVR_ABI_H
 #include <stdint.h>
 
-#define KVR_ABI_VERSION 17
+#define KVR_ABI_VERSION 18
 
 /* Element types of weights and KV caches (the kv_dtype / wdtype arguments and fields): bf16 is
  * stored as the top 16 bits of an fp32, widened on load, rounded to nearest even on store. */
 #define KVR_DTYPE_F32 0
 #define KVR_DTYPE_BF16 1
 
-/* decode_layer.c: one decoder layer's weights and KV cache, and one step's rows. */
+/* decode_layer.c: one decoder layer's weights and KV cache, and one step's rows. The activations,
+ * biases and norm weights are fp32; the panels are of wdtype and the caches of kv_dtype. */
 typedef struct {
-    const float *qkv, *qkv_b, *o, *o_b, *gu, *gu_b, *down, *down_b; /* panels; biases or NULL */
+    const void *qkv;  /* panels (wdtype), each followed by its fp32 bias or NULL */
+    const float *qkv_b;
+    const void *o;
+    const float *o_b;
+    const void *gu;
+    const float *gu_b;
+    const void *down;
+    const float *down_b;
     const float *post_w, *next_w; /* RMSNorm weights; next_w NULL after the last layer */
-    float *k_cache, *v_cache;     /* flat [slots, kv_heads / kv_groups, head_dim]: group 0's */
+    void *k_cache, *v_cache;      /* flat [slots, kv_heads / kv_groups, head_dim]: group 0's */
     int64_t hidden, heads, kv_heads, head_dim, inter, window;
     float eps, next_eps, scale;
-    int64_t kv_groups, group_stride; /* head groups (1: none); floats from one group to the next */
+    int64_t kv_groups, group_stride; /* head groups (1: none); values from one group to the next */
     int64_t kblock;                  /* the weights' K blocks (gemm.c's panel_at) */
     const float *final_w;            /* last layer only, or NULL: the final norm's weight */
     float final_eps;
     const float *in_w;               /* first layer only, or NULL: x = in_norm(h) comes first */
     float in_eps;
+    int64_t wdtype, kv_dtype;        /* KVR_DTYPE_F32 or KVR_DTYPE_BF16 each */
 } kvr_layer_t;
 
 typedef struct {

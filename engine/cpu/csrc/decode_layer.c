@@ -20,8 +20,13 @@
  * and then its decodes, one each: h and x [rows, hidden] are updated in place. A step of
  * decodes alone has no spans.
  *
+ * bf16 weights and a bf16 KV cache (wdtype, kv_dtype): the kernels widen them as they load them
+ * and compute in fp32, as the per-op path does; K and V go into a bf16 cache rounded to nearest
+ * even, as the per-op path's torch store rounds them (kvr__store_kv_row), so both paths leave the
+ * same cache and give the same results.
+ *
  * KV head groups (kv_groups > 1): the cache keeps each group of kv_heads / kv_groups heads in a
- * tensor of its own, group_stride floats after the previous one (the layout of a rank of that
+ * tensor of its own, group_stride values after the previous one (the layout of a rank of that
  * many tensor-parallel ranks, so KV moves between TP sizes rank to rank). K and V go to their
  * group's rows, q is roped group-major (each group's heads of every row together), attention
  * runs per group over its cache, and its output is put back in row-major order for Wo.
@@ -43,8 +48,12 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     if (M <= 0) return 0;
     if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % 2 || S->block_size <= 0 ||
         S->min_part <= 0 || S->nthreads < 1 || G < 1 || KVH % G || (G > 1 && gs <= 0) ||
-        P < 0 || P > M || (P > 0) != (S->spans > 0) || L->kblock < 0)
+        P < 0 || P > M || (P > 0) != (S->spans > 0) || L->kblock < 0 ||
+        (L->wdtype != KVR_DTYPE_F32 && L->wdtype != KVR_DTYPE_BF16) ||
+        (L->kv_dtype != KVR_DTYPE_F32 && L->kv_dtype != KVR_DTYPE_BF16))
         return -1;
+    const int wdt = (int)L->wdtype, kvd = (int)L->kv_dtype;
+    const int64_t esz = kvd == KVR_DTYPE_BF16 ? 2 : 4; /* bytes per cache value */
     const int64_t hq = H / G, hk = KVH / G, gq = hq * D, gk = hk * D; /* per group */
     for (int64_t r = 0; r < M; r++)
         if (S->slots[r] < 0 || S->positions[r] < 0 || S->positions[r] >= S->max_pos) return -1;
@@ -62,7 +71,9 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     if (!rc && P)
         rc = kvr__prefill_plan(S->span_start, S->span_len, S->span_ctx, S->spans, hk, D,
                                S->block_size, S->span_width, &pp);
-    const int64_t floats = M * (nqkv + (G > 1 ? 3 : 2) * qs + hid + 2 * I + I);
+    /* (and with a bf16 cache, the roped K rows before they are rounded into it) */
+    const int64_t floats = M * (nqkv + (G > 1 ? 3 : 2) * qs + hid + 2 * I + I +
+                                (kvd == KVR_DTYPE_BF16 ? kvs : 0));
     float *buf = rc ? NULL : malloc(sizeof(float) * floats);
     if (!buf) {
         if (N) kvr__decode_plan_free(&pl);
@@ -72,6 +83,7 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
     float *qkv = buf, *q = qkv + M * nqkv, *att = q + M * qs, *delta = att + M * qs;
     float *gu = delta + M * hid, *act = gu + M * 2 * I;
     float *att_g = G > 1 ? act + M * I : att; /* attention's output, group-major */
+    float *kr = act + M * I + (G > 1 ? M * qs : 0); /* [M, kvs]: bf16 caches only */
     const int64_t half = D / 2;
     int failed = 0;
 #pragma omp parallel num_threads(S->nthreads) reduction(|:failed)
@@ -81,30 +93,36 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
             for (int64_t r = 0; r < M; r++)
                 kvr__add_rmsnorm_row(S->h + r * hid, NULL, L->in_w, S->x + r * hid, hid, L->in_eps);
         }
-        failed |= kvr__gemm_for(S->x, L->qkv, L->qkv_b, qkv, M, hid, nqkv, L->kblock, KVR_DTYPE_F32);
+        failed |= kvr__gemm_for(S->x, L->qkv, L->qkv_b, qkv, M, hid, nqkv, L->kblock, wdt);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             const float *row = qkv + r * nqkv, *c = S->cos + S->positions[r] * half,
                         *s = S->sin + S->positions[r] * half;
             for (int64_t g = 0; g < G; g++) { /* G == 1: q [rows, H, D], one cache row */
+                const int64_t at = (g * gs + S->slots[r] * gk) * esz; /* bytes into a cache */
                 kvr__rope_row(row + g * gq, q + (g * M + r) * gq, hq, D, c, s);
-                kvr__rope_row(row + qs + g * gk, L->k_cache + g * gs + S->slots[r] * gk, hk, D,
-                              c, s);
-                memcpy(L->v_cache + g * gs + S->slots[r] * gk, row + qs + kvs + g * gk,
-                       sizeof(float) * gk);
+                if (kvd == KVR_DTYPE_BF16) {
+                    kvr__rope_row(row + qs + g * gk, kr + r * kvs + g * gk, hk, D, c, s);
+                    kvr__store_kv_row((char *)L->k_cache + at, kr + r * kvs + g * gk, gk, kvd);
+                } else {
+                    kvr__rope_row(row + qs + g * gk, (float *)((char *)L->k_cache + at), hk, D,
+                                  c, s);
+                }
+                kvr__store_kv_row((char *)L->v_cache + at, row + qs + kvs + g * gk, gk, kvd);
             }
         }
         for (int64_t g = 0; g < G; g++) { /* group g's rows: prefill, then decodes */
-            const float *qg = q + g * M * gq, *kc = L->k_cache + g * gs, *vc = L->v_cache + g * gs;
+            const float *qg = q + g * M * gq;
+            const void *kc = (const char *)L->k_cache + g * gs * esz,
+                       *vc = (const char *)L->v_cache + g * gs * esz;
             float *og = att_g + g * M * gq;
             if (P)
                 failed |= kvr__prefill_run(&pp, qg, kc, vc, S->span_tables, og, hq, hk, D,
                                            S->block_size, S->span_width, L->scale, L->window,
-                                           KVR_DTYPE_F32);
+                                           kvd);
             if (N)
                 failed |= kvr__decode_run(&pl, qg + P * gq, kc, vc, S->tables, og + P * gq, hq,
-                                          hk, D, S->block_size, S->width, L->scale,
-                                          KVR_DTYPE_F32);
+                                          hk, D, S->block_size, S->width, L->scale, kvd);
         }
         if (G > 1) {
 #pragma omp for schedule(static)
@@ -112,16 +130,16 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
                 for (int64_t g = 0; g < G; g++)
                     memcpy(att + r * qs + g * gq, att_g + (g * M + r) * gq, sizeof(float) * gq);
         }
-        failed |= kvr__gemm_for(att, L->o, L->o_b, delta, M, qs, hid, L->kblock, KVR_DTYPE_F32);
+        failed |= kvr__gemm_for(att, L->o, L->o_b, delta, M, qs, hid, L->kblock, wdt);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
             kvr__add_rmsnorm_row(S->h + r * hid, delta + r * hid, L->post_w, S->x + r * hid, hid,
                                  L->eps);
-        failed |= kvr__gemm_for(S->x, L->gu, L->gu_b, gu, M, hid, 2 * I, L->kblock, KVR_DTYPE_F32);
+        failed |= kvr__gemm_for(S->x, L->gu, L->gu_b, gu, M, hid, 2 * I, L->kblock, wdt);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
             kvr__silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
-        failed |= kvr__gemm_for(act, L->down, L->down_b, delta, M, I, hid, L->kblock, KVR_DTYPE_F32);
+        failed |= kvr__gemm_for(act, L->down, L->down_b, delta, M, I, hid, L->kblock, wdt);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             float *hr = S->h + r * hid;
