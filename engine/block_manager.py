@@ -3,8 +3,9 @@
 A block is *free* when no sequence references it. A free block may still hold a published
 prefix (its hash stays in the index) until it is handed out again: free blocks are reused
 least-recently-freed first, so hot prefixes survive longest. A block's hash is published only
-after its KV has been written (``publish``), and reuse compares stored token ids, so a hash
-collision can never serve wrong KV.
+after its KV has been written (``publish``), and reuse compares the block's stored token ids and
+the hash of the prefix before it (its parent), so a hash collision can never serve wrong KV: not
+another prefix's block with the same tokens, nor another cache salt's.
 
 Sequences may share blocks beyond the prefix cache: ``fork`` gives a child sequence (one more
 choice of an ``n > 1`` request) its parent's blocks, one more reference each. Before a sequence
@@ -25,13 +26,14 @@ from kvrelay.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+    __slots__ = ("block_id", "hash", "parent_hash", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.parent_hash: int | None = None  # the chain's hash before this block (when published)
 
 
 class PrefixMatch(NamedTuple):
@@ -125,9 +127,10 @@ class BlockManager:
         bs = self.block_size
         for start in range(0, max_tokens - bs + 1, bs):
             chunk = tuple(token_ids[start:start + bs])
-            parent = hash_block(parent, chunk)
+            before, parent = parent, hash_block(parent, chunk)
             bid = self._cached.get(parent)
-            if bid is None or self.blocks[bid].token_ids != chunk:
+            if bid is None or self.blocks[bid].token_ids != chunk \
+                    or self.blocks[bid].parent_hash != before:
                 break
             ids.append(bid)
             hashes.append(parent)
@@ -197,6 +200,7 @@ class BlockManager:
                 self.cache_version += 1
             block.hash = None
             block.token_ids = ()
+            block.parent_hash = None
         block.ref_count = 1
         return bid
 
@@ -221,12 +225,13 @@ class BlockManager:
         parent = hashes[-1] if hashes else seq.hash_root
         for i in range(len(hashes), n_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent = hash_block(parent, chunk)
+            before, parent = parent, hash_block(parent, chunk)
             hashes.append(parent)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and parent not in self._cached:
                 block.hash = parent
                 block.token_ids = chunk
+                block.parent_hash = before
                 self._cached[parent] = block.block_id
                 self.cache_version += 1
 

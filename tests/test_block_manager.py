@@ -137,3 +137,29 @@ def test_cache_salt_partitions_the_prefix_cache() -> None:
     # The chain a router computes from the prompt and salt is what the worker reports.
     assert Sequence("u", prompt, SamplingParams()).hash_root == 0
     assert set(block_hashes(prompt, 4, a.hash_root)) == set(bm.cached_block_hashes())
+
+
+def test_reuse_checks_the_parent_hash_not_only_the_blocks_own_tokens(monkeypatch) -> None:
+    """A hash collision between two chains whose blocks hold the same tokens (here: the same
+    prompt under two cache salts, with a hash that ignores the parent) must not serve one
+    chain's block to the other: its KV depends on everything before it."""
+    import kvrelay.engine.block_manager as bm_mod
+
+    monkeypatch.setattr(bm_mod, "hash_block",
+                        lambda parent, ids: int.from_bytes(bytes(t % 256 for t in ids)[:8],
+                                                           "little"))
+    bm = BlockManager(16, 4)
+    prompt = list(range(100, 109))  # 2 full blocks
+    a = Sequence("a", prompt, SamplingParams(), cache_salt="tenant-a")
+    bm.allocate(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    bm.publish(a)
+    assert bm.match_prefix(prompt, len(prompt), a.hash_root).num_blocks == 2  # its own chain
+    b = Sequence("b", prompt, SamplingParams(), cache_salt="tenant-b")
+    assert b.hash_root != a.hash_root
+    assert bm.match_prefix(prompt, len(prompt), b.hash_root).num_blocks == 0
+    # A different first block, the same second: the second is not reused either.
+    other = [7, 7, 7, 7, *prompt[4:]]
+    assert bm.match_prefix(other, len(other), a.hash_root).num_blocks == 0
+    bm.free(a)
+    assert bm.num_free_blocks == 16
