@@ -259,3 +259,31 @@ def test_native_bf16_kv_store_rounds_as_torch(row: int) -> None:
                                  got_k.data_ptr(), got_v.data_ptr(), row, 2) == 0
     assert torch.equal(got_k.view(torch.int16), want_k.view(torch.int16))
     assert torch.equal(got_v.view(torch.int16), want_v.view(torch.int16))
+
+
+def test_an_fp16_cache_runs_the_native_backend_through_sdpa(hf_model_dir) -> None:
+    """The native kernels read fp32 and bf16 caches: with an fp16 one the native backend runs
+    every step through SDPA (and the fused layers decline it), with SDPA's results."""
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.engine_core import EngineCore
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    model_dir = hf_model_dir("llama")
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = {}
+    for backend in ("native", "sdpa"):
+        core = EngineCore(EngineConfig.from_kwargs(
+            model_dir, block_size=8, num_blocks=64, max_num_batched_tokens=32, seed=0,
+            kv_cache_dtype="float16", attention_backend=backend))
+        assert core.runner.kv.dtype == torch.float16
+        if backend == "native" and attention.available():
+            assert isinstance(core.runner.attention, attention.NativeBackend)
+            assert not core.runner.attention.native_kv
+        core.add_request("a", list(range(5, 30)), sp)
+        core.add_request("b", list(range(40, 45)), sp)
+        out: dict[str, list[int]] = {"a": [], "b": []}
+        while core.has_unfinished():
+            for o in core.step():
+                out[o.request_id] += o.new_token_ids
+        got[backend] = out
+    assert got["native"] == got["sdpa"] and len(got["sdpa"]["a"]) == 8
