@@ -23,7 +23,7 @@ from kvrelay.router.admission import RETRY_AFTER_S
 from kvrelay.router.coalesce import Coalescer
 from kvrelay.router.errors import RouterError
 from kvrelay.router.outputs import Delta
-from kvrelay.router.registry import WorkerIdTaken, WorkerRegistry
+from kvrelay.router.registry import RegistryFull, WorkerIdTaken, WorkerRegistry
 from kvrelay.router.service import RouterService
 from kvrelay.router.trace import client_parent
 
@@ -142,9 +142,18 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             return self.registry.heartbeat(request)
         except WorkerIdTaken as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except RegistryFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     async def ListWorkers(self, request: wpb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> wpb.ListWorkersResponse:
-        return wpb.ListWorkersResponse(workers=self.registry.status())
+        workers = self.registry.status()
+        if not self.registry.authenticated:
+            # Anyone may call this port: an incarnation would let a caller forge a worker's
+            # "leaving" beat (or a restart) and remove it. With a cluster token every caller
+            # passed the token check, and operators see everything.
+            for w in workers:
+                w.info.ClearField("incarnation")
+        return wpb.ListWorkersResponse(workers=workers)

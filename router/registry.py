@@ -41,7 +41,14 @@ MAX_IDENTITY_LEN = 256
 MAX_BLOCK_SIZE = 1024
 MIN_WORKER_MODEL_LEN = 256  # or 0: not reported
 MAX_DRAIN_TIMEOUT_S = 86_400.0
+# Workers one role may register: beyond it a new worker id is refused (RESOURCE_EXHAUSTED), so
+# beats with made-up ids cannot grow the registry (a channel each) without bound.
+MAX_WORKERS_PER_ROLE = 1024
 # MAX_WORKER_BLOCKS (worker_state): it also caps the block hashes held for one worker
+
+
+class RegistryFull(ValueError):
+    """A beat of a new worker id when its role already has ``max_workers_per_role``."""
 
 
 class WorkerIdTaken(ValueError):
@@ -112,8 +119,9 @@ class Stalls:
 class WorkerRegistry:
     def __init__(self, *, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, missed_beats: int = 3,
                  suspect_s: float = 2.0, model_identity: str | None = None,
-                 authenticated: bool = False):
+                 authenticated: bool = False, max_workers_per_role: int = MAX_WORKERS_PER_ROLE):
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.max_workers_per_role = max_workers_per_role
         self.timeout_s = heartbeat_interval_s * missed_beats
         self.suspect_s = suspect_s
         self.model_identity = model_identity
@@ -179,6 +187,7 @@ class WorkerRegistry:
             w = None
         joined = w is None
         if w is None:
+            self._check_room(info)
             w = WorkerState(_connect(info))
         # A joining worker's delta is against a set this registry never had: ask for the full
         # set, as when a delta leaves the set out of step.
@@ -195,6 +204,16 @@ class WorkerRegistry:
             resp.live_prefill_agents.extend(
                 x.worker_id for x in self.workers.values() if x.identity.role == "prefill")
         return resp
+
+    def _check_room(self, info: wpb.WorkerInfo) -> None:
+        """Refuse a new worker whose role is full (before a channel is opened to it)."""
+        role = ROLE_NAMES[info.role]
+        n = sum(1 for x in self.workers.values() if x.identity.role == role)
+        if n >= self.max_workers_per_role:
+            logger.warning("refused worker %s: %d %s workers registered already (the most)",
+                           info.worker_id, n, role)
+            raise RegistryFull(f"this router already has {n} {role} workers, the most it "
+                               f"registers; worker {info.worker_id} was not added")
 
     def _add(self, w: WorkerState) -> None:
         """Register a worker that just sent its first beat (``on_join`` may hold it out of
