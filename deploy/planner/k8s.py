@@ -49,16 +49,23 @@ class DeploymentScaler:
         if not self.api:
             raise RuntimeError("not in a cluster: pass --k8s-api (and a token file)")
         self.namespace, self.names = namespace, names
-        token = os.path.join(sa_dir, "token")
-        self.token = _read(token)
+        # A projected (bound) service-account token expires and is rotated in place by the
+        # kubelet (about hourly): read it again for every call, never once at start.
+        self.token_path = os.path.join(sa_dir, "token")
         ca = os.path.join(sa_dir, "ca.crt")
         self.ctx = ssl.create_default_context(cafile=ca if os.path.exists(ca) else None)
+
+    @property
+    def token(self) -> str | None:
+        """The service account's token as the kubelet last wrote it (None: no file)."""
+        return _read(self.token_path)
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         req = urllib.request.Request(self.api + path, method=method,
                                      data=None if body is None else json.dumps(body).encode())
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
+        token = self.token
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
         if body is not None:
             req.add_header("Content-Type", "application/merge-patch+json")
         ctx = self.ctx if self.api.startswith("https") else None
