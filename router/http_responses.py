@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,9 +28,14 @@ from kvrelay.router.errors import RouterError
 from kvrelay.router.lifecycle import GenerateSpec
 from kvrelay.router.openai_models import _Common
 from kvrelay.router.service import Delta, RouterService
+from kvrelay.router.token_strings import TokenStrings
 from kvrelay.router.trace import client_parent
 
 logger = logging.getLogger(__name__)
+
+# Logprob entries (tokens and alternatives) past which a non-streamed answer is built off the
+# event loop.
+OFFLOAD_LOGPROBS = 1 << 14
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -92,7 +98,7 @@ async def respond(service: RouterService, spec: GenerateSpec, req: _Common,
     rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
     created = int(time.time())
     model = service.model_name
-    lp = _Logprobs(service.tokenizer, chat)
+    lp = _Logprobs(service.token_strings, chat)
     stream = service.generate(spec)
     with request_context(spec.request_id):
         try:
@@ -112,14 +118,25 @@ async def respond(service: RouterService, spec: GenerateSpec, req: _Common,
     deltas = await _collect(spec, first, stream, request)
     if isinstance(deltas, Response):
         return deltas
-    last = deltas[-1]
     prompt = _echoed(spec, first, echo)
+    entries = await lp.prefetch(deltas, prompt)
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model}
+    render = functools.partial(_render, spec, deltas, lp, chat, prompt, head,
+                               req.return_trace)
+    # Many logprobs (n x tokens x alternatives): the body is built and serialized on the
+    # tokenizer threads, where the loop keeps its turns (a million entries: ~1 s of Python).
+    return await service.background(render) if entries > OFFLOAD_LOGPROBS else render()
+
+
+def _render(spec: GenerateSpec, deltas: list[Delta], lp: _Logprobs, chat: bool,
+            prompt: _Echo | None, head: dict[str, Any], return_trace: bool) -> JSONResponse:
+    """A non-streamed answer from its deltas (their logprobs' strings prefetched)."""
+    last = deltas[-1]
     choices = [_choice(spec, [d for d in deltas if d.index == i], lp, chat, prompt)
                for i in range(spec.sampling.n)]
-    body: dict[str, Any] = {"id": rid, "object": "chat.completion" if chat else
-                            "text_completion", "created": created, "model": model,
-                            "choices": choices, "usage": _usage(last)}
-    if req.return_trace:
+    body: dict[str, Any] = {**head, "choices": choices, "usage": _usage(last)}
+    if return_trace:
         body["kvrelay_trace"] = _trace(last)
     return JSONResponse(body, headers={"X-Request-Id": spec.request_id})
 
@@ -168,7 +185,7 @@ def _choice(spec: GenerateSpec, deltas: list[Delta], lp: _Logprobs, chat: bool,
                    [x for d in deltas for x in d.logprobs])
     reason = end.finish_reason.value if end.finish_reason else None
     choice: dict[str, Any] = {"index": end.index, "finish_reason": reason,
-                              "logprobs": lp.block(merged, prompt)}
+                              "logprobs": lp.render(merged, prompt)}
     if prompt is not None:
         text = prompt.text + text
     if chat:
@@ -211,7 +228,7 @@ async def _sse(spec: GenerateSpec, first: Delta, stream: Coalescer,
                         echoed.add(d.index)
                         head = prompt
                     choice: dict[str, Any] = {"index": d.index,
-                                              "logprobs": lp.block(d, head),
+                                              "logprobs": await lp.block(d, head),
                                               "finish_reason": reason}
                     if chat:
                         choice["delta"] = {"content": d.text} if d.text else {}
@@ -271,34 +288,72 @@ def _echoed(spec: GenerateSpec, first: Delta, echo: str | None) -> _Echo | None:
 
 
 class _Logprobs:
-    """Accumulates OpenAI-style logprobs (completions: token strings + top dicts)."""
+    """OpenAI-style logprobs of a delta (completions: token strings + top dicts; chat: content
+    entries). The strings of a block's ids, alternatives included, are fetched together first
+    (``TokenStrings.prefetch``: cached, batched, off the event loop when many), then looked up."""
 
-    def __init__(self, tokenizer: Any, chat: bool):
-        self.tok = tokenizer
+    def __init__(self, strings: TokenStrings, chat: bool):
+        self.strings = strings
         self.chat = chat
 
-    def _s(self, tid: int) -> str:
-        return self.tok.decode([tid])
+    def _echoes(self, prompt: _Echo | None) -> bool:
+        return prompt is not None and prompt.logprobs is not None and not self.chat
 
-    def block(self, d: Delta, prompt: _Echo | None = None) -> dict[str, Any] | None:
+    def _ids(self, lps: list[TokenLogprob], prompt: _Echo | None) -> set[int]:
+        """The ids a block names: each token's and its alternatives', the echoed prompt's."""
+        if self._echoes(prompt):
+            assert prompt is not None and prompt.logprobs is not None
+            lps = [*(lp for lp in prompt.logprobs if lp is not None), *lps]
+        ids = {lp.token_id for lp in lps}
+        for lp in lps:
+            ids.update(t for t, _ in lp.top)
+        if self._echoes(prompt):
+            assert prompt is not None
+            ids.add(prompt.token_ids[0])
+        return ids
+
+    async def prefetch(self, deltas: list[Delta], prompt: _Echo | None = None) -> int:
+        """Fetch the strings of every id ``deltas`` (and an echoed prompt) name; how many
+        entries their blocks will have."""
+        lps = [lp for d in deltas for lp in d.logprobs if lp is not None]
+        ids = self._ids(lps, prompt)
+        if ids:
+            await self.strings.prefetch(ids)
+        return sum(1 + len(lp.top) for lp in lps)
+
+    async def block(self, d: Delta, prompt: _Echo | None = None) -> dict[str, Any] | None:
         """``prompt``: an echoed prompt's tokens come first (completions; the first prompt
         token's logprob and alternatives are None, as OpenAI and vLLM give them)."""
         lps = [lp for lp in d.logprobs if lp is not None]
-        if prompt is not None and prompt.logprobs is not None and not self.chat:
-            head = self.block(Delta(d.request_id, "", [], prompt.logprobs)) or {
+        if not lps and not self._echoes(prompt):
+            return None
+        await self.strings.prefetch(self._ids(lps, prompt))
+        return self.render(d, prompt)
+
+    def render(self, d: Delta, prompt: _Echo | None = None) -> dict[str, Any] | None:
+        """``block`` once its ids' strings were fetched."""
+        return self._block(d, prompt if self._echoes(prompt) else None)
+
+    def _block(self, d: Delta, prompt: _Echo | None) -> dict[str, Any] | None:
+        lps = [lp for lp in d.logprobs if lp is not None]
+        if not lps and prompt is None:
+            return None
+        s = self.strings.cache  # every id here was prefetched
+        if prompt is not None:
+            assert prompt.logprobs is not None
+            head = self._block(Delta(d.request_id, "", [], prompt.logprobs), None) or {
                 "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            tail = self.block(d) or {"tokens": [], "token_logprobs": [], "top_logprobs": []}
-            return {"tokens": [self._s(prompt.token_ids[0])] + head["tokens"] + tail["tokens"],
+            tail = self._block(d, None) or {"tokens": [], "token_logprobs": [],
+                                            "top_logprobs": []}
+            return {"tokens": [s[prompt.token_ids[0]]] + head["tokens"] + tail["tokens"],
                     "token_logprobs": [None] + head["token_logprobs"] + tail["token_logprobs"],
                     "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
                     "text_offset": []}
-        if not lps:
-            return None
         if self.chat:
-            return {"content": [{"token": self._s(lp.token_id), "logprob": lp.logprob,
-                                 "top_logprobs": [{"token": self._s(t), "logprob": v}
+            return {"content": [{"token": s[lp.token_id], "logprob": lp.logprob,
+                                 "top_logprobs": [{"token": s[t], "logprob": v}
                                                   for t, v in lp.top]} for lp in lps]}
-        return {"tokens": [self._s(lp.token_id) for lp in lps],
+        return {"tokens": [s[lp.token_id] for lp in lps],
                 "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._s(t): v for t, v in lp.top} for lp in lps],
+                "top_logprobs": [{s[t]: v for t, v in lp.top} for lp in lps],
                 "text_offset": []}

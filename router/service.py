@@ -34,6 +34,7 @@ from kvrelay.router.fairness import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.outputs import ChoiceOutputs, Delta
+from kvrelay.router.token_strings import TokenStrings
 from kvrelay.router.trace import Step, Trace
 from kvrelay.router.validation import (
     check_prompt_length,
@@ -110,6 +111,8 @@ class RouterService:
         # is refused with a 400 before anything is routed (built on first use, on the pool).
         self._grammar: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        # token ids -> their text in the HTTP API's logprobs: cached, batched, off the loop
+        self.token_strings = TokenStrings(tokenizer, self.background, vocab_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -162,6 +165,12 @@ class RouterService:
             return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
         finally:
             self._queued -= 1
+
+    async def background(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the tokenizer threads, for a request already admitted (its answer's
+        detokenization): never refused, its size bounded by the request's own."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a long text is tokenized on the tokenizer threads."""

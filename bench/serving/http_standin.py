@@ -34,6 +34,7 @@ class StandinService:
 
     model_name = "demo"
     tokenizer = None
+    token_strings = None  # no logprobs here: nothing to name
     lifecycle = _Lifecycle()
     cache_salt_by_api_key = False
 
