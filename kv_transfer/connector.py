@@ -174,9 +174,10 @@ class NixlConnector(KVConnector):
         blocks now. False: nothing was held (no effect)."""
         return self._rx.settle(request_id)
 
-    def observe_alive(self, senders: set[str]) -> None:
-        """The agents some router lists as alive now (heartbeat answers)."""
-        self._rx.observe_alive(senders)
+    def observe_alive(self, senders: set[str], continuous: bool = True) -> None:
+        """The agents some router lists as alive now (heartbeat answers). ``continuous`` False:
+        some router went unheard long enough to have listed a sender unseen; absence restarts."""
+        self._rx.observe_alive(senders, continuous)
 
     @property
     def on_hold(self) -> OnHold | None:

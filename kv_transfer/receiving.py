@@ -59,9 +59,10 @@ class Receiving:
         with self._lock:
             return self._quarantine.settle(request_id)
 
-    def observe_alive(self, senders: set[str]) -> None:
+    def observe_alive(self, senders: set[str], continuous: bool = True) -> None:
         with self._lock:
-            self._quarantine.observe_alive(senders, time.monotonic(), self.sender_gone_grace_s)
+            self._quarantine.observe_alive(senders, time.monotonic(), self.sender_gone_grace_s,
+                                           continuous)
 
     def finished(self, seq: Sequence, params: KVExpectation) -> bool:
         """The engine is done with a receiving request: True when its blocks must wait for its

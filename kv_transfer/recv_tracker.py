@@ -165,8 +165,13 @@ class Quarantine:
         self._release(request_id, "settled")
         return True
 
-    def observe_alive(self, alive: set[str], now: float, grace_s: float) -> None:
-        """Release the holds of senders absent from ``alive`` for ``grace_s`` or longer."""
+    def observe_alive(self, alive: set[str], now: float, grace_s: float,
+                      continuous: bool = True) -> None:
+        """Release the holds of senders absent from ``alive`` for ``grace_s`` or longer.
+        ``continuous`` False: the observations before this one may have missed a time the
+        sender was listed (a router did not answer for a while), so absence restarts now."""
+        if not continuous:
+            self._absent_since.clear()
         senders = {h.sender for h in self._held.values() if h.sender is not None}
         self._absent_since = {s: self._absent_since.get(s, now) for s in senders - alive}
         gone = {s for s, t in self._absent_since.items() if now - t >= grace_s}

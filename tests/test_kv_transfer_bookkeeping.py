@@ -305,3 +305,18 @@ def test_receiver_completes_only_on_the_promised_senders_notification() -> None:
     assert t.take() == ([], []) and t.num_foreign == 2
     t.on_notif("p2", b"n-a")
     assert t.take() == (["a"], []) and not t.has_pending()
+
+
+def test_absence_counts_only_across_continuous_observation() -> None:
+    """A gap in what the receiver heard from the routers (its beats failed, a router went
+    quiet) may hide a time the sender was listed, and so proved itself alive and kept writing:
+    the absence restarts after such a gap instead of spanning it."""
+    q = Quarantine()
+    q.hold("a", b"n-a", "p1", backstop=1000.0)
+    q.observe_alive(set(), now=10.0, grace_s=5.0)  # absent from here ...
+    q.observe_alive(set(), now=16.0, grace_s=5.0, continuous=False)  # ... but unheard meanwhile
+    assert q.release_due(16.0) == [] and q.num_held == 1
+    q.observe_alive(set(), now=20.9, grace_s=5.0)
+    assert q.release_due(20.9) == []
+    q.observe_alive(set(), now=21.0, grace_s=5.0)  # 5 s of absence, all of it observed
+    assert q.release_due(21.0) == ["a"] and q.ended == {"sender_gone": 1}

@@ -95,6 +95,7 @@ class Worker:
         self._step_tokens = 0
         self._tokens_per_s = 0.0
         self._live_senders: dict[str, frozenset[str]] = {}  # router -> prefill agents it lists
+        self._answered_at: dict[str, float] = {}  # router -> when it last answered a beat
         self.fencer: Fencer | None = None
         self.watchdog: EngineWatchdog | None = None
 
@@ -261,7 +262,17 @@ class Worker:
         if self.settings.role != "decode" or self.kv is None:
             return
         self._live_senders[router] = frozenset(resp.live_prefill_agents)
-        self.kv.observe_alive(set().union(*self._live_senders.values()))
+        # Absence counts only across observations dense enough that no listing was missed: a
+        # router lists a sender for 3 beats after its last one, so every router must have
+        # answered within 2.5 beats (else a sender could have been listed, and proved itself
+        # alive, unseen; it keeps writing for its self-fence horizon after that).
+        now, gap = time.monotonic(), 2.5 * self.settings.heartbeat_interval_s
+        prev = self._answered_at.get(router)
+        self._answered_at[router] = now
+        continuous = (prev is not None and now - prev <= gap
+                      and len(self._answered_at) == len(set(self.settings.routers))
+                      and all(now - t <= gap for t in self._answered_at.values()))
+        self.kv.observe_alive(set().union(*self._live_senders.values()), continuous)
 
     # -- shutdown ------------------------------------------------------------------------------
     async def drain(self, timeout_s: float | None = None) -> None:
