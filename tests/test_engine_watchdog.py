@@ -94,9 +94,11 @@ def test_a_wedged_engine_step_turns_readiness_off_until_it_ends(demo_model_dir) 
             assert worker.watchdog is not None and worker.watchdog.stuck
             assert worker.metrics.engine_stuck._value.get() == 1
             assert worker.metrics.engine_stalls._value.get() == 1
+            assert worker._load().draining  # routers send it nothing new meanwhile
             release.set()
             await _until(worker.port, SERVING)
             assert worker.metrics.engine_stuck._value.get() == 0
+            assert not worker._load().draining
             assert len(await asyncio.wait_for(task, 30)) == 4  # the step finished its work
         finally:
             await worker.stop()

@@ -98,6 +98,7 @@ class Worker:
         self._answered_at: dict[str, float] = {}  # router -> when it last answered a beat
         self.fencer: Fencer | None = None
         self.watchdog: EngineWatchdog | None = None
+        self._engine_stuck = False  # the watchdog's verdict: beats say "draining" meanwhile
 
     # -- assembly ------------------------------------------------------------------------------
     async def _build_engine(self) -> None:
@@ -163,7 +164,7 @@ class Worker:
             waiting=s.num_waiting, waiting_for_kv=s.num_waiting_for_kv,
             queued_prompt_tokens=s.waiting_prompt_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            step_tokens_per_s=self._tokens_per_s, draining=self._draining,
+            step_tokens_per_s=self._tokens_per_s, draining=self._draining or self._engine_stuck,
             step_cost=step_cost_to_proto(s.step_cost, s.max_step_tokens))
 
     async def start(self) -> None:
@@ -249,7 +250,9 @@ class Worker:
         return services
 
     def _on_engine_stuck(self, stuck: bool) -> None:
-        """The watchdog's verdict changed: readiness off while a step is stuck, back after."""
+        """The watchdog's verdict changed: readiness off while a step is stuck, back after; the
+        beats meanwhile report the worker draining, so routers send it nothing new."""
+        self._engine_stuck = stuck
         set_serving(self.health, self._services, not stuck and not self._draining)
         if self.metrics is not None:
             self.metrics.engine_stuck.set(1 if stuck else 0)
