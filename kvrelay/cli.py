@@ -167,6 +167,10 @@ def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
         http_port=None if args.http_port in (None, "", "-1") else int(args.http_port),
         served_model_name=args.served_model_name,
         api_keys=_read_secret_list(args.api_keys, args.api_key_file),
+        metrics_host=args.metrics_host,
+        metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
+        metrics_token=_one_secret("--metrics-token", args.metrics_token,
+                                  args.metrics_token_file),
         cache_salt_by_api_key=_tristate(args.cache_salt_by_api_key),
         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
         cluster_token=cluster_token_from_args(args), tls=tls,
@@ -183,6 +187,14 @@ def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
                             worker_wait_s=float(args.worker_wait),
                             prefill_ahead=bool(args.prefill_ahead),
                             stream_sessions=bool(args.stream_sessions)))
+
+
+def _one_secret(flag: str, value: str | None, file: str | None) -> str | None:
+    """A secret given by value and/or file (one line): both only if they agree."""
+    got = set(_read_secret_list(value, file))
+    if len(got) > 1:
+        raise SystemExit(f"{flag} and {flag}-file must name one secret")
+    return got.pop() if got else None
 
 
 def _tristate(value: bool | str | None) -> bool | None:
@@ -206,7 +218,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     def ready(r: Router) -> None:
         settle_after_startup()
         _write_ready(args.ready_file, {"port": r.port, "control_port": r.control_port,
-                                       "http_port": r.http_port, "pid": os.getpid()})
+                                       "http_port": r.http_port,
+                                       "metrics_port": r.metrics_port, "pid": os.getpid()})
 
     asyncio.run(run_router(settings, on_ready=ready))
     return 0
@@ -302,6 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--control-port", type=int, default=50052)
     opt(p, "--http-host", default="127.0.0.1")
     opt(p, "--http-port", default=None, help="OpenAI-compatible HTTP port (unset = off)")
+    opt(p, "--metrics-host", default="127.0.0.1",
+        help="address of the scrape port (/metrics, /version)")
+    opt(p, "--metrics-port", type=int, default=None,
+        help="the scrape port: /metrics and /version for Prometheus and the planner, off the "
+             "public ports (unset = off). With API keys set, the public HTTP port serves "
+             "/metrics only to a --metrics-token holder")
+    opt(p, "--metrics-token", default=None,
+        help="scrape token (Authorization: Bearer) required for /metrics wherever it is "
+             "served (prefer --metrics-token-file or the env var: argv shows in `ps`)")
+    opt(p, "--metrics-token-file", default=None, help="file holding the scrape token")
     from kvrelay.common.rpc import HEARTBEAT_INTERVAL_S
     from kvrelay.router.policy import POLICIES
     from kvrelay.router.requests import RouterConfig

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP API on FastAPI + uvicorn, in the router's event loop.
 
 /v1/completions, /v1/chat/completions (SSE streaming with ``data: [DONE]``), /v1/models,
-/health, /metrics. Errors are OpenAI error objects; 429 and 503 carry ``Retry-After``. This
+/health; /metrics only to a scrape token's holder, or when no API keys are checked
+(``http_metrics``: the scrape port is where it belongs). Errors are OpenAI error objects; 429
+and 503 carry ``Retry-After``. This
 module serves the app and sets up its middlewares and error handlers; the generation endpoints
 are ``http_routes``, their answers ``http_responses``.
 """
@@ -26,6 +28,7 @@ from kvrelay.common.rpc import SecretSet, TLSFiles
 from kvrelay.router.admission import RETRY_AFTER_S, concurrency_limit
 from kvrelay.router.http_body import validation_message
 from kvrelay.router.http_extras import extras
+from kvrelay.router.http_metrics import metrics_body, token_ok
 from kvrelay.router.http_middleware import Admit, ApiKeyAuth
 from kvrelay.router.http_responses import error_response
 from kvrelay.router.http_routes import openai_routes
@@ -90,11 +93,13 @@ class _HttpProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 
 class HttpServer:
     def __init__(self, service: RouterService, metrics: RouterMetrics | None, *, host: str,
-                 port: int, api_keys: SecretSet | None = None, tls: TLSFiles | None = None):
+                 port: int, api_keys: SecretSet | None = None, tls: TLSFiles | None = None,
+                 metrics_token: SecretSet | None = None):
         self.service = service
         self.metrics = metrics
         self.host, self.port = host, port
         self.api_keys = api_keys or SecretSet([])
+        self.metrics_token = metrics_token or SecretSet([])
         self.tls = tls
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
@@ -150,7 +155,8 @@ class HttpServer:
                            tenant_of=service.tenant_of)
         if self.api_keys:
             app.add_middleware(ApiKeyAuth, check=self.api_keys.check,
-                               prefixes=("/v1/", "/tokenize", "/detokenize"), refuse=_refuse)
+                               prefixes=("/v1/", "/tokenize", "/detokenize", "/version"),
+                               refuse=_refuse)
         app.include_router(extras(self.service, _refuse))
 
         @app.exception_handler(RequestValidationError)
@@ -171,9 +177,14 @@ class HttpServer:
             return JSONResponse({"status": "ok"})
 
         @app.get("/metrics")
-        async def metrics() -> Response:
-            body = self.metrics.render() if self.metrics is not None else b""
-            return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+        async def metrics(request: Request) -> Response:
+            if self.metrics_token:
+                if not token_ok(self.metrics_token, request):
+                    return error_response(401, "missing or invalid metrics token")
+            elif self.api_keys:  # clients with keys must not read every tenant's traffic
+                return error_response(404, "/metrics is not served on the public port: "
+                                           "scrape the router's metrics port (--metrics-port)")
+            return metrics_body(self.metrics)
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:

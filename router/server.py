@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvrelay.common import tracing
 from kvrelay.common.limits import MAX_GRPC_REQUEST_BYTES
@@ -51,6 +52,12 @@ class RouterSettings:
     control_port: int = 50052  # worker heartbeats
     http_host: str = "127.0.0.1"
     http_port: int | None = None  # OpenAI-compatible HTTP API when set
+    # The scrape port (/metrics, /version) when set: Prometheus and the planner, not clients.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    # Required to read /metrics (Bearer) wherever it is served when set; the public HTTP port
+    # serves /metrics only with it, or when no API keys are set.
+    metrics_token: str | None = None
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
     # Each API key gets its own prefix-cache namespace (cache_salt derived from the key);
@@ -67,8 +74,9 @@ class RouterSettings:
     max_concurrent_rpcs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("port", "control_port"):
-            if not (0 <= getattr(self, name) < 65536):
+        for name in ("port", "control_port", "http_port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value < 65536):
                 raise ValueError(f"{name} must be in [0, 65536)")
 
 
@@ -85,6 +93,9 @@ class Router:
         self.settings = settings
         self.port = self.control_port = 0
         self.http_port: int | None = None
+        self.metrics_port: int | None = None
+        self.http: Any = None  # http_api.HttpServer, when serving the OpenAI API
+        self.scrape: Any = None  # http_metrics.MetricsServer, when serving the scrape port
         self._stopped = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
         self.serving = False
@@ -131,17 +142,31 @@ class Router:
         await self.public.start()
         await self.control.start()
         self._watch = asyncio.get_running_loop().create_task(self._watch_serving())
-        self.http = None
-        if st.http_port is not None:
-            from kvrelay.router.http_api import HttpServer
+        await self._start_http(keys)
+        logger.info("router serving %s: gRPC %s:%d, control %s:%d%s%s", name, st.host,
+                    self.port, st.control_host, self.control_port,
+                    f", HTTP {st.http_host}:{self.http_port}" if self.http_port else "",
+                    f", metrics {st.metrics_host}:{self.metrics_port}" if self.metrics_port
+                    else "")
 
+    async def _start_http(self, keys: SecretSet) -> None:
+        """The OpenAI HTTP API and the scrape port, each when asked for."""
+        from kvrelay.router.http_api import HttpServer
+        from kvrelay.router.http_metrics import MetricsServer
+
+        st = self.settings
+        token = SecretSet([st.metrics_token] if st.metrics_token else [])
+        if st.http_port is not None:
             self.http = HttpServer(self.service, self.metrics, host=st.http_host,
-                                   port=st.http_port, api_keys=keys, tls=st.tls)
+                                   port=st.http_port, api_keys=keys, tls=st.tls,
+                                   metrics_token=token)
             await self.http.start()
             self.http_port = self.http.port
-        logger.info("router serving %s: gRPC %s:%d, control %s:%d%s", name, st.host, self.port,
-                    st.control_host, self.control_port,
-                    f", HTTP {st.http_host}:{self.http_port}" if self.http_port else "")
+        if st.metrics_port is not None:
+            self.scrape = MetricsServer(self.metrics, host=st.metrics_host,
+                                        port=st.metrics_port, token=token)
+            await self.scrape.start()
+            self.metrics_port = self.scrape.port
 
     def _start_public(self, keys: SecretSet) -> None:
         """The public gRPC server, bound: API keys, then the concurrent-call limit."""
@@ -191,6 +216,8 @@ class Router:
         set_serving(self._health, PUBLIC_SERVICES, False)
         if self.http is not None:
             await self.http.stop()
+        if self.scrape is not None:
+            await self.scrape.stop()
         await self.public.stop(grace=2.0)
         await self.control.stop(grace=1.0)
         await self.registry.stop()

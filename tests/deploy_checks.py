@@ -253,6 +253,8 @@ class Proc:
             ports = {int(ns.port): "grpc", int(ns.control_port): "control"}
             if ns.http_port not in (None, "", "-1"):
                 ports[int(ns.http_port)] = "http"
+            if ns.metrics_port not in (None, ""):
+                ports[int(ns.metrics_port)] = "metrics"
             return ports
         assert self.command == "worker", self.command
         ports = {int(ns.port): "grpc"}
@@ -270,6 +272,8 @@ class Proc:
 
     def http_paths(self, port: int) -> set[str]:
         kind = self.opened_ports().get(port)
+        if self.command == "router":  # the public port's /metrics is no scrape target
+            return {"http": {"/health"}, "metrics": {"/metrics"}}.get(kind, set())
         return {"http": {"/health", "/metrics"}, "metrics": {"/metrics"}}.get(kind, set())
 
     def port_number(self, port: int | str) -> int:

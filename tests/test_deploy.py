@@ -132,6 +132,33 @@ def test_probes_and_services_hit_ports_the_command_line_opens(path: str) -> None
                 assert p.port_number(sp["targetPort"]) in p.opened_ports(), (svc, sp)
 
 
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_prometheus_scrapes_ports_that_serve_metrics_to_it(path: str) -> None:
+    """Each pod's prometheus.io annotations name a port its command line opens and that
+    serves /metrics there: the router's scrape port, not its public HTTP port (which serves
+    /metrics to no client holding only an API key); the planner reads the same."""
+    docs = render(path)
+    for p in procs(docs):
+        ann = p.deployment["spec"]["template"]["metadata"].get("annotations", {})
+        if ann.get("prometheus.io/scrape") != "true":
+            continue
+        port = int(ann["prometheus.io/port"])
+        assert p.opened_ports().get(port) == "metrics", (p.container["name"], port)
+        assert ann.get("prometheus.io/path", "/metrics") in p.http_paths(port)
+    router = router_proc(docs)
+    scrape = {v: k for k, v in router.opened_ports().items()}["metrics"]
+    assert router.ns.metrics_host == "0.0.0.0"
+    for dep in of_kind(docs, "Deployment"):
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            urls = [a.split("=", 1)[1] for a in c.get("args", [])
+                    if a.startswith("--router-metrics=")]
+            for url in urls:  # the planner: the router's scrape port, through a Service of it
+                host, port = url.split("//")[1].split("/")[0].split(":")
+                [svc] = [d for d in of_kind(docs, "Service") if d["metadata"]["name"] == host]
+                [sp] = [x for x in svc["spec"]["ports"] if x["port"] == int(port)]
+                assert router.port_number(sp["targetPort"]) == scrape, (url, sp)
+
+
 def test_health_service_names_match_the_code() -> None:
     server = (ROOT / "router" / "server.py").read_text()
     worker = (ROOT / "worker" / "process.py").read_text()
@@ -329,6 +356,8 @@ def test_network_policy_matrix(path: str) -> None:
     pods["stranger"] = ({"app": "other"}, NAMESPACE)
     pods["client"] = ({"app": "client"}, "default")
     pods["prometheus"] = ({"app.kubernetes.io/name": "prometheus"}, "monitoring")
+    pods["planner"] = ({"app.kubernetes.io/name": "kvrelay",
+                        "app.kubernetes.io/component": "planner"}, NAMESPACE)
     worker = pool_proc(docs, "prefill")
     control, metrics = int(worker.ns.port), int(worker.ns.metrics_port)
     ranges = {pool_proc(docs, p).env["UCX_TCP_PORT_RANGE"] for p in POOLS}
@@ -339,6 +368,11 @@ def test_network_policy_matrix(path: str) -> None:
     expect = [  # (source, destination, port, allowed)
         ("client", "router", by_kind["grpc"], True), ("client", "router", by_kind["http"], True),
         ("prometheus", "router", by_kind["http"], True),
+        ("prometheus", "router", by_kind["metrics"], True),  # the scrape port
+        ("planner", "router", by_kind["metrics"], True),
+        ("client", "router", by_kind["metrics"], False),
+        ("stranger", "router", by_kind["metrics"], False),
+        ("decode", "router", by_kind["metrics"], False),
         ("client", "router", by_kind["control"], False),
         ("stranger", "router", by_kind["control"], False),
         ("prefill", "router", by_kind["control"], True),
