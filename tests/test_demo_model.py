@@ -46,8 +46,8 @@ def test_demo_model_is_byte_identical_per_seed(demo_model_dir: str, tmp_path: An
     ref = digests(demo_model_dir)
     assert set(ref) == {"config.json", "generation_config.json", "model.safetensors",
                         "tokenizer.json", "tokenizer_config.json"}
-    assert digests(write_demo_model(str(tmp_path / "again"))) == ref
-    other = digests(write_demo_model(str(tmp_path / "seed1"), seed=1))
+    assert digests(write_demo_model(str(tmp_path / "again"), dtype="float32")) == ref
+    other = digests(write_demo_model(str(tmp_path / "seed1"), seed=1, dtype="float32"))
     assert other["model.safetensors"] != ref["model.safetensors"]
     assert other["tokenizer.json"] == ref["tokenizer.json"]
 
@@ -61,14 +61,14 @@ def test_demo_model_validates_arguments(tmp_path: Any) -> None:
         write_demo_model(str(tmp_path), dtype="float16")
 
 
-def test_demo_model_is_written_in_bf16_as_real_checkpoints_are(demo_model_dir: str,
-                                                               tmp_path: Any) -> None:
+def test_demo_model_is_written_in_bf16_as_real_checkpoints_are(demo_bf16_dir: str,
+                                                               demo_model_dir: str) -> None:
     from safetensors import safe_open
 
-    assert read_json(demo_model_dir, "config.json")["dtype"] == "bfloat16"
-    fp32 = write_demo_model(str(tmp_path / "fp32"), dtype="float32")
+    assert read_json(demo_bf16_dir, "config.json")["dtype"] == "bfloat16"
+    fp32 = demo_model_dir  # the suite's, written with dtype="float32"
     assert read_json(fp32, "config.json")["dtype"] == "float32"
-    with safe_open(os.path.join(demo_model_dir, "model.safetensors"), "pt") as a, \
+    with safe_open(os.path.join(demo_bf16_dir, "model.safetensors"), "pt") as a, \
             safe_open(os.path.join(fp32, "model.safetensors"), "pt") as b:
         for name in a.keys():  # noqa: SIM118 (safe_open is not a mapping)
             x, y = a.get_tensor(name), b.get_tensor(name)
