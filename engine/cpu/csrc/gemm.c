@@ -57,7 +57,8 @@ typedef __m256i vint;
  * past the current K block and into the next panel. The hardware prefetchers alone leave
  * decode-sized calls (4-16 rows) short of the stream bandwidth: +8-20% measured there on a
  * Zen 3, level at 1 and 32-64 rows. Not measured on AVX-512 (two lines per k-row): off there.
- * bf16 weights are prefetched the same number of bytes ahead (twice the k-rows). */
+ * bf16 weights are prefetched the same number of bytes ahead (twice the k-rows): not measured
+ * apart (the shared host was too loaded to tell 8, 16 and 32 KiB apart). */
 #if VW == 8
 #define PF_ROWS 256
 #endif
@@ -227,8 +228,8 @@ static inline int64_t block_end(int64_t k0, int64_t K, int64_t kb) { /* past k0'
 
 /* A buffer of at least n floats, the calling thread's own (slot i of a few), or NULL. */
 static float *thread_buf(int i, int64_t n) {
-    static __thread float *buf[2];
-    static __thread int64_t cap[2];
+    static __thread float *buf[3];
+    static __thread int64_t cap[3];
     if (n > cap[i]) {
         free(buf[i]);
         cap[i] = 0;
@@ -289,6 +290,12 @@ static void panel_rows_fused(const float *x, const void *wp, const float *bias, 
 }
 
 /* Rows [m0, m1) against panel p: results into y (ldy = N), bias added, partial last panel.
+ * widen: bf16 weights are widened into an fp32 copy of the panel first, which every row chunk
+ * then reads, instead of each chunk widening them again (two vector ops a k-row beside its 2 MR
+ * FMAs). Prefill-sized calls take it: paired on the 2-core Zen 3 (a shared host, the ~150M
+ * model's projections), 1.07-1.18x at 512-1024 rows, where the per-chunk widening ran 0.86x
+ * the fp32 weights' speed and the copy runs level with it; level at 128 rows, and 0.96-1.0x at
+ * 24-64 rows (hence not below). The same FMAs in the same order: the same bits.
  * next: the thread goes on to panel p + 1. Its weights then stream into L2 while this panel's
  * rows compute: beside the only chunk of a call of up to MR rows, or beside the second of a
  * longer one (whose later chunks read this panel from L2 and would leave the memory idle). With
@@ -297,14 +304,30 @@ static void panel_rows_fused(const float *x, const void *wp, const float *bias, 
  * 24-40, level at 1-4 rows; beside the fused order (13-20 rows) it measured level or worse. */
 static void panel_rows(const float *x, const float *xk, const void *wp, const float *bias,
                        float *y, int64_t m0, int64_t m1, int64_t K, int64_t N, int64_t p,
-                       int next, int64_t kb, int wdt) {
+                       int next, int64_t kb, int wdt, int widen) {
     if (m1 - m0 > MR && m1 - m0 <= tuning.fuse_rows) {
         panel_rows_fused(x, wp, bias, y, m0, m1, K, N, p, kb, wdt);
         return;
     }
     float acc[MR * NR] __attribute__((aligned(64)));
-    const int64_t rows = m1 - m0, chunks = (rows + MR - 1) / MR, P = (N + NR - 1) / NR;
-    const int pf = NEXT_PANEL_PF && next && rows >= tuning.pf_min_rows;
+    const int64_t rows = m1 - m0, chunks = (rows + MR - 1) / MR;
+    const int64_t P = (N + NR - 1) / NR;
+    const void *wsrc = wp; /* the weights the micro calls read: wp, or panel p widened */
+    int64_t pw = p, Pw = P, kbw = kb;
+    int wd = wdt;
+    float *wf = widen && wdt == KVR_DTYPE_BF16 ? thread_buf(2, K * NR) : NULL;
+    if (wf) { /* (else, out of memory: the bf16 micro calls, the same bits) */
+        for (int64_t k0 = 0, kn; k0 < K; k0 += kn) {
+            kn = block_end(k0, K, kb) - k0;
+            const uint16_t *src = panel_at(wp, p, k0, K, P, kb, wdt);
+            for (int64_t i = 0; i < kn * NR; i++) {
+                const uint32_t u = (uint32_t)src[i] << 16;
+                memcpy(wf + k0 * NR + i, &u, sizeof(u));
+            }
+        }
+        wsrc = wf, pw = 0, Pw = 1, kbw = 0, wd = KVR_DTYPE_F32;
+    }
+    const int pf = NEXT_PANEL_PF && next && rows >= tuning.pf_min_rows && !wf;
     const int64_t step = chunks == 1 ? K : KB; /* k-rows a micro call runs, within a block */
     int64_t m = m0;
     for (int64_t c = 0; c < chunks; c++) {
@@ -314,13 +337,13 @@ static void panel_rows(const float *x, const float *xk, const void *wp, const fl
             kn = block_end(k0, K, kb) - k0 < step ? block_end(k0, K, kb) - k0 : step;
             const void *nxt = pf && (chunks == 1 || c == 1)
                 ? panel_at(wp, p + 1, k0, K, P, kb, wdt) : NULL;
-            const void *w = panel_at(wp, p, k0, K, P, kb, wdt);
+            const void *w = panel_at(wsrc, pw, k0, K, Pw, kbw, wd);
             if (xk)
-                micro_any(mr, xk + k0 * mr, K, w, kn, acc, NR, k0 == 0, 1, nxt, 1, wdt);
+                micro_any(mr, xk + k0 * mr, K, w, kn, acc, NR, k0 == 0, 1, nxt, 1, wd);
             else
-                micro_any(mr, xm + k0, K, w, kn, acc, NR, k0 == 0, 1, nxt, 0, wdt);
+                micro_any(mr, xm + k0, K, w, kn, acc, NR, k0 == 0, 1, nxt, 0, wd);
         }
-        store_rows(acc, bias, y, m, mr, N, p, wdt);
+        store_rows(acc, bias, y, m, mr, N, p, wd);
         m += mr;
     }
 }
@@ -394,7 +417,7 @@ int kvr__gemm_for(const float *x, const void *wp, const float *bias, float *y, i
     if (M > 64) {
         #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < P; p++)
-            panel_rows(x, NULL, wp, bias, y, 0, M, K, N, p, 0, kb, wdt);
+            panel_rows(x, NULL, wp, bias, y, 0, M, K, N, p, 0, kb, wdt, 1);
     } else if (M >= 1 && M <= MR && kb > 0 && kb < K) { /* (no rows: nothing to run) */
         const int failed = blocked_rows(x, wp, bias, y, M, K, N, kb, wdt);
         #pragma omp barrier
@@ -404,7 +427,7 @@ int kvr__gemm_for(const float *x, const void *wp, const float *bias, float *y, i
             ? pack_kmajor(x, M, K) : NULL;
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++)
-            panel_rows(x, xk, wp, bias, y, 0, M, K, N, p, p + 1 < P, kb, wdt);
+            panel_rows(x, xk, wp, bias, y, 0, M, K, N, p, p + 1 < P, kb, wdt, 0);
     }
 #else
     (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)K; (void)N; (void)kb; (void)wdt;
