@@ -1,6 +1,7 @@
-"""The machine's ceilings for bench/engine/throughput.py's roofline ratios: fp32 matmul GFLOP/s (the
+"""The machine's ceilings for bench/engine/throughput.py's roofline ratios: matmul GFLOP/s (the
 fastest of MKL's mm, oneDNN's prepacked linear and the native panel GEMM, on the model's own
-projection shapes), ``copy_`` bandwidth over a weight-sized buffer and the rate of a read-only
+projection shapes; for bf16 weights also the bf16 panels and, on CPUs with bf16 dot products,
+torch's bf16 mm), ``copy_`` bandwidth over a weight-sized buffer and the rate of a read-only
 pass over it. Sampled beside each measurement, because this machine's speed drifts minute to
 minute. Also the lines naming the panel GEMM's choices that a run measured."""
 
@@ -26,10 +27,27 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 # -- ceilings ----------------------------------------------------------------------------------
-class Ceilings:
-    """Samples of the machine's fp32 matmul rate and copy bandwidth."""
+def bf16_dot_products() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
-    def __init__(self, hidden: int, inter: int, weight_bytes: int):
+
+class Ceilings:
+    """Samples of the machine's matmul rate and copy bandwidth, for weights of ``dtype``.
+
+    The matmul ceiling is the fastest kernel this machine has for the arithmetic a step of that
+    dtype can use: fp32 (MKL's mm, oneDNN's prepacked linear, the native panels); for bf16
+    weights also the bf16 panels (fp32 arithmetic over weights widened in registers) and
+    torch's bf16 mm (oneDNN, which uses bf16 dot products or AMX where the CPU has them: then
+    the ceiling is that rate, not fp32's)."""
+
+    def __init__(self, hidden: int, inter: int, weight_bytes: int,
+                 dtype: torch.dtype = torch.float32):
         m = 2048
         shapes = [(hidden, inter), (inter, hidden), (hidden, hidden)]
         self._mm = [(torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)) for k, n in shapes]
@@ -44,12 +62,18 @@ class Ceilings:
         self._panels = []
         if gemm.available():
             kb = gemm.default_kblock()
-            self._panels = [(x, gemm.pack_panels(w.t().contiguous(), kb), o.shape[1], kb)
-                            for x, w, o in self._mm]
+            weights = [dtype] if dtype == torch.float32 else [torch.float32, dtype]
+            self._panels = [(x, gemm.pack_panels(w.t().contiguous().to(wd), kb), o.shape[1], kb)
+                            for wd in weights for x, w, o in self._mm]
+        # Only where the CPU multiplies bf16 itself: elsewhere oneDNN widens it slowly (seconds
+        # for these shapes on an AVX2 host), far below the fp32 kernels.
+        self._narrow_mm = [] if dtype == torch.float32 or not bf16_dot_products() else \
+            [(x.to(dtype), w.to(dtype)) for x, w, _ in self._mm]
         self._flops = sum(2 * m * k * n for k, n in shapes)
-        self._src = torch.randn(weight_bytes // 4)
+        elem = 4
+        self._src = torch.randn(weight_bytes // elem)
         self._dst = torch.empty_like(self._src)
-        self._bytes = 2 * self._src.numel() * 4
+        self._bytes = 2 * self._src.numel() * elem
         self.gflops(), self.copy_gbs()  # warm-up
 
     def _onednn(self) -> None:
@@ -57,14 +81,18 @@ class Ceilings:
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
     def gflops(self) -> float:
-        """fp32 GFLOP/s of one pass over the projection shapes, by the faster kernel."""
+        """GFLOP/s of one pass over the projection shapes, by the fastest kernel."""
         t = timed(lambda: [torch.mm(x, w, out=o) for x, w, o in self._mm])
         if self._packed:
             t = min(t, timed(self._onednn))
-        if self._panels:
-            threads = torch.get_num_threads()
-            t = min(t, timed(lambda: [gemm.panel_linear(x, p, None, n, threads, kb)
-                                      for x, p, n, kb in self._panels]))
+        threads = torch.get_num_threads()
+        n_shapes = len(self._mm)
+        for i in range(0, len(self._panels), n_shapes):  # per weight dtype
+            group = self._panels[i:i + n_shapes]
+            t = min(t, timed(lambda g=group: [gemm.panel_linear(x, p, None, n, threads, kb)
+                                               for x, p, n, kb in g]))
+        if self._narrow_mm:
+            t = min(t, timed(lambda: [torch.mm(x, w) for x, w in self._narrow_mm]))
         return self._flops / t / 1e9
 
     def read_gbs(self) -> float:

@@ -5,7 +5,9 @@
         threads)
 
 With no ``--model`` it writes the ~150M-parameter demo Llama (``kvrelay demo-model --size base``)
-to a temporary directory. Everything runs fp32 on CPU with ``--threads`` intra-op threads.
+to a temporary directory (in ``--dtype``'s dtype; bf16 by default, as real checkpoints are).
+The engine serves it as ``--dtype`` says (auto: the checkpoint's): bf16 weights and KV with fp32
+activations, or fp32 throughout; ``--threads`` intra-op threads.
 
 Ceilings (the machine is shared and its speed drifts minute to minute, so each measurement is
 paired with a ceiling sample taken right beside it, and a ratio is the median over those pairs):
@@ -52,6 +54,7 @@ import torch
 from bench.engine.core_runs import make_core, next_seed, prompt, run_prefill
 from bench.engine.roofline import Ceilings, best, gemm_tuning, prefetch_note, timed
 from kvrelay.engine.cpu import gemm, kernel_choice
+from kvrelay.engine.cpu.packed_linear import onednn_packing_available
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.sampling_params import SamplingParams
 
@@ -77,6 +80,7 @@ class Model:
     vocab: int
 
     kv_proj: int  # K and V projection weights of one layer
+    kv_elem: int = 4  # bytes of one cached K or V element (2 in a bf16 cache)
 
     def flops(self, new_tokens: int, sampled: int, attended_pairs: int,
               sampled_pairs: int | None = None) -> float:
@@ -95,7 +99,7 @@ class Model:
     def kv_bytes(self, keys: int) -> int:
         """Bytes of cached K and V that ``keys`` visible keys (over all sequences) make a step
         read."""
-        return 2 * keys * self.kv_heads * self.head_dim * self.layers * 4
+        return 2 * keys * self.kv_heads * self.head_dim * self.layers * self.kv_elem
 
 
 def causal_pairs(n: int, offset: int = 0) -> int:
@@ -222,6 +226,9 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers")
     ap.add_argument("--attention-backend", default="auto",
                     choices=["auto", "native", "sdpa"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="the engine's --dtype (auto: the checkpoint's); with no --model, the "
+                         "demo checkpoint is written in bf16 unless this says float32")
     ap.add_argument("--tp", type=int, default=1,
                     help="only the tensor-parallel prefill comparison (2048 tokens) at this TP")
     args = ap.parse_args()
@@ -232,7 +239,8 @@ def main() -> int:
         from kvrelay.engine.demo_model import write_demo_model
 
         tmp = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
-        model_dir = write_demo_model(os.path.join(tmp.name, "base"), size="base")
+        model_dir = write_demo_model(os.path.join(tmp.name, "base"), size="base",
+                                     dtype="float32" if args.dtype == "float32" else "bfloat16")
     if args.tp > 1:
         from bench.engine.engine_tp import tp_bench
 
@@ -243,9 +251,11 @@ def main() -> int:
     hf_cfg = AutoConfig.from_pretrained(model_dir)
     blocks = 64 * MIXED_CTX[1] // 16 + 512
     core = make_core(model_dir, args.threads, num_blocks=blocks,
-                     attention_backend=args.attention_backend)
+                     attention_backend=args.attention_backend, dtype=args.dtype)
+    runner = core.runner
     params = checkpoint_params(model_dir)
-    weight_bytes = params * 4  # fp32
+    w_elem = runner.dtype.itemsize  # as the engine holds the weights (2: bf16)
+    weight_bytes = params * w_elem
     embed = hf_cfg.vocab_size * hf_cfg.hidden_size
     heads, hd = hf_cfg.num_attention_heads, hf_cfg.hidden_size // hf_cfg.num_attention_heads
     hd = getattr(hf_cfg, "head_dim", None) or hd
@@ -254,16 +264,18 @@ def main() -> int:
         body_params=params - embed * (1 if hf_cfg.tie_word_embeddings else 2),
         embed=embed,
         # Bytes a step must read: everything but the input embedding table (a gather).
-        step_bytes=weight_bytes - (0 if hf_cfg.tie_word_embeddings else embed * 4),
+        step_bytes=weight_bytes - (0 if hf_cfg.tie_word_embeddings else embed * w_elem),
         heads=heads, kv_heads=kvh, head_dim=hd, layers=hf_cfg.num_hidden_layers,
-        vocab=hf_cfg.vocab_size, kv_proj=2 * hf_cfg.hidden_size * kvh * hd)
+        vocab=hf_cfg.vocab_size, kv_proj=2 * hf_cfg.hidden_size * kvh * hd,
+        kv_elem=runner.kv_dtype.itemsize)
     vocab = model.vocab
 
-    print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32; "
+    print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB as "
+          f"{runner.dtype} (activations {runner.compute_dtype}, KV {runner.kv_dtype}); "
           f"{args.threads} threads; attention {core.runner.backend}; "
           f"linears {kernel_choice.linear_kernel(core.runner.model)}; {gemm_tuning()}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    ceil = Ceilings(hf_cfg.hidden_size, hf_cfg.intermediate_size, weight_bytes)
+    ceil = Ceilings(hf_cfg.hidden_size, hf_cfg.intermediate_size, weight_bytes, runner.dtype)
     mm0 = max(ceil.gflops() for _ in range(args.reps + 2))
     bw0 = max(ceil.copy_gbs() for _ in range(args.reps + 2))
     rd0 = max(ceil.read_gbs() for _ in range(args.reps + 2))
@@ -298,7 +310,7 @@ def main() -> int:
     # 2048 tokens of which the first 1536 are cached: the prefix is prefilled (untimed) by a
     # request of its own, then the full prompt computes only its last 512 tokens.
     cached = make_core(model_dir, args.threads, num_blocks=1024, prefix_caching=True,
-                       attention_backend=args.attention_backend)
+                       attention_backend=args.attention_backend, dtype=args.dtype)
     holder: dict[str, list[int]] = {}
 
     def warm_prefix() -> None:
@@ -341,11 +353,13 @@ def main() -> int:
     # The short decode rows again with the linear kernel auto did not pick (oneDNN, or the
     # panels where auto kept oneDNN), so both kernels are measured in the same run.
     picked = kernel_choice.linear_kernel(core.runner.model)
-    del core
+    wd = runner.dtype
+    del core, runner
     other = "onednn" if picked != "onednn" else "panels"
-    if other == "onednn" or gemm.available():
+    if (other == "onednn" and onednn_packing_available(wd)) or \
+            (other == "panels" and gemm.available()):
         alt = make_core(model_dir, args.threads, num_blocks=blocks, linear_kernel=other,
-                        attention_backend=args.attention_backend)
+                        attention_backend=args.attention_backend, dtype=args.dtype)
         for b in DECODE_BATCHES:
             t, ratio, rr = ours_decode(alt, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
             print(f"{f'{b} {other}':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}   "
