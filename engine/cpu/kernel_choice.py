@@ -19,11 +19,12 @@ without timing, as they are for fp32 where oneDNN is missing. torch's own bf16 `
 no candidate: on the 2-core Zen 3 (AVX2, no oneDNN bf16), per layer of the ~150M demo model's
 linears, 2 threads, fp32 rows in and out (the conversions timed), it took 1.6 / 8.8 / 34 / 600 /
 4850 ms at 1 / 8 / 32 / 512 / 2048 rows against the bf16 panels' 1.06 / 2.0 / 5.5 / 91 / 876;
-paired rounds on the busy shared host put it 1.6-3.6x, 2.9-6.9x, 5.3-7.4x and 4.8-6.8x slower
+paired rounds on the busy shared host put it 1.6-3.6x, 2.9-6.9x, 4.9-7.4x and 4.8-6.8x slower
 from 8 rows on (at 1 row 1.4x slower idle, 0.6x once under heavy load). The fp32 panels took
-1.98 / 2.6 / 6.3 / 73 / 751: the bf16 panels' widening costs 0-14% where the GEMM is compute-bound
-(paired: 0.86-1.05x) and halves the bytes where it streams (1.85x at 1 row); no fp32 copy of
-the weights is kept for that.
+1.98 / 2.6 / 6.3 / 73 / 751: where the GEMM is compute-bound the bf16 panels' widening costs
+1-2% (paired at 512 and 2048 rows: 0.98x, 0.99x; up to 14% before prefill-sized calls widened
+each panel once) and where it streams it halves the bytes (1.85x faster at 1 row); no fp32
+copy of the weights is kept for that.
 """
 
 from __future__ import annotations
