@@ -193,19 +193,25 @@ __attribute__((constructor)) static void pick_tuning(void) {
 
 /* The next row chunk's size with `left` rows in `chunks` chunks still to go: balanced (8 rows
  * as 4 + 4, not 6 + 2), except that, unless tuning.balance, chunks shorter than MR - 1 run
- * slower than an MR chunk and a short tail. */
-static inline int chunk_size(int64_t left, int64_t chunks) {
+ * slower than an MR chunk and a short tail. Over bf16 weights (wdt) always balanced: half the
+ * bytes leave those calls bound by the FMAs rather than the stream, and a short tail chunk
+ * (2 rows: 4 accumulator chains, half the FMA rate) then costs its time. Paired on the 2-core
+ * Zen 3 at 8 rows (a shared, loaded host; the ~150M model's projections, 12 layers from
+ * memory; 1 and 2 threads): 4 + 4 1.07-1.15x faster than 6 + 2 over bf16 weights, 0.90-0.96x
+ * over fp32 ones. */
+static inline int chunk_size(int64_t left, int64_t chunks, int wdt) {
     const int mr = (int)((left + chunks - 1) / chunks);
-    return mr < MR - 1 && !tuning.balance ? (int)(left < MR ? left : MR) : mr;
+    const int balance = tuning.balance || wdt == KVR_DTYPE_BF16;
+    return mr < MR - 1 && !balance ? (int)(left < MR ? left : MR) : mr;
 }
 
 /* The chunk sizes of `rows` rows into mrs; returns the chunk count. */
-static int chunk_rows(int64_t rows, int *mrs) {
+static int chunk_rows(int64_t rows, int *mrs, int wdt) {
     const int64_t chunks = (rows + MR - 1) / MR;
     int64_t done = 0;
     int n = 0;
     for (int64_t c = 0; c < chunks && done < rows; c++) {
-        mrs[n] = chunk_size(rows - done, chunks - c);
+        mrs[n] = chunk_size(rows - done, chunks - c, wdt);
         done += mrs[n++];
     }
     return n;
@@ -270,7 +276,7 @@ static void panel_rows_fused(const float *x, const void *wp, const float *bias, 
                              int wdt) {
     float acc[FUSE_ROWS * NR] __attribute__((aligned(64)));
     int mrs[FUSE_ROWS];
-    const int n = chunk_rows(m1 - m0, mrs);
+    const int n = chunk_rows(m1 - m0, mrs, wdt);
     const int64_t P = (N + NR - 1) / NR;
     for (int64_t k0 = 0, kn; k0 < K; k0 += kn) {
         kn = block_end(k0, K, kb) - k0 < KBF ? block_end(k0, K, kb) - k0 : KBF;
@@ -331,7 +337,7 @@ static void panel_rows(const float *x, const float *xk, const void *wp, const fl
     const int64_t step = chunks == 1 ? K : KB; /* k-rows a micro call runs, within a block */
     int64_t m = m0;
     for (int64_t c = 0; c < chunks; c++) {
-        const int mr = chunk_size(m1 - m, chunks - c);
+        const int mr = chunk_size(m1 - m, chunks - c, wd);
         const float *xm = x + m * K;
         for (int64_t k0 = 0, kn; k0 < K; k0 += kn) {
             kn = block_end(k0, K, kb) - k0 < step ? block_end(k0, K, kb) - k0 : step;
