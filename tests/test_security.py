@@ -7,8 +7,9 @@
 - TLS on gRPC and HTTP, with a CA and a server certificate made here: plaintext clients fail,
   clients that trust the CA are served.
 - No secret (API key, cluster token, wrong ones included) in any process's log, at DEBUG level.
-- Bounded admission: beyond --max-inflight the router answers RESOURCE_EXHAUSTED with
-  ``retry-after-ms`` trailing metadata / HTTP 429 with ``Retry-After``; admitted requests finish.
+- Bounded admission: beyond --max-inflight (with no queue for a slot: --max-queued 0) the router
+  answers RESOURCE_EXHAUSTED with ``retry-after-ms`` trailing metadata / HTTP 429 with
+  ``Retry-After``; admitted requests finish. (The fair queue itself: test_fair_queue.)
 - SIGTERM drains a decode worker: its streams in flight finish there, new requests go to the
   other decode worker, and the process exits 0.
 """
@@ -122,7 +123,8 @@ def cluster(demo_model_dir, tmp_path_factory, tls):
                 env={"KVRELAY_API_KEYS": ENV_KEY, "KVRELAY_LOG_LEVEL": "DEBUG"},
                 router_args=("--http-port", "0", "--served-model-name", MODEL,
                              "--api-key-file", str(key_file), "--tls-cert", str(cert),
-                             "--tls-key", str(key), "--max-inflight", str(MAX_INFLIGHT)))
+                             "--tls-key", str(key), "--max-inflight", str(MAX_INFLIGHT),
+                             "--max-queued", "0"))
     with c:
         yield c
 
@@ -279,8 +281,9 @@ def test_worker_with_a_wrong_token_never_joins(cluster) -> None:
 
 # -- overload -------------------------------------------------------------------------------------
 def test_bounded_admission_refuses_with_a_retry_hint(cluster, ca, base_url, https) -> None:
-    # MAX_INFLIGHT long streams hold every admission slot; each has produced a token.
-    holders = [client(cluster, ca) for _ in range(MAX_INFLIGHT)]
+    # MAX_INFLIGHT long streams hold every slot, half of them each key's (its share: with two
+    # keys one alone leaves a slot for the other); each has produced a token.
+    holders = [client(cluster, ca, FILE_KEY if k % 2 else ENV_KEY) for k in range(MAX_INFLIGHT)]
     streams = [c.stream(list(range(10 + k, 60 + k)), sampling(250, 0.0, ignore_eos=True),
                         timeout=120) for k, c in enumerate(holders)]
     firsts = [next(s) for s in streams]
@@ -318,14 +321,24 @@ def test_bounded_admission_refuses_with_a_retry_hint(cluster, ca, base_url, http
 def test_sigterm_drains_a_decode_worker(cluster, ca) -> None:
     decoders = [cluster.proc("decode-1"), cluster.proc("decode-2")]
     results: dict[int, object] = {}
+    # The previous test's streams, cancelled, are gone from the workers (and their slots).
+    deadline = time.monotonic() + 60
+    while any(cluster.status(p).load.running for p in decoders):
+        assert time.monotonic() < deadline, "streams of an earlier test still running"
+        time.sleep(0.05)
 
     def stream(k: int) -> None:
         with client(cluster, ca) as c:
-            try:
-                results[k] = c.generate(list(range(100 + k, 180 + k)),
-                                        sampling(300, 0.0, ignore_eos=True), timeout=120)
-            except grpc.RpcError as e:
-                results[k] = e
+            for _ in range(50):  # the previous test's streams may still be letting go
+                try:
+                    results[k] = c.generate(list(range(100 + k, 180 + k)),
+                                            sampling(300, 0.0, ignore_eos=True), timeout=120)
+                except grpc.RpcError as e:
+                    results[k] = e
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        time.sleep(0.1)
+                        continue
+                return
 
     threads = [threading.Thread(target=stream, args=(k,)) for k in range(MAX_INFLIGHT - 1)]
     for t in threads:
@@ -346,7 +359,8 @@ def test_sigterm_drains_a_decode_worker(cluster, ca) -> None:
                   if w.info.worker_id == victim.name):
         assert time.monotonic() < deadline, "the router never saw the victim draining"
         time.sleep(0.01)
-    with client(cluster, ca) as c:
+    # (Of the other key: the streams' key holds all but the slot kept for another key.)
+    with client(cluster, ca, FILE_KEY) as c:
         while victim.popen.poll() is None and time.monotonic() < deadline:
             r = c.generate([5, 6, 7, 8], sampling(3, 0.0, ignore_eos=True), timeout=60)
             assert r.usage.completion_tokens == 3
