@@ -104,8 +104,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     from kvrelay.deploy.planner.cli import add_planner_options
 
     add_planner_options(p, slo_options=True)
-    opt(p, "--router-metrics", default="http://kvrelay-router:8000/metrics",
-        help="the router's Prometheus /metrics URL")
+    opt(p, "--router-metrics", default="http://kvrelay-router-control:9100/metrics",
+        help="the router's Prometheus /metrics URL (its scrape port, --metrics-port; not the "
+             "public HTTP port, where /metrics is not served once API keys are set)")
     opt(p, "--apply", default="scale", choices=["scale", "metric"],
         help="scale: patch the Deployments' replicas; metric: only publish the desired counts")
     opt(p, "--namespace", default=None, help="default: the pod's own namespace")
