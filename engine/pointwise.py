@@ -80,10 +80,16 @@ def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
     ``[slots, kv_heads, hd]``, ``k``/``v`` ``[T, kv_heads, hd]`` (rows may be strided views into
     the fused qkv output)."""
     n = slots.shape[0]
-    if _native(k_cache, v_cache, k, v) and slots.dtype is torch.int64 and slots.is_contiguous() \
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and _rows(k) and _rows(v):
+    bf16 = k_cache.dtype is torch.bfloat16 and v_cache.dtype is torch.bfloat16 \
+        and k_cache.device.type == "cpu"
+    if (bf16 or _native(k_cache, v_cache)) and _native(k, v) and slots.dtype is torch.int64 \
+            and slots.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() \
+            and _rows(k) and _rows(v) and native.load() is not None:
         row = k.shape[1] * k.shape[2]
-        rc = native.load().kvr_write_kv_f32(
+        lib = native.load()
+        # Into a bf16 cache each value is rounded to nearest even, the bits torch's store gives.
+        write = lib.kvr_write_kv_bf16 if bf16 else lib.kvr_write_kv_f32
+        rc = write(
             k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n,
             k_cache.data_ptr(), v_cache.data_ptr(), row, torch.get_num_threads())
         if rc != 0:
