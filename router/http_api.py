@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 from typing import Any
 
 import uvicorn
@@ -34,6 +33,7 @@ from kvrelay.router.http_responses import error_response
 from kvrelay.router.http_routes import openai_routes
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.service import RouterService
+from kvrelay.router.uvicorn_server import start_server
 
 
 def _refuse(status: int, message: str) -> Response:
@@ -115,19 +115,7 @@ class HttpServer:
                                 http=_HttpProtocol,
                                 limit_concurrency=connection_limit(self.service.max_inflight),
                                 **kw)
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self._task = asyncio.get_running_loop().create_task(self._server.serve())
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises the bind error
-                raise OSError(f"HTTP server on {self.host}:{self.port} did not start")
-            if time.monotonic() > deadline:
-                raise TimeoutError("HTTP server did not start within 10s")
-            await asyncio.sleep(0.01)
-        sock = self._server.servers[0].sockets[0]
-        self.port = sock.getsockname()[1]
+        self._server, self._task, self.port = await start_server(config, "HTTP server")
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:

@@ -16,7 +16,6 @@ registry's loop-confined state.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import uvicorn
@@ -29,6 +28,7 @@ import kvrelay
 from kvrelay.common.rpc import SecretSet
 from kvrelay.router.http_middleware import presented_key
 from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.uvicorn_server import start_server
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -75,18 +75,7 @@ class MetricsServer:
         config = uvicorn.Config(self.app(), host=self.host, port=self.port,
                                 log_level="warning", lifespan="off", access_log=False,
                                 limit_concurrency=64, timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self._task = asyncio.get_running_loop().create_task(self._server.serve())
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises the bind error
-                raise OSError(f"metrics server on {self.host}:{self.port} did not start")
-            if time.monotonic() > deadline:
-                raise TimeoutError("metrics server did not start within 10s")
-            await asyncio.sleep(0.01)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self._server, self._task, self.port = await start_server(config, "metrics server")
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
