@@ -84,7 +84,7 @@ def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
         and k_cache.device.type == "cpu"
     if (bf16 or _native(k_cache, v_cache)) and _native(k, v) and slots.dtype is torch.int64 \
             and slots.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() \
-            and _rows(k) and _rows(v) and native.load() is not None:
+            and _rows(k) and _rows(v):  # _native(k, v): the library is here
         row = k.shape[1] * k.shape[2]
         lib = native.load()
         # Into a bf16 cache each value is rounded to nearest even, the bits torch's store gives.

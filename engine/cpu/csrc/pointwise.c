@@ -92,24 +92,6 @@ int kvr_silu_mul_f32(const float *gu, int64_t ld, float *out, int64_t rows, int6
     return 0;
 }
 
-/* The step's K and V rows into the flat paged caches: row i of k (v), `ldk` (`ldv`) floats after
- * row i - 1, goes to slot slots[i] of k_cache (v_cache), `row` floats each. Two index_copy_
- * calls did this before, at ~22 us each for a few rows (24 a step on the ~150M model). */
-int kvr_write_kv_f32(const float *k, int64_t ldk, const float *v, int64_t ldv,
-                     const int64_t *slots, int64_t n, float *k_cache, float *v_cache, int64_t row,
-                     int nthreads) {
-    const int nt = n * row < SERIAL_ELEMS ? 1 : nthreads;
-    int bad = 0;
-    #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:bad)
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t s = slots[i];
-        if (s < 0) { bad = 1; continue; }
-        memcpy(k_cache + s * row, k + i * ldk, row * sizeof(float));
-        memcpy(v_cache + s * row, v + i * ldv, row * sizeof(float));
-    }
-    return bad ? -1 : 0;
-}
-
 /* n floats into a KV cache row: copied (fp32), or rounded to bf16 as torch rounds them
  * (kv_dtype KVR_DTYPE_BF16; see vec.h), so the per-op path's torch store and the fused layers'
  * native one leave the same bits. */
@@ -124,21 +106,38 @@ void kvr__store_kv_row(void *dst, const float *src, int64_t n, int kv_dtype) {
     for (; i < n; i++) d[i] = f32_to_bf16(src[i]);
 }
 
-/* kvr_write_kv_f32 into bf16 caches (the values rounded to nearest even, as .to(torch.bfloat16)
- * rounds them). */
-int kvr_write_kv_bf16(const float *k, int64_t ldk, const float *v, int64_t ldv,
-                      const int64_t *slots, int64_t n, uint16_t *k_cache, uint16_t *v_cache,
-                      int64_t row, int nthreads) {
+/* The step's K and V rows into the flat paged caches: row i of k (v), `ldk` (`ldv`) floats after
+ * row i - 1, goes to slot slots[i] of k_cache (v_cache), `row` elements of kv_dtype each. Two
+ * index_copy_ calls did this before, at ~22 us each for a few rows (24 a step on the ~150M
+ * model). */
+static int write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv,
+                    const int64_t *slots, int64_t n, void *k_cache, void *v_cache, int64_t row,
+                    int kv_dtype, int nthreads) {
+    const int64_t row_bytes = row * (kv_dtype == KVR_DTYPE_BF16 ? 2 : 4);
     const int nt = n * row < SERIAL_ELEMS ? 1 : nthreads;
     int bad = 0;
     #pragma omp parallel for num_threads(nt) schedule(static) reduction(|:bad)
     for (int64_t i = 0; i < n; i++) {
         const int64_t s = slots[i];
         if (s < 0) { bad = 1; continue; }
-        kvr__store_kv_row(k_cache + s * row, k + i * ldk, row, KVR_DTYPE_BF16);
-        kvr__store_kv_row(v_cache + s * row, v + i * ldv, row, KVR_DTYPE_BF16);
+        kvr__store_kv_row((char *)k_cache + s * row_bytes, k + i * ldk, row, kv_dtype);
+        kvr__store_kv_row((char *)v_cache + s * row_bytes, v + i * ldv, row, kv_dtype);
     }
     return bad ? -1 : 0;
+}
+
+int kvr_write_kv_f32(const float *k, int64_t ldk, const float *v, int64_t ldv,
+                     const int64_t *slots, int64_t n, float *k_cache, float *v_cache, int64_t row,
+                     int nthreads) {
+    return write_kv(k, ldk, v, ldv, slots, n, k_cache, v_cache, row, KVR_DTYPE_F32, nthreads);
+}
+
+/* kvr_write_kv_f32 into bf16 caches (the values rounded to nearest even, as .to(torch.bfloat16)
+ * rounds them). */
+int kvr_write_kv_bf16(const float *k, int64_t ldk, const float *v, int64_t ldv,
+                      const int64_t *slots, int64_t n, uint16_t *k_cache, uint16_t *v_cache,
+                      int64_t row, int nthreads) {
+    return write_kv(k, ldk, v, ldv, slots, n, k_cache, v_cache, row, KVR_DTYPE_BF16, nthreads);
 }
 
 /* out[r] = the index of row r's first largest value, as torch's argmax (a NaN counts as the
