@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence as Sequence_
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 from kvrelay.engine.block_manager import BlockManager
@@ -35,6 +36,7 @@ from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrelay.engine.step_cost import StepCostModel
 from kvrelay.engine.step_log import StepLog
 from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
+from kvrelay.engine.tiers.media import DEVICE
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,14 @@ class EngineCore:
             num_cap_yields=self.step_cost.num_cap_yields,
             kv_transfer=self.connector.counters() if self.connector is not None else {},
             gemm_prefetch=prefetch_tuner.snapshot(self.runner))
+
+    def cached_hash_sets(self) -> dict[str, AbstractSet[int]]:
+        """The prefix-block hashes each tier holds, by medium (``engine/tiers/media.py``), for
+        prefix-aware routing: each the same set object while that tier is unchanged. Empty
+        without prefix caching. Callable from another thread (see ``cached_hash_set``)."""
+        if not self.block_manager.enable_prefix_caching:
+            return {}
+        return {DEVICE: self.block_manager.cached_hash_set()}
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or bool(self._sending) or bool(self._pending)

@@ -17,6 +17,7 @@ from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.sampler import TokenLogprob
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.engine.step_cost import StepCostFit
+from kvrelay.engine.tiers.media import TierStats
 
 
 class EngineOverloaded(RuntimeError):
@@ -80,6 +81,8 @@ class EngineStats:
     num_cap_yields: int = 0  # steps in which the ITL cap yielded to a backed-up queue
     kv_transfer: dict[str, int] = field(default_factory=dict)  # the connector's counters
     gemm_prefetch: PrefetchChoices | None = None  # the online next-panel prefetch choices
+    # The tiers below the KV pool (host, disk), by medium; empty without --kv-offload-*.
+    kv_tiers: dict[str, TierStats] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
