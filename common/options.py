@@ -66,6 +66,14 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
         help="what the KV cache stores and KV transfer moves; auto: the weights' dtype (both "
              "pools of a deployment must agree)")
     opt(g, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    opt(g, "--kv-offload-memory", default="0",
+        help="a host tier below the KV pool of this size (e.g. 8GiB; 0: none): blocks the pool "
+             "evicts stay here and come back on a prefix hit instead of being recomputed "
+             "(pinned host memory on a GPU; on a CPU worker make it several times the pool)")
+    opt(g, "--kv-offload-dir", default=None,
+        help="a disk tier below the host tier, in this directory (a local disk; files of an "
+             "earlier run are removed at start)")
+    opt(g, "--kv-offload-disk", default="4GiB", help="the disk tier's size")
     opt(g, "--kv-head-groups", type=int, default=1,
         help="keep the KV heads (each rank's) in this many groups, laid out as the ranks of a "
              "replica of this many times our TP size lay them out: KV then moves to or from "
@@ -118,6 +126,9 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         enable_prefix_caching=not args.no_prefix_caching,
         kv_head_groups=int(getattr(args, "kv_head_groups", 1)),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        kv_offload_memory=getattr(args, "kv_offload_memory", "0"),
+        kv_offload_dir=getattr(args, "kv_offload_dir", None),
+        kv_offload_disk=getattr(args, "kv_offload_disk", "4GiB"),
         max_num_batched_tokens=int(args.max_num_batched_tokens),
         max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),

@@ -127,6 +127,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self.core.connector is not None:
             self.core.connector.close()
+        self.core.close()
 
     # -- API -----------------------------------------------------------------------------------
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -13,6 +13,11 @@ writes KV into a block someone else also references (the prompt's last, partial 
 forks append to it), ``prepare_write`` gives it a private copy: a fresh block, and a
 ``(src, dst)`` pair in ``pending_copies`` that the engine applies to the KV tensor before the
 step that writes runs (copy-on-write).
+
+Below the pool, optional tiers (``engine/tiers``) keep blocks the pool lets go: every block is
+copied into the host tier once its KV is complete (``flush_stores``, once a step), so evicting
+it here drops only this copy, and ``promote`` extends a prefix match with blocks the tiers
+still hold, copying them back into fresh pool blocks.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
-from kvrelay.engine.prefix_hash import ROOT_HASH, hash_block
+from kvrelay.engine.kv_events import KVEventSink
+from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes, hash_block
 from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.tiers.kv_tiers import BlockRef, KVTiers
+from kvrelay.engine.tiers.media import DEVICE
 
 
 class Block:
@@ -46,7 +54,8 @@ class PrefixMatch(NamedTuple):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tiers: KVTiers | None = None):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -63,6 +72,9 @@ class BlockManager:
         self._hash_snapshot: tuple[int, frozenset[int]] = (0, frozenset())
         # Copy-on-write block copies (src, dst) the engine applies before the next model run.
         self.pending_copies: list[tuple[int, int]] = []
+        self.tiers = tiers if enable_prefix_caching else None
+        self._to_store: list[tuple[int, BlockRef]] = []  # published, not yet copied to a tier
+        self.events: KVEventSink | None = None
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -198,6 +210,8 @@ class BlockManager:
             if self._cached.get(block.hash) == bid:
                 del self._cached[block.hash]
                 self.cache_version += 1
+                if self.events is not None:
+                    self.events.removed(DEVICE, [block.hash])
             block.hash = None
             block.token_ids = ()
             block.parent_hash = None
@@ -229,11 +243,92 @@ class BlockManager:
             hashes.append(parent)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and parent not in self._cached:
-                block.hash = parent
-                block.token_ids = chunk
-                block.parent_hash = before
-                self._cached[parent] = block.block_id
-                self.cache_version += 1
+                self._adopt(block, BlockRef(parent, before, chunk))
+                if self.tiers is not None:
+                    self._to_store.append((block.block_id, BlockRef(parent, before, chunk)))
+
+    def _adopt(self, block: Block, ref: BlockRef) -> None:
+        """Index ``block`` as holding ``ref``'s KV."""
+        block.hash, block.parent_hash, block.token_ids = ref
+        self._cached[ref.hash] = block.block_id
+        self.cache_version += 1
+        if self.events is not None:
+            self.events.stored(DEVICE, [ref.hash], ref.parent_hash, ref.token_ids,
+                               self.block_size)
+
+    # -- the tiers below ---------------------------------------------------------------------------
+    def flush_stores(self) -> None:
+        """Copy the blocks published since the last call into the tiers below (before the pool
+        can reuse them: the engine calls it after each step's run and before it reserves)."""
+        if not self._to_store:
+            return
+        assert self.tiers is not None
+        blocks = [(bid, ref) for bid, ref in self._to_store if self.blocks[bid].hash == ref.hash]
+        self._to_store = []
+        self.tiers.store(blocks)
+
+    def promote(self, seq: Sequence, max_tokens: int, reserve: int = 0) -> bool:
+        """Extend ``seq``'s cached prefix (after ``allocate_prefix``) with the blocks the host
+        tier holds next, copied into fresh pool blocks, keeping ``reserve`` blocks free. When
+        the next block is on disk, its load (and the rest of the run's) is started; returns True
+        while such a load is in flight (the caller may wait for it rather than recompute)."""
+        tiers = self.tiers
+        if tiers is None:
+            return False
+        bs = self.block_size
+        hashes = self._seq_hashes.setdefault(seq.request_id, [])
+        first = len(seq.block_table)
+        assert seq.num_computed_tokens == first * bs and len(hashes) == first
+        root = hashes[-1] if hashes else seq.hash_root
+        chain = self._chain(seq.token_ids, first, max_tokens // bs, root)
+        room = max(0, self.num_free_blocks - reserve)
+        slots: list[int] = []
+        for ref in chain[:room]:
+            slot = tiers.host_slot(ref)
+            if slot is None:
+                break
+            slots.append(slot)
+        k = len(slots)
+        if k:
+            bids = []
+            for ref in chain[:k]:
+                bid = self._take_free()  # referenced by seq from now on
+                self._adopt(self.blocks[bid], ref)
+                bids.append(bid)
+            tiers.load(slots, bids)
+            seq.block_table.extend(bids)
+            hashes.extend(ref.hash for ref in chain[:k])
+            seq.num_computed_tokens += k * bs
+            self.num_cache_hits += k * bs
+        rest = chain[k:]
+        if not rest or k == room:
+            return False
+        tiers.prefetch(rest)
+        return tiers.is_loading(rest[0].hash)
+
+    def prefetch(self, seq: Sequence) -> None:
+        """Start loading from disk the prompt blocks of ``seq`` (block-less, just arrived) that
+        neither the pool nor the host tier holds, ahead of its admission."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk_index is None:
+            return
+        chain = self._chain(seq.token_ids, 0, (seq.num_prompt_tokens - 1) // self.block_size,
+                            seq.hash_root)
+        refs = [r for r in chain if r.hash not in self._cached]
+        if refs:
+            tiers.prefetch(refs)
+
+    def _chain(self, token_ids: Seq[int], first: int, last: int, root: int) -> list[BlockRef]:
+        """Refs of full blocks ``first`` to ``last - 1`` of ``token_ids``, chained on ``root``
+        (the hash of block ``first - 1``)."""
+        bs = self.block_size
+        if last <= first:
+            return []
+        ids = token_ids[first * bs:last * bs]
+        hashes = block_hashes(ids, bs, root)
+        parents = [root, *hashes[:-1]]
+        return [BlockRef(h, p, tuple(ids[i * bs:(i + 1) * bs]))
+                for i, (h, p) in enumerate(zip(hashes, parents, strict=True))]
 
     def _ref(self, bid: int) -> None:
         block = self.blocks[bid]

@@ -99,6 +99,11 @@ class CacheConfig:
     # What the KV cache stores (and KV transfer moves). auto: the weights' dtype, so a bf16
     # checkpoint keeps bf16 KV (half the bytes per token held and sent).
     kv_cache_dtype: str = "auto"
+    # The tiers below the pool (engine/tiers): a host tier of this many bytes (0: none), and
+    # below it, with a directory, a disk tier of ``kv_offload_disk`` bytes.
+    kv_offload_memory: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int = 4 * 2**30
 
     def __post_init__(self) -> None:
         if self.kv_head_groups < 1:
@@ -111,6 +116,15 @@ class CacheConfig:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         if self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        for name in ("kv_offload_memory", "kv_offload_disk"):
+            object.__setattr__(self, name, parse_bytes(getattr(self, name)))
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.kv_offload_dir is not None and not self.kv_offload_memory:
+            raise ValueError("a disk tier (kv_offload_dir) sits below the host tier: it needs "
+                             "kv_offload_memory too")
+        if self.kv_offload_memory and not self.enable_prefix_caching:
+            raise ValueError("KV offload tiers keep prefix-cache blocks: they need prefix caching")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -27,8 +27,10 @@ from kvrelay.engine.engine_types import (  # the workers import these from here 
 )
 from kvrelay.engine.heap import HeapTrimmer
 from kvrelay.engine.kv_connector import KVConnector
+from kvrelay.engine.kv_events import KVEventSink
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.outputs import ErrorKind
+from kvrelay.engine.prefix_hash import HASH_SCHEME
 from kvrelay.engine.sampler import seeded_generator, skip_draw
 from kvrelay.engine.sampling_params import SamplingParams, check_fork_count
 from kvrelay.engine.scheduler import Scheduler
@@ -36,9 +38,14 @@ from kvrelay.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvrelay.engine.step_cost import StepCostModel
 from kvrelay.engine.step_log import StepLog
 from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
+from kvrelay.engine.tiers.disk_files import layout_fingerprint
+from kvrelay.engine.tiers.kv_tiers import KVTiers, TierConfig
 from kvrelay.engine.tiers.media import DEVICE
 
 logger = logging.getLogger(__name__)
+
+# A step that found only prompts waiting for disk-tier loads sleeps this long before the next.
+TIER_WAIT_S = 0.001
 
 
 class EngineCore:
@@ -55,8 +62,9 @@ class EngineCore:
             config = replace(config, cache=replace(config.cache,
                                                    block_size=self.runner.block_size))
         self.config = config
+        self.tiers = self._build_tiers(config)
         self.block_manager = BlockManager(self.runner.num_usable_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching, self.tiers)
         sc = config.scheduler
         # Fitted on every step (its coefficients are exported as metrics); it caps a step's
         # prefill tokens only when a TPOT target or an ITL cap is set.
@@ -92,6 +100,41 @@ class EngineCore:
         self._grammar: GrammarCompiler | None = None  # built on the first structured request
         self._grammar_lock = threading.Lock()
 
+    def _build_tiers(self, config: EngineConfig) -> KVTiers | None:
+        cc = config.cache
+        if not cc.kv_offload_memory:
+            return None
+        if config.model.tensor_parallel_size > 1:
+            raise ValueError("KV offload tiers are not yet supported under tensor parallelism")
+        kv = self.runner.kv
+        slot_bytes = kv.select(-4, 0).numel() * kv.element_size()
+        host_slots = cc.kv_offload_memory // slot_bytes
+        disk_slots = cc.kv_offload_disk // slot_bytes if cc.kv_offload_dir else 0
+        if host_slots < 1:
+            raise ValueError(f"--kv-offload-memory {cc.kv_offload_memory} holds no block: one "
+                             f"block of every layer takes {slot_bytes} bytes")
+        spec = self.runner.kv_spec
+        layout = (f"{self.runner.arch.identity}|{spec.num_layers}x{spec.num_kv_heads}x"
+                  f"{spec.head_dim}|groups={cc.kv_head_groups}|bs={spec.block_size}|"
+                  f"{spec.dtype}|{HASH_SCHEME}")
+        tiers = KVTiers(kv, cc.block_size, TierConfig(host_slots, cc.kv_offload_dir, disk_slots),
+                        layout_fingerprint(layout))
+        logger.info("KV tiers: host %d blocks (%.0f MiB)%s", host_slots,
+                    host_slots * slot_bytes / 2**20,
+                    f", disk {disk_slots} blocks in {cc.kv_offload_dir}" if disk_slots else "")
+        return tiers
+
+    def set_kv_event_sink(self, sink: KVEventSink | None) -> None:
+        """Report every block each tier starts or stops holding to ``sink`` (engine thread)."""
+        self.block_manager.events = sink
+        if self.tiers is not None:
+            self.tiers.events = sink
+
+    def close(self) -> None:
+        """Stop the tiers' IO (the model runner is closed by its owner)."""
+        if self.tiers is not None:
+            self.tiers.close()
+
     # -- properties ----------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
@@ -119,7 +162,8 @@ class EngineCore:
             num_capped_steps=self.step_cost.num_capped_steps,
             num_cap_yields=self.step_cost.num_cap_yields,
             kv_transfer=self.connector.counters() if self.connector is not None else {},
-            gemm_prefetch=prefetch_tuner.snapshot(self.runner))
+            gemm_prefetch=prefetch_tuner.snapshot(self.runner),
+            kv_tiers=self.tiers.counters() if self.tiers is not None else {})
 
     def cached_hash_sets(self) -> dict[str, AbstractSet[int]]:
         """The prefix-block hashes each tier holds, by medium (``engine/tiers/media.py``), for
@@ -127,7 +171,10 @@ class EngineCore:
         without prefix caching. Callable from another thread (see ``cached_hash_set``)."""
         if not self.block_manager.enable_prefix_caching:
             return {}
-        return {DEVICE: self.block_manager.cached_hash_set()}
+        sets: dict[str, AbstractSet[int]] = {DEVICE: self.block_manager.cached_hash_set()}
+        if self.tiers is not None:
+            sets.update(self.tiers.hash_sets())
+        return sets
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or bool(self._sending) or bool(self._pending)
@@ -201,6 +248,7 @@ class EngineCore:
         seq = self._new_seq(request_id, prompt_token_ids, sampling, kv_transfer_params,
                             arrival_time, cache_salt)
         self.seqs[request_id] = seq
+        self.block_manager.prefetch(seq)  # start disk loads of its prefix now, not at admission
         self.scheduler.add(seq)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], *,
@@ -210,6 +258,7 @@ class EngineCore:
         seq = self._new_seq(request_id, prompt_token_ids, SamplingParams(), kv_transfer_params,
                             None, cache_salt)
         bm = self.block_manager
+        self._sync_tiers()  # blocks published since the last step reach the tiers before reuse
         n = seq.num_prompt_tokens
         match = bm.match_prefix(seq.token_ids, n, seq.hash_root)
         need = -(-n // bm.block_size) - match.num_blocks
@@ -217,6 +266,7 @@ class EngineCore:
             raise EngineOverloaded(f"no KV room for {n} tokens: {need} blocks needed, "
                                    f"{bm.num_free_blocks} free")
         bm.allocate_prefix(seq, match)
+        bm.promote(seq, n)  # blocks the host tier holds: each one promoted is one less to send
         assert bm.allocate(seq, n)
         seq.num_cached_tokens = seq.num_computed_tokens
         self.seqs[request_id] = seq
@@ -300,10 +350,13 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._collect_transfer_events()
+        self._sync_tiers()
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)
         outputs, self._pending = self._pending, []
         if not out.scheduled:
+            if self.scheduler.waiting_on_tiers:
+                time.sleep(TIER_WAIT_S)  # only prompts waiting on disk loads: do not spin
             return outputs
         now = time.monotonic()
         for s in out.scheduled:
@@ -320,6 +373,7 @@ class EngineCore:
             self.step_log.record(now, done - now, shape)
         self.heap.after_step(out.num_prefill_tokens)
         finished = {s.request_id for s in self.scheduler.postprocess(out, sampled.tokens)}
+        self.block_manager.flush_stores()  # this step's new blocks into the host tier
         for (seq, _), tok, lp in zip(out.scheduled, sampled.tokens, sampled.logprobs,
                                      strict=True):
             if tok is None or seq.request_id not in self.seqs:
@@ -339,6 +393,13 @@ class EngineCore:
         return outputs
 
     # -- internals -----------------------------------------------------------------------------
+    def _sync_tiers(self) -> None:
+        """Apply finished tier IO, and store blocks published outside a step's run (KV that
+        arrived from a prefill engine) before anything can reuse them."""
+        if self.tiers is not None:
+            self.tiers.poll()
+            self.block_manager.flush_stores()
+
     def _finish(self, seq: Sequence, reason: FinishReason, *, emit: bool = True,
                 error: str | None = None, error_kind: ErrorKind | None = None) -> None:
         if seq.status != SequenceStatus.FINISHED:

@@ -13,6 +13,9 @@ from array import array
 from collections.abc import Sequence
 
 ROOT_HASH = 0
+# Names this scheme (chained 8-byte BLAKE2b over int64 token ids, salts rooted by salt_root):
+# engines and routers that hash differently must refuse each other rather than never hit.
+HASH_SCHEME = "blake2b64-chain-v1"
 MAX_CACHE_SALT = 256  # characters
 
 

@@ -74,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, holding blocks; in admission order
         self.waiting_for_kv: dict[str, Sequence] = {}
+        self._tier_waits: set[str] = set()  # this step: queued prompts waiting on a disk load
         # Admission keeps this many blocks free so decodes do not preempt at once.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -81,6 +82,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    @property
+    def waiting_on_tiers(self) -> bool:
+        """The last ``schedule`` left queued prompts waiting for their prefix to load."""
+        return bool(self._tier_waits)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -142,11 +148,13 @@ class Scheduler:
         long_ = [s for s in candidates if self._remaining(s) > threshold]
         long_reserve = min(threshold, budget // 2) if long_ else 0
         prefilling = False
+        self._tier_waits.clear()
         for seq in short:
             limit = budget - long_reserve
             n = self._try_prefill(seq, limit, chunked, prefilling, scheduled)
-            if n == 0 and seq.status == SequenceStatus.WAITING:
-                break  # keep arrival order among the queue's short prompts
+            if n == 0 and seq.status == SequenceStatus.WAITING \
+                    and seq.request_id not in self._tier_waits:
+                break  # keep arrival order among the queue's short prompts (not behind a load)
             budget -= n
             prefilling = prefilling or n > 0
         long_running = [s for s in long_ if s.status == SequenceStatus.RUNNING]
@@ -178,6 +186,13 @@ class Scheduler:
                       or seq.num_output_tokens else 0)
             match = self.bm.match_prefix(seq.token_ids, usable, seq.hash_root)
             self.bm.allocate_prefix(seq, match)
+            if self.bm.promote(seq, usable, self.watermark_blocks):
+                # The next prefix blocks are loading from disk: wait for them (a later step)
+                # rather than recompute them, without holding blocks meanwhile.
+                self._tier_waits.add(seq.request_id)
+                self.bm.free(seq)
+                seq.num_computed_tokens = 0
+                return 0
             seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
         remaining = seq.num_uncomputed_tokens
         if self._room is not None:  # the time left in the step, at this chunk's own context

@@ -1,0 +1,106 @@
+"""One file per slot of the disk tier, self-describing and checked on every read.
+
+A file is a header and the block's bytes (every layer, K and V: the host slot's layout)::
+
+    magic "KVRT" | version u16 | header length u16 | layout fingerprint (16 bytes)
+    | block hash u64 | parent hash u64 | token count u32 | payload length u64 | crc32 u32
+    | token ids (i64 each) | payload
+
+A read accepts the file only when every field matches what the reader expects (the layout it
+was written under: model, KV shape and dtype, block size, hash scheme; the block's chain hash,
+parent and tokens) and the payload's CRC-32 does: a truncated, corrupted or foreign file is a
+miss (the request recomputes), never wrong KV. Writes go to a temporary name and are renamed
+into place, so a crash mid-write leaves no file that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import zlib
+from array import array
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVRT"
+VERSION = 1
+_HEAD = struct.Struct("<4sHH16sQQIQI")
+SUFFIX = ".kvblk"
+
+
+class DiskReadError(Exception):
+    """A tier file that is missing, truncated, corrupted or written for another block."""
+
+
+def layout_fingerprint(description: str) -> bytes:
+    return hashlib.blake2b(description.encode(), digest_size=16).digest()
+
+
+class DiskFiles:
+    def __init__(self, directory: str | os.PathLike[str], fingerprint: bytes):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        # Files of an earlier process: their index died with it, so they are removed (only
+        # files of this tier's own naming, nothing else in the directory).
+        for p in self.dir.glob(f"slot-*{SUFFIX}*"):
+            p.unlink(missing_ok=True)
+
+    def path(self, slot: int) -> Path:
+        return self.dir / f"slot-{slot:07d}{SUFFIX}"
+
+    def write(self, slot: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...],
+              payload: torch.Tensor) -> int:
+        """Write one block's bytes (``payload``: a contiguous CPU tensor); returns bytes."""
+        data = memoryview(payload.view(torch.uint8).reshape(-1).numpy())
+        tokens = array("q", token_ids).tobytes()
+        head = _HEAD.pack(MAGIC, VERSION, _HEAD.size + len(tokens), self.fingerprint,
+                          block_hash, parent_hash, len(token_ids), len(data), zlib.crc32(data))
+        final = self.path(slot)
+        tmp = final.with_name(final.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.write(tokens)
+            f.write(data)
+        os.replace(tmp, final)
+        return len(head) + len(tokens) + len(data)
+
+    def read(self, slot: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...],
+             into: torch.Tensor) -> int:
+        """Read the block written to ``slot`` into ``into`` (a contiguous CPU tensor of the
+        payload's size); raises DiskReadError unless it is exactly that block, complete."""
+        buf = memoryview(into.view(torch.uint8).reshape(-1).numpy())
+        try:
+            with open(self.path(slot), "rb") as f:
+                head = f.read(_HEAD.size)
+                if len(head) != _HEAD.size:
+                    raise DiskReadError("truncated header")
+                magic, version, head_len, fp, h, parent, n_tok, n_bytes, crc = _HEAD.unpack(head)
+                if magic != MAGIC or version != VERSION:
+                    raise DiskReadError(f"not a version-{VERSION} tier file")
+                if fp != self.fingerprint:
+                    raise DiskReadError("written under another KV layout")
+                if (h, parent, n_tok) != (block_hash, parent_hash, len(token_ids)) \
+                        or head_len != _HEAD.size + 8 * n_tok:
+                    raise DiskReadError("holds another block")
+                if n_bytes != len(buf):
+                    raise DiskReadError(f"payload of {n_bytes} bytes, expected {len(buf)}")
+                tokens = f.read(8 * n_tok)
+                if array("q", token_ids).tobytes() != tokens:
+                    raise DiskReadError("holds other tokens")
+                got = f.readinto(buf)
+                if got != n_bytes:
+                    raise DiskReadError(f"truncated payload ({got} of {n_bytes} bytes)")
+                if zlib.crc32(buf) != crc:
+                    raise DiskReadError("payload checksum mismatch")
+        except OSError as e:
+            raise DiskReadError(str(e)) from e
+        return _HEAD.size + 8 * n_tok + n_bytes
+
+    def remove(self, slot: int) -> None:
+        self.path(slot).unlink(missing_ok=True)

@@ -1,0 +1,231 @@
+"""The KV hierarchy below an engine's pool (engine/tiers): blocks the pool evicts are demoted to
+a host tier (and from there spilled to a disk tier) and promoted back on a prefix hit, giving
+the same greedy tokens as recomputing them; a corrupted, truncated or foreign tier file is a
+counted miss that recomputes; every pool block and tier slot comes back on abort."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.engine_core import EngineCore
+from kvrelay.engine.prefix_hash import block_hashes
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tiers.disk_files import DiskFiles, DiskReadError, layout_fingerprint
+from kvrelay.engine.tiers.media import DEVICE, DISK, HOST
+from kvrelay.engine.tiers.tier_index import TierIndex
+
+BLOCK = 8
+POOL = 48  # blocks: 384 tokens, so a few 160-token prompts evict each other
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# One block of every layer of the tiny demo model (6 layers, K and V, 4 KV heads of 32, fp32).
+SLOT_BYTES = 6 * 2 * BLOCK * 4 * 32 * 4
+
+
+def make_core(model_dir: str, **kw: object) -> EngineCore:
+    opts: dict[str, object] = dict(block_size=BLOCK, num_blocks=POOL,
+                                   max_num_batched_tokens=64, seed=0)
+    opts.update(kw)
+    return EngineCore(EngineConfig.from_kwargs(model_dir, **opts))
+
+
+def prompt(seed: int, n: int = 160) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 4000) for _ in range(n)]
+
+
+def run(core: EngineCore, rid: str, tokens: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens of one request run alone, and how many prompt tokens were cached."""
+    core.add_request(rid, tokens, GREEDY)
+    out: list[int] = []
+    cached = 0
+    for _ in range(500):
+        for o in core.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+                cached = max(cached, o.num_cached_tokens)
+                if o.finished:
+                    return out, cached
+    raise AssertionError("request did not finish")
+
+
+def settle(core: EngineCore) -> None:
+    assert core.tiers is not None
+    core.tiers.drain()
+    core.block_manager.flush_stores()
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir):
+    """Greedy tokens of each test prompt, recomputed by an engine without tiers."""
+    core = make_core(demo_model_dir)
+    return {s: run(core, f"ref{s}", prompt(s))[0] for s in range(6)}
+
+
+def test_tier_index_lru_pins_and_readiness() -> None:
+    idx = TierIndex(2)
+    a, _ = idx.take(1, 0, (1,))
+    assert idx.lookup(1, 0, (1,)) is None, "not ready until its bytes are complete"
+    idx.mark_ready(a)
+    b, _ = idx.take(2, 0, (2,))
+    idx.mark_ready(b)
+    assert idx.hash_set() == {1, 2} and idx.hash_set() is idx.hash_set()
+    idx.touch(a)  # b is now least recently used
+    idx.pin(b)
+    slot, evicted = idx.take(3, 0, (3,))
+    assert slot == a and evicted is not None and evicted.hash == 1, "pinned b was skipped"
+    assert idx.take(4, 0, (4,)) is None, "a is not ready, b is pinned: nothing to evict"
+    idx.unpin(b)
+    assert idx.lookup(2, 0, (2,)) == b and idx.lookup(2, 0, (9,)) is None
+    assert idx.lookup(2, 7, (2,)) is None, "another parent is another block"
+
+
+def test_disk_file_round_trip_and_every_corruption_is_refused(tmp_path: Path) -> None:
+    files = DiskFiles(tmp_path, layout_fingerprint("layout-a"))
+    payload = torch.arange(64, dtype=torch.float32)
+    files.write(3, 11, 10, (5, 6), payload)
+    into = torch.zeros(64)
+    files.read(3, 11, 10, (5, 6), into)
+    assert torch.equal(into, payload)
+    for block, parent, toks in ((12, 10, (5, 6)), (11, 9, (5, 6)), (11, 10, (5, 7))):
+        with pytest.raises(DiskReadError):
+            files.read(3, block, parent, toks, torch.zeros(64))
+    with pytest.raises(DiskReadError, match="layout"):
+        _read_foreign(tmp_path, into)
+    data = files.path(3).read_bytes()
+    files.path(3).write_bytes(data[:-10])
+    with pytest.raises(DiskReadError, match="truncated"):
+        files.read(3, 11, 10, (5, 6), torch.zeros(64))
+    flipped = bytearray(data)
+    flipped[-1] ^= 0xFF
+    files.path(3).write_bytes(bytes(flipped))
+    with pytest.raises(DiskReadError, match="checksum"):
+        files.read(3, 11, 10, (5, 6), torch.zeros(64))
+    with pytest.raises(DiskReadError):
+        files.read(4, 11, 10, (5, 6), torch.zeros(64))  # never written
+
+
+def _read_foreign(tmp_path: Path, into: torch.Tensor) -> None:
+    """A file written under one layout, read by a tier of another."""
+    DiskFiles(tmp_path / "x", layout_fingerprint("layout-a")).write(0, 1, 0, (1,), into)
+    reader = DiskFiles.__new__(DiskFiles)
+    reader.dir, reader.fingerprint = tmp_path / "x", layout_fingerprint("layout-b")
+    reader.read(0, 1, 0, (1,), into)
+
+
+def test_host_tier_promotes_evicted_prefixes_with_the_recomputed_tokens(demo_model_dir,
+                                                                        reference) -> None:
+    core = make_core(demo_model_dir, kv_offload_memory=128 * SLOT_BYTES)
+    try:
+        first = run(core, "a0", prompt(0))
+        assert first == (reference[0], 0)
+        for s in (1, 2, 3):  # three more 160-token prompts: prompt 0 leaves the pool
+            assert run(core, f"a{s}", prompt(s))[0] == reference[s]
+        sets = core.cached_hash_sets()
+        h0 = block_hashes(prompt(0), BLOCK)
+        assert not set(h0) & sets[DEVICE], "the pool no longer holds prompt 0"
+        assert set(h0) <= sets[HOST], "...but the host tier does: still routable"
+        again, cached = run(core, "b0", prompt(0))
+        assert again == reference[0]
+        assert cached == (160 - 1) // BLOCK * BLOCK
+        st = core.stats().kv_tiers[HOST]
+        assert st.hit_blocks == cached // BLOCK and st.load_failures == 0
+        assert st.stored_blocks >= 4 * (160 // BLOCK)
+        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    finally:
+        core.close()
+
+
+def test_disk_tier_spills_and_loads_back_and_a_bad_file_recomputes(demo_model_dir, reference,
+                                                                   tmp_path: Path) -> None:
+    # A host tier smaller than one prompt: prompt 0 ends up on disk only.
+    core = make_core(demo_model_dir, kv_offload_memory=12 * SLOT_BYTES,
+                     kv_offload_dir=str(tmp_path), kv_offload_disk=200 * SLOT_BYTES)
+    try:
+        for s in range(4):
+            assert run(core, f"a{s}", prompt(s))[0] == reference[s]
+        settle(core)
+        h0 = block_hashes(prompt(0), BLOCK)
+        sets = core.cached_hash_sets()
+        assert set(h0) <= sets[DISK] and not set(h0) & (sets[DEVICE] | sets[HOST])
+        again, cached = run(core, "b0", prompt(0))
+        assert again == reference[0] and cached == (160 - 1) // BLOCK * BLOCK
+        disk = core.stats().kv_tiers[DISK]
+        assert disk.hit_blocks == cached // BLOCK and disk.load_failures == 0
+
+        # Prompt 1 is on disk too; corrupt one of its files: that block and every block
+        # after it recompute, the tokens stay right, the failure is counted.
+        for s in (2, 3, 4, 5):
+            run(core, f"c{s}", prompt(s))
+        settle(core)
+        h1 = block_hashes(prompt(1), BLOCK)
+        assert set(h1) <= core.cached_hash_sets()[DISK]
+        assert core.tiers is not None and core.tiers.disk_index is not None
+        slot = core.tiers.disk_index.slot_of(h1[5])
+        path = core.tiers.disk.path(slot)  # type: ignore[union-attr]
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x55
+        path.write_bytes(bytes(data))
+        failures = core.stats().kv_tiers[DISK].load_failures
+        again, cached = run(core, "b1", prompt(1))
+        assert again == reference[1]
+        assert cached == 5 * BLOCK, "blocks before the bad one were used, none after it"
+        assert core.stats().kv_tiers[DISK].load_failures == failures + 1
+    finally:
+        core.close()
+
+
+def test_abort_while_loading_returns_every_block_and_slot(demo_model_dir, tmp_path: Path) -> None:
+    core = make_core(demo_model_dir, kv_offload_memory=12 * SLOT_BYTES,
+                     kv_offload_dir=str(tmp_path), kv_offload_disk=200 * SLOT_BYTES)
+    try:
+        for s in range(4):
+            run(core, f"a{s}", prompt(s))
+        settle(core)
+        core.add_request("x", prompt(0), GREEDY)  # its prefix starts loading from disk now
+        assert core.tiers is not None and core.tiers._loading
+        core.step()
+        core.abort("x")
+        core.step()
+        settle(core)
+        bm = core.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        tiers = core.tiers
+        assert not tiers._loading and tiers._staged_spills == 0
+        for idx in (tiers.host_index, tiers.disk_index):
+            assert idx is not None
+            assert all(idx.entry(s).ready and idx.entry(s).pins == 0
+                       for s in list(idx._entries)), "no slot left in flight or pinned"
+        # The loaded blocks stayed in the host tier: the next request finds them there.
+        _, cached = run(core, "y", prompt(0))
+        assert cached > 0
+    finally:
+        core.close()
+
+
+def test_a_decode_engine_reserving_a_demoted_prompt_promotes_it(demo_model_dir) -> None:
+    core = make_core(demo_model_dir, kv_offload_memory=128 * SLOT_BYTES)
+    try:
+        for s in range(4):
+            run(core, f"a{s}", prompt(s))
+        res = core.reserve("r", prompt(0))
+        assert res.num_cached_tokens == 160 // BLOCK * BLOCK
+        assert core.stats().kv_tiers[HOST].hit_blocks == 160 // BLOCK
+        core.abort("r", emit=False)
+        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    finally:
+        core.close()
+
+
+def test_offload_flags_are_checked() -> None:
+    from kvrelay.engine.config import CacheConfig
+
+    with pytest.raises(ValueError, match="needs kv_offload_memory"):
+        CacheConfig(kv_offload_dir="/tmp/x")
+    with pytest.raises(ValueError, match="prefix caching"):
+        CacheConfig(kv_offload_memory=2**20, enable_prefix_caching=False)
+    assert CacheConfig(kv_offload_memory="1GiB").kv_offload_memory == 2**30
