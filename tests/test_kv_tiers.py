@@ -111,10 +111,23 @@ def test_disk_file_round_trip_and_every_corruption_is_refused(tmp_path: Path) ->
 
 def _read_foreign(tmp_path: Path, into: torch.Tensor) -> None:
     """A file written under one layout, read by a tier of another."""
-    DiskFiles(tmp_path / "x", layout_fingerprint("layout-a")).write(0, 1, 0, (1,), into)
-    reader = DiskFiles.__new__(DiskFiles)
-    reader.dir, reader.fingerprint = tmp_path / "x", layout_fingerprint("layout-b")
+    writer = DiskFiles(tmp_path / "x", layout_fingerprint("layout-a"))
+    writer.write(0, 1, 0, (1,), into)
+    reader = DiskFiles(tmp_path / "y", layout_fingerprint("layout-b"))
+    reader.dir = writer.dir  # as if a worker of another layout found the files
     reader.read(0, 1, 0, (1,), into)
+
+
+def test_workers_sharing_a_tier_directory_get_one_each(tmp_path: Path) -> None:
+    a = DiskFiles(tmp_path, layout_fingerprint("l"))
+    b = DiskFiles(tmp_path, layout_fingerprint("l"))
+    assert a.dir != b.dir and a.dir.parent == b.dir.parent == tmp_path
+    a.write(0, 1, 0, (1,), torch.ones(4))
+    a.close()
+    c = DiskFiles(tmp_path, layout_fingerprint("l"))  # takes the directory a gave up...
+    assert c.dir == a.dir and not list(c.dir.glob("slot-*"))  # ...and none of its files
+    b.close()
+    c.close()
 
 
 def test_host_tier_promotes_evicted_prefixes_with_the_recomputed_tokens(demo_model_dir,

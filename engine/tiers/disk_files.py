@@ -15,6 +15,7 @@ into place, so a crash mid-write leaves no file that looks complete.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -41,15 +42,40 @@ def layout_fingerprint(description: str) -> bytes:
     return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
 
+def claim_directory(root: Path, limit: int = 4096) -> tuple[Path, int]:
+    """A subdirectory ``tier-N`` of ``root`` that no live process holds, locked for this one
+    (an ``flock`` released when the process ends, however it ends): workers on one host may
+    share ``--kv-offload-dir``. Returns it and the lock's file descriptor."""
+    for n in range(limit):
+        d = root / f"tier-{n}"
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return d, fd
+    raise RuntimeError(f"every one of {limit} tier directories under {root} is in use")
+
+
 class DiskFiles:
     def __init__(self, directory: str | os.PathLike[str], fingerprint: bytes):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir, self._lock = claim_directory(Path(directory))
         self.fingerprint = fingerprint
         # Files of an earlier process: their index died with it, so they are removed (only
         # files of this tier's own naming, nothing else in the directory).
         for p in self.dir.glob(f"slot-*{SUFFIX}*"):
             p.unlink(missing_ok=True)
+        logger.info("disk tier in %s", self.dir)
+
+    def close(self) -> None:
+        """Remove this tier's files and give its directory up."""
+        for p in self.dir.glob(f"slot-*{SUFFIX}*"):
+            p.unlink(missing_ok=True)
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
 
     def path(self, slot: int) -> Path:
         return self.dir / f"slot-{slot:07d}{SUFFIX}"

@@ -215,6 +215,8 @@ class KVTiers:
             self.drain()
             self.io.close()
             self.io = None
+        if self.disk is not None:
+            self.disk.close()
 
     # -- internals -------------------------------------------------------------------------------
     def _take_host(self, ref: BlockRef) -> int | None:
