@@ -117,6 +117,12 @@ class EngineCore:
         layout = (f"{self.runner.arch.identity}|{spec.num_layers}x{spec.num_kv_heads}x"
                   f"{spec.head_dim}|groups={cc.kv_head_groups}|bs={spec.block_size}|"
                   f"{spec.dtype}|{HASH_SCHEME}")
+        step_blocks = config.scheduler.max_num_batched_tokens // cc.block_size
+        if host_slots < 4 * step_blocks:
+            logger.warning("the host tier (%d blocks) holds under 4 steps' worth of new blocks "
+                           "(%d a step): blocks may skip it while its slots are busy; give "
+                           "--kv-offload-memory several times the KV pool", host_slots,
+                           step_blocks)
         tiers = KVTiers(kv, cc.block_size, TierConfig(host_slots, cc.kv_offload_dir, disk_slots),
                         layout_fingerprint(layout))
         logger.info("KV tiers: host %d blocks (%.0f MiB)%s", host_slots,

@@ -155,8 +155,8 @@ def test_host_tier_promotes_evicted_prefixes_with_the_recomputed_tokens(demo_mod
 
 def test_disk_tier_spills_and_loads_back_and_a_bad_file_recomputes(demo_model_dir, reference,
                                                                    tmp_path: Path) -> None:
-    # A host tier smaller than one prompt: prompt 0 ends up on disk only.
-    core = make_core(demo_model_dir, kv_offload_memory=12 * SLOT_BYTES,
+    # A host tier of two prompts: after four, prompt 0 is on disk only.
+    core = make_core(demo_model_dir, kv_offload_memory=40 * SLOT_BYTES,
                      kv_offload_dir=str(tmp_path), kv_offload_disk=200 * SLOT_BYTES)
     try:
         for s in range(4):
@@ -193,7 +193,7 @@ def test_disk_tier_spills_and_loads_back_and_a_bad_file_recomputes(demo_model_di
 
 
 def test_abort_while_loading_returns_every_block_and_slot(demo_model_dir, tmp_path: Path) -> None:
-    core = make_core(demo_model_dir, kv_offload_memory=12 * SLOT_BYTES,
+    core = make_core(demo_model_dir, kv_offload_memory=40 * SLOT_BYTES,
                      kv_offload_dir=str(tmp_path), kv_offload_disk=200 * SLOT_BYTES)
     try:
         for s in range(4):

@@ -40,9 +40,15 @@ from kvrelay.engine.tiers.tier_io import TierIO
 
 logger = logging.getLogger(__name__)
 
-# Spills staged (their bytes copied out of the host tier) but not yet written; beyond it a host
-# victim is dropped rather than spilled, so a slow disk cannot grow memory without bound.
-MAX_STAGED_SPILLS = 64
+# With a disk tier, the least recently used half of the host tier is kept on disk too (written
+# ahead by the IO thread from the pinned host slot), so that evicting from the host tier is
+# usually free: one prefill step can store hundreds of blocks, and each would otherwise have to
+# be copied aside at once to be spilled.
+SPILL_AHEAD_FRACTION = 0.5
+MAX_SPILLS_IN_FLIGHT = 256
+# Victims not yet on disk are copied to a staging buffer and written from there, up to this many
+# bytes in flight; beyond it a victim is dropped, so a slow disk cannot grow memory unbounded.
+MAX_STAGED_BYTES = 64 * 2**20
 
 
 class BlockRef(NamedTuple):
@@ -86,6 +92,8 @@ class KVTiers:
             self.stats[DISK] = TierStats(DISK, config.disk_slots)
             self.io = TierIO()
         self._staged_spills = 0
+        self._max_staged = max(8, MAX_STAGED_BYTES // self.slot_bytes)
+        self._spilling: set[int] = set()  # host slots being written ahead to disk (pinned)
         self._loading: dict[int, int] = {}  # hash -> host slot being loaded from disk
         # CUDA: host slots whose store is still copying, with the event that ends it.
         self._cuda_stores: list[tuple[torch.cuda.Event, list[int]]] = []
@@ -153,6 +161,7 @@ class KVTiers:
         st = self.stats[HOST]
         st.stored_blocks += len(slots)
         st.stored_bytes += len(slots) * self.slot_bytes
+        self._spill_ahead()
 
     # -- host -> pool ----------------------------------------------------------------------------
     def load(self, slots: Sequence[int], bids: Sequence[int]) -> None:
@@ -200,6 +209,7 @@ class KVTiers:
         if self.io is not None:
             for r in self.io.poll():
                 self._apply(r.tag, r.value, r.error)
+            self._spill_ahead()
 
     def drain(self) -> None:
         """Wait for every copy and IO job in flight, then apply them (tests, shutdown)."""
@@ -234,6 +244,42 @@ class KVTiers:
             e = self.host_index.entry(slot)
             self.events.stored(HOST, [e.hash], e.parent_hash, e.token_ids, self.block_size)
 
+    def _spill_ahead(self) -> None:
+        """Start writing the host tier's least recently used blocks that are not on disk yet
+        to disk, from their slots (pinned until written)."""
+        if self.disk_index is None or self.disk is None or self.io is None:
+            return
+        index, disk = self.host_index, self.disk_index
+        horizon = int(index.num_slots * SPILL_AHEAD_FRACTION)
+        todo = []
+        for n, slot in enumerate(index.oldest()):
+            if n >= horizon or len(self._spilling) + len(todo) >= MAX_SPILLS_IN_FLIGHT:
+                break
+            if slot not in self._spilling and disk.slot_of(index.entry(slot).hash) is None:
+                todo.append(slot)
+        for slot in todo:
+            e = index.entry(slot)
+            dslot = self._take_disk(e)
+            if dslot is None:
+                return
+            index.pin(slot)
+            self._spilling.add(slot)
+            ref = BlockRef(e.hash, e.parent_hash, e.token_ids)
+            self.io.submit(("spill", ref, dslot, slot),
+                           partial(_timed, self.disk.write, dslot, ref, self.host[slot]))
+
+    def _take_disk(self, e: SlotEntry) -> int | None:
+        assert self.disk_index is not None
+        taken = self.disk_index.take(e.hash, e.parent_hash, e.token_ids)
+        if taken is None:
+            return None
+        dslot, dropped = taken
+        if dropped is not None:
+            self.stats[DISK].evicted_blocks += 1
+            if self.events is not None:
+                self.events.removed(DISK, [dropped.hash])
+        return dslot
+
     def _evicted_from_host(self, slot: int, e: SlotEntry) -> None:
         """``slot``'s block leaves the host tier: spilled to disk when there is one (its bytes
         staged now, written by the IO thread), else dropped."""
@@ -246,19 +292,14 @@ class KVTiers:
         if held is not None:  # the disk tier has it already (it was loaded from there)
             self.disk_index.touch(held)
             return
-        if self._staged_spills >= MAX_STAGED_SPILLS:
+        if self._staged_spills >= self._max_staged:
             return  # the disk is behind: drop this one rather than stage without bound
-        taken = self.disk_index.take(e.hash, e.parent_hash, e.token_ids)
-        if taken is None:
+        dslot = self._take_disk(e)
+        if dslot is None:
             return
-        dslot, dropped = taken
-        if dropped is not None:
-            self.stats[DISK].evicted_blocks += 1
-            if self.events is not None:
-                self.events.removed(DISK, [dropped.hash])
         self._staged_spills += 1
         ref = BlockRef(e.hash, e.parent_hash, e.token_ids)
-        self.io.submit(("spill", ref, dslot),
+        self.io.submit(("spill", ref, dslot, None),
                        partial(_timed, self.disk.write, dslot, ref, self.host[slot].clone()))
 
     def _apply(self, tag: tuple, value: tuple[int, float] | None,
@@ -267,8 +308,12 @@ class KVTiers:
         assert self.disk_index is not None
         st = self.stats[DISK]
         if kind == "spill":
-            _, ref, dslot = tag
-            self._staged_spills -= 1
+            _, ref, dslot, hslot = tag
+            if hslot is None:  # written from a staging copy
+                self._staged_spills -= 1
+            else:  # written ahead from its host slot
+                self._spilling.discard(hslot)
+                self.host_index.unpin(hslot)
             if error is not None or value is None:
                 self.disk_index.drop(dslot)
                 return
