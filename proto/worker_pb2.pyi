@@ -59,7 +59,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "running", "waiting", "waiting_for_kv", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "step_tokens_per_s", "draining", "step_cost")
+    __slots__ = ("num_blocks", "free_blocks", "running", "waiting", "waiting_for_kv", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "step_tokens_per_s", "draining", "step_cost", "tiers")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class WorkerLoad(_message.Message):
     STEP_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     STEP_COST_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     running: int
@@ -82,7 +83,30 @@ class WorkerLoad(_message.Message):
     step_tokens_per_s: float
     draining: bool
     step_cost: StepCost
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., step_tokens_per_s: _Optional[float] = ..., draining: _Optional[bool] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierLoad]
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., step_tokens_per_s: _Optional[float] = ..., draining: _Optional[bool] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierLoad, _Mapping]]] = ...) -> None: ...
+
+class TierLoad(_message.Message):
+    __slots__ = ("medium", "capacity_blocks", "used_blocks", "hit_blocks", "load_seconds_per_block", "load_failures", "stored_blocks", "loaded_bytes", "evicted_blocks")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    capacity_blocks: int
+    used_blocks: int
+    hit_blocks: int
+    load_seconds_per_block: float
+    load_failures: int
+    stored_blocks: int
+    loaded_bytes: int
+    evicted_blocks: int
+    def __init__(self, medium: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., load_seconds_per_block: _Optional[float] = ..., load_failures: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("base", "prefill_token", "attended_pair", "decode", "decode_ctx_token", "prefill_chunk", "samples", "step_tokens")
@@ -105,7 +129,7 @@ class StepCost(_message.Message):
     def __init__(self, base: _Optional[float] = ..., prefill_token: _Optional[float] = ..., attended_pair: _Optional[float] = ..., decode: _Optional[float] = ..., decode_ctx_token: _Optional[float] = ..., prefill_chunk: _Optional[float] = ..., samples: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "incarnation", "model_identity", "block_size", "max_model_len", "drain_timeout_s")
+    __slots__ = ("worker_id", "role", "address", "incarnation", "model_identity", "block_size", "max_model_len", "drain_timeout_s", "kv_layout")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +138,7 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -122,23 +147,44 @@ class WorkerInfo(_message.Message):
     block_size: int
     max_model_len: int
     drain_timeout_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    kv_layout: CacheLayout
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ..., kv_layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
+
+class CacheLayout(_message.Message):
+    __slots__ = ("version", "kv_dtype", "hash_scheme", "hash_probe")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    HASH_PROBE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    kv_dtype: str
+    hash_scheme: str
+    hash_probe: int
+    def __init__(self, version: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., hash_scheme: _Optional[str] = ..., hash_probe: _Optional[int] = ...) -> None: ...
+
+class TierBlocks(_message.Message):
+    __slots__ = ("medium", "added", "removed", "full")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    added: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    full: bool
+    def __init__(self, medium: _Optional[str] = ..., added: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker", "load", "added_block_hashes", "removed_block_hashes", "full_block_set", "leaving")
+    __slots__ = ("worker", "load", "leaving", "tiers")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
-    ADDED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    REMOVED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    FULL_BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
     load: WorkerLoad
-    added_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    removed_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    full_block_set: bool
     leaving: bool
-    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., added_block_hashes: _Optional[_Iterable[int]] = ..., removed_block_hashes: _Optional[_Iterable[int]] = ..., full_block_set: _Optional[bool] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., leaving: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("interval_s", "want_full_block_set", "live_prefill_agents")

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvrelay.engine.step_cost_fit import StepCostFit
+from kvrelay.engine.tiers.media import DEFAULT_TIER_WEIGHTS, DEVICE
 
 
 class LinearFit:
@@ -173,3 +174,24 @@ class WorkerPerf:
     def report_fit(self, fit: StepCostFit, step_tokens: int) -> None:
         self.step_cost, self.step_tokens = fit, step_tokens
         self.fit_reported.set()
+
+
+def tier_weights(load_s_per_block: dict[str, float], fit: StepCostFit | None,
+                 block_size: int) -> dict[str, float]:
+    """What a prefix block held in each tier is worth to the router, as a fraction of one held
+    in the KV pool (1.0: as good; 0: as good as absent): the engine's defaults
+    (``DEFAULT_TIER_WEIGHTS``) until the worker has measured a tier's loads
+    (``load_s_per_block``: its mean seconds to promote one block, 0 until a first load) and
+    reported its step-time fit; then ``1 - load / compute`` of one block, ``compute`` being the
+    fit's prefill cost of a block's tokens, clamped to [0, 1]. A block as slow to load as to
+    recompute is worth nothing; the pool's own weight stays 1."""
+    weights = dict(DEFAULT_TIER_WEIGHTS)
+    compute = fit.prefill_token * block_size if fit is not None else 0.0
+    for medium, load in load_s_per_block.items():
+        if medium == DEVICE:
+            continue
+        if compute > 0.0 and load > 0.0 and math.isfinite(load):
+            weights[medium] = min(1.0, max(0.0, 1.0 - load / compute))
+        else:
+            weights.setdefault(medium, 0.0)
+    return weights

@@ -17,7 +17,7 @@ from kvrelay.router.cluster import Cluster
 from kvrelay.router.relay import Relay
 from kvrelay.router.requests import GenerateSpec, Pass, TokenChunk, WorkerLost, new_pass
 from kvrelay.router.trace import Step, Trace
-from kvrelay.router.worker_state import WorkerState
+from kvrelay.router.worker_state import HeldPrefix, WorkerState
 
 
 class FastLane:
@@ -37,8 +37,8 @@ class FastLane:
                                        cache_salt=spec.cache_salt or "",
                                        sampling=sampling_to_proto(sampling))
         now = time.monotonic()
-        pending = self.cluster.policy.cost.local(w, ctx.req, now).new_tokens
-        charge = w.accounting.charge(prompt_tokens=pending, local=True)
+        est = self.cluster.policy.cost.local(w, ctx.req, now)
+        charge = w.accounting.charge(prompt_tokens=est.new_tokens, local=True)
         # after the charge: an expected block would count as cached
         w.expect(ctx.req.hashes(w.identity.block_size), now + self.cluster.registry.expect_s)
         if ctx.count:
@@ -53,7 +53,8 @@ class FastLane:
                 async for chunk in self.relay.read_stream(spec, call, w, trace):
                     if charge.prefilling:  # the first token: the prompt is computed
                         charge.prefilled()
-                        self._count(w, ctx, len(prompt), chunk.cached_prompt_tokens)
+                        self._count(w, ctx, len(prompt), chunk.cached_prompt_tokens,
+                                    est.held)
                     produced.extend(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         self.relay.expect_sequence(w, ctx, produced)
@@ -78,10 +79,13 @@ class FastLane:
         except grpc.aio.UsageError as e:  # the registry dropped w (and closed its channel)
             raise WorkerLost(f"{w.worker_id} left the registry: {e}") from e
 
-    def _count(self, w: WorkerState, ctx: Pass, n: int, cached: int) -> None:
+    def _count(self, w: WorkerState, ctx: Pass, n: int, cached: int,
+               held: HeldPrefix) -> None:
         """A local generation's first token: the prompt tokens w was given and computed (its
-        compute time is its engine's to measure: the step-time fit in its beats)."""
+        compute time is its engine's to measure: the step-time fit in its beats), and those it
+        held when chosen, by tier."""
         if ctx.count:
             c = self.cluster.registry.counter(w)
             c.prompt_tokens += n
             c.computed_tokens += n - cached
+            c.credit(held, w.identity.block_size)

@@ -5,9 +5,12 @@ A policy ranks candidates best first; the request lifecycle tries them in order 
 refuses or fails is followed by the next).
 
 * ``round_robin``: rotate. ``least_loaded``: fewest queued prompt tokens / most KV headroom.
-* ``prefix_aware``: workers report the chained hashes of the KV blocks they hold (heartbeat
-  deltas, the same hashes the engine's prefix cache uses); the router hashes the prompt the same
-  way, so it knows how many leading tokens each worker would not have to compute. A prefill
+* ``prefix_aware``: workers report the chained hashes of the KV blocks they hold, per tier
+  (heartbeat deltas, the same hashes the engine's prefix cache uses); the router hashes the
+  prompt the same way, so it knows how many leading tokens each worker would not have to
+  compute. A block held only below the KV pool (host memory, disk) is credited at that tier's
+  weight: the fraction of its compute that loading it saves, measured per worker
+  (``estimators.tier_weights``). A prefill
   worker is scored by the seconds until this prompt would be done there: its queued tokens plus
   the prompt tokens it lacks, through its measured prefill fit. A decode worker (among those
   with KV room) by the seconds of KV transfer for the blocks it lacks plus decoding at its batch
@@ -53,7 +56,7 @@ from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes
 from kvrelay.engine.step_cost_fit import StepCostFit
 from kvrelay.router.estimators import PRIOR_STEP_COST
 from kvrelay.router.registry import WorkerRegistry
-from kvrelay.router.worker_state import WorkerState
+from kvrelay.router.worker_state import NOTHING_HELD, HeldPrefix, WorkerState
 
 
 class RouteRequest:
@@ -87,16 +90,21 @@ class RouteRequest:
 @dataclass(frozen=True)
 class PrefillEstimate:
     worker: WorkerState
-    cached_tokens: int  # leading prompt tokens it holds (and would not compute)
+    # Leading prompt tokens it holds, credited by tier (a token held below the KV pool counts
+    # as the share of its compute that loading it saves), and so need not compute.
+    cached_tokens: int
     new_tokens: int
     seconds: float  # until this prompt would be prefilled there (its queue first)
+    held: HeldPrefix = NOTHING_HELD  # the prompt blocks it holds, by tier
 
 
 @dataclass(frozen=True)
 class DecodeEstimate:
     worker: WorkerState
-    cached_blocks: int  # leading prompt blocks it holds (not transferred)
-    uncached_blocks: int
+    # Leading prompt blocks it holds (not transferred), each weighted by its tier's weight:
+    # a block below the KV pool is not sent, but loaded.
+    cached_blocks: float
+    uncached_blocks: float
     fits: bool  # has KV room for the blocks it lacks
     transfer_s: float
     decode_s: float  # max_tokens decode steps at its batch size (plus this request)
@@ -109,10 +117,11 @@ class DecodeEstimate:
 @dataclass(frozen=True)
 class LocalEstimate:
     worker: WorkerState
-    cached_tokens: int
+    cached_tokens: int  # credited by tier, as PrefillEstimate's
     new_tokens: int
     seconds: float  # to the first token, run wholly there
     stall_s: float  # decode time its prefill takes from the sequences already in its batch
+    held: HeldPrefix = NOTHING_HELD
 
     @property
     def cost(self) -> float:
@@ -186,31 +195,39 @@ class CostModel:
         per_seq = used / load.running if load.running else float(prompt)
         return fit.decode_step_seconds(batch, int(per_seq * batch))
 
-    def prefill(self, w: WorkerState, req: RouteRequest, now: float) -> PrefillEstimate:
+    @staticmethod
+    def held(w: WorkerState, req: RouteRequest, now: float) -> tuple[HeldPrefix, int]:
+        """The prompt blocks ``w`` holds that its engine would not compute, and the prompt
+        tokens that credits (each block at its tier's weight). The engine always computes at
+        least the last prompt token (its logits give the first output token), so a fully
+        cached prompt still computes one block's worth at most."""
         bs = w.identity.block_size
-        # the engine always computes at least the last prompt token (its logits give the first
-        # output token), so a fully cached prompt still computes one block's worth at most
-        usable = (len(req) - 1) // bs
-        cached = min(w.cached_blocks(req.hashes(bs), now), usable) * bs
+        held = w.cached_prefix(req.hashes(bs)[:(len(req) - 1) // bs], now)
+        return held, int(held.credit * bs + 0.5)
+
+    def prefill(self, w: WorkerState, req: RouteRequest, now: float) -> PrefillEstimate:
+        held, cached = self.held(w, req, now)
         new = len(req) - cached
         seconds = self._fit("prompt", now).prompt_seconds(
             new, w.perf.step_tokens, queued=w.queued_tokens_estimate, context=cached)
-        return PrefillEstimate(w, cached, new, seconds)
+        return PrefillEstimate(w, cached, new, seconds, held)
 
     def decode(self, w: WorkerState, req: RouteRequest, blocks_needed: int,
                now: float) -> DecodeEstimate:
         bs = w.identity.block_size
-        cached = min(w.cached_blocks(req.hashes(bs), now), len(req) // bs)
+        held = w.cached_prefix(req.hashes(bs), now)
+        cached = held.credit
         uncached = -(-len(req) // bs) - cached
-        fits = w.free_blocks_estimate >= blocks_needed - cached
+        # a block held below the pool is promoted into a free one: only the pool's are shared
+        fits = w.free_blocks_estimate >= blocks_needed - held.device_blocks
         step = self._decode_step_s(w, self._fit("decode", now), w.batch_estimate + 1,
                                    len(req))
         return DecodeEstimate(w, cached, uncached, fits, self.registry.perf.transfer_s(uncached),
                               req.max_tokens * step)
 
     def local(self, w: WorkerState, req: RouteRequest, now: float) -> LocalEstimate:
-        bs, perf = w.identity.block_size, w.perf
-        cached = min(w.cached_blocks(req.hashes(bs), now), (len(req) - 1) // bs) * bs
+        perf = w.perf
+        held, cached = self.held(w, req, now)
         new = len(req) - cached
         batch = w.batch_estimate
         fit = self._fit("prompt", now)
@@ -222,7 +239,7 @@ class CostModel:
         # request reaching this worker meanwhile by half of it on average.
         compute = fit.prompt_compute_seconds(new, perf.step_tokens, context=cached)
         stall = compute * (batch + perf.arrivals.rate(now) * compute / 2.0)
-        return LocalEstimate(w, cached, new, seconds, stall)
+        return LocalEstimate(w, cached, new, seconds, stall, held)
 
     def disaggregated_s(self, p: PrefillEstimate, d: DecodeEstimate) -> float:
         return (d.worker.perf.reserve_rpc_s.value + self.registry.perf.prefill_rpc_s.value

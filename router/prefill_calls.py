@@ -26,7 +26,7 @@ from kvrelay.router.errors import RouterError
 from kvrelay.router.leases import Lease, Leases
 from kvrelay.router.requests import GenerateSpec, Pass, WorkerLost
 from kvrelay.router.trace import Step, Trace
-from kvrelay.router.worker_state import Charge, WorkerState
+from kvrelay.router.worker_state import Charge, HeldPrefix, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,9 @@ class PrefillCalls:
         clean = p.accounting.inflight == 0
         p.accounting.dispatches += 1
         dispatched = p.accounting.dispatches
-        with self._charge(p, ctx):  # before the expectation: it would count as cached
+        # before the expectation: it would count as cached
+        est = self.cluster.policy.cost.prefill(p, ctx.req, time.monotonic())
+        with p.accounting.charge(prompt_tokens=est.new_tokens):
             p.expect(ctx.req.hashes(p.identity.block_size),
                      time.monotonic() + self.cluster.registry.expect_s)
             ctx.writes_unsettled = True
@@ -130,7 +132,7 @@ class PrefillCalls:
         ctx.writes_unsettled = False  # answered: every write landed and was notified
         trace.add_prefill_end(p.worker_id, resp)
         self._observe(p, lease, ctx, resp, time.monotonic() - t_rpc,
-                      clean and p.accounting.dispatches == dispatched)
+                      clean and p.accounting.dispatches == dispatched, est.held)
         return resp
 
     def _charge(self, p: WorkerState, ctx: Pass) -> Charge:
@@ -219,9 +221,10 @@ class PrefillCalls:
             raise
 
     def _observe(self, p: WorkerState, lease: Lease, ctx: Pass, resp: wpb.PrefillResponse,
-                 wall_s: float, clean: bool) -> None:
+                 wall_s: float, clean: bool, held: HeldPrefix) -> None:
         """A prefill's measurements: transfer time against bytes, the RPC's own overhead (P's
-        compute time is its engine's to measure: the step-time fit in its beats)."""
+        compute time is its engine's to measure: the step-time fit in its beats); ``held``:
+        the prompt blocks p held when it was chosen, by tier (counted)."""
         registry, d = self.cluster.registry, lease.worker
         n = len(ctx.req)
         computed = n - resp.cached_prompt_tokens
@@ -232,6 +235,7 @@ class PrefillCalls:
             c = registry.counter(p)
             c.prompt_tokens += n
             c.computed_tokens += computed
+            c.credit(held, p.identity.block_size)
             c = registry.counter(d)
             c.kv_blocks_sent += sent
             c.kv_blocks_skipped += skip

@@ -17,15 +17,25 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvrelay.common import kv_layout
 from kvrelay.common.convert import step_cost_from_proto
+from kvrelay.common.kv_layout import CacheLayout, KVLayoutMismatch
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S, HEARTBEAT_INTERVAL_S, insecure_channel
+from kvrelay.engine.tiers.media import DEVICE, MEDIA
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.estimators import ClusterPerf
 from kvrelay.router.sessions import SessionClient
-from kvrelay.router.worker_state import MAX_WORKER_BLOCKS, WorkerIdentity, WorkerState
+from kvrelay.router.worker_state import (
+    MAX_TIER_BLOCKS,
+    MAX_WORKER_BLOCKS,
+    HeldPrefix,
+    WorkerIdentity,
+    WorkerState,
+    capacity,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +54,10 @@ MAX_DRAIN_TIMEOUT_S = 86_400.0
 # Workers one role may register: beyond it a new worker id is refused (RESOURCE_EXHAUSTED), so
 # beats with made-up ids cannot grow the registry (a channel each) without bound.
 MAX_WORKERS_PER_ROLE = 1024
-# MAX_WORKER_BLOCKS (worker_state): it also caps the block hashes held for one worker
+# MAX_WORKER_BLOCKS (worker_state): it also caps the block hashes held for a worker's KV pool,
+# MAX_TIER_BLOCKS those held for each tier below it (host, disk). Over all tiers, one beat adds
+# and removes at most MAX_BEAT_HASHES (32 MiB of hashes; a beat's message is at most 64 MiB).
+MAX_BEAT_HASHES = 1 << 22
 
 
 class RegistryFull(ValueError):
@@ -79,12 +92,39 @@ def validate_beat(req: wpb.HeartbeatRequest) -> None:
     if load.num_blocks > MAX_WORKER_BLOCKS or load.free_blocks > load.num_blocks:
         raise ValueError(f"num_blocks must be at most {MAX_WORKER_BLOCKS} and free_blocks at "
                          f"most num_blocks")
-    # A worker holds at most num_blocks full blocks: it cannot add more hashes than that.
-    if len(req.added_block_hashes) > (load.num_blocks or MAX_WORKER_BLOCKS):
-        raise ValueError(f"{len(req.added_block_hashes)} block hashes added; the worker has "
-                         f"{load.num_blocks or MAX_WORKER_BLOCKS} blocks")
-    if len(req.removed_block_hashes) > MAX_WORKER_BLOCKS:
-        raise ValueError(f"at most {MAX_WORKER_BLOCKS} block hashes removed a beat")
+    if info.HasField("kv_layout"):
+        kv_layout.validate(info.kv_layout)
+    _validate_tiers(req)
+
+
+def _validate_tiers(req: wpb.HeartbeatRequest) -> None:
+    """A beat's tiers: each known and reported once, a lower tier's capacity bounded, and no
+    tier given more hashes than it has blocks (nor a beat more than ``MAX_BEAT_HASHES``)."""
+    load, seen = req.load, set()
+    for t in load.tiers:
+        if t.medium not in MEDIA or t.medium == DEVICE or t.medium in seen:
+            raise ValueError(f"load.tiers: unknown or repeated tier {t.medium[:32]!r} (each of "
+                             f"{', '.join(m for m in MEDIA if m != DEVICE)} at most once)")
+        seen.add(t.medium)
+        if t.capacity_blocks > MAX_TIER_BLOCKS or t.used_blocks > t.capacity_blocks:
+            raise ValueError(f"tier {t.medium}: capacity_blocks must be at most "
+                             f"{MAX_TIER_BLOCKS} and used_blocks at most capacity_blocks")
+    seen, total = set(), 0
+    for t in req.tiers:
+        if t.medium not in MEDIA or t.medium in seen:
+            raise ValueError(f"tiers: unknown or repeated tier {t.medium[:32]!r} (each of "
+                             f"{', '.join(MEDIA)} at most once)")
+        seen.add(t.medium)
+        # A tier holds at most its capacity in full blocks: it cannot add more hashes.
+        cap = capacity(load, t.medium)
+        if len(t.added) > cap:
+            raise ValueError(f"{len(t.added)} block hashes added to tier {t.medium}; it has "
+                             f"{cap} blocks")
+        if len(t.removed) > (MAX_WORKER_BLOCKS if t.medium == DEVICE else MAX_TIER_BLOCKS):
+            raise ValueError(f"too many block hashes removed from tier {t.medium} in a beat")
+        total += len(t.added) + len(t.removed)
+    if total > MAX_BEAT_HASHES:
+        raise ValueError(f"{total} block hashes in one beat; at most {MAX_BEAT_HASHES}")
 
 
 @dataclass
@@ -95,6 +135,14 @@ class RouteCounters:
     computed_tokens: int = 0  # of which the worker computed (the rest was in its prefix cache)
     kv_blocks_sent: int = 0  # KV blocks written into this decode worker
     kv_blocks_skipped: int = 0  # prompt blocks this decode worker already held (not sent)
+    # Prompt tokens the worker held when the router chose it, by the tier (device, host, disk)
+    # each block was credited from (``WorkerState.cached_prefix``).
+    credited_tokens: dict[str, int] = field(default_factory=dict)
+
+    def credit(self, held: HeldPrefix, block_size: int) -> None:
+        for medium, blocks in held.per_tier.items():
+            self.credited_tokens[medium] = self.credited_tokens.get(medium, 0) \
+                + blocks * block_size
 
 
 class Stalls:
@@ -135,6 +183,7 @@ class WorkerRegistry:
         self.stalls = Stalls()
         self.perf = ClusterPerf()
         self.counters: dict[tuple[str, str], RouteCounters] = {}
+        self._refused: dict[str, str] = {}  # worker id -> why its layout was last refused
         # Called with each worker that joins; set by a policy that measures workers first (the
         # worker is `calibrating`, hence unused and unlisted, until the callee clears it).
         self.on_join: Callable[[WorkerState], None] | None = None
@@ -179,22 +228,30 @@ class WorkerRegistry:
             raise WorkerIdTaken(f"worker id {info.worker_id} is registered at another address; "
                                 f"reuse it once that worker has missed its heartbeats, or give "
                                 f"the cluster a token (--cluster-token)")
-        if known is not None and (known.incarnation != info.incarnation
-                                  or known.address != info.address):
+        restarted = known is not None and (known.incarnation != info.incarnation
+                                           or known.address != info.address)
+        joined = w is None or restarted
+        if joined:
+            # Before anything changes: a refused restart leaves the old incarnation in place
+            # until its beats stop.
+            self._check_layout(info)
+        if restarted:
+            assert known is not None
             logger.info("worker %s restarted (incarnation %s -> %s)", info.worker_id,
                         known.incarnation, info.incarnation)
             self._remove(info.worker_id, prune=False)  # the same worker: its series go on
             w = None
-        joined = w is None
         if w is None:
             self._check_room(info)
             w = WorkerState(_connect(info))
-        # A joining worker's delta is against a set this registry never had: ask for the full
-        # set, as when a delta leaves the set out of step.
-        want_full = w.reported.apply_beat(req, now) or (joined and not req.full_block_set)
+        # A joining worker's delta is against sets this registry never had: ask for the full
+        # sets, as when a delta leaves a set out of step.
+        want_full = w.reported.apply_beat(req, now) or (
+            joined and not (req.tiers and all(t.full for t in req.tiers)))
         fit = step_cost_from_proto(req.load.step_cost)
         if fit is not None:  # a beat without one keeps the last (none: the priors)
             w.perf.report_fit(*fit)
+        w.reported.refit_weights(w.perf, w.identity.block_size)
         w.accounting.at_beat()
         if joined:
             self._add(w)
@@ -204,6 +261,34 @@ class WorkerRegistry:
             resp.live_prefill_agents.extend(
                 x.worker_id for x in self.workers.values() if x.identity.role == "prefill")
         return resp
+
+    def _check_layout(self, info: wpb.WorkerInfo) -> None:
+        """Refuse a joining worker whose KV layout (``common/kv_layout.py``) differs from that
+        of the workers this router routes to, or that hashes prefixes unlike this router:
+        KVLayoutMismatch (FAILED_PRECONDITION), with a message naming each differing field and
+        both values. A worker that reports no layout (a tool, a test double) is not checked;
+        the first one to report one sets the reference, for as long as one such is
+        registered."""
+        theirs = CacheLayout.from_info(info)
+        if theirs is None:
+            return
+        them = f"worker {info.worker_id}"
+        try:
+            kv_layout.check_hashing(theirs, them=them)
+            ref = next((w for w in self.workers.values() if w.identity.kv_layout is not None
+                        and w.worker_id != info.worker_id), None)
+            if ref is not None:
+                assert ref.identity.kv_layout is not None
+                kv_layout.check(theirs, ref.identity.kv_layout, them=them,
+                                us=f"the workers this router routes to ({ref.worker_id})")
+        except KVLayoutMismatch as e:
+            if self._refused.get(info.worker_id) != str(e):  # once per worker and reason
+                if len(self._refused) >= self.max_workers_per_role:
+                    self._refused.clear()
+                self._refused[info.worker_id] = str(e)
+                logger.error("%s", e)
+            raise
+        self._refused.pop(info.worker_id, None)
 
     def _check_room(self, info: wpb.WorkerInfo) -> None:
         """Refuse a new worker whose role is full (before a channel is opened to it)."""
@@ -338,15 +423,36 @@ def _connect(info: wpb.WorkerInfo) -> WorkerIdentity:
         incarnation=info.incarnation, model_identity=info.model_identity,
         block_size=info.block_size, max_model_len=info.max_model_len, channel=ch,
         drain_timeout_s=info.drain_timeout_s or DRAIN_TIMEOUT_S,
+        kv_layout=CacheLayout.from_info(info),
         decode=decode, streams=SessionClient(decode) if decode is not None else None,
         prefill=worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else None)
 
 
 def _status(w: WorkerState, now: float) -> wpb.WorkerStatus:
     i = w.identity
-    return wpb.WorkerStatus(
-        info=wpb.WorkerInfo(worker_id=i.worker_id, role=ROLE_ENUMS[i.role], address=i.address,
-                            incarnation=i.incarnation, model_identity=i.model_identity,
-                            block_size=i.block_size, max_model_len=i.max_model_len,
-                            drain_timeout_s=i.drain_timeout_s),
-        load=w.reported.load, last_seen_ms_ago=(now - w.reported.last_seen) * 1000.0)
+    info = wpb.WorkerInfo(worker_id=i.worker_id, role=ROLE_ENUMS[i.role], address=i.address,
+                          incarnation=i.incarnation, model_identity=i.model_identity,
+                          block_size=i.block_size, max_model_len=i.max_model_len,
+                          drain_timeout_s=i.drain_timeout_s)
+    if i.kv_layout is not None:
+        info.kv_layout.CopyFrom(i.kv_layout.to_proto())
+    return wpb.WorkerStatus(info=info, load=w.reported.load,
+                            last_seen_ms_ago=(now - w.reported.last_seen) * 1000.0)
+
+
+def tier_usage(load: wpb.WorkerLoad) -> dict[str, dict[str, float]]:
+    """A worker's KV tiers as its last beat reported them, by medium, for status output: the
+    pool (``device``) and each tier below it, with blocks held, capacity and, below the pool,
+    hits, mean load seconds per block and failed loads."""
+    out: dict[str, dict[str, float]] = {}
+    if load.num_blocks:
+        used = load.num_blocks - load.free_blocks
+        out[DEVICE] = {"used_blocks": used, "capacity_blocks": load.num_blocks,
+                       "usage": used / load.num_blocks}
+    for t in load.tiers:
+        out[t.medium] = {"used_blocks": t.used_blocks, "capacity_blocks": t.capacity_blocks,
+                         "usage": t.used_blocks / t.capacity_blocks if t.capacity_blocks else 0.0,
+                         "hit_blocks": t.hit_blocks,
+                         "load_seconds_per_block": t.load_seconds_per_block,
+                         "load_failures": t.load_failures}
+    return out

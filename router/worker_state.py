@@ -19,15 +19,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvrelay.common.kv_layout import CacheLayout
 from kvrelay.common.rpc import DRAIN_TIMEOUT_S
+from kvrelay.engine.tiers.media import DEFAULT_TIER_WEIGHTS, DEVICE
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.router.estimators import WorkerPerf
+from kvrelay.router.estimators import WorkerPerf, tier_weights
 from kvrelay.router.sessions import SessionClient
 
 # The most KV blocks a worker may claim (a beat's bound, see ``registry.validate_beat``); also
 # the most block hashes held for a worker that reports no num_blocks.
 MAX_WORKER_BLOCKS = 1 << 20
+# The most blocks a tier below the pool (host, disk) may claim: the most hashes held for it.
+MAX_TIER_BLOCKS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -47,36 +51,88 @@ class WorkerIdentity:
     streams: SessionClient | None = None
     prefill: worker_pb2_grpc.PrefillWorkerStub | None = None
     drain_timeout_s: float = DRAIN_TIMEOUT_S  # how long it finishes its calls once draining
+    kv_layout: CacheLayout | None = None  # None: not reported (``common/kv_layout.py``)
 
 
 @dataclass
 class ReportedLoad:
     """What the worker's heartbeats say: its load as of the last one, when that came, and the
-    hashes of the prefix-cache blocks it holds (kept up to date by each beat's delta)."""
+    hashes of the prefix-cache blocks each of its tiers holds (``tier_hashes``, by medium, kept
+    up to date by each beat's deltas), with what a block in each tier is worth to the router
+    (``tier_weights``, refitted each beat: ``estimators.tier_weights``)."""
 
     load: wpb.WorkerLoad = field(default_factory=wpb.WorkerLoad)
     last_seen: float = 0.0
-    block_hashes: set[int] = field(default_factory=set)
+    tier_hashes: dict[str, set[int]] = field(default_factory=lambda: {DEVICE: set()})
+    tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
 
     @property
     def draining(self) -> bool:
         return self.load.draining
 
+    def hashes(self, medium: str = DEVICE) -> set[int]:
+        """The hashes ``medium`` holds (the KV pool's by default), as the beats reported."""
+        held = self.tier_hashes.get(medium)
+        if held is None:
+            held = self.tier_hashes[medium] = set()
+        return held
+
+    def capacity(self, medium: str) -> int:
+        """The most blocks ``medium`` can hold, as the last beat said (the hashes held for it
+        are capped by it)."""
+        return capacity(self.load, medium)
+
     def apply_beat(self, beat: wpb.HeartbeatRequest, now: float) -> bool:
-        """Take a (validated) beat; True when the worker should send its full block set next:
-        the delta left more hashes than it has blocks (out of step: start over)."""
+        """Take a (validated) beat; True when the worker should send its full block sets next:
+        a delta left a tier more hashes than it has blocks (out of step: start over)."""
         self.load = beat.load
         self.last_seen = now
-        if beat.full_block_set:
-            self.block_hashes = set(beat.added_block_hashes)
-            return False
-        held = self.block_hashes
-        held.difference_update(beat.removed_block_hashes)
-        held.update(beat.added_block_hashes)
-        if len(held) > (self.load.num_blocks or MAX_WORKER_BLOCKS):
-            held.clear()
-            return True
-        return False
+        out_of_step = False
+        for t in beat.tiers:
+            if t.full:
+                held = self.tier_hashes[t.medium] = set(t.added)
+            else:
+                held = self.hashes(t.medium)
+                held.difference_update(t.removed)
+                held.update(t.added)
+            if len(held) > self.capacity(t.medium):
+                held.clear()
+                out_of_step = True
+        return out_of_step
+
+    def refit_weights(self, perf: WorkerPerf, block_size: int) -> None:
+        """Each tier's weight from its measured load cost and the worker's step-time fit."""
+        measured = {t.medium: t.load_seconds_per_block for t in self.load.tiers
+                    if t.hit_blocks}
+        self.tier_weights = tier_weights(measured, perf.step_cost, block_size)
+
+
+def capacity(load: wpb.WorkerLoad, medium: str) -> int:
+    """The blocks ``medium`` holds at most per ``load``: the pool's ``num_blocks`` (or the
+    bound, when not reported), a lower tier's reported capacity (0 when it reports none)."""
+    if medium == DEVICE:
+        return load.num_blocks or MAX_WORKER_BLOCKS
+    for t in load.tiers:
+        if t.medium == medium:
+            return min(t.capacity_blocks, MAX_TIER_BLOCKS)
+    return 0
+
+
+@dataclass(frozen=True)
+class HeldPrefix:
+    """A prompt's leading blocks that a worker holds, each in the best tier that holds it
+    (``WorkerState.cached_prefix``)."""
+
+    blocks: int  # leading blocks held in any tier
+    credit: float  # those blocks, each weighted by its tier's weight (device: 1)
+    per_tier: dict[str, int]  # blocks by the tier they were credited from
+
+    @property
+    def device_blocks(self) -> int:
+        return self.per_tier.get(DEVICE, 0)
+
+
+NOTHING_HELD = HeldPrefix(0, 0.0, {})
 
 
 @dataclass
@@ -202,20 +258,48 @@ class WorkerState:
         others = self.reported.load.queued_prompt_tokens - acct.pending_at_beat
         return acct.pending_prompt_tokens + max(0, others)
 
-    def cached_blocks(self, hashes: Sequence[int], now: float) -> int:
-        """Leading blocks of a prompt (its chained block hashes) this worker holds: reported,
-        or just computed at this router's request."""
-        have, exp = self.reported.block_hashes, self.accounting.expected
+    def cached_prefix(self, hashes: Sequence[int], now: float) -> HeldPrefix:
+        """Leading blocks of a prompt (its chained block hashes) this worker holds, each
+        credited by the best (highest-weight) tier holding it: the pool, where the beats report
+        it or this router just had the worker compute it (``expect``), else a tier below (host,
+        disk) at that tier's weight. The first block no tier holds ends the prefix."""
+        rep, exp = self.reported, self.accounting.expected
+        device = rep.tier_hashes.get(DEVICE, ())
         n = 0
-        for h in hashes:
-            if h not in have and exp.get(h, 0.0) <= now:
+        for h in hashes:  # the pool first: most prompts' prefixes end there
+            if h not in device and exp.get(h, 0.0) <= now:
                 break
             n += 1
-        return n
+        if n == len(hashes):
+            return HeldPrefix(n, float(n), {DEVICE: n}) if n else NOTHING_HELD
+        weights = rep.tier_weights
+        lower = sorted(((weights.get(m, 0.0), m, held) for m, held in rep.tier_hashes.items()
+                        if m != DEVICE and held), key=lambda x: -x[0])
+        if not lower:
+            return HeldPrefix(n, float(n), {DEVICE: n}) if n else NOTHING_HELD
+        per_tier = {DEVICE: n} if n else {}
+        credit = float(n)
+        for h in hashes[n:]:
+            if h in device or exp.get(h, 0.0) > now:
+                weight, medium = 1.0, DEVICE
+            else:
+                best = next(((wt, m) for wt, m, held in lower if h in held), None)
+                if best is None:
+                    break
+                weight, medium = best
+            per_tier[medium] = per_tier.get(medium, 0) + 1
+            credit += weight
+            n += 1
+        return HeldPrefix(n, credit, per_tier)
+
+    def cached_blocks(self, hashes: Sequence[int], now: float) -> int:
+        """Leading blocks of a prompt this worker holds in any tier (``cached_prefix``)."""
+        return self.cached_prefix(hashes, now).blocks
 
     def expect(self, hashes: Sequence[int], until: float) -> None:
-        """Count on the worker holding these blocks until ``until`` (those not reported yet)."""
-        have, exp = self.reported.block_hashes, self.accounting.expected
+        """Count on the worker holding these blocks in its KV pool until ``until`` (those the
+        beats do not report there yet): it just computed (or promoted) them."""
+        have, exp = self.reported.hashes(DEVICE), self.accounting.expected
         for h in hashes:
             if h not in have:
                 exp[h] = until

@@ -131,7 +131,7 @@ class FakeWorker:
                                   max_model_len=4096),
             load=wpb.WorkerLoad(num_blocks=NUM_BLOCKS, free_blocks=self.free_blocks,
                                 draining=self.draining),
-            full_block_set=True)
+            tiers=[wpb.TierBlocks(medium="device", full=True)])
 
     async def _beat_loop(self, registry: worker_pb2_grpc.RegistryStub, every: float) -> None:
         while True:

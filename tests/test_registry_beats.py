@@ -1,5 +1,5 @@
 """What a heartbeat changes in the router's view of a worker: the reported part takes the beat
-(load, when, the block-hash delta), the router's accounting snapshots its own counts (what the
+(load, when, each tier's block-hash delta), the router's accounting snapshots its own counts (what the
 beat's figures already include), and the identity stays as the incarnation's first beat said."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _beat(*, added: tuple[int, ...] = (), removed: tuple[int, ...] = (), full: b
                               incarnation=incarnation, block_size=16, max_model_len=4096,
                               drain_timeout_s=drain_timeout_s),
         load=wpb.WorkerLoad(**{"num_blocks": 8, "free_blocks": 8, **load}),
-        added_block_hashes=added, removed_block_hashes=removed, full_block_set=full,
+        tiers=[wpb.TierBlocks(medium="device", added=added, removed=removed, full=full)],
         leaving=leaving)
 
 
@@ -45,7 +45,7 @@ def test_a_beat_updates_the_reported_part_and_snapshots_the_accounting() -> None
         assert not reg.heartbeat(_beat(added=(1, 2, 3))).want_full_block_set
         w = reg.workers["p1"]
         ident, seen = w.identity, w.reported.last_seen
-        assert (ident.role, ident.block_size, w.reported.block_hashes) == ("prefill", 16,
+        assert (ident.role, ident.block_size, w.reported.hashes()) == ("prefill", 16,
                                                                            {1, 2, 3})
         # this router hands it work between two beats
         acct = w.accounting
@@ -56,7 +56,7 @@ def test_a_beat_updates_the_reported_part_and_snapshots_the_accounting() -> None
         assert not resp.want_full_block_set
         assert reg.workers["p1"] is w and w.identity is ident  # the same incarnation
         assert w.reported.load.queued_prompt_tokens == 500 and w.reported.last_seen >= seen
-        assert w.reported.block_hashes == {2, 3, 4}
+        assert w.reported.hashes() == {2, 3, 4}
         assert (acct.pending_at_beat, acct.inflight_at_beat, acct.pending_blocks) == (300, 2, 0)
         # the beat's figures include this router's own work: counted once
         assert w.queued_tokens_estimate == 500 and w.batch_estimate == 3
@@ -73,12 +73,12 @@ def test_a_delta_out_of_step_asks_for_the_full_set() -> None:
         # a first beat with a delta: relative to a set this registry never had
         assert reg.heartbeat(_beat(added=(1,), full=False)).want_full_block_set
         w = reg.workers["p1"]
-        assert w.reported.block_hashes == {1}
+        assert w.reported.hashes() == {1}
         # more hashes than the worker has blocks: start over
         assert reg.heartbeat(_beat(added=tuple(range(2, 10)), full=False)).want_full_block_set
-        assert w.reported.block_hashes == set()
+        assert w.reported.hashes() == set()
         assert not reg.heartbeat(_beat(added=(5, 6))).want_full_block_set
-        assert w.reported.block_hashes == {5, 6}
+        assert w.reported.hashes() == {5, 6}
     _with_registry(body)
 
 
@@ -94,7 +94,7 @@ def test_a_restarted_worker_starts_a_fresh_state() -> None:
         assert new is not old and new.identity.incarnation == "i2"
         assert new.identity.drain_timeout_s == 90.0  # its --drain-timeout: its calls' grace
         assert new.accounting.inflight == 0 and new.perf.reserve_rpc_s.value != 0.5
-        assert new.reported.block_hashes == set()
+        assert new.reported.hashes() == set()
     _with_registry(body)
 
 

@@ -23,7 +23,8 @@ def _beat(worker_id: str, role: int = wpb.ROLE_DECODE) -> wpb.HeartbeatRequest:
         worker=wpb.WorkerInfo(worker_id=worker_id, role=role, address="127.0.0.1:9",
                               incarnation=f"inc-{worker_id}", block_size=16, max_model_len=4096,
                               model_identity=IDENTITY),
-        load=wpb.WorkerLoad(num_blocks=64, free_blocks=64), full_block_set=True)
+        load=wpb.WorkerLoad(num_blocks=64, free_blocks=64),
+        tiers=[wpb.TierBlocks(medium="device", full=True)])
 
 
 async def _serve(registry: WorkerRegistry) -> tuple[grpc.aio.Server, str]:

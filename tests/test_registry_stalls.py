@@ -19,7 +19,8 @@ def _beat(worker_id: str) -> wpb.HeartbeatRequest:
     return wpb.HeartbeatRequest(
         worker=wpb.WorkerInfo(worker_id=worker_id, role=wpb.ROLE_DECODE, address="127.0.0.1:9",
                               incarnation="i1", block_size=16, max_model_len=4096),
-        load=wpb.WorkerLoad(num_blocks=8, free_blocks=8), full_block_set=True)
+        load=wpb.WorkerLoad(num_blocks=8, free_blocks=8),
+        tiers=[wpb.TierBlocks(medium="device", full=True)])
 
 
 def test_silence_leaves_out_the_spans_the_router_was_away() -> None:

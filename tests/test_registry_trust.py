@@ -32,7 +32,8 @@ def _beat(c: Cluster, *, load: wpb.WorkerLoad | None = None, hashes: int = 0,
               "model_identity": c.identity, **info}
     req = wpb.HeartbeatRequest(worker=wpb.WorkerInfo(**fields),
                                load=load or wpb.WorkerLoad(num_blocks=64, free_blocks=64),
-                               added_block_hashes=range(hashes), full_block_set=True)
+                               tiers=[wpb.TierBlocks(medium="device", added=range(hashes),
+                                                     full=True)])
     with grpc.insecure_channel(c.control_address) as ch:
         try:
             worker_pb2_grpc.RegistryStub(ch).Heartbeat(req, timeout=10)

@@ -88,8 +88,8 @@ def test_heartbeats_carry_block_hash_deltas_into_the_registry() -> None:
         await server.start()
         held = frozenset({1, 2, 3})
 
-        def current() -> frozenset[int]:
-            return held
+        def current() -> dict[str, frozenset[int]]:
+            return {"device": held}
 
         info = wpb.WorkerInfo(worker_id="p1", role=wpb.ROLE_PREFILL, address="127.0.0.1:1",
                               incarnation="i1", block_size=BS, max_model_len=4096)
@@ -105,9 +105,9 @@ def test_heartbeats_carry_block_hash_deltas_into_the_registry() -> None:
 
         try:
             await until(lambda: "p1" in reg.workers
-                        and reg.workers["p1"].reported.block_hashes == held)
+                        and reg.workers["p1"].reported.hashes() == held)
             held = frozenset({2, 3, 4, 5})  # 1 evicted, 4 and 5 published
-            await until(lambda: reg.workers["p1"].reported.block_hashes == held)
+            await until(lambda: reg.workers["p1"].reported.hashes() == held)
             w = reg.workers["p1"]
             assert w.cached_blocks([2, 3, 4, 9], time.monotonic()) == 3
             assert w.cached_blocks([1, 2], time.monotonic()) == 0  # chained: stops at 1
@@ -178,7 +178,7 @@ def fitted() -> tuple[WorkerRegistry, CostModel]:
 
 def held(w: WorkerState, tokens: list[int], n: int) -> None:
     """``w`` holds the KV of ``tokens[:n]`` (reported by its beats)."""
-    w.reported.block_hashes.update(block_hashes(tokens[:n], BS))
+    w.reported.hashes().update(block_hashes(tokens[:n], BS))
 
 
 def test_prefix_aware_prefill_ranks_cached_prefix_against_queued_work(fitted) -> None:

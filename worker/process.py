@@ -21,6 +21,7 @@ import grpc
 
 from kvrelay.common import tracing
 from kvrelay.common.convert import step_cost_to_proto
+from kvrelay.common.kv_layout import CacheLayout
 from kvrelay.common.rpc import (
     SecretSet,
     add_health,
@@ -34,9 +35,10 @@ from kvrelay.decode_worker.fencing import Fencer
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore, EngineStats
+from kvrelay.engine.kv_cache import dtype_name
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
-from kvrelay.worker.heartbeat import Heartbeater
+from kvrelay.worker.heartbeat import Heartbeater, tier_loads
 from kvrelay.worker.settings import WorkerSettings
 from kvrelay.worker.watchdog import EngineWatchdog, WatchdogConfig
 
@@ -165,7 +167,8 @@ class Worker:
             queued_prompt_tokens=s.waiting_prompt_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             step_tokens_per_s=self._tokens_per_s, draining=self._draining or self._engine_stuck,
-            step_cost=step_cost_to_proto(s.step_cost, s.max_step_tokens))
+            step_cost=step_cost_to_proto(s.step_cost, s.max_step_tokens),
+            tiers=tier_loads(s.kv_tiers))
 
     async def start(self) -> None:
         st = self.settings
@@ -194,15 +197,18 @@ class Worker:
                                            self._on_engine_stuck)
             self.watchdog.start()
         core = self.engine.core
+        # What its block hashes and KV bytes mean: a router refuses a worker that differs
+        # from its cluster (common/kv_layout.py).
+        layout = CacheLayout.local(core.runner.arch.identity, core.config.cache.block_size,
+                                   dtype_name(core.runner.kv_dtype))
         self.info = info = wpb.WorkerInfo(
             worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
-            incarnation=self.incarnation, model_identity=core.runner.arch.identity,
-            block_size=core.config.cache.block_size, max_model_len=core.max_model_len,
-            drain_timeout_s=st.drain_timeout_s)
-        # The prefix cache's block hashes ride on the beats (deltas) for prefix-aware routing.
-        bm = core.block_manager
+            incarnation=self.incarnation, model_identity=layout.model_identity,
+            block_size=layout.block_size, max_model_len=core.max_model_len,
+            drain_timeout_s=st.drain_timeout_s, kv_layout=layout.to_proto())
+        # Each KV tier's block hashes ride on the beats (deltas) for prefix-aware routing.
         self.heartbeater = Heartbeater(list(st.routers), info, self._load,
-                                       bm.cached_hash_set if bm.enable_prefix_caching else None,
+                                       core.cached_hash_sets,
                                        interval_s=st.heartbeat_interval_s,
                                        cluster_token=st.cluster_token,
                                        on_answer=self._on_beat_answer,
