@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from kvrelay.engine.step_cost_fit import FEATURES as STEP_COST_TERMS
 from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.registry import tier_usage as tier_usage_of
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -44,6 +45,14 @@ class _PoolCollector(Collector):
         hits = CounterMetricFamily("kvrelay:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache", labels=labels)
         workers = GaugeMetricFamily("kvrelay:workers", "Live workers per pool", labels=["pool"])
+        tier_usage = GaugeMetricFamily(
+            "kvrelay:kv_tier_usage_perc", "Fraction of a KV tier's blocks in use (last "
+            "heartbeat): the pool (device) and the tiers below it (host, disk)",
+            labels=[*labels, "tier"])
+        tier_weight = GaugeMetricFamily(
+            "kvrelay:router_tier_weight", "What a prefix block held in a tier is worth to the "
+            "routing cost model, as a fraction of one held in the KV pool (fitted from the "
+            "worker's measured load cost once it has one)", labels=[*labels, "tier"])
         per_pool: dict[str, int] = {"prefill": 0, "decode": 0, "both": 0}
         for w in self.registry.workers.values():
             role = w.identity.role
@@ -56,9 +65,15 @@ class _PoolCollector(Collector):
             queued.add_metric(lv, ld.queued_prompt_tokens)
             queries.add_metric(lv, ld.prefix_cache_queries)
             hits.add_metric(lv, ld.prefix_cache_hits)
+            for medium, t in tier_usage_of(ld).items():
+                tier_usage.add_metric([*lv, medium], t["usage"])
+            if ld.tiers:
+                for medium, weight in sorted(w.reported.tier_weights.items()):
+                    tier_weight.add_metric([*lv, medium], weight)
         for pool, n in per_pool.items():
             workers.add_metric([pool], n)
-        yield from (usage, running, waiting, queued, queries, hits, workers)
+        yield from (usage, running, waiting, queued, queries, hits, workers, tier_usage,
+                    tier_weight)
         yield from self._routing()
 
     def _routing(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -76,6 +91,11 @@ class _PoolCollector(Collector):
         skipped = CounterMetricFamily(
             "kvrelay:router_kv_blocks_skipped",
             "Prompt KV blocks not sent: the decode worker held them already", labels=labels)
+        credited = CounterMetricFamily(
+            "kvrelay:router_prefix_tokens_credited",
+            "Prompt tokens the chosen worker held when the router routed a request to it, by "
+            "the tier each block was credited from (device: the KV pool; host, disk: below it, "
+            "credited at the tier's weight)", labels=[*labels, "tier"])
         for (pool, worker), c in sorted(self.registry.counters.items()):
             lv = [pool, worker]
             if c.prompt_tokens:
@@ -84,6 +104,8 @@ class _PoolCollector(Collector):
             if c.kv_blocks_sent or c.kv_blocks_skipped:
                 sent.add_metric(lv, c.kv_blocks_sent)
                 skipped.add_metric(lv, c.kv_blocks_skipped)
+            for medium, tokens in sorted(c.credited_tokens.items()):
+                credited.add_metric([*lv, medium], tokens)
         model = GaugeMetricFamily(
             "kvrelay:router_cost_model",
             "Measured parameters of the routing cost model (seconds, bytes)",
@@ -106,7 +128,7 @@ class _PoolCollector(Collector):
                 model.add_metric(["step_samples", *lv], fit.samples)
             if role != "prefill":
                 model.add_metric(["reserve_rpc_seconds", *lv], perf.reserve_rpc_s.value)
-        yield from (routed, computed, sent, skipped, model)
+        yield from (routed, computed, sent, skipped, credited, model)
 
 
 class RouterMetrics:

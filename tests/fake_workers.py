@@ -84,6 +84,9 @@ class FakeWorker:
     leases: dict[str, Lease] = field(default_factory=dict)  # lease id -> lease
     address: str = ""
     incarnation: str = field(default_factory=lambda: secrets.token_hex(4))
+    # medium ("host", "disk") -> the block hashes that tier below its pool holds, reported in
+    # full each beat (the pool itself holds none)
+    tier_hashes: dict[str, list[int]] = field(default_factory=dict)
 
     def fail(self, rpc: str, *failures: Failure) -> None:
         self.script.setdefault(rpc, []).extend(failures)
@@ -130,8 +133,12 @@ class FakeWorker:
                                   model_identity=self.model_identity, block_size=BLOCK_SIZE,
                                   max_model_len=4096),
             load=wpb.WorkerLoad(num_blocks=NUM_BLOCKS, free_blocks=self.free_blocks,
-                                draining=self.draining),
-            tiers=[wpb.TierBlocks(medium="device", full=True)])
+                                draining=self.draining,
+                                tiers=[wpb.TierLoad(medium=m, capacity_blocks=4 * NUM_BLOCKS)
+                                       for m in self.tier_hashes]),
+            tiers=[wpb.TierBlocks(medium="device", full=True)]
+            + [wpb.TierBlocks(medium=m, added=hs, full=True)
+               for m, hs in self.tier_hashes.items()])
 
     async def _beat_loop(self, registry: worker_pb2_grpc.RegistryStub, every: float) -> None:
         while True:

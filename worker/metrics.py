@@ -74,6 +74,8 @@ class _EngineCollector(Collector):
                 if k != "held":
                     ev.add_metric([*self.labels, k], v)
             yield ev
+        if s.kv_tiers:
+            yield from self._tiers(s)
         if s.step_cost is not None:
             fam = GaugeMetricFamily(
                 "kvrelay:step_cost_seconds",
@@ -94,6 +96,48 @@ class _EngineCollector(Collector):
             yield fam
             yield counter("kvrelay:gemm_prefetch_probes", "Probes of the next-panel prefetch "
                           "(paired on/off decode steps) that have ended", s.gemm_prefetch.probes)
+
+    def _tiers(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The tiers below the KV pool (host, disk), one series each (``tier`` label)."""
+        names = ["pool", "worker", "tier"]
+        fams: list[GaugeMetricFamily | CounterMetricFamily] = []
+
+        def family(kind: type, name: str, doc: str, attr: str) -> None:
+            fam = kind(name, doc, labels=names)
+            for medium, t in sorted(s.kv_tiers.items()):
+                fam.add_metric([*self.labels, medium], float(getattr(t, attr)))
+            fams.append(fam)
+
+        family(GaugeMetricFamily, "kvrelay:kv_tier_capacity_blocks",
+               "KV blocks a tier below the pool can hold", "capacity_blocks")
+        family(GaugeMetricFamily, "kvrelay:kv_tier_used_blocks",
+               "KV blocks a tier below the pool holds (stored or in flight)", "used_blocks")
+        usage = GaugeMetricFamily("kvrelay:kv_tier_usage_perc",
+                                  "Fraction of a tier's blocks in use", labels=names)
+        for medium, t in sorted(s.kv_tiers.items()):
+            usage.add_metric([*self.labels, medium],
+                             t.used_blocks / t.capacity_blocks if t.capacity_blocks else 0.0)
+        fams.append(usage)
+        family(CounterMetricFamily, "kvrelay:kv_tier_stored_blocks",
+               "KV blocks written into a tier", "stored_blocks")
+        family(CounterMetricFamily, "kvrelay:kv_tier_stored_bytes",
+               "KV bytes written into a tier", "stored_bytes")
+        family(CounterMetricFamily, "kvrelay:kv_tier_hit_blocks",
+               "KV blocks loaded from a tier for a prefix hit", "hit_blocks")
+        family(CounterMetricFamily, "kvrelay:kv_tier_loaded_bytes",
+               "KV bytes loaded from a tier", "loaded_bytes")
+        family(CounterMetricFamily, "kvrelay:kv_tier_load_seconds",
+               "Seconds spent loading KV blocks from a tier (over kv_tier_hit_blocks: the "
+               "mean load latency of a block)", "load_seconds")
+        family(GaugeMetricFamily, "kvrelay:kv_tier_load_seconds_per_block",
+               "Mean seconds one block's load from a tier took, since start",
+               "load_seconds_per_block")
+        family(CounterMetricFamily, "kvrelay:kv_tier_load_failures",
+               "Loads from a tier that failed verification (the request recomputed them)",
+               "load_failures")
+        family(CounterMetricFamily, "kvrelay:kv_tier_evicted_blocks",
+               "KV blocks dropped from a tier (or moved down from it)", "evicted_blocks")
+        yield from fams
 
 
 class WorkerMetrics:

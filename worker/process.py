@@ -182,6 +182,15 @@ class Worker:
 
             self.metrics = WorkerMetrics(lambda: self.engine.stats, st.role, self.worker_id)
             self.metrics_port = self.metrics.serve(st.host, st.metrics_port)
+        self.kv_events = None
+        if st.kv_events_endpoint:  # the KV events in vLLM's format, for external routers
+            from kvrelay.worker.kv_events_zmq import ZmqKVEventPublisher
+
+            self.kv_events = ZmqKVEventPublisher(
+                st.kv_events_endpoint, st.kv_events_topic, st.kv_events_replay_endpoint,
+                encoding=st.kv_events_encoding)
+            self.kv_events.start()
+            await self.engine.call(self.engine.core.set_kv_event_sink, self.kv_events)
         interceptors = []
         if st.cluster_token:
             interceptors.append(cluster_token_interceptor(SecretSet([st.cluster_token])))
@@ -318,6 +327,8 @@ class Worker:
         if self.fencer is not None:
             await self.fencer.stop()
         self.engine.shutdown()
+        if self.kv_events is not None:  # the engine's last events, then a closing reset
+            await asyncio.to_thread(self.kv_events.close)
         if self.metrics is not None:
             self.metrics.close()
         if self.settings.otlp_traces_endpoint:
