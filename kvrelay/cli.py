@@ -89,7 +89,11 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         kv_layerwise=args.kv_layerwise,
         engine_watchdog_s=_opt_float(args.engine_watchdog) or None,
         metrics_port=None if args.metrics_port in (None, "") else int(args.metrics_port),
-        otlp_traces_endpoint=args.otlp_traces_endpoint or None)
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+        kv_events_endpoint=args.kv_events_endpoint or None,
+        kv_events_topic=args.kv_events_topic or "",
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint or None,
+        kv_events_encoding=args.kv_events_encoding)
 
 
 def _opt_float(value: object) -> float | None:
@@ -270,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("worker", help="run a prefill, decode or aggregated worker")
-    from kvrelay.worker.settings import KV_LAYERWISE, ROLES, WorkerSettings
+    from kvrelay.worker.settings import KV_EVENTS_ENCODINGS, KV_LAYERWISE, ROLES, WorkerSettings
 
     ws = WorkerSettings(role="both")  # the defaults the flags show and pass on
     opt(p, "--role", required=env_name("--role") not in os.environ, choices=list(ROLES))
@@ -301,6 +305,19 @@ def build_parser() -> argparse.ArgumentParser:
     opt(p, "--engine-watchdog", type=float, default=ws.engine_watchdog_s,
         help="seconds an engine step may run before the worker reports itself not ready "
              "(gRPC health NOT_SERVING, kvrelay:engine_stuck) until it ends; 0: off")
+    opt(p, "--kv-events-endpoint", default=None,
+        help="publish the KV blocks each tier stores and evicts as vLLM's KV events (ZMQ "
+             "PUB), for external routers (llm-d, Dynamo): tcp://*:5557 binds, tcp://HOST:PORT "
+             "connects to a consumer that binds; unset: off")
+    opt(p, "--kv-events-topic", default=ws.kv_events_topic,
+        help="topic of every KV event message (llm-d's pod discovery: kv@<pod>@<model>)")
+    opt(p, "--kv-events-replay-endpoint", default=None,
+        help="a ZMQ ROUTER (e.g. tcp://*:5558) that answers a sequence number with the KV "
+             "event batches buffered since, for consumers that missed some")
+    opt(p, "--kv-events-encoding", choices=list(KV_EVENTS_ENCODINGS),
+        default=ws.kv_events_encoding,
+        help="map: events as vLLM emits them since vllm#42892 (fields by name); array: the "
+             "positional events of earlier vLLM, for consumers that predate it")
     add_engine_options(p)
     add_common_process_options(p)
     p.set_defaults(func=cmd_worker)

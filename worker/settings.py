@@ -14,6 +14,7 @@ from kvrelay.worker.watchdog import ENGINE_WATCHDOG_S
 
 ROLES = ("prefill", "decode", "both")
 KV_LAYERWISE = ("auto", "on", "off")  # NixlConnectorConfig.layerwise's (that module loads torch)
+KV_EVENTS_ENCODINGS = ("map", "array")  # worker/kv_events_zmq.py's ENCODINGS (it loads ZMQ)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class WorkerSettings:
     engine_watchdog_s: float | None = ENGINE_WATCHDOG_S
     metrics_port: int | None = None  # Prometheus /metrics over HTTP when set (0 = any free)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this collector when set
+    # The KV block events in vLLM's format on this ZMQ endpoint when set, for external routers
+    # (worker/kv_events_zmq.py): "tcp://*:5557" binds, "tcp://HOST:PORT" connects.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""  # every message's topic (llm-d: "kv@<pod>@<model>")
+    kv_events_replay_endpoint: str | None = None  # a ROUTER that replays missed batches
+    kv_events_encoding: str = "map"  # vLLM's events since vllm#42892; "array": those before
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -68,6 +75,13 @@ class WorkerSettings:
         if self.kv_layerwise not in KV_LAYERWISE:
             raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got "
                              f"{self.kv_layerwise!r}")
+        if self.kv_events_encoding not in KV_EVENTS_ENCODINGS:
+            raise ValueError(f"--kv-events-encoding must be one of {KV_EVENTS_ENCODINGS}, got "
+                             f"{self.kv_events_encoding!r}")
+        if not self.kv_events_endpoint and (self.kv_events_replay_endpoint
+                                            or self.kv_events_topic):
+            raise ValueError("--kv-events-topic and --kv-events-replay-endpoint need "
+                             "--kv-events-endpoint (the event stream is off without it)")
 
     def kv_timing(self) -> tuple[float, float, float]:
         """(sender grace, self-fence horizon, write timeout), defaults filled in and checked
