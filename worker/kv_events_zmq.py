@@ -161,6 +161,8 @@ class ZmqKVEventPublisher:
 
     def _put(self, event: tuple) -> None:
         with self._lock:
+            if self._stopping:  # closed (or closing): nothing will send it
+                return
             if len(self._pending) >= self._max:
                 self.dropped_events += 1
                 self._unreported_drops += 1
@@ -274,7 +276,8 @@ class ZmqKVEventPublisher:
         the sockets (waiting up to ``linger_s`` for unsent messages). Idempotent."""
         if self._ctx.closed:
             return
-        self._stopping = True
+        with self._lock:  # a sink call in progress finishes (its wake-up written) first
+            self._stopping = True
         if self._thread is not None:
             self._wake()
             self._thread.join(timeout=10.0)
