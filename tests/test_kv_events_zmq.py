@@ -217,7 +217,7 @@ def publishers():
 
 def chain(seed: int, n_blocks: int, bs: int = 4) -> tuple[list[int], list[int]]:
     rng = random.Random(seed)
-    tokens = [rng.randrange(1, 30000) for _ in range(n_blocks * bs)]
+    tokens = [rng.randrange(1, 4000) for _ in range(n_blocks * bs)]  # the demo vocabulary
     return tokens, block_hashes(tokens, bs)
 
 
@@ -393,3 +393,139 @@ def test_a_taken_port_fails_at_construction(ctx, publishers) -> None:
     with pytest.raises(zmq.ZMQError):
         ZmqKVEventPublisher(Subscriber(ctx).endpoint, replay_endpoint=f"{LOOPBACK}:{port}")
     holder.close()
+
+
+def test_worker_flags() -> None:
+    """Off by default; the flags reach the settings; a topic or replay socket without a stream
+    is refused, as is an unknown encoding."""
+    from kvrelay.cli import build_parser, worker_settings_from_args
+    from kvrelay.worker.kv_events_zmq import ENCODINGS
+    from kvrelay.worker.settings import KV_EVENTS_ENCODINGS, WorkerSettings
+
+    assert KV_EVENTS_ENCODINGS == ENCODINGS
+    parser = build_parser()
+    base = ["worker", "--role", "both", "--model", "m"]
+    assert worker_settings_from_args(parser.parse_args(base)).kv_events_endpoint is None
+    st = worker_settings_from_args(parser.parse_args(base + [
+        "--kv-events-endpoint", "tcp://*:5557", "--kv-events-topic", "kv@p@m",
+        "--kv-events-replay-endpoint", "tcp://*:5558", "--kv-events-encoding", "array"]))
+    assert (st.kv_events_endpoint, st.kv_events_topic, st.kv_events_replay_endpoint,
+            st.kv_events_encoding) == ("tcp://*:5557", "kv@p@m", "tcp://*:5558", "array")
+    with pytest.raises(ValueError, match="need --kv-events-endpoint"):
+        WorkerSettings(role="both", kv_events_replay_endpoint="tcp://*:5558")
+    with pytest.raises(ValueError, match="need --kv-events-endpoint"):
+        WorkerSettings(role="both", kv_events_topic="kv@p@m")
+    with pytest.raises(ValueError, match="kv-events-encoding"):
+        WorkerSettings(role="both", kv_events_endpoint="tcp://*:5557", kv_events_encoding="x")
+
+
+# -- end to end: an engine's blocks, as an external router's index sees them ----------------------
+def index_of(blocks: list[tuple]) -> dict[str, set[int]]:
+    """What a consumer's index holds after ``blocks`` (``per_block``'s tuples), by medium;
+    every removal names a block the index holds (the stream is consistent)."""
+    held: dict[str, set[int]] = {}
+    for b in blocks:
+        if b[0] == "stored":
+            held.setdefault(b[1], set()).add(b[2])
+        elif b[0] == "removed":
+            assert b[2] in held.get(b[1], set()), f"removal of a block never stored: {b}"
+            held[b[1]].discard(b[2])
+        else:
+            held.clear()
+    return {m: s for m, s in held.items() if s}
+
+
+def until_closing_reset(sub: Subscriber) -> list[tuple]:
+    """Every block event up to the reset that ``close()`` sends (excluded)."""
+    got = per_block(sub.events_until(lambda ev: per_block(ev)[-1:] == [("cleared",)]))
+    return got[:-1]
+
+
+def test_a_worker_publishes_its_pool_as_requests_fill_and_evict_it(ctx, demo_model_dir) -> None:
+    """``--kv-events-endpoint`` on a worker: each request's full blocks arrive as BlockStored
+    (vLLM's chain: nil root parent, each block's tokens), a pool too small for the prompts
+    evicts the first one's (BlockRemoved), the index the stream builds is the pool's, and
+    stopping the worker resets it."""
+    import asyncio
+
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.worker.process import Worker
+    from kvrelay.worker.settings import WorkerSettings
+
+    bs = 8
+    prompts = [chain(100 + i, 6, bs)[0] for i in range(4)]  # 48 tokens, 6 blocks each
+    sub = Subscriber(ctx, topic="kv@")
+    config = EngineConfig.from_kwargs(demo_model_dir, block_size=bs, num_blocks=16,
+                                      num_threads=1, seed=0)
+    settings = WorkerSettings(role="both", kv_events_endpoint=sub.endpoint,
+                              kv_events_topic="kv@w0@demo")
+
+    async def scenario() -> dict[str, set[int]]:
+        worker = Worker(settings, config)
+        await worker.start()
+        try:
+            assert worker.kv_events is not None
+            await asyncio.to_thread(sub.sync, worker.kv_events)
+            sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            for i, p in enumerate(prompts):
+                async for _ in worker.engine.generate(f"r{i}", p, sp):
+                    pass
+            sets = await worker.engine.call(worker.engine.core.cached_hash_sets)
+            return {MEDIUM[m]: set(s) for m, s in sets.items() if s}
+        finally:
+            await worker.stop()
+
+    pool = asyncio.run(scenario())
+    blocks = until_closing_reset(sub)
+    assert index_of(blocks) == pool
+    stored = [b for b in blocks if b[0] == "stored"]
+    assert {b[1] for b in blocks} == {"GPU"}
+    for p in prompts:
+        hashes = block_hashes(p, bs)
+        mine = [b for b in stored if b[2] in hashes]
+        assert [b[2] for b in mine] == hashes, "each prompt's blocks, stored once, in order"
+        assert [(b[3], b[4]) for b in mine] == [
+            (hashes[i - 1] if i else None, tuple(p[i * bs:(i + 1) * bs]))
+            for i in range(len(hashes))]
+    first = set(block_hashes(prompts[0], bs))
+    assert first & {b[2] for b in blocks if b[0] == "removed"}, "the first prompt was evicted"
+
+
+def test_demotion_to_the_host_tier_is_a_tier_change_in_the_stream(ctx, publishers,
+                                                                  demo_model_dir) -> None:
+    """With a host tier, a block the pool evicts was stored under CPU when it was published, so
+    consumers still credit the prefix (at their CPU weight) after its GPU removal."""
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.engine_core import EngineCore
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    bs, slot_bytes = 8, 6 * 2 * 8 * 4 * 32 * 4  # one block of every layer of the tiny model
+    core = EngineCore(EngineConfig.from_kwargs(
+        demo_model_dir, block_size=bs, num_blocks=48, max_num_batched_tokens=64, seed=0,
+        num_threads=1, kv_offload_memory=128 * slot_bytes))
+    sub = Subscriber(ctx)
+    pub = publishers(sub.endpoint)
+    pub.start()
+    sub.sync(pub)
+    core.set_kv_event_sink(pub)
+    prompts = [chain(200 + i, 20, bs)[0] for i in range(4)]  # 160 tokens: they evict each other
+    try:
+        sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            core.add_request(f"t{i}", p, sp)
+            for _ in range(500):
+                if any(o.finished for o in core.step()):
+                    break
+        assert core.tiers is not None
+        core.tiers.drain()
+        core.block_manager.flush_stores()
+        core.tiers.drain()
+        truth = {MEDIUM[m]: set(s) for m, s in core.cached_hash_sets().items() if s}
+    finally:
+        core.close()
+    pub.close()
+    index = index_of(until_closing_reset(sub))
+    assert index == truth
+    first = set(block_hashes(prompts[0], bs))
+    assert not first & index.get("GPU", set()) and first <= index["CPU"]
