@@ -76,7 +76,9 @@ class KVTiers:
         # block dimension is -4 ([..., num_blocks, block_size, kv_heads, head_dim]).
         slot_shape = kv.select(-4, 0).shape
         self.cuda = kv.device.type == "cuda"
-        self.host = torch.zeros((config.host_slots, *slot_shape), dtype=kv.dtype,
+        # Not zero-filled: a slot is read only once a store or a load has written it, so the
+        # tier's memory is committed as it fills, not all at start.
+        self.host = torch.empty((config.host_slots, *slot_shape), dtype=kv.dtype,
                                 pin_memory=self.cuda)
         self.slot_bytes = self.host[0].numel() * self.host.element_size()
         self.host_index = TierIndex(config.host_slots)

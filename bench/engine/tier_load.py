@@ -1,0 +1,119 @@
+"""Time to first token of a prompt whose KV the engine recomputes, promotes from the host tier,
+or loads from the disk tier: the crossover that says when a KV tier pays (issue 52).
+
+    .venv/bin/python -m bench.engine.tier_load [--model DIR] [--lengths 512,2048,8192]
+
+With no ``--model`` it writes the ~150M demo Llama in bf16 (context stretched to 16K: random
+weights, so only the cost matters). For each prompt length N, in one engine whose pool holds
+~1.1 N tokens, a host tier ~2.2 N and a disk tier much more:
+
+  1. P (N tokens) computed from scratch: **recompute** (its blocks are stored as it runs: the
+     write-through store is part of this time);
+  2. Q (another N) evicts P from the pool; P again: **host** (promotion + the last token);
+  3. R and S push P out of the host tier to disk; P again: **disk** (file reads on the tier's IO
+     thread, verified, then promotion + the last token).
+
+The disk reads hit the OS page cache when the files were written moments before (as here): the
+disk row is the tier's own cost (read, CRC, copies), not a cold device's. Printed: seconds and
+the speed-up over recompute, median over ``--reps`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from bench.engine.core_runs import prompt
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.engine_core import EngineCore
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tiers.media import DISK, HOST
+
+BLOCK = 16
+FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def ttft(core: EngineCore, rid: str, tokens: list[int]) -> tuple[float, int]:
+    t = time.perf_counter()
+    core.add_request(rid, tokens, FIRST)
+    cached = 0
+    while core.has_unfinished():
+        for o in core.step():
+            cached = max(cached, o.num_cached_tokens)
+    return time.perf_counter() - t, cached
+
+
+def one_length(model: str, n: int, threads: int, disk_dir: str, seed: int) -> dict[str, float]:
+    blocks = n // BLOCK
+    slot_probe = EngineCore(EngineConfig.from_kwargs(model, num_blocks=4, num_threads=threads))
+    slot_bytes = slot_probe.runner.kv_spec.bytes_per_block_all_layers
+    vocab = slot_probe.vocab_size
+    del slot_probe
+    room = blocks * 11 // 10 + 2
+    core = EngineCore(EngineConfig.from_kwargs(
+        model, num_blocks=room, num_threads=threads, block_size=BLOCK,
+        max_num_batched_tokens=2048, long_prefill_threshold=2048, max_model_len=n + 64,
+        kv_offload_memory=2 * room * slot_bytes, kv_offload_dir=disk_dir,
+        kv_offload_disk=8 * room * slot_bytes), eos_token_ids=frozenset())
+    try:
+        p, q, r, s = (prompt(n, seed * 10 + k, vocab) for k in range(4))
+        ttft(core, "warm", prompt(64, seed * 10 + 9, vocab))  # first-step costs off the rows
+        out: dict[str, float] = {}
+        assert core.tiers is not None
+        out["recompute"], _ = ttft(core, "p0", p)
+        ttft(core, "q", q)
+        core.tiers.drain()  # (nothing should be in flight: stores into host are synchronous)
+        out["host"], cached = ttft(core, "p1", p)
+        assert cached >= (n - 1) // BLOCK * BLOCK - BLOCK, f"host: only {cached} cached"
+        ttft(core, "r", r)
+        ttft(core, "s", s)
+        core.tiers.drain()  # the spills of P have landed on disk
+        out["disk"], cached = ttft(core, "p2", p)
+        assert cached >= (n - 1) // BLOCK * BLOCK - BLOCK, f"disk: only {cached} cached"
+        st = core.stats().kv_tiers
+        out["host_ms_per_block"] = st[HOST].load_seconds_per_block * 1e3
+        out["disk_ms_per_block"] = st[DISK].load_seconds_per_block * 1e3
+        return out
+    finally:
+        core.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--lengths", default="512,2048,8192")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="kvrelay-tier-")
+    model = args.model
+    if model is None:
+        from kvrelay.engine.demo_model import write_demo_model
+
+        model = write_demo_model(os.path.join(tmp, "base"), size="base", seed=0)
+        cfg_path = os.path.join(model, "config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        cfg["max_position_embeddings"] = 16384
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+    print(f"model {model}, {args.threads} threads, median of {args.reps}")
+    print(f"{'tokens':>7} {'recompute s':>12} {'host s':>8} {'disk s':>8} {'host x':>7} "
+          f"{'disk x':>7} {'host ms/blk':>12} {'disk ms/blk':>12}")
+    for n in (int(x) for x in args.lengths.split(",")):
+        rows = [one_length(model, n, args.threads, os.path.join(tmp, f"disk-{n}-{k}"), k)
+                for k in range(args.reps)]
+        for r in rows:  # each run's own ratios (paired: the machine's speed drifts)
+            r["host_x"], r["disk_x"] = r["recompute"] / r["host"], r["recompute"] / r["disk"]
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        print(f"{n:>7} {med['recompute']:>12.3f} {med['host']:>8.3f} {med['disk']:>8.3f} "
+              f"{med['host_x']:>7.1f} {med['disk_x']:>7.1f} "
+              f"{med['host_ms_per_block']:>12.3f} {med['disk_ms_per_block']:>12.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
