@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvrelay.engine.step_cost_fit import FEATURES as STEP_COST_TERMS
+from kvrelay.engine.tiers.media import DEVICE
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.registry import tier_usage as tier_usage_of
 
@@ -46,8 +47,8 @@ class _PoolCollector(Collector):
                                    "Prompt tokens found in the prefix cache", labels=labels)
         workers = GaugeMetricFamily("kvrelay:workers", "Live workers per pool", labels=["pool"])
         tier_usage = GaugeMetricFamily(
-            "kvrelay:kv_tier_usage_perc", "Fraction of a KV tier's blocks in use (last "
-            "heartbeat): the pool (device) and the tiers below it (host, disk)",
+            "kvrelay:kv_tier_usage_perc", "Fraction of the blocks of a tier below the KV pool "
+            "(host, disk) in use (last heartbeat; the pool's is kv_cache_usage_perc)",
             labels=[*labels, "tier"])
         tier_weight = GaugeMetricFamily(
             "kvrelay:router_tier_weight", "What a prefix block held in a tier is worth to the "
@@ -66,7 +67,8 @@ class _PoolCollector(Collector):
             queries.add_metric(lv, ld.prefix_cache_queries)
             hits.add_metric(lv, ld.prefix_cache_hits)
             for medium, t in tier_usage_of(ld).items():
-                tier_usage.add_metric([*lv, medium], t["usage"])
+                if medium != DEVICE:
+                    tier_usage.add_metric([*lv, medium], t["usage"])
             if ld.tiers:
                 for medium, weight in sorted(w.reported.tier_weights.items()):
                     tier_weight.add_metric([*lv, medium], weight)

@@ -119,8 +119,8 @@ def test_the_router_routes_to_a_host_held_prefix_and_counts_it_by_tier(router) -
         credited = samples(text, "kvrelay:router_prefix_tokens_credited_total")
         # the holder held every usable block (6, the last token computed anyway) in host
         assert credited == {(("pool", "prefill"), ("tier", "host"), ("worker", holder)): 96}
-        usage = samples(text, "kvrelay:kv_tier_usage_perc")
-        assert usage[(("pool", "prefill"), ("tier", "host"), ("worker", holder))] == 0.0
+        usage = samples(text, "kvrelay:kv_tier_usage_perc")  # as the worker names it
+        assert usage == {(("pool", "prefill"), ("tier", "host"), ("worker", holder)): 0.0}
         weights = samples(text, "kvrelay:router_tier_weight")
         assert weights[(("pool", "prefill"), ("tier", "host"), ("worker", holder))] == 0.75
         # operators listing the workers see each tier's load
