@@ -39,8 +39,12 @@ MAX_FIELD_LEN = 64  # characters of kv_dtype and hash_scheme a beat may carry
 
 @functools.cache
 def hash_probe() -> int:
-    """This process's hash of the probe block (one block of 16 tokens under the probe salt)."""
-    return block_hashes(_PROBE_TOKENS, len(_PROBE_TOKENS), salt_root(_PROBE_SALT))[-1]
+    """This process's hashes of the probe block (16 tokens), unsalted and under the probe
+    salt, combined: it changes with the hash function, the unsalted root and the derivation
+    of a salt's root."""
+    n = len(_PROBE_TOKENS)
+    return (block_hashes(_PROBE_TOKENS, n, salt_root(None))[-1]
+            ^ block_hashes(_PROBE_TOKENS, n, salt_root(_PROBE_SALT))[-1])
 
 
 class KVLayoutMismatch(ValueError):

@@ -25,7 +25,7 @@ from kvrelay.common.kv_layout import (
     KVLayoutMismatch,
     hash_probe,
 )
-from kvrelay.engine.prefix_hash import block_hashes, salt_root
+from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes, salt_root
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.router.registry import WorkerRegistry
@@ -58,9 +58,11 @@ def run(body: Callable[[WorkerRegistry], None], **kw: object) -> None:
 
 def test_the_local_layout_names_this_builds_hashing() -> None:
     assert (F32.hash_scheme, F32.version) == (HASH_SCHEME, LAYOUT_VERSION)
-    # the probe is the engine's prefix hash of one block under a salt: it changes with either
-    assert F32.hash_probe == block_hashes(list(range(1, 17)), 16,
-                                          salt_root("kvrelay-layout-probe"))[-1]
+    # the probe is the engine's prefix hash of one block, unsalted and under a salt: it
+    # changes with the hash, the unsalted root (the seed) or the salt's derivation
+    probe = list(range(1, 17))
+    assert F32.hash_probe == (block_hashes(probe, 16, ROOT_HASH)[-1]
+                              ^ block_hashes(probe, 16, salt_root("kvrelay-layout-probe"))[-1])
     assert F32.hash_probe == hash_probe() != 0
     assert CacheLayout.from_info(beat("d1").worker) == F32
     assert CacheLayout.from_info(beat("d1", None).worker) is None
