@@ -23,18 +23,20 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from kvrelay.engine.prefix_hash import block_hashes, salt_root
+# HASH_SCHEME names the prefix-hash scheme of engine/prefix_hash.py, beside the function it
+# names: blocks chained by 8-byte BLAKE2b over the parent hash and the block's int64 token ids,
+# a cache_salt's chain rooted at salt_root (BLAKE2b personalised "kvrelay-salt").
+from kvrelay.engine.prefix_hash import HASH_SCHEME, block_hashes, salt_root
 from kvrelay.proto import worker_pb2 as wpb
 
 # Bump when a field is added to, or changes meaning in, the handshake.
 LAYOUT_VERSION = 1
-# Names the prefix-hash scheme of engine/prefix_hash.py: blocks chained by 8-byte BLAKE2b over
-# the parent hash and the block's int64 token ids, a cache_salt's chain rooted at salt_root
-# (BLAKE2b personalised "kvrelay-salt"). Change it with the function.
-HASH_SCHEME = "blake2b64-chain-v1"
 _PROBE_TOKENS = tuple(range(1, 17))
 _PROBE_SALT = "kvrelay-layout-probe"
 MAX_FIELD_LEN = 64  # characters of kv_dtype and hash_scheme a beat may carry
+
+__all__ = ["HASH_SCHEME", "LAYOUT_VERSION", "CacheLayout", "KVLayoutMismatch", "check",
+           "check_hashing", "differences", "hash_probe", "validate"]
 
 
 @functools.cache
