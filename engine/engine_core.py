@@ -31,6 +31,7 @@ from kvrelay.engine.kv_events import KVEventSink
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.prefix_hash import HASH_SCHEME
+from kvrelay.engine.prefix_shares import PrefixShares
 from kvrelay.engine.sampler import seeded_generator, skip_draw
 from kvrelay.engine.sampling_params import SamplingParams, check_fork_count
 from kvrelay.engine.scheduler import Scheduler
@@ -74,6 +75,7 @@ class EngineCore:
             itl_cap_max_queue_s=sc.itl_cap_max_queue_ms / 1e3)
         self.scheduler = Scheduler(sc, self.block_manager, self.runner.max_model_len,
                                    eos_token_ids, self.step_cost)
+        self.shares = PrefixShares(self.block_manager)  # prefix blocks lent to / read from peers
         self.step_log = StepLog.from_env()  # KVRELAY_STEP_LOG: a line per step, for benches
         self.connector = connector
         if connector is not None:
@@ -137,7 +139,9 @@ class EngineCore:
             self.tiers.events = sink
 
     def close(self) -> None:
-        """Stop the tiers' IO (the model runner is closed by its owner)."""
+        """Let every prefix share go and stop the tiers' IO (the model runner is closed by its
+        owner)."""
+        self.shares.abort_all()
         if self.tiers is not None:
             self.tiers.close()
 
@@ -169,7 +173,10 @@ class EngineCore:
             num_cap_yields=self.step_cost.num_cap_yields,
             kv_transfer=self.connector.counters() if self.connector is not None else {},
             gemm_prefetch=prefetch_tuner.snapshot(self.runner),
-            kv_tiers=self.tiers.counters() if self.tiers is not None else {})
+            kv_tiers=self.tiers.counters() if self.tiers is not None else {},
+            prefix_shares={"exported_blocks": self.shares.num_exported_blocks,
+                           "imported_blocks": self.shares.num_imported_blocks,
+                           "failed_imports": self.shares.num_failed_imports})
 
     def cached_hash_sets(self) -> dict[str, AbstractSet[int]]:
         """The prefix-block hashes each tier holds, by medium (``engine/tiers/media.py``), for
@@ -353,10 +360,42 @@ class EngineCore:
         self._finish(seq, FinishReason.ABORT, emit=emit)
         return True
 
+    # -- prefix pull: blocks lent to and read from peers (engine/prefix_shares.py) -------------
+    def export_prefix(self, share_id: str, token_ids: list[int], *,
+                      cache_salt: str | None = None,
+                      ttl_s: float = 30.0) -> tuple[list[int], int]:
+        """Hold the blocks of ``token_ids``' longest prefix held here (pool or host tier) for
+        a peer to read: their ids and the tokens they cover (``([], 0)``: none held)."""
+        self.validate_prompt(token_ids)
+        self._sync_tiers()
+        self.shares.expire()
+        return self.shares.export(share_id, token_ids, cache_salt, ttl_s)
+
+    def end_export(self, share_id: str) -> bool:
+        """Release an export; True if it was held until now (what the peer read is valid)."""
+        return self.shares.end_export(share_id)
+
+    def begin_import(self, share_id: str, token_ids: list[int], *,
+                     cache_salt: str | None = None,
+                     ttl_s: float = 30.0) -> tuple[list[int], int]:
+        """Fresh blocks to read a peer's KV of ``token_ids``' full blocks into, and how many
+        leading blocks are held here already (not returned: no read needed)."""
+        self.validate_prompt(token_ids)
+        self._sync_tiers()
+        self.shares.expire()
+        return self.shares.begin_import(share_id, token_ids, cache_salt, ttl_s)
+
+    def end_import(self, share_id: str, complete: bool) -> int:
+        """Publish an import's blocks (``complete``: every byte read and verified) or drop them;
+        returns the tokens published."""
+        return self.shares.end_import(share_id, complete)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._collect_transfer_events()
         self._sync_tiers()
+        if self.shares.num_open:
+            self.shares.expire()
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)
         outputs, self._pending = self._pending, []

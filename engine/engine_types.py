@@ -83,6 +83,9 @@ class EngineStats:
     gemm_prefetch: PrefetchChoices | None = None  # the online next-panel prefetch choices
     # The tiers below the KV pool (host, disk), by medium; empty without --kv-offload-*.
     kv_tiers: dict[str, TierStats] = field(default_factory=dict)
+    # Prefix pull (engine/prefix_shares.py): blocks lent to peers, read from peers, and imports
+    # that ended incomplete (their blocks dropped, the prefix recomputed).
+    prefix_shares: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

@@ -1,0 +1,123 @@
+"""Prefix pull between two engines, engine side (engine/prefix_shares.py): the holder exports
+the blocks of a prefix it holds (pool or host tier), the reader imports them into fresh blocks
+that join its prefix cache only when the read completed, and then serves the prompt with the
+tokens recomputing gives. The bytes move here by a copy between the two KV tensors, as the NIXL
+read moves them between workers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.engine_core import EngineCore
+from kvrelay.engine.prefix_hash import block_hashes
+from kvrelay.engine.sampling_params import SamplingParams
+
+BLOCK = 8
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SLOT_BYTES = 6 * 2 * BLOCK * 4 * 32 * 4
+
+
+def make_core(model_dir: str, **kw: object) -> EngineCore:
+    opts: dict[str, object] = dict(block_size=BLOCK, num_blocks=64, max_num_batched_tokens=64,
+                                   seed=0)
+    opts.update(kw)
+    return EngineCore(EngineConfig.from_kwargs(model_dir, **opts))
+
+
+def prompt(seed: int, n: int = 150) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 4000) for _ in range(n)]
+
+
+def run(core: EngineCore, rid: str, tokens: list[int]) -> tuple[list[int], int]:
+    core.add_request(rid, tokens, GREEDY)
+    out: list[int] = []
+    cached = 0
+    for _ in range(500):
+        for o in core.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+                cached = max(cached, o.num_cached_tokens)
+                if o.finished:
+                    return out, cached
+    raise AssertionError("request did not finish")
+
+
+def copy_blocks(src: EngineCore, src_ids: list[int], dst: EngineCore, dst_ids: list[int]) -> None:
+    for a, b in zip(src_ids, dst_ids, strict=True):
+        dst.runner.kv.select(-4, b).copy_(src.runner.kv.select(-4, a))
+
+
+@pytest.fixture(scope="module")
+def engines(demo_model_dir):
+    holder = make_core(demo_model_dir, kv_offload_memory=128 * SLOT_BYTES)
+    reader = make_core(demo_model_dir)
+    yield holder, reader
+    holder.close()
+    reader.close()
+
+
+def test_a_pulled_prefix_serves_the_recomputed_tokens(engines) -> None:
+    holder, reader = engines
+    history = prompt(1)
+    answer, _ = run(holder, "turn1", history)  # the holder computed the prompt and the answer
+    turn2 = history + answer + prompt(2, 20)
+    ref, _ = run(make_core_like(reader), "ref", turn2)
+
+    # The reader pulls what the holder has of turn 2's prompt: the history and the answer.
+    src, covered = holder.export_prefix("x1", turn2[:-1])
+    assert covered == (len(history) + len(answer) - 1) // BLOCK * BLOCK
+    dst, have = reader.begin_import("i1", turn2[:covered])
+    assert have == 0 and len(dst) == len(src)
+    copy_blocks(holder, src, reader, dst)
+    assert holder.end_export("x1"), "held throughout: the read is valid"
+    assert reader.end_import("i1", complete=True) == covered
+    got, cached = run(reader, "turn2", turn2)
+    assert got == ref and cached == covered
+    assert reader.block_manager.num_free_blocks == reader.block_manager.num_blocks
+    assert holder.block_manager.num_free_blocks == holder.block_manager.num_blocks
+
+
+def test_an_incomplete_pull_is_never_served(engines) -> None:
+    holder, reader = engines
+    p = prompt(3)
+    run(holder, "h", p)
+    ref, _ = run(make_core_like(reader), "ref", p)
+    src, covered = holder.export_prefix("x2", p)
+    dst, _ = reader.begin_import("i2", p[:covered])
+    copy_blocks(holder, src[: len(src) // 2], reader, dst[: len(dst) // 2])  # cut mid-read
+    assert reader.end_import("i2", complete=False) == 0
+    holder.end_export("x2")
+    got, cached = run(reader, "p", p)
+    assert got == ref and cached == 0, "nothing of the partial read was used"
+    assert reader.stats().prefix_shares["failed_imports"] >= 1
+
+
+def test_an_expired_export_tells_the_reader_and_returns_its_blocks(engines) -> None:
+    holder, _ = engines
+    p = prompt(4)
+    run(holder, "h4", p)
+    src, covered = holder.export_prefix("x3", p, ttl_s=0.0)
+    assert src and covered
+    holder.step()  # expires it
+    assert not holder.end_export("x3"), "the reader must not trust a read past expiry"
+    assert holder.block_manager.num_free_blocks == holder.block_manager.num_blocks
+
+
+def test_a_demoted_prefix_is_exported_from_the_host_tier(engines) -> None:
+    holder, _ = engines
+    p = prompt(5)
+    run(holder, "h5", p)
+    for s in range(6, 10):  # push p out of the holder's pool (64 blocks)
+        run(holder, f"e{s}", prompt(s))
+    assert not set(block_hashes(p, BLOCK)) & holder.cached_hash_sets()["device"]
+    _, covered = holder.export_prefix("x4", p)
+    assert covered == len(p) // BLOCK * BLOCK, "promoted from the host tier to be read"
+    holder.end_export("x4")
+
+
+def make_core_like(core: EngineCore) -> EngineCore:
+    return EngineCore(core.config)
