@@ -1,6 +1,7 @@
 """What a heartbeat changes in the router's view of a worker: the reported part takes the beat
-(load, when, each tier's block-hash delta), the router's accounting snapshots its own counts (what the
-beat's figures already include), and the identity stays as the incarnation's first beat said."""
+(load, when, each tier's block-hash delta), the router's accounting snapshots its own counts
+(what the beat's figures already include), and the identity stays as the incarnation's first
+beat said."""
 
 from __future__ import annotations
 
