@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from kvrelay.engine.config import EngineConfig
+from kvrelay.router.registry import tier_usage
 from kvrelay.router.server import RouterSettings
 from kvrelay.worker.settings import WorkerSettings
 
@@ -48,7 +49,8 @@ class RouterActor:
                         "draining": ld.draining, "queued_prompt_tokens": ld.queued_prompt_tokens,
                         "kv_usage": 1 - ld.free_blocks / ld.num_blocks if ld.num_blocks else 0,
                         "running": ld.running + ld.waiting_for_kv + ld.waiting,
-                        "free_blocks": ld.free_blocks, "num_blocks": ld.num_blocks})
+                        "free_blocks": ld.free_blocks, "num_blocks": ld.num_blocks,
+                        "tiers": tier_usage(ld)})
         return out
 
     async def wait_serving(self, timeout_s: float) -> bool:

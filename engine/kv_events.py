@@ -16,8 +16,8 @@ class KVEventSink(Protocol):
     def stored(self, medium: str, block_hashes: Sequence[int], parent_hash: int | None,
                token_ids: Sequence[int], block_size: int) -> None:
         """``block_hashes`` (a chain, parent first) now held in ``medium``; ``parent_hash``: the
-        hash before the first of them (None at a chain's root); ``token_ids``: every token of
-        those blocks, in order."""
+        hash before the first of them (at a chain's root: the root, ``ROOT_HASH`` or the cache
+        salt's ``salt_root``); ``token_ids``: every token of those blocks, in order."""
 
     def removed(self, medium: str, block_hashes: Sequence[int]) -> None:
         """``block_hashes`` are no longer held in ``medium``."""
