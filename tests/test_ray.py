@@ -85,6 +85,9 @@ def test_serve_1p1d_greedy_equals_engine_alone(served, jobs, ray_session) -> Non
     assert {w["worker_id"]: w["role"] for w in st["workers"]} == {"prefill-1": "prefill",
                                                                   "decode-1": "decode"}
     assert all(w["address"].startswith("127.0.0.1:") for w in st["workers"])
+    # Each worker's KV tiers as its beats report them (here the pool alone: no offload tiers).
+    assert all(set(w["tiers"]) == {"device"} and w["tiers"]["device"]["capacity_blocks"] > 0
+               for w in st["workers"])
     assert all(r["address"].startswith("127.0.0.1:") for r in served.replicas().values())
     if os.path.isdir("/proc/self/fd"):  # workers listen on loopback only, KV data plane too
         for r in served.replicas().values():
