@@ -2,7 +2,9 @@
 
 The engine's single KV tensor is registered once (DRAM, or VRAM when it lives on CUDA). Its
 descriptor list has one entry per (layer, kv, block) in tensor order, prepared once locally and
-once per peer, so a write is built by index: no per-transfer registration or validation.
+once per peer, so a write is built by index: no per-transfer registration or validation. A
+*read* (``read``: a prefix pulled from a peer that holds it, instead of recomputed) uses the
+same descriptors the other way round: the peer's regions are the source, ours the destination.
 
 Peers are added from a ``PeerInfo`` that travels over our own control channel (NIXL's listener
 thread is off). Re-adding a name with a new incarnation (a restarted peer) replaces the old one.
@@ -12,7 +14,8 @@ burns a core even when idle). Progress happens inside our calls: ``write`` (on C
 copy runs right there, with the GIL released), ``poll``, ``progress`` and ``get_notifs``. A
 *receiver* must call ``get_notifs`` (or ``progress``) every few milliseconds while it expects KV:
 a sender's first write to it cannot complete until the receiver's UCX worker answers the
-connection handshake.
+connection handshake. Likewise a *holder* must progress while a peer may read its blocks (an
+export open): a read on a fresh connection waits for its answer (``ExportProgress``).
 
 Every call is serialised by one lock (the agent runs with ``NIXL_THREAD_SYNC_NONE``, i.e. UCX in
 serialized mode). Failures raise ``KVTransferError``; a dead peer is ``retriable`` and is dropped
@@ -71,6 +74,14 @@ _RETRIABLE_NIXL = tuple(
 _NIXL_ERRORS = tuple(getattr(_nb, n) for n in dir(_nb)
                      if n.startswith("nixl") and n.endswith("Error"))
 _DISCONNECT = getattr(_nb, "nixlRemoteDisconnectError", ())
+
+
+def _verb(handle: WriteHandle) -> str:
+    return "a read from" if handle.op == "read" else "a write to"
+
+
+def _what(handle: WriteHandle) -> str:
+    return f"{_verb(handle)} {handle.peer}"
 
 
 class NixlTransport:
@@ -265,27 +276,81 @@ class NixlTransport:
                 self._finish(handle)
             return handle
 
+    # -- reads (prefix pull) ----------------------------------------------------------------------
+    def read(self, peer: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+             *, incarnation: str | None = None, timeout_s: float | None = None) -> WriteHandle:
+        """Post a READ of every layer's K and V of ``peer``'s blocks ``remote_block_ids[i]``
+        into our ``local_block_ids[i]`` (a prefix the peer holds, pulled instead of recomputed);
+        ``poll``/``wait`` the handle as a write's. With ``incarnation``, refuse if the peer
+        restarted since it named those blocks. ``timeout_s``: the handle's deadline (default the
+        write timeout). Only between engines of one head split each side (TP 1 to TP 1, or equal
+        splits: a block is one region per plane on both)."""
+        if len(local_block_ids) != len(remote_block_ids) or not len(local_block_ids):
+            raise KVTransferError(f"need equally many local and remote blocks, got "
+                                  f"{len(local_block_ids)} and {len(remote_block_ids)}",
+                                  retriable=False)
+        if timeout_s is not None and timeout_s <= 0:
+            raise KVTransferError(f"no time left to read from {peer}", retriable=True, peer=peer)
+        planes = range(self.layout.num_layers * 2)
+        with self._lock:
+            p = self._peer(peer, incarnation)
+            if p.runs is not None or len(self._rank_kvs) > 1:
+                raise KVTransferError(
+                    f"reading KV from {peer} needs one KV tensor on each side (tensor-parallel "
+                    "ranks split heads): pull is not supported between these pools",
+                    retriable=False, peer=peer)
+            nb_local, nb_remote = self.layout.num_blocks, p.info.layout.num_blocks
+            lo, hi = block_bounds(local_block_ids)
+            rlo, rhi = block_bounds(remote_block_ids)
+            if lo < 0 or hi >= nb_local or rlo < 0 or rhi >= nb_remote:
+                raise KVTransferError(
+                    f"block ids out of range: local {lo}..{hi} of {nb_local}, "
+                    f"remote {rlo}..{rhi} of {nb_remote} at {peer}", retriable=False, peer=peer)
+            try:
+                lidx = plane_block_indices(planes, local_block_ids, nb_local)
+                ridx = plane_block_indices(planes, remote_block_ids, nb_remote)
+                # READ: the local side is the destination, the remote side the source.
+                xfer = self._agent.make_prepped_xfer("READ", self._local, lidx, p.dlist, ridx)
+            except _NIXL_ERRORS as e:
+                raise self._failed(e, peer, "building a read from") from e
+            timeout = self.write_timeout_s if timeout_s is None else timeout_s
+            handle = WriteHandle(peer, len(lidx) * self._block_bytes, xfer,
+                                 time.monotonic() + timeout, op="read")
+            try:
+                state = self._agent.transfer(xfer)
+            except _NIXL_ERRORS as e:
+                self._finish(handle)
+                raise self._failed(e, peer, "posting a read from") from e
+            if state == "ERR":
+                self._finish(handle)
+                raise KVTransferError(f"NIXL refused a read from {peer}", retriable=True,
+                                      peer=peer)
+            if state == "DONE":
+                self._finish(handle)
+            return handle
+
     def poll(self, handle: WriteHandle) -> bool:
-        """True once the data is at the peer (remote completion: NIXL flushes the endpoint)."""
+        """True once the data is at the peer (remote completion: NIXL flushes the endpoint),
+        or, for a read, here."""
         if handle.done:
             return True
+        what = _what(handle)
         with self._lock:
             try:
                 state = self._agent.check_xfer_state(handle._xfer)
             except _NIXL_ERRORS as e:
                 self._finish(handle)
-                raise self._failed(e, handle.peer, "completing a write to") from e
+                raise self._failed(e, handle.peer, f"completing {_verb(handle)}") from e
             if state == "DONE":
                 self._finish(handle)
                 return True
             if state == "ERR":
                 self._finish(handle)
-                raise KVTransferError(f"a write to {handle.peer} failed", retriable=True,
-                                      peer=handle.peer)
+                raise KVTransferError(f"{what} failed", retriable=True, peer=handle.peer)
             if time.monotonic() >= handle.deadline:
                 self._finish(handle)
                 raise KVTransferError(
-                    f"a write to {handle.peer} did not complete in {self.write_timeout_s:g} s "
+                    f"{what} did not complete in {handle.deadline - handle.posted_at:.3g} s "
                     "(peer stuck, or its engine loop is not polling for KV)", retriable=True,
                     peer=handle.peer)
             return False
@@ -297,7 +362,7 @@ class NixlTransport:
         while not self.poll(handle):
             if deadline is not None and time.monotonic() >= deadline:
                 self.cancel(handle)
-                raise KVTransferError(f"write to {handle.peer} not done in {timeout:g} s",
+                raise KVTransferError(f"{_what(handle)} not done in {timeout:g} s",
                                       retriable=True, peer=handle.peer)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)

@@ -21,13 +21,15 @@ class Notification(NamedTuple):
 
 
 class WriteHandle:
-    """One posted write. ``poll`` it until it returns True (or raises)."""
+    """One posted transfer: a write into a peer's blocks, or (``op == "read"``) a read of a
+    peer's blocks into ours (a prefix pull). ``poll`` it until it returns True (or raises)."""
 
-    __slots__ = ("_xfer", "deadline", "done", "nbytes", "peer", "posted_at", "staging")
+    __slots__ = ("_xfer", "deadline", "done", "nbytes", "op", "peer", "posted_at", "staging")
 
     def __init__(self, peer: str, nbytes: int, xfer: object | None, deadline: float,
-                 staging: int | None = None) -> None:
+                 staging: int | None = None, op: str = "write") -> None:
         self.peer = peer
+        self.op = op
         self.staging = staging  # offset of its staged bytes, freed when it finishes
         self.nbytes = nbytes
         self._xfer = xfer
@@ -36,7 +38,7 @@ class WriteHandle:
         self.done = xfer is None
 
     def __repr__(self) -> str:
-        return f"WriteHandle({self.peer!r}, {self.nbytes} B, done={self.done})"
+        return f"WriteHandle({self.op} {self.peer!r}, {self.nbytes} B, done={self.done})"
 
 
 class PreparedPeer(NamedTuple):

@@ -173,3 +173,28 @@ def idle_cpu(conn: Connection, seconds: float, prog_thread: bool) -> None:
     th.close()
     a.close()
     b.close()
+
+
+# -- child: a KV holder that peers read from (prefix pull) ---------------------------------------
+def transport_holder(conn: Connection, name: str, spec: dict[str, Any], model_id: str,
+                     seed: int, progress: bool) -> None:
+    """A transport over a KV tensor of random bytes (``fill_random(seed)``: the reader rebuilds
+    it to compare). ``progress``: progress UCX every ``POLL_S``, as a holder with an export open
+    does; else only answer commands."""
+    torch.set_num_threads(1)
+    from kvrelay.kv_transfer.layout import KVLayout
+    from kvrelay.kv_transfer.nixl_transport import NixlTransport
+
+    kv_spec = KVCacheSpec(**spec)
+    kv = allocate_kv_cache(kv_spec)
+    fill_random(kv, seed)
+    tr = NixlTransport(name, kv, KVLayout.from_spec(kv_spec, model_id))
+    conn.send(("info", tr.peer_info().to_bytes(), os.getpid()))
+    while True:
+        if progress:
+            tr.progress()
+        if conn.poll(POLL_S):
+            cmd = conn.recv()
+            if cmd[0] == "exit":
+                break
+    tr.close()
