@@ -25,6 +25,17 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_REQUEST_ID_IN_USE: _ClassVar[FailureKind]
     FAILURE_ENGINE: _ClassVar[FailureKind]
     FAILURE_INVALID_REQUEST: _ClassVar[FailureKind]
+
+class PullOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PULL_NONE: _ClassVar[PullOutcome]
+    PULL_DONE: _ClassVar[PullOutcome]
+    PULL_NOT_NEEDED: _ClassVar[PullOutcome]
+    PULL_SOURCE_FAILED: _ClassVar[PullOutcome]
+    PULL_SOURCE_SHORT: _ClassVar[PullOutcome]
+    PULL_NO_ROOM: _ClassVar[PullOutcome]
+    PULL_READ_FAILED: _ClassVar[PullOutcome]
+    PULL_NOT_HELD: _ClassVar[PullOutcome]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -37,6 +48,14 @@ FAILURE_LEASE_GIVEN_UP: FailureKind
 FAILURE_REQUEST_ID_IN_USE: FailureKind
 FAILURE_ENGINE: FailureKind
 FAILURE_INVALID_REQUEST: FailureKind
+PULL_NONE: PullOutcome
+PULL_DONE: PullOutcome
+PULL_NOT_NEEDED: PullOutcome
+PULL_SOURCE_FAILED: PullOutcome
+PULL_SOURCE_SHORT: PullOutcome
+PULL_NO_ROOM: PullOutcome
+PULL_READ_FAILED: PullOutcome
+PULL_NOT_HELD: PullOutcome
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -195,6 +214,44 @@ class HeartbeatResponse(_message.Message):
     want_full_block_set: bool
     live_prefill_agents: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, interval_s: _Optional[float] = ..., want_full_block_set: _Optional[bool] = ..., live_prefill_agents: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExportPrefixRequest(_message.Message):
+    __slots__ = ("share_id", "prompt_token_ids", "cache_salt", "ttl_ms")
+    SHARE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    share_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    ttl_ms: int
+    def __init__(self, share_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ExportPrefixResponse(_message.Message):
+    __slots__ = ("block_ids", "tokens_covered", "peer_info", "agent_name", "incarnation")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COVERED_FIELD_NUMBER: _ClassVar[int]
+    PEER_INFO_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens_covered: int
+    peer_info: bytes
+    agent_name: str
+    incarnation: str
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., tokens_covered: _Optional[int] = ..., peer_info: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class EndExportRequest(_message.Message):
+    __slots__ = ("share_id",)
+    SHARE_ID_FIELD_NUMBER: _ClassVar[int]
+    share_id: str
+    def __init__(self, share_id: _Optional[str] = ...) -> None: ...
+
+class EndExportResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -411,20 +468,48 @@ class KVDestination(_message.Message):
     def __init__(self, decode_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_prefix_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest", "cache_salt", "destination_follows")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest", "cache_salt", "destination_follows", "pull")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEST_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     dest: KVDestination
     cache_salt: str
     destination_follows: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., dest: _Optional[_Union[KVDestination, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination_follows: _Optional[bool] = ...) -> None: ...
+    pull: PullHint
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., dest: _Optional[_Union[KVDestination, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination_follows: _Optional[bool] = ..., pull: _Optional[_Union[PullHint, _Mapping]] = ...) -> None: ...
+
+class PullHint(_message.Message):
+    __slots__ = ("source_address", "source_agent", "prefix_tokens", "timeout_ms")
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_AGENT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    source_address: str
+    source_agent: str
+    prefix_tokens: int
+    timeout_ms: int
+    def __init__(self, source_address: _Optional[str] = ..., source_agent: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PullResult(_message.Message):
+    __slots__ = ("outcome", "pulled_tokens", "blocks_read", "bytes_read", "pull_ms")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    PULL_MS_FIELD_NUMBER: _ClassVar[int]
+    outcome: PullOutcome
+    pulled_tokens: int
+    blocks_read: int
+    bytes_read: int
+    pull_ms: float
+    def __init__(self, outcome: _Optional[_Union[PullOutcome, str]] = ..., pulled_tokens: _Optional[int] = ..., blocks_read: _Optional[int] = ..., bytes_read: _Optional[int] = ..., pull_ms: _Optional[float] = ...) -> None: ...
 
 class SetDestinationRequest(_message.Message):
     __slots__ = ("request_id", "dest")
@@ -439,7 +524,7 @@ class SetDestinationResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "logprob", "cached_prompt_tokens", "queue_ms", "prefill_ms", "transfer_ms", "kv_bytes", "worker_id", "fork_token_ids", "fork_logprobs", "prompt_logprobs")
+    __slots__ = ("first_token_id", "logprob", "cached_prompt_tokens", "queue_ms", "prefill_ms", "transfer_ms", "kv_bytes", "worker_id", "fork_token_ids", "fork_logprobs", "prompt_logprobs", "pull")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -451,6 +536,7 @@ class PrefillResponse(_message.Message):
     FORK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     logprob: _generate_pb2.TokenLogprob
     cached_prompt_tokens: int
@@ -462,4 +548,5 @@ class PrefillResponse(_message.Message):
     fork_token_ids: _containers.RepeatedScalarFieldContainer[int]
     fork_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
-    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., fork_token_ids: _Optional[_Iterable[int]] = ..., fork_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    pull: PullResult
+    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., fork_token_ids: _Optional[_Iterable[int]] = ..., fork_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., pull: _Optional[_Union[PullResult, _Mapping]] = ...) -> None: ...

@@ -168,6 +168,16 @@ class WorkerControlStub:
                 request_serializer=kvrelay_dot_proto_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_proto_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ExportPrefix = channel.unary_unary(
+                '/kvrelay.v1.WorkerControl/ExportPrefix',
+                request_serializer=kvrelay_dot_proto_dot_worker__pb2.ExportPrefixRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_proto_dot_worker__pb2.ExportPrefixResponse.FromString,
+                _registered_method=True)
+        self.EndExport = channel.unary_unary(
+                '/kvrelay.v1.WorkerControl/EndExport',
+                request_serializer=kvrelay_dot_proto_dot_worker__pb2.EndExportRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_proto_dot_worker__pb2.EndExportResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerControlServicer:
@@ -189,6 +199,25 @@ class WorkerControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportPrefix(self, request, context):
+        """Prefix pull (a prefill worker reads a prefix this worker holds instead of recomputing
+        it): hold the blocks of the longest prefix of the prompt held here (the KV pool, or
+        promoted from a tier below) for the caller to READ over NIXL, until EndExport or the TTL.
+        Only a worker with a NIXL agent (role prefill or decode) lends; role=both refuses
+        (FAILED_PRECONDITION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndExport(self, request, context):
+        """Let an export's blocks go. `held`: they were held from ExportPrefix until now, so what the
+        caller read is valid; false (the TTL lapsed, or no such export) means drop it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +230,16 @@ def add_WorkerControlServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvrelay_dot_proto_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=kvrelay_dot_proto_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'ExportPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportPrefix,
+                    request_deserializer=kvrelay_dot_proto_dot_worker__pb2.ExportPrefixRequest.FromString,
+                    response_serializer=kvrelay_dot_proto_dot_worker__pb2.ExportPrefixResponse.SerializeToString,
+            ),
+            'EndExport': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndExport,
+                    request_deserializer=kvrelay_dot_proto_dot_worker__pb2.EndExportRequest.FromString,
+                    response_serializer=kvrelay_dot_proto_dot_worker__pb2.EndExportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +298,60 @@ class WorkerControl:
             '/kvrelay.v1.WorkerControl/Drain',
             kvrelay_dot_proto_dot_worker__pb2.DrainRequest.SerializeToString,
             kvrelay_dot_proto_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.WorkerControl/ExportPrefix',
+            kvrelay_dot_proto_dot_worker__pb2.ExportPrefixRequest.SerializeToString,
+            kvrelay_dot_proto_dot_worker__pb2.ExportPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndExport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.WorkerControl/EndExport',
+            kvrelay_dot_proto_dot_worker__pb2.EndExportRequest.SerializeToString,
+            kvrelay_dot_proto_dot_worker__pb2.EndExportResponse.FromString,
             options,
             channel_credentials,
             insecure,
