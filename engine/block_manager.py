@@ -267,14 +267,15 @@ class BlockManager:
         self._to_store = []
         self.tiers.store(blocks)
 
-    def promote(self, seq: Sequence, max_tokens: int, reserve: int = 0) -> bool:
+    def promote(self, seq: Sequence, max_tokens: int, reserve: int = 0) -> int | None:
         """Extend ``seq``'s cached prefix (after ``allocate_prefix``) with the blocks the host
         tier holds next, copied into fresh pool blocks, keeping ``reserve`` blocks free. When
-        the next block is on disk, its load (and the rest of the run's) is started; returns True
-        while such a load is in flight (the caller may wait for it rather than recompute)."""
+        the next block is on disk, its load (and the rest of the run's) is started; returns that
+        block's hash while its load is in flight (the caller may wait for it, see
+        ``KVTiers.is_loading``, rather than recompute), else None."""
         tiers = self.tiers
         if tiers is None:
-            return False
+            return None
         bs = self.block_size
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         first = len(seq.block_table)
@@ -302,9 +303,9 @@ class BlockManager:
             self.num_cache_hits += k * bs
         rest = chain[k:]
         if not rest or k == room:
-            return False
+            return None
         tiers.prefetch(rest)
-        return tiers.is_loading(rest[0].hash)
+        return rest[0].hash if tiers.is_loading(rest[0].hash) else None
 
     def prefetch(self, seq: Sequence) -> None:
         """Start loading from disk the prompt blocks of ``seq`` (block-less, just arrived) that

@@ -75,6 +75,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admitted, holding blocks; in admission order
         self.waiting_for_kv: dict[str, Sequence] = {}
         self._tier_waits: set[str] = set()  # this step: queued prompts waiting on a disk load
+        self._awaiting: dict[str, int] = {}  # queued prompt -> the block hash it waits to load
         # Admission keeps this many blocks free so decodes do not preempt at once.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -98,6 +99,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of every queue (the caller frees or keeps its blocks)."""
+        self._awaiting.pop(seq.request_id, None)
         if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.RUNNING:
@@ -179,6 +181,12 @@ class Scheduler:
         if limit <= 0 or len(scheduled) >= self.config.max_num_seqs:
             return 0
         admitting = seq.status == SequenceStatus.WAITING
+        if admitting and seq.request_id in self._awaiting:
+            tiers = self.bm.tiers
+            if tiers is not None and tiers.is_loading(self._awaiting[seq.request_id]):
+                self._tier_waits.add(seq.request_id)  # its prefix is still loading: skip it
+                return 0
+            del self._awaiting[seq.request_id]
         if admitting and not seq.block_table:
             # Keep at least one token to compute: its logits give the next token.
             # Prompt logprobs need every prompt position's logits: no cached prefix then.
@@ -186,9 +194,11 @@ class Scheduler:
                       or seq.num_output_tokens else 0)
             match = self.bm.match_prefix(seq.token_ids, usable, seq.hash_root)
             self.bm.allocate_prefix(seq, match)
-            if self.bm.promote(seq, usable, self.watermark_blocks):
+            loading = self.bm.promote(seq, usable, self.watermark_blocks)
+            if loading is not None:
                 # The next prefix blocks are loading from disk: wait for them (a later step)
                 # rather than recompute them, without holding blocks meanwhile.
+                self._awaiting[seq.request_id] = loading
                 self._tier_waits.add(seq.request_id)
                 self.bm.free(seq)
                 seq.num_computed_tokens = 0

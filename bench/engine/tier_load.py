@@ -16,6 +16,12 @@ weights, so only the cost matters). For each prompt length N, in one engine whos
 The disk reads hit the OS page cache when the files were written moments before (as here): the
 disk row is the tier's own cost (read, CRC, copies), not a cold device's. Printed: seconds and
 the speed-up over recompute, median over ``--reps`` runs.
+
+Then a convoy: P pushed to disk again, one request of P plus a last token of its own,
+timed to its first token; P pushed to disk again, 8 such requests at once, timed until all have
+their first token. ``convoy 8/1`` is the ratio: requests sharing a prefix being loaded wait on
+the same loads (each block is read once), not on one another (LMCache users saw 12x TTFT when
+every request loaded its own copy).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from kvrelay.engine.tiers.media import DISK, HOST
 
 BLOCK = 16
 FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+CONVOY = 8  # requests sharing one prefix being loaded
 
 
 def ttft(core: EngineCore, rid: str, tokens: list[int]) -> tuple[float, int]:
@@ -47,13 +54,22 @@ def ttft(core: EngineCore, rid: str, tokens: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t, cached
 
 
+def push_to_disk(core: EngineCore, others: list[list[int]]) -> None:
+    """Run ``others`` through the engine (out of the pool and host tier goes what came before),
+    then wait for the disk tier's writes."""
+    for i, o in enumerate(others):
+        ttft(core, f"push{time.perf_counter_ns()}-{i}", o)
+    assert core.tiers is not None
+    core.tiers.drain()
+
+
 def one_length(model: str, n: int, threads: int, disk_dir: str, seed: int) -> dict[str, float]:
     blocks = n // BLOCK
     slot_probe = EngineCore(EngineConfig.from_kwargs(model, num_blocks=4, num_threads=threads))
     slot_bytes = slot_probe.runner.kv_spec.bytes_per_block_all_layers
     vocab = slot_probe.vocab_size
     del slot_probe
-    room = blocks * 11 // 10 + 2
+    room = blocks * 11 // 10 + 2 + 2 * CONVOY  # (+ the convoy's own blocks)
     core = EngineCore(EngineConfig.from_kwargs(
         model, num_blocks=room, num_threads=threads, block_size=BLOCK,
         max_num_batched_tokens=2048, long_prefill_threshold=2048, max_model_len=n + 64,
@@ -77,6 +93,17 @@ def one_length(model: str, n: int, threads: int, disk_dir: str, seed: int) -> di
         st = core.stats().kv_tiers
         out["host_ms_per_block"] = st[HOST].load_seconds_per_block * 1e3
         out["disk_ms_per_block"] = st[DISK].load_seconds_per_block * 1e3
+        # A convoy: CONVOY requests sharing P (each with a suffix of its own) arrive together
+        # while P is on disk; they wait on the same loads, not on each other's.
+        for k, first in ((1, "t"), (CONVOY, "u")):
+            push_to_disk(core, [q, r, s])
+            suffixes = [prompt(1, seed * 100 + k * 10 + j, vocab) for j in range(k)]
+            t = time.perf_counter()
+            for j, suf in enumerate(suffixes):
+                core.add_request(f"{first}{j}", p + suf, FIRST)
+            while core.has_unfinished():
+                core.step()
+            out[f"convoy{k}"] = time.perf_counter() - t
         return out
     finally:
         core.close()
@@ -103,16 +130,18 @@ def main() -> None:
             json.dump(cfg, f)
     print(f"model {model}, {args.threads} threads, median of {args.reps}")
     print(f"{'tokens':>7} {'recompute s':>12} {'host s':>8} {'disk s':>8} {'host x':>7} "
-          f"{'disk x':>7} {'host ms/blk':>12} {'disk ms/blk':>12}")
+          f"{'disk x':>7} {'host ms/blk':>12} {'disk ms/blk':>12} {'convoy 8/1':>11}")
     for n in (int(x) for x in args.lengths.split(",")):
         rows = [one_length(model, n, args.threads, os.path.join(tmp, f"disk-{n}-{k}"), k)
                 for k in range(args.reps)]
         for r in rows:  # each run's own ratios (paired: the machine's speed drifts)
             r["host_x"], r["disk_x"] = r["recompute"] / r["host"], r["recompute"] / r["disk"]
+            r["convoy_x"] = r[f"convoy{CONVOY}"] / r["convoy1"]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         print(f"{n:>7} {med['recompute']:>12.3f} {med['host']:>8.3f} {med['disk']:>8.3f} "
               f"{med['host_x']:>7.1f} {med['disk_x']:>7.1f} "
-              f"{med['host_ms_per_block']:>12.3f} {med['disk_ms_per_block']:>12.3f}", flush=True)
+              f"{med['host_ms_per_block']:>12.3f} {med['disk_ms_per_block']:>12.3f} "
+              f"{med['convoy_x']:>11.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ issued on a side stream into pinned memory and completes while the next step com
 CPU worker (the pool is DRAM too) it is a memcpy on the engine thread, ~0.1 ms for a 150M
 model's block, measured in bench/results/kv_tiers.txt.
 
-**The host tier evicts least recently used**, and with a disk tier it *spills* instead: the
-victim's bytes are copied to a staging buffer at once (so the slot can be reused) and written
-to a file by the IO thread. **Loads** from disk run on the IO thread too, started as soon as a
-request arrives (``prefetch``), into a host slot that is ready only after the file verified;
-**promotion** host → pool is a copy on the engine thread when the request is admitted.
+**The host tier evicts least recently used**, and with a disk tier it *spills* instead: its
+least recently used half is written ahead to disk by the IO thread (from the pinned slot), so
+evicting those costs nothing; a victim not on disk yet has its bytes copied to a staging
+buffer at once (so the slot can be reused) and written from there. **Loads** from disk run on
+the IO thread too, ahead of spills, started as soon as a request arrives (``prefetch``), into a
+host slot that is ready only after the file verified; **promotion** host → pool is a copy on
+the engine thread when the request is admitted.
 
 Every entry carries its block's chain hash, parent hash and token ids; a lookup compares all
 three, and a disk read verifies the file's layout fingerprint and payload CRC, so only KV that is
@@ -197,7 +199,8 @@ class KVTiers:
             self.disk_index.pin(dslot)
             self._loading[ref.hash] = hslot
             self.io.submit(("load", ref, hslot, dslot),
-                           partial(_timed, self.disk.read, dslot, ref, self.host[hslot]))
+                           partial(_timed, self.disk.read, dslot, ref, self.host[hslot]),
+                           urgent=True)
             started += 1
         return started
 

@@ -1,10 +1,12 @@
 """The thread that moves blocks between the host tier and the disk tier.
 
-Jobs run one at a time in submission order, which is what keeps them correct without locks:
-a spill of a host slot is submitted before the store that reuses that slot, so it reads the
-old bytes first. The engine thread submits jobs and collects their results (``poll``) at the
-start of each step; it never waits on a job on its own path. File IO and the CRC release the
-GIL, so the thread costs the engine little beyond the memory traffic.
+Jobs run one at a time: *urgent* ones (loads a request waits for) before *background* ones
+(spills), each kind in submission order. No job needs another's order to be correct: a spill
+reads a staging copy or a pinned host slot and writes a disk slot no load can read until the
+spill has completed, and a load reads a pinned disk slot into a host slot nothing else reads
+until the load has completed. The engine thread submits jobs and collects their results
+(``poll``) at the start of each step; it never waits on a job on its own path. File IO and the
+CRC release the GIL, so the thread costs the engine little beyond the memory traffic.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,15 +29,20 @@ class JobResult(NamedTuple):
 
 class TierIO:
     def __init__(self, name: str = "kv-tier-io"):
-        self._jobs: queue.SimpleQueue[tuple[Any, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._urgent: deque[tuple[Any, Callable[[], Any]]] = deque()
+        self._background: deque[tuple[Any, Callable[[], Any]]] = deque()
+        self._cv = threading.Condition()
+        self._closing = False
         self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self.in_flight = 0  # submitted, not yet polled (engine thread only)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, tag: Any, job: Callable[[], Any]) -> None:
+    def submit(self, tag: Any, job: Callable[[], Any], *, urgent: bool = False) -> None:
         self.in_flight += 1
-        self._jobs.put((tag, job))
+        with self._cv:
+            (self._urgent if urgent else self._background).append((tag, job))
+            self._cv.notify()
 
     def poll(self) -> list[JobResult]:
         """Results of the jobs finished since the last poll, in completion order."""
@@ -61,12 +69,25 @@ class TierIO:
         return out
 
     def close(self) -> None:
-        self._jobs.put(None)
+        """Finish the jobs submitted, then stop the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
         self._thread.join(timeout=30)
+
+    def _next(self) -> tuple[Any, Callable[[], Any]] | None:
+        with self._cv:
+            while not (self._urgent or self._background or self._closing):
+                self._cv.wait()
+            if self._urgent:
+                return self._urgent.popleft()
+            if self._background:
+                return self._background.popleft()
+            return None  # closing, nothing left
 
     def _run(self) -> None:
         while True:
-            item = self._jobs.get()
+            item = self._next()
             if item is None:
                 return
             tag, job = item
