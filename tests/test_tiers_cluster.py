@@ -5,6 +5,7 @@ when its decode worker is killed mid-stream and the request migrates; every bloc
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from cluster import Cluster
@@ -61,6 +62,17 @@ def test_an_evicted_prompt_comes_back_from_the_tiers(cluster, llm) -> None:
     assert again.token_ids == first.token_ids
     assert again.usage.cached_prompt_tokens >= N // 16 * 16 - 16, again.usage
     assert cluster.wait_free_blocks(baseline) == baseline
+    # It came from the host tiers (both workers': the prefill worker's to compute the last
+    # token, the decode worker's for its reservation), as their beats report.
+    deadline = time.monotonic() + 10
+    while True:
+        hits = {p.name: sum(t.hit_blocks for t in cluster.status(p).load.tiers
+                            if t.medium == "host") for p in cluster.workers if p.alive()}
+        served = hits["prefill-1"] and any(v for k, v in hits.items() if k.startswith("decode"))
+        if served or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert served, hits
 
 
 def test_a_tier_hit_survives_a_decode_worker_migration(cluster, llm) -> None:
