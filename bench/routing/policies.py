@@ -32,6 +32,7 @@ import json
 import logging
 import random
 import re
+import shlex
 import sys
 import time
 import urllib.request
@@ -80,6 +81,7 @@ class Settings:
     # mixed
     mixed_requests: int = 60
     mixed_rate: float = 1.5
+    worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. KV tiers)
     request_timeout_s: float = 180.0
     router_log_level: str = "INFO"
     startup_timeout_s: float = 300.0
@@ -102,7 +104,7 @@ def start_cluster(st: Settings, policy: str) -> tuple[Deployment, dict[str, Any]
     control = f"127.0.0.1:{ready['control_port']}"
     engine = ["--model", st.model_dir, "--dtype", "float32", "--device", "cpu",
               "--kv-cache-memory", f"{st.kv_cache_mib}MiB", "--num-threads", "1",
-              "--max-model-len", "4096", "--seed", str(st.seed)]
+              "--max-model-len", "4096", "--seed", str(st.seed), *st.worker_args]
     names = [f"prefill-{i + 1}" for i in range(st.prefill)] + \
         [f"decode-{i + 1}" for i in range(st.decode)]
     for name in names:
@@ -265,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mixed-requests", type=int, default=None)
     ap.add_argument("--mixed-rate", type=float, default=None)
     ap.add_argument("--kv-cache-mib", type=int, default=None)
+    ap.add_argument("--worker-args", default="",
+                    help="more flags for every worker, one string (e.g. \"--kv-offload-memory "
+                         "1GiB\": routing by KV tier)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every policy this many times, alternating the order (forward, "
                          "reverse, ...) so drift in the machine's load hits them alike; the "
@@ -285,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_demo_model(model_dir, size=size, seed=0)
     st = Settings(model_dir=model_dir, workdir=a.workdir,
                   policies=tuple(p for p in a.policies.split(",") if p),
-                  workloads=tuple(w for w in a.workloads.split(",") if w))
+                  workloads=tuple(w for w in a.workloads.split(",") if w),
+                  worker_args=tuple(shlex.split(a.worker_args)))
     if a.quick:
         st.sessions, st.turns, st.mixed_requests = 4, 2, 8
     for k in ("sessions", "turns", "session_rate", "mixed_requests", "mixed_rate",
