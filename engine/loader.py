@@ -9,6 +9,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -104,7 +105,9 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
 def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
                attn_fn: AttentionFn, max_positions: int,
                shard: TPShard | None = None, platform: Platform | None = None,
-               compute_dtype: torch.dtype | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
+               compute_dtype: torch.dtype | None = None,
+               model_config: tuple[Any, ModelArch] | None = None,
+               ) -> tuple[LlamaForCausalLM, ModelArch]:
     """Build the model with its weights in ``dtype`` and its activations (norm weights, rope
     tables, the residual stream) in ``compute_dtype`` (default ``dtype``), load its weights, then
     hand it to ``platform`` (default: the device's, with its defaults) to pack for its kernels.
@@ -113,8 +116,9 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     Each checkpoint tensor is copied straight into its parameter, converted on the way where
     the dtypes differ: a bf16 checkpoint loaded as bf16 never has an fp32 copy of anything
     larger than one norm (peak memory: the model plus the one tensor being read, which
-    safetensors maps from the file)."""
-    hf_cfg, arch = load_model_config(model_dir)
+    safetensors maps from the file). ``model_config``: ``load_model_config(model_dir)``, when
+    the caller has read it already."""
+    hf_cfg, arch = model_config or load_model_config(model_dir)
     inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
     act = dtype if compute_dtype is None else compute_dtype
     with torch.device(device), _default_dtype(dtype):

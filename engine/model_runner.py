@@ -58,7 +58,7 @@ class ModelRunner:
         self.platform.configure()
         from kvrelay.engine.models.arch import load_model_config
 
-        _, arch = load_model_config(mc.model)
+        hf_cfg, arch = load_model_config(mc.model)  # read once, passed on to the loader
         # Three dtypes: the weights' (the checkpoint's under auto), the activations' (the
         # platform's: fp32 on CPU whatever the weights) and the KV cache's (the weights' under
         # auto: what a peer's layout must match).
@@ -77,7 +77,8 @@ class ModelRunner:
         self.model, self.arch = load_model(mc.model, device=self.device, dtype=self.dtype,
                                            compute_dtype=self.compute_dtype,
                                            attn_fn=self.attention, max_positions=max_len,
-                                           shard=shard, platform=self.platform)
+                                           shard=shard, platform=self.platform,
+                                           model_config=(hf_cfg, arch))
         self.shard = shard
         # Under TP each rank holds its own heads' KV (the budget is per rank).
         kv_heads = arch.num_kv_heads if shard is None else local_kv_heads(arch, shard.size)
