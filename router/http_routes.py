@@ -4,8 +4,9 @@ templated), then ``http_responses.respond`` runs and answers it."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -17,7 +18,10 @@ from kvrelay.router.http_body import admitted, read_body
 from kvrelay.router.http_middleware import presented_key
 from kvrelay.router.http_responses import error_response, respond, router_error
 from kvrelay.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
+from kvrelay.router.requests import GenerateSpec
 from kvrelay.router.service import RouterService
+
+T = TypeVar("T")
 
 
 def openai_routes(service: RouterService) -> APIRouter:
@@ -28,7 +32,7 @@ def openai_routes(service: RouterService) -> APIRouter:
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        try:
+        async def build() -> tuple[GenerateSpec, CompletionRequest, str | None]:
             req = await read_body(service, request, CompletionRequest)
             prompt = req.single_prompt()
             sp = _sampling(req, req.max_tokens, req.logprobs, service.tokenizer)
@@ -42,17 +46,17 @@ def openai_routes(service: RouterService) -> APIRouter:
             echo = None
             if req.echo:
                 echo = prompt if isinstance(prompt, str) else await service.decode(prompt)
-        except ValueError as e:
-            return error_response(400, str(e), param=getattr(e, "param", None))
-        except RouterError as e:
-            return router_error(e)
-        finally:
-            admitted(request)
+            return spec, req, echo
+
+        built = await _admitted_spec(request, build)
+        if isinstance(built, Response):
+            return built
+        spec, req, echo = built
         return await respond(service, spec, req, request, chat=False, echo=echo)
 
     @api.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        try:
+        async def build() -> tuple[GenerateSpec, ChatCompletionRequest]:
             req = await read_body(service, request, ChatCompletionRequest)
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             ids = await service.encode_chat(messages)
@@ -65,15 +69,30 @@ def openai_routes(service: RouterService) -> APIRouter:
                                             cache_salt=req.cache_salt,
                                             api_key=_api_key(request),
                                             priority=req.priority)
-        except ValueError as e:
-            return error_response(400, str(e), param=getattr(e, "param", None))
-        except RouterError as e:
-            return router_error(e)
-        finally:
-            admitted(request)
+            return spec, req
+
+        built = await _admitted_spec(request, build)
+        if isinstance(built, Response):
+            return built
+        spec, req = built
         return await respond(service, spec, req, request, chat=True)
 
     return api
+
+
+async def _admitted_spec(request: Request,
+                         build: Callable[[], Awaitable[T]]) -> T | Response:
+    """Run ``build`` (parse the body, build the spec): what it returns, or the error response a
+    bad request (400) or the router's refusal makes. Either way the request's admission ticket
+    goes back here, before any generation starts."""
+    try:
+        return await build()
+    except ValueError as e:
+        return error_response(400, str(e), param=getattr(e, "param", None))
+    except RouterError as e:
+        return router_error(e)
+    finally:
+        admitted(request)
 
 
 def _api_key(request: Request) -> str | None:
