@@ -220,6 +220,27 @@ def test_abort_while_loading_returns_every_block_and_slot(demo_model_dir, tmp_pa
         core.close()
 
 
+def test_a_demoted_prefix_is_found_only_under_its_own_cache_salt(demo_model_dir,
+                                                                 reference) -> None:
+    core = make_core(demo_model_dir, kv_offload_memory=128 * SLOT_BYTES)
+    try:
+        sp = GREEDY
+        core.add_request("a", prompt(0), sp, cache_salt="tenant-a")
+        while core.has_unfinished():
+            core.step()
+        for s in (1, 2, 3):
+            run(core, f"e{s}", prompt(s))
+        assert core.stats().kv_tiers[HOST].hit_blocks == 0
+        got, cached = run(core, "unsalted", prompt(0))  # another namespace: recomputed
+        assert got == reference[0] and cached == 0
+        core.add_request("b", prompt(0), sp, cache_salt="tenant-b")
+        outs = [o for _ in range(200) for o in core.step() if o.request_id == "b"]
+        assert outs[-1].finished and outs[-1].num_cached_tokens == 0
+        assert core.stats().kv_tiers[HOST].hit_blocks == 0, "no tier hit across salts"
+    finally:
+        core.close()
+
+
 def test_a_decode_engine_reserving_a_demoted_prompt_promotes_it(demo_model_dir) -> None:
     core = make_core(demo_model_dir, kv_offload_memory=128 * SLOT_BYTES)
     try:
