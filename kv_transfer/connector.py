@@ -31,6 +31,7 @@ to the side they concern.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,9 @@ class NixlConnector(KVConnector):
         self._transport: NixlTransport | None = None
         self._device: torch.device | None = None
         self._recv_progress: ReceiverProgress | None = None
+        self._lend_progress: ReceiverProgress | None = None
+        self._loans = 0  # exports open: a peer may be reading our blocks (``lending``)
+        self._loans_lock = threading.Lock()
         self._spec: KVCacheSpec | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -92,9 +96,16 @@ class NixlConnector(KVConnector):
                 self._transport.progress, self._rx.expecting, self.config.max_poll_interval_s,
                 on_start=lambda: bind_thread_to(device))
 
+        transport = self._transport
+        self._lend_progress = ReceiverProgress(
+            transport.progress, lambda: self._loans > 0, self.config.max_poll_interval_s,
+            on_start=lambda: bind_thread_to(kv.device), name="kv-lend-progress")
+
     def close(self) -> None:
         if self._recv_progress is not None:
             self._recv_progress.close()
+        if self._lend_progress is not None:
+            self._lend_progress.close()
         self._tx.close()
         if self._transport is not None:
             self._transport.close()
@@ -142,6 +153,29 @@ class NixlConnector(KVConnector):
 
     def evict_peer(self, name: str) -> bool:
         return self.transport.evict_peer(name)
+
+    # -- prefix pull: reading a peer's blocks, lending ours ------------------------------------
+    def read_blocks(self, peer: str, remote_block_ids: Seq[int], local_block_ids: Seq[int], *,
+                    timeout_s: float, incarnation: str | None = None) -> int:
+        """Read every layer's K and V of ``peer``'s blocks into ours (a prefix pulled instead
+        of recomputed) and wait for it, at most ``timeout_s``; returns the bytes read. Blocks:
+        call it from a thread of its own, never the engine's or an event loop. Raises
+        ``KVTransferError`` (the read released: the caller drops what it read)."""
+        bind_thread_to(self._device)
+        tr = self.transport
+        handle = tr.read(peer, remote_block_ids, local_block_ids, incarnation=incarnation,
+                         timeout_s=timeout_s)
+        tr.wait(handle, timeout=timeout_s)
+        return handle.nbytes
+
+    def lend(self, delta: int) -> None:
+        """An export opened (+1) or ended (-1): while any is open a peer may read our blocks,
+        so UCX is progressed meanwhile (its first read on a fresh connection waits for our
+        handshake answer). Pair each +1 with one -1."""
+        with self._loans_lock:
+            self._loans = max(0, self._loans + delta)
+        if delta > 0 and self._lend_progress is not None:
+            self._lend_progress.kick()
 
     # -- worker side (the sending side's step: ``sending``) ----------------------------------------
     def start_step(self, scheduled: Seq[ScheduledSeq]) -> None:

@@ -3,7 +3,10 @@
 NIXL notifications (and, over TCP, the data itself) move only when the receiver progresses its
 UCX worker. Progressing once per engine step is too rare on a GPU worker whose steps are long:
 a long prompt over TCP then stalls the sender into its write timeout. While the connector
-expects KV, this thread progresses every ``interval_s``; otherwise it sleeps on an event."""
+expects KV, this thread progresses every ``interval_s``; otherwise it sleeps on an event.
+
+A holder lending blocks to a peer's read (a prefix pull) runs one too, while a loan is open:
+the reader's first read on a fresh connection waits for this side's handshake answer."""
 
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ logger = logging.getLogger(__name__)
 
 class ReceiverProgress:
     def __init__(self, progress: Callable[[], None], expecting: Callable[[], bool],
-                 interval_s: float, on_start: Callable[[], None] | None = None) -> None:
+                 interval_s: float, on_start: Callable[[], None] | None = None,
+                 name: str = "kv-recv-progress") -> None:
         self._progress, self._expecting = progress, expecting
         self._interval = interval_s
         self._on_start = on_start
+        self._name = name
         self._kick = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -29,7 +34,7 @@ class ReceiverProgress:
     def kick(self) -> None:
         """Something is now expected: progress until nothing is."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kv-recv-progress",
+            self._thread = threading.Thread(target=self._run, name=self._name,
                                             daemon=True)
             self._thread.start()
         self._kick.set()
