@@ -21,6 +21,7 @@ import grpc
 
 from kvrelay.common import tracing
 from kvrelay.common.convert import step_cost_to_proto
+from kvrelay.common.failures import refusals
 from kvrelay.common.kv_layout import CacheLayout
 from kvrelay.common.rpc import (
     SecretSet,
@@ -39,6 +40,7 @@ from kvrelay.engine.kv_cache import dtype_name
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
 from kvrelay.worker.heartbeat import Heartbeater, tier_loads
+from kvrelay.worker.prefix_exports import PrefixExports
 from kvrelay.worker.settings import WorkerSettings
 from kvrelay.worker.watchdog import EngineWatchdog, WatchdogConfig
 
@@ -64,6 +66,21 @@ class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
         asyncio.get_running_loop().create_task(
             w.drain(request.timeout_ms / 1000.0 if request.timeout_ms else None))
         return wpb.DrainResponse(in_flight=in_flight)
+
+    async def ExportPrefix(self, request: wpb.ExportPrefixRequest,
+                           context: grpc.aio.ServicerContext) -> wpb.ExportPrefixResponse:
+        async with refusals(context):
+            e = await self.worker.exports.export(
+                request.share_id, list(request.prompt_token_ids), request.cache_salt,
+                request.ttl_ms / 1000.0)
+        return wpb.ExportPrefixResponse(block_ids=e.block_ids, tokens_covered=e.tokens,
+                                        peer_info=e.peer_info, agent_name=e.agent_name,
+                                        incarnation=e.incarnation)
+
+    async def EndExport(self, request: wpb.EndExportRequest,
+                        context: grpc.aio.ServicerContext) -> wpb.EndExportResponse:
+        held = await self.worker.exports.end(request.share_id)
+        return wpb.EndExportResponse(held=held)
 
 
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine failed for good (a tensor-parallel rank died)
@@ -251,15 +268,19 @@ class Worker:
             services.append("kvrelay.v1.DecodeWorker")
         if st.role == "prefill":
             from kvrelay.prefill_worker.peers import DecodePeers
+            from kvrelay.prefill_worker.pull import PrefixPull
             from kvrelay.prefill_worker.service import PrefillService
             from kvrelay.prefill_worker.servicer import PrefillServicer
 
-            peers = DecodePeers(self.engine, self.kv, token_metadata(st.cluster_token))
-            self.prefill_service = PrefillService(self.engine, self.kv, peers)
+            md = token_metadata(st.cluster_token)
+            peers = DecodePeers(self.engine, self.kv, md)
+            self.prefill_service = PrefillService(self.engine, self.kv, peers,
+                                                  PrefixPull(self.engine, self.kv, md))
             self.prefill_servicer = PrefillServicer(self.prefill_service, self.worker_id)
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.prefill_servicer,
                                                                 self.server)
             services.append("kvrelay.v1.PrefillWorker")
+        self.exports = PrefixExports(self.engine, self.kv)  # lends prefix blocks to pulls
         worker_pb2_grpc.add_WorkerControlServicer_to_server(ControlServicer(self), self.server)
         services.append("kvrelay.v1.WorkerControl")
         return services
@@ -322,6 +343,9 @@ class Worker:
         if self.decode_servicer is not None:  # sessions end once their calls did
             self.decode_servicer.sessions.close()
         await self.server.stop(grace=1.0)
+        self.exports.close()
+        if self.prefill_service is not None:
+            await self.prefill_service.pull.close()
         if self.decode_servicer is not None:
             await self.leases.stop()
         if self.fencer is not None:
