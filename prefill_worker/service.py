@@ -32,6 +32,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
 from kvrelay.prefill_worker.peers import DecodePeers, DecodeTarget
+from kvrelay.prefill_worker.pull import PrefixPull, PullReport, PullSource
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.connector import NixlConnector
@@ -42,8 +43,8 @@ PREFILL_ARRIVAL_WAIT_S = 1.0  # a SetDestination waits this long for its Prefill
 
 
 class Prefilled(NamedTuple):
-    """A delivered prefill: the engine's output with its first token(s), and where its time
-    went (monotonic seconds)."""
+    """A delivered prefill: the engine's output with its first token(s), where its time went
+    (monotonic seconds), and its prefix pull (None: none was asked)."""
 
     out: RequestOutput
     kv_bytes: int
@@ -51,6 +52,7 @@ class Prefilled(NamedTuple):
     scheduled: float
     computed: float
     done: float
+    pull: PullReport | None = None
 
 
 @dataclass
@@ -82,10 +84,12 @@ def first_token_only(full: SamplingParams) -> SamplingParams:
 
 
 class PrefillService:
-    def __init__(self, engine: AsyncEngine, kv: NixlConnector, peers: DecodePeers):
+    def __init__(self, engine: AsyncEngine, kv: NixlConnector, peers: DecodePeers,
+                 pull: PrefixPull | None = None):
         self.engine = engine
         self.kv = kv
         self.peers = peers
+        self.pull = pull if pull is not None else PrefixPull(engine, kv)
         self.draining = False
         self._pending: dict[str, _Pending] = {}  # request id -> prefill awaiting its destination
         self._arrivals: dict[str, asyncio.Event] = {}  # SetDestinations that came first
@@ -129,9 +133,13 @@ class PrefillService:
 
     # -- calls ---------------------------------------------------------------------------------
     async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams,
-                      cache_salt: str, dest: DecodeTarget | None, span: Any = None) -> Prefilled:
+                      cache_salt: str, dest: DecodeTarget | None, span: Any = None,
+                      pull: PullSource | None = None,
+                      time_left_s: float | None = None) -> Prefilled:
         """Prefill ``prompt`` into ``dest``'s blocks (None: a ``set_destination`` names them
-        while it computes) and wait for delivery."""
+        while it computes) and wait for delivery. ``pull``: first read the prompt's prefix
+        from the worker that holds it (``pull.py``; any failure recomputes), within half of
+        ``time_left_s`` at most."""
         mark("prefill_rpc_in", rid)
         skip = self._validate(rid, prompt, cache_salt, dest)
         if not self.kv.admit_send(rid):  # cut off from the routers: it may be gone for them
@@ -140,12 +148,17 @@ class PrefillService:
                               "unanswered, or just restored): refusing to write KV",
                               FailureKind.FAILURE_DRAINING, nothing_written=True)
         sampling = first_token_only(sampling)
+        pulled = None
+        if pull is not None:
+            pulled = await self.pull.pull(rid, prompt, cache_salt or None, pull, time_left_s)
         if dest is None:
-            return await self._prefill_then_destination(rid, prompt, sampling, cache_salt, span)
+            done = await self._prefill_then_destination(rid, prompt, sampling, cache_salt, span)
+            return done._replace(pull=pulled)
         await self.peers.evict_idle()
         with self.peers.using(dest.agent_name):
             params = await self._bind(rid, dest, skip)
-            return await self._run(rid, prompt, sampling, cache_salt, params, span)
+            done = await self._run(rid, prompt, sampling, cache_salt, params, span)
+            return done._replace(pull=pulled)
 
     async def _prefill_then_destination(self, rid: str, prompt: list[int],
                                         sampling: SamplingParams, cache_salt: str,

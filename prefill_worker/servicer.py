@@ -17,6 +17,7 @@ from kvrelay.common.failures import CallRefused, FailureKind, refusals
 from kvrelay.common.logs import request_context
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.prefill_worker.peers import DecodeTarget
+from kvrelay.prefill_worker.pull import PullSource
 from kvrelay.prefill_worker.service import Prefilled, PrefillService
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.proto import worker_pb2_grpc
@@ -27,6 +28,13 @@ logger = logging.getLogger(__name__)
 def target_of(dest: wpb.KVDestination) -> DecodeTarget:
     return DecodeTarget(dest.agent_name, dest.decode_address, dest.incarnation,
                         list(dest.block_ids), dest.skip_prefix_tokens, dest.lease_id)
+
+
+def pull_of(request: wpb.PrefillRequest) -> PullSource | None:
+    if not request.HasField("pull"):
+        return None
+    h = request.pull
+    return PullSource(h.source_address, h.source_agent, h.prefix_tokens, h.timeout_ms / 1e3)
 
 
 def _request(request: wpb.PrefillRequest) -> tuple[SamplingParams, DecodeTarget | None]:
@@ -56,6 +64,8 @@ def prefill_response(p: Prefilled, worker_id: str) -> wpb.PrefillResponse:
             resp.fork_logprobs.append(logprob_to_proto(lp))
     if out.prompt_logprobs:
         resp.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
+    if p.pull is not None:
+        resp.pull.CopyFrom(p.pull.to_proto())
     return resp
 
 
@@ -76,7 +86,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             async with refusals(context):
                 sampling, dest = _request(request)
                 done = await self.service.prefill(rid, list(request.prompt_token_ids),
-                                                  sampling, request.cache_salt, dest, span)
+                                                  sampling, request.cache_salt, dest, span,
+                                                  pull_of(request), context.time_remaining())
             return prefill_response(done, self.worker_id)
 
     async def SetDestination(self, request: wpb.SetDestinationRequest,
