@@ -190,7 +190,8 @@ def router_settings_from_args(args: argparse.Namespace) -> RouterSettings:
                             kv_wait_s=float(args.kv_wait),
                             worker_wait_s=float(args.worker_wait),
                             prefill_ahead=bool(args.prefill_ahead),
-                            stream_sessions=bool(args.stream_sessions)))
+                            stream_sessions=bool(args.stream_sessions),
+                            prefix_pull=args.prefix_pull))
 
 
 def _one_secret(flag: str, value: str | None, file: str | None) -> str | None:
@@ -374,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the Prefill beside the decode worker's Reserve and name its KV destination "
              "when the Reserve answers, hiding the Reserve's round trip (pays when the prefill "
              "worker has its own cores or GPU; default: Reserve first, then Prefill)")
+    opt(p, "--prefix-pull", choices=("off", "auto", "always"), default=rc.prefix_pull,
+        help="pull a prompt's prefix over NIXL from the worker that holds more of it (the decode "
+             "worker of the previous turn, another prefill worker) instead of recomputing it: "
+             "auto when the measured cost model predicts the pull faster (the crossover is "
+             "logged and exported), always whenever one holds more, off (default)")
     opt(p, "--stream-sessions", action=argparse.BooleanOptionalAction,
         default=rc.stream_sessions,
         help="read each decode worker's token streams over one gRPC stream, a decode step's "

@@ -126,6 +126,11 @@ PRIOR_BYTES_PER_S = 1e9  # KV transfer bandwidth
 PRIOR_STEP_COST = StepCostFit(base=PRIOR_STEP_S, prefill_token=PRIOR_TOKEN_S, attended_pair=0.0,
                               decode=PRIOR_TOKEN_S, decode_ctx_token=0.0, samples=0)
 PRIOR_STEP_TOKENS = 2048  # the engine's default prefill token budget of a step
+# A prefix pull (``prefix_pull``) until prefill workers report measured ones: conservative, so
+# that only long prefixes are pulled before anything was measured. Fixed: ExportPrefix and
+# EndExport round trips, two engine calls on each side, a NIXL connection on first use.
+PRIOR_PULL_S = 0.01
+PRIOR_PULL_BYTES_PER_S = 5e8
 
 
 class ClusterPerf:
@@ -138,6 +143,11 @@ class ClusterPerf:
         # KV delivery after the last prefill compute (PrefillResponse.transfer_ms) vs MiB sent.
         self.transfer = LinearFit(PRIOR_RPC_S, 2.0**20 / PRIOR_BYTES_PER_S, 1.0)
         self.block_bytes: float | None = None  # KV bytes of one block (kv_bytes / blocks sent)
+        # A prefix pull's time (PullResult.pull_ms: export, read, end, publish) vs MiB read.
+        self.pull = LinearFit(PRIOR_PULL_S, 2.0**20 / PRIOR_PULL_BYTES_PER_S, 1.0)
+        # The prefix length (tokens) above which a pull beats recomputing, as last predicted
+        # (``prefix_pull.crossover_tokens``); None: not yet, or never.
+        self.pull_crossover_tokens: int | None = None
 
     def transfer_s(self, blocks: int) -> float:
         if blocks <= 0:
@@ -149,6 +159,10 @@ class ClusterPerf:
             return
         self.block_bytes = kv_bytes / blocks
         self.transfer.observe(kv_bytes / 2.0**20, seconds)
+
+    def observe_pull(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0:
+            self.pull.observe(nbytes / 2.0**20, seconds)
 
 
 @dataclass

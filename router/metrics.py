@@ -120,6 +120,11 @@ class _PoolCollector(Collector):
         model.add_metric(["prefill_rpc_overhead_seconds", "", ""], perf.prefill_rpc_s.value)
         if perf.block_bytes:
             model.add_metric(["kv_block_bytes", "", ""], perf.block_bytes)
+        a, b = perf.pull.coef()
+        model.add_metric(["pull_fixed_seconds", "", ""], a)
+        model.add_metric(["pull_bytes_per_second", "", ""], 2.0**20 / b if b > 0 else 0.0)
+        model.add_metric(["pull_samples", "", ""], perf.pull.n)
+        pulls = self._pulls(perf.pull_crossover_tokens)
         for w in self.registry.workers.values():
             role, perf = w.identity.role, w.perf
             lv = [role, w.worker_id]
@@ -130,7 +135,43 @@ class _PoolCollector(Collector):
                 model.add_metric(["step_samples", *lv], fit.samples)
             if role != "prefill":
                 model.add_metric(["reserve_rpc_seconds", *lv], perf.reserve_rpc_s.value)
-        yield from (routed, computed, sent, skipped, credited, model)
+        yield from (routed, computed, sent, skipped, credited, model, *pulls)
+
+    def _pulls(self, crossover: int | None) -> list[GaugeMetricFamily | CounterMetricFamily]:
+        """Prefix pulls (``router/prefix_pull.py``): decisions, outcomes, what they brought."""
+        c = self.registry.pulls
+        decisions = CounterMetricFamily(
+            "kvrelay:router_pull_decisions", "Prefill requests for which another worker held "
+            "more of the prompt's prefix than the chosen prefill worker, by what the cost model "
+            "decided (pull it over NIXL, or recompute it) and the pool holding it",
+            labels=["decision", "source_pool"])
+        for (decision, pool), n in sorted(c.decisions.items()):
+            decisions.add_metric([decision, pool], n)
+        outcomes = CounterMetricFamily(
+            "kvrelay:router_pull_outcomes", "Pulls by how they ended (PullOutcome): PULL_DONE, "
+            "or why the prefill worker fell back to recomputing", labels=["outcome"])
+        for name, n in sorted(c.outcomes.items()):
+            outcomes.add_metric([name], n)
+        fallbacks = CounterMetricFamily(
+            "kvrelay:router_pull_fallbacks", "Pulls that failed and were recomputed instead "
+            "(holder unreachable or dead, read failed or timed out, export lapsed, no room)")
+        fallbacks.add_metric([], c.fallbacks)
+        tokens = CounterMetricFamily("kvrelay:router_pulled_tokens",
+                                     "Prompt tokens pulled from another worker, not computed")
+        tokens.add_metric([], c.pulled_tokens)
+        nbytes = CounterMetricFamily("kvrelay:router_pulled_bytes",
+                                     "KV bytes prefill workers read from other workers")
+        nbytes.add_metric([], c.pulled_bytes)
+        out: list[GaugeMetricFamily | CounterMetricFamily] = [decisions, outcomes, fallbacks,
+                                                               tokens, nbytes]
+        if crossover is not None:
+            g = GaugeMetricFamily(
+                "kvrelay:router_pull_crossover_tokens", "The prefix length above which the "
+                "cost model predicts pulling it faster than recomputing it (measured pulls and "
+                "the prefill pool's step-time fit)")
+            g.add_metric([], crossover)
+            out.append(g)
+        return out
 
 
 class RouterMetrics:

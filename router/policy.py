@@ -163,6 +163,10 @@ class CostModel:
         self._chosen[work] = (now, fit)
         return fit
 
+    def prompt_fit(self, now: float) -> StepCostFit:
+        """The step-time fit a prompt's compute is predicted with (``_choose_fit``)."""
+        return self._fit("prompt", now)
+
     def _choose_fit(self, work: str) -> StepCostFit:
         """The step-time fit to predict ``work`` with: "prompt" (prefill compute) from the
         most measured fit of the prefill pool, then of role=both workers, then of the decode

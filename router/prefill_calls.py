@@ -24,6 +24,7 @@ from kvrelay.router.calls import call_cancelled, cancel, dest_failed, draining, 
 from kvrelay.router.cluster import Cluster
 from kvrelay.router.errors import RouterError
 from kvrelay.router.leases import Lease, Leases
+from kvrelay.router.prefix_pull import PrefixPulls
 from kvrelay.router.requests import GenerateSpec, Pass, WorkerLost
 from kvrelay.router.trace import Step, Trace
 from kvrelay.router.worker_state import Charge, HeldPrefix, WorkerState
@@ -35,6 +36,7 @@ class PrefillCalls:
     def __init__(self, cluster: Cluster, leases: Leases):
         self.cluster = cluster
         self.leases = leases
+        self.pulls = PrefixPulls(cluster.registry, cluster.policy.cost, cluster.config.prefix_pull)
 
     def choose(self, ctx: Pass) -> None:
         """Pick the pass's prefill worker before the Reserve (the decode worker binds the
@@ -56,6 +58,7 @@ class PrefillCalls:
         ahead = wpb.PrefillRequest(request_id=spec.request_id, prompt_token_ids=prompt,
                                    cache_salt=spec.cache_salt or "",
                                    sampling=sampling_to_proto(sampling), destination_follows=True)
+        self._pull_hint(ctx.prefill, ctx, ahead)
         ctx.ahead_t0 = time.monotonic()
         trace.add(Step.PREFILL_START, ctx.prefill.worker_id, detail=ctx.reason or "ahead")
         span = tracing.start("router.prefill", trace.span, **{
@@ -116,6 +119,8 @@ class PrefillCalls:
         dispatched = p.accounting.dispatches
         # before the expectation: it would count as cached
         est = self.cluster.policy.cost.prefill(p, ctx.req, time.monotonic())
+        if ctx.ahead is None:  # (one sent ahead carries its hint already)
+            self._pull_hint(p, ctx, req)
         with p.accounting.charge(prompt_tokens=est.new_tokens):
             p.expect(ctx.req.hashes(p.identity.block_size),
                      time.monotonic() + self.cluster.registry.expect_s)
@@ -134,6 +139,15 @@ class PrefillCalls:
         self._observe(p, lease, ctx, resp, time.monotonic() - t_rpc,
                       clean and p.accounting.dispatches == dispatched, est.held)
         return resp
+
+    def _pull_hint(self, p: WorkerState, ctx: Pass, req: wpb.PrefillRequest) -> None:
+        """Start ``p``'s Prefill with a pull of the prompt's prefix from another worker that
+        holds more of it, when the cost model (or ``--prefix-pull always``) says so."""
+        plan = self.pulls.plan(p, ctx.req, count=ctx.count)
+        if plan is None:
+            req.ClearField("pull")
+        else:
+            req.pull.CopyFrom(plan.hint())
 
     def _charge(self, p: WorkerState, ctx: Pass) -> Charge:
         pending = self.cluster.policy.cost.prefill(p, ctx.req, time.monotonic()).new_tokens
@@ -231,6 +245,8 @@ class PrefillCalls:
         skip = lease.cached_prefix_tokens // d.identity.block_size
         sent = len(lease.resp.block_ids) - skip
         p.expect(ctx.req.hashes(p.identity.block_size), time.monotonic() + registry.expect_s)
+        if resp.HasField("pull"):
+            self.pulls.observe(p, resp.pull, record=ctx.record)
         if ctx.count:
             c = registry.counter(p)
             c.prompt_tokens += n

@@ -145,6 +145,26 @@ class RouteCounters:
                 + blocks * block_size
 
 
+@dataclass
+class PullCounters:
+    """Prefix pulls (``prefix_pull``): what the router decided and what came of it."""
+
+    # (decision "pull" | "recompute", source pool) -> requests where another worker held more
+    decisions: dict[tuple[str, str], int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)  # PullOutcome name -> pulls
+    pulled_tokens: int = 0
+    pulled_bytes: int = 0
+
+    def decided(self, decision: str, pool: str) -> None:
+        key = (decision, pool)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+
+    @property
+    def fallbacks(self) -> int:
+        return sum(n for k, n in self.outcomes.items()
+                   if k not in ("PULL_DONE", "PULL_NOT_NEEDED", "PULL_NONE"))
+
+
 class Stalls:
     """Spans in which the router could not read a beat: its loop ran late (blocked, or the
     process starved of CPU). A worker's silence counts only the time the router was listening,
@@ -183,6 +203,7 @@ class WorkerRegistry:
         self.stalls = Stalls()
         self.perf = ClusterPerf()
         self.counters: dict[tuple[str, str], RouteCounters] = {}
+        self.pulls = PullCounters()
         self._refused: dict[str, str] = {}  # worker id -> why its layout was last refused
         # Called with each worker that joins; set by a policy that measures workers first (the
         # worker is `calibrating`, hence unused and unlisted, until the callee clears it).

@@ -47,12 +47,18 @@ class RouterConfig:
     # Read each decode worker's streams over one Session (one message per decode step for all
     # of its requests) instead of one RPC per request (one message per token per request).
     stream_sessions: bool = True
+    # Prefix pull (router/prefix_pull.py): a prefill worker reads the prompt's prefix from
+    # another worker that holds more of it instead of recomputing it. "auto": when the cost
+    # model predicts the pull faster; "always": whenever one holds more; "off".
+    prefix_pull: str = "off"
 
     def __post_init__(self) -> None:
         if self.max_prefill_attempts < 1 or self.max_migrations < 0 or self.max_inflight < 1:
             raise ValueError("max_prefill_attempts >= 1, max_migrations >= 0, max_inflight >= 1")
         if (self.max_queued is not None and self.max_queued < 0) or self.queue_wait_s < 0:
             raise ValueError("max_queued >= 0 and queue_wait_s >= 0")
+        if self.prefix_pull not in ("off", "auto", "always"):
+            raise ValueError(f"prefix_pull must be off, auto or always, not {self.prefix_pull!r}")
 
 
 @dataclass
