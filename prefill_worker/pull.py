@@ -30,7 +30,8 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
@@ -161,9 +162,9 @@ class PrefixPull:
                 raise _Fallback(wpb.PULL_NOT_NEEDED if have * bs >= covered
                                 else wpb.PULL_SOURCE_SHORT, "we hold as much already")
             try:
-                nbytes = await asyncio.to_thread(
+                nbytes = await _unabandoned(asyncio.to_thread(
                     self.kv.read_blocks, exp.agent_name, src_ids[have:], dst,
-                    timeout_s=_left(deadline), incarnation=exp.incarnation)
+                    timeout_s=_left(deadline), incarnation=exp.incarnation))
             except KVTransferError as e:
                 raise _Fallback(wpb.PULL_READ_FAILED, str(e)) from e
             held = await self._end_export(stub, share, deadline)
@@ -230,6 +231,24 @@ class PrefixPull:
         for ch in self._channels.values():
             await ch.close(grace=None)
         self._channels.clear()
+
+
+async def _unabandoned(read: Coroutine[Any, Any, int]) -> int:
+    """Await the read; a cancelled call (the request left) still waits for it to end (its own
+    deadline bounds it) before the import's blocks can be dropped and reused: a read still
+    running would write into blocks another request then holds."""
+    task = asyncio.ensure_future(read)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except BaseException:  # its own failure: task.result() raises it below
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
 
 
 def _left(deadline: float, floor: float = 1e-3) -> float:
