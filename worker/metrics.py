@@ -76,6 +76,15 @@ class _EngineCollector(Collector):
             yield ev
         if s.kv_tiers:
             yield from self._tiers(s)
+        if s.prefix_shares:  # prefix pulls: blocks lent to peers' reads, read from peers
+            shares = CounterMetricFamily(
+                "kvrelay:prefix_pull_blocks", "Prefix pulls: KV blocks lent to a peer's read "
+                "(exported), read from a peer and published (imported), and pulls dropped "
+                "unpublished (failed_imports: the prompt was recomputed)",
+                labels=[*names, "event"])
+            for k, v in sorted(s.prefix_shares.items()):
+                shares.add_metric([*self.labels, k], v)
+            yield shares
         if s.step_cost is not None:
             fam = GaugeMetricFamily(
                 "kvrelay:step_cost_seconds",
