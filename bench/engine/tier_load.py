@@ -109,12 +109,54 @@ def one_length(model: str, n: int, threads: int, disk_dir: str, seed: int) -> di
         core.close()
 
 
+def no_reuse_cost(model: str, threads: int, disk_dir: str, n: int, rounds: int
+                  ) -> tuple[float, float, float, float]:
+    """Fresh prompts only (nothing to load, every block stored): the same prompts through an
+    engine without tiers and one with host and disk tiers, alternating prompt by prompt in one
+    process; returns (seconds without, seconds with, decode seconds without, with) summed over
+    ``rounds`` prompts of ``n`` tokens each followed by 32 decode steps."""
+    probe = EngineCore(EngineConfig.from_kwargs(model, num_blocks=4, num_threads=threads))
+    slot_bytes, vocab = probe.runner.kv_spec.bytes_per_block_all_layers, probe.vocab_size
+    del probe
+    room = 2 * (n + 64) // BLOCK + 4  # two prompts: the pool evicts, the tiers store
+    kw: dict[str, object] = dict(num_blocks=room, num_threads=threads, block_size=BLOCK,
+                                 max_num_batched_tokens=2048, long_prefill_threshold=2048,
+                                 max_model_len=n + 64)
+    plain = EngineCore(EngineConfig.from_kwargs(model, **kw), eos_token_ids=frozenset())
+    tiered = EngineCore(EngineConfig.from_kwargs(
+        model, kv_offload_memory=4 * room * slot_bytes, kv_offload_dir=disk_dir,
+        kv_offload_disk=16 * room * slot_bytes, **kw), eos_token_ids=frozenset())
+    decode = SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)
+    totals = [0.0, 0.0, 0.0, 0.0]
+    try:
+        for core in (plain, tiered):
+            ttft(core, "warm", prompt(64, 999, vocab))
+        for i in range(rounds):
+            p = prompt(n, 5000 + i, vocab)
+            for core in (plain, tiered) if i % 2 == 0 else (tiered, plain):
+                k = 0 if core is plain else 1
+                t = time.perf_counter()
+                core.add_request(f"f{i}", p, decode)
+                first = None
+                while core.has_unfinished():
+                    if core.step() and first is None:
+                        first = time.perf_counter()
+                assert first is not None
+                totals[k] += first - t
+                totals[2 + k] += time.perf_counter() - first
+    finally:
+        tiered.close()
+    return totals[0], totals[1], totals[2], totals[3]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-reuse", type=int, default=8,
+                    help="fresh prompts for the tiers' cost where nothing is reused (0: skip)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvrelay-tier-")
     model = args.model
@@ -142,6 +184,12 @@ def main() -> None:
               f"{med['host_x']:>7.1f} {med['disk_x']:>7.1f} "
               f"{med['host_ms_per_block']:>12.3f} {med['disk_ms_per_block']:>12.3f} "
               f"{med['convoy_x']:>11.2f}", flush=True)
+    if args.no_reuse:
+        plain, tiered, dplain, dtiered = no_reuse_cost(
+            model, args.threads, os.path.join(tmp, "disk-fresh"), 2048, args.no_reuse)
+        print(f"\nno reuse ({args.no_reuse} fresh 2048-token prompts, alternating engines): "
+              f"prefill {plain:.2f} s without tiers, {tiered:.2f} s with ({tiered / plain:.3f}x);"
+              f" 32 decode steps {dplain:.2f} s / {dtiered:.2f} s ({dtiered / dplain:.3f}x)")
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ issued on a side stream into pinned memory and completes while the next step com
 CPU worker (the pool is DRAM too) it is a memcpy on the engine thread, ~0.1 ms for a 150M
 model's block, measured in bench/results/kv_tiers.txt.
 
-**The host tier evicts least recently used**, and with a disk tier it *spills* instead: its
-least recently used half is written ahead to disk by the IO thread (from the pinned slot), so
-evicting those costs nothing; a victim not on disk yet has its bytes copied to a staging
-buffer at once (so the slot can be reused) and written from there. **Loads** from disk run on
-the IO thread too, ahead of spills, started as soon as a request arrives (``prefetch``), into a
-host slot that is ready only after the file verified; **promotion** host → pool is a copy on
-the engine thread when the request is admitted.
+**The host tier evicts least recently used**, and with a disk tier it *spills* instead: every
+block it stores is written to disk behind it by the IO thread (from the pinned slot, in the
+order stored), so evicting one costs nothing; a victim not on disk yet has its bytes copied to
+a staging buffer at once (so the slot can be reused) and written from there. **Loads** from
+disk run on the IO thread too, ahead of spills, started as soon as a request arrives
+(``prefetch``), into a host slot that is ready only after the file verified; **promotion**
+host → pool is a copy on the engine thread when the request is admitted.
 
 Every entry carries its block's chain hash, parent hash and token ids; a lookup compares all
 three, and a disk read verifies the file's layout fingerprint and payload CRC, so only KV that is
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -42,11 +43,11 @@ from kvrelay.engine.tiers.tier_io import TierIO
 
 logger = logging.getLogger(__name__)
 
-# With a disk tier, the least recently used half of the host tier is kept on disk too (written
-# ahead by the IO thread from the pinned host slot), so that evicting from the host tier is
-# usually free: one prefill step can store hundreds of blocks, and each would otherwise have to
-# be copied aside at once to be spilled.
-SPILL_AHEAD_FRACTION = 0.5
+# With a disk tier, every block the host tier stores is also written to disk, in the order
+# stored, by the IO thread from the pinned host slot (write-through again, in the background), so
+# that evicting from the host tier is usually free: one prefill step can store hundreds of
+# blocks, and each victim would otherwise have to be copied aside at once to be spilled. At most
+# this many writes are in flight (each pins its host slot).
 MAX_SPILLS_IN_FLIGHT = 256
 # Victims not yet on disk are copied to a staging buffer and written from there, up to this many
 # bytes in flight; beyond it a victim is dropped, so a slow disk cannot grow memory unbounded.
@@ -98,6 +99,7 @@ class KVTiers:
         self._staged_spills = 0
         self._max_staged = max(8, MAX_STAGED_BYTES // self.slot_bytes)
         self._spilling: set[int] = set()  # host slots being written ahead to disk (pinned)
+        self._to_spill: deque[tuple[int, int]] = deque()  # (host slot, hash) not yet on disk
         self._loading: dict[int, int] = {}  # hash -> host slot being loaded from disk
         # CUDA: host slots whose store is still copying, with the event that ends it.
         self._cuda_stores: list[tuple[torch.cuda.Event, list[int]]] = []
@@ -245,24 +247,23 @@ class KVTiers:
 
     def _host_ready(self, slot: int) -> None:
         self.host_index.mark_ready(slot)
+        if self.disk_index is not None:
+            self._to_spill.append((slot, self.host_index.entry(slot).hash))
         if self.events is not None:
             e = self.host_index.entry(slot)
             self.events.stored(HOST, [e.hash], e.parent_hash, e.token_ids, self.block_size)
 
     def _spill_ahead(self) -> None:
-        """Start writing the host tier's least recently used blocks that are not on disk yet
-        to disk, from their slots (pinned until written)."""
+        """Start writing the blocks the host tier stored, in the order stored, to disk from
+        their slots (pinned until written), up to ``MAX_SPILLS_IN_FLIGHT`` at a time; O(1) a
+        block."""
         if self.disk_index is None or self.disk is None or self.io is None:
             return
         index, disk = self.host_index, self.disk_index
-        horizon = int(index.num_slots * SPILL_AHEAD_FRACTION)
-        todo = []
-        for n, slot in enumerate(index.oldest()):
-            if n >= horizon or len(self._spilling) + len(todo) >= MAX_SPILLS_IN_FLIGHT:
-                break
-            if slot not in self._spilling and disk.slot_of(index.entry(slot).hash) is None:
-                todo.append(slot)
-        for slot in todo:
+        while self._to_spill and len(self._spilling) < MAX_SPILLS_IN_FLIGHT:
+            slot, h = self._to_spill.popleft()
+            if index.slot_of(h) != slot or slot in self._spilling or disk.slot_of(h) is not None:
+                continue  # evicted since (staged, or dropped), or on disk already
             e = index.entry(slot)
             dslot = self._take_disk(e)
             if dslot is None:

@@ -13,7 +13,6 @@ Pure bookkeeping (no tensors, no threads): the engine thread alone calls it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -59,10 +58,6 @@ class TierIndex:
         if slot is None or not self._entries[slot].matches(parent_hash, token_ids):
             return None
         return slot
-
-    def oldest(self) -> Iterator[int]:
-        """Ready slots, least recently used first (do not change the index while iterating)."""
-        return iter(self._lru)
 
     def hash_set(self) -> frozenset[int]:
         """Hashes of the ready slots; the same object while unchanged."""
