@@ -16,7 +16,9 @@ reversed (``--repeat 2``: drift in the shared machine's speed hits them alike):
 * ``agg``: one worker of role both (2 threads); ``agg+tiers``: the same with
   ``--kv-offload-memory``;
 * ``1p1d``: a prefill and a decode worker (1 thread each); ``1p1d+tiers``: both with tiers (the
-  decode worker's reservations then reuse its own tier: "decode-side reuse").
+  decode worker's reservations then reuse its own tier: "decode-side reuse");
+  ``1p1d+tiers+pull``: and the router's ``--prefix-pull auto``: the prefill worker reads the
+  history the decode worker generated (P←D) instead of recomputing it.
 
 A second workload, ``no_reuse`` (fresh prompts only, the same sizes), measures what the tiers cost
 where they cannot help (every block stored, none loaded).
@@ -58,7 +60,7 @@ from kvrelay.proto import worker_pb2 as wpb
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("bench.serving.multi_round_qa")
 
-CONFIGS = ("agg", "agg+tiers", "1p1d", "1p1d+tiers")
+CONFIGS = ("agg", "agg+tiers", "1p1d", "1p1d+tiers", "1p1d+tiers+pull")
 BLOCK = 16
 
 
@@ -73,7 +75,7 @@ class Settings:
     history_tokens: int = 2000
     question_tokens: int = 50
     answer_tokens: int = 100
-    stagger_s: float = 2.0
+    stagger_s: float = 6.0
     think_s: float = 1.0
     working_set_ratio: float = 4.0
     pool_tokens: int = 0  # 0: the working set / working_set_ratio
@@ -111,16 +113,17 @@ def start_cluster(st: Settings, config: str, tag: str) -> tuple[Deployment, str]
         f.unlink()
     dep = Deployment(f"mrqa-{tag}")
     env = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1"}
+    pull = ["--prefix-pull", "auto"] if config.endswith("+pull") else []
     dep.spawn(Proc("router", kvrelay_cmd(
         "router", "--model", st.model_dir, "--port", "0", "--control-port", "0",
-        "--ready-file", str(work / "router.ready")), env, work / "router.log"))
+        "--ready-file", str(work / "router.ready"), *pull), env, work / "router.log"))
     ready = wait_file(work / "router.ready", dep, st.startup_timeout_s)
     control = f"127.0.0.1:{ready['control_port']}"
     disagg = config.startswith("1p1d")
     engine = ["--model", st.model_dir, "--device", "cpu", "--num-kv-blocks", str(st.pool()),
               "--block-size", str(BLOCK), "--max-model-len", "8192", "--seed", str(st.seed),
               "--num-threads", "1" if disagg else "2"]
-    if config.endswith("+tiers"):
+    if "+tiers" in config:
         engine += ["--kv-offload-memory", st.offload_memory]
     roles = ["prefill", "decode"] if disagg else ["both"]
     for role in roles:
@@ -279,8 +282,7 @@ def table(doc: dict[str, Any]) -> str:
         names = [c for c in res if wl in res[c]]
         if not names:
             continue
-        pairs = [(c, c.removesuffix("+tiers")) for c in names
-                 if c.endswith("+tiers") and c.removesuffix("+tiers") in res]
+        pairs = [(c, c.split("+")[0]) for c in names if "+" in c and c.split("+")[0] in res]
         head = names + [f"{a} ÷ {b}" for a, b in pairs]
         lines += [f"\n### {wl}\n", "| metric | " + " | ".join(head) + " |",
                   "|---" * (len(head) + 1) + "|"]
