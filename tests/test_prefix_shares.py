@@ -6,9 +6,8 @@ read moves them between workers."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from engine_runs import run_one, seeded_prompt
 
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore
@@ -28,22 +27,12 @@ def make_core(model_dir: str, **kw: object) -> EngineCore:
 
 
 def prompt(seed: int, n: int = 150) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 4000) for _ in range(n)]
+    return seeded_prompt(seed, n)
 
 
 def run(core: EngineCore, rid: str, tokens: list[int]) -> tuple[list[int], int]:
-    core.add_request(rid, tokens, GREEDY)
-    out: list[int] = []
-    cached = 0
-    for _ in range(500):
-        for o in core.step():
-            if o.request_id == rid:
-                out += o.new_token_ids
-                cached = max(cached, o.num_cached_tokens)
-                if o.finished:
-                    return out, cached
-    raise AssertionError("request did not finish")
+    """Greedy tokens of one request run alone, and how many prompt tokens were cached."""
+    return run_one(core, rid, tokens, GREEDY)
 
 
 def copy_blocks(src: EngineCore, src_ids: list[int], dst: EngineCore, dst_ids: list[int]) -> None:

@@ -45,12 +45,11 @@ import grpc
 
 from bench.routing.routing_results import Result, brief, mean_runs, summarize, table
 from bench.serving.serving_configs import kvrelay_cmd
-from bench.serving.serving_procs import Deployment, Proc, free_port, wait_file
+from bench.serving.serving_procs import Deployment, Proc, free_port, wait_file, wait_registered
 from bench.serving.workloads import make_requests, poisson_arrivals, read_vocab
 from kvrelay.common.rpc import CHANNEL_OPTIONS
 from kvrelay.proto import generate_pb2 as pb
-from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
-from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import generate_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,17 +113,7 @@ def start_cluster(st: Settings, policy: str) -> tuple[Deployment, dict[str, Any]
     for name in names:
         wait_file(work / f"{name}.ready", dep, st.startup_timeout_s)
     # routable: listed by the router (`auto` lists a worker once it has measured it)
-    deadline = time.monotonic() + st.startup_timeout_s
-    while True:
-        dep.check_alive()
-        with grpc.insecure_channel(control) as ch:
-            listed = worker_pb2_grpc.RegistryStub(ch).ListWorkers(
-                wpb.ListWorkersRequest(), timeout=10).workers
-        if len(listed) == len(names):
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(listed)} of {len(names)} workers registered")
-        time.sleep(0.2)
+    wait_registered(control, len(names), dep, st.startup_timeout_s)
     return dep, {"grpc": f"127.0.0.1:{ready['port']}", "http": http, "control": control}
 
 

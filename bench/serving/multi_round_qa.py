@@ -50,12 +50,11 @@ import grpc
 
 from bench.serving.metrics import percentile
 from bench.serving.serving_configs import kvrelay_cmd
-from bench.serving.serving_procs import Deployment, Proc, wait_file
+from bench.serving.serving_procs import Deployment, Proc, wait_file, wait_registered
 from bench.serving.workloads import read_vocab
 from kvrelay.common.rpc import CHANNEL_OPTIONS
 from kvrelay.proto import generate_pb2 as pb
-from kvrelay.proto import generate_pb2_grpc, worker_pb2_grpc
-from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import generate_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("bench.serving.multi_round_qa")
@@ -133,17 +132,7 @@ def start_cluster(st: Settings, config: str, tag: str) -> tuple[Deployment, str]
             {**env, "OMP_NUM_THREADS": "1" if disagg else "2"}, work / f"{role}.log"))
     for role in roles:
         wait_file(work / f"{role}.ready", dep, st.startup_timeout_s)
-    deadline = time.monotonic() + st.startup_timeout_s
-    while True:
-        dep.check_alive()
-        with grpc.insecure_channel(control) as ch:
-            listed = worker_pb2_grpc.RegistryStub(ch).ListWorkers(
-                wpb.ListWorkersRequest(), timeout=10).workers
-        if len(listed) == len(roles):
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(listed)} of {len(roles)} workers registered")
-        time.sleep(0.2)
+    wait_registered(control, len(roles), dep, st.startup_timeout_s)
     return dep, f"127.0.0.1:{ready['port']}"
 
 

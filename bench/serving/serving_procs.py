@@ -121,6 +121,27 @@ def wait_file(path: Path, dep: Deployment, timeout_s: float) -> dict[str, Any]:
     raise TimeoutError(f"{path.name} not written after {timeout_s:.0f}s")
 
 
+def wait_registered(control: str, n: int, dep: Deployment, timeout_s: float) -> None:
+    """Poll the router's registry at ``control`` until it lists ``n`` workers (routable; the
+    processes must stay alive meanwhile)."""
+    import grpc
+
+    from kvrelay.proto import worker_pb2 as wpb
+    from kvrelay.proto import worker_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dep.check_alive()
+        with grpc.insecure_channel(control) as ch:
+            listed = worker_pb2_grpc.RegistryStub(ch).ListWorkers(
+                wpb.ListWorkersRequest(), timeout=10).workers
+        if len(listed) == n:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(listed)} of {n} workers registered")
+        time.sleep(0.2)
+
+
 def wait_http(url: str, dep: Deployment, timeout_s: float) -> None:
     """Poll ``url`` until it answers 200 (the processes must stay alive meanwhile)."""
     deadline = time.monotonic() + timeout_s
