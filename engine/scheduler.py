@@ -160,8 +160,16 @@ class Scheduler:
             budget -= n
             prefilling = prefilling or n > 0
         long_running = [s for s in long_ if s.status == SequenceStatus.RUNNING]
-        for seq in (long_running or long_)[:1]:
-            budget -= self._try_prefill(seq, budget, chunked, prefilling, scheduled)
+        for seq in long_running or long_:
+            n = self._try_prefill(seq, budget, chunked, prefilling, scheduled)
+            budget -= n
+            prefilling = prefilling or n > 0
+            if seq.request_id in self._tier_waits:
+                continue  # waiting for its prefix to load: the next long prompt may go
+            if n == 0 or seq.num_uncomputed_tokens > threshold:
+                break  # the one long prompt prefilling (or no room): keep the queue's order
+            # Long only before its prefix matched (a prompt mostly cached, a later turn): the
+            # few tokens left do not make it the long prompt, so the next one may go too.
         return SchedulerOutput(scheduled, preempted)
 
     def _queue_wait(self) -> float | None:

@@ -181,6 +181,38 @@ def test_disk_tier_spills_and_loads_back_and_a_bad_file_recomputes(demo_model_di
         core.close()
 
 
+def test_requests_sharing_a_prefix_being_loaded_share_its_loads(demo_model_dir, reference,
+                                                                 tmp_path: Path) -> None:
+    """Four prompts that extend one prefix on disk (long prompts until their prefix matched):
+    each block is read once, and all four are admitted together once it has loaded, not one
+    long prompt a step."""
+    core = make_core(demo_model_dir, kv_offload_memory=40 * SLOT_BYTES,
+                     kv_offload_dir=str(tmp_path), kv_offload_disk=200 * SLOT_BYTES,
+                     long_prefill_threshold=32)
+    try:
+        for s in range(4):
+            run(core, f"a{s}", prompt(s))
+        settle(core)
+        blocks = 160 // BLOCK
+        assert set(block_hashes(prompt(0), BLOCK)) <= core.cached_hash_sets()[DISK]
+        assert not set(block_hashes(prompt(0), BLOCK)) & core.cached_hash_sets()[DEVICE]
+        first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for j in range(4):
+            core.add_request(f"c{j}", prompt(0) + [7 + j], first)
+        finished_at: dict[str, int] = {}
+        for step in range(200):
+            for o in core.step():
+                if o.finished:
+                    finished_at[o.request_id] = step
+            if len(finished_at) == 4:
+                break
+        assert len(set(finished_at.values())) == 1, finished_at
+        read = core.stats().kv_tiers[DISK].hit_blocks
+        assert 0 < read <= blocks, "each block read at most once, for all four"
+    finally:
+        core.close()
+
+
 def test_abort_while_loading_returns_every_block_and_slot(demo_model_dir, tmp_path: Path) -> None:
     core = make_core(demo_model_dir, kv_offload_memory=40 * SLOT_BYTES,
                      kv_offload_dir=str(tmp_path), kv_offload_disk=200 * SLOT_BYTES)
