@@ -32,7 +32,11 @@ import asyncio
 import itertools
 import math
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 
@@ -43,6 +47,8 @@ MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # int32, as the gRPC field car
 ACTIVE_WINDOW_S = 30.0  # a tenant whose last request ended this long ago has no share
 QUEUE_WAIT_S = 5.0
 RETRY_AFTER_S = 1.0
+
+T = TypeVar("T")
 
 
 class Waiter:
@@ -269,3 +275,111 @@ class FairQueue:
             best.tenant.held += 1
             self.inflight += 1
             best.future.set_result(None)
+
+
+class FairThreads:
+    """Jobs for a few threads (the router's tokenizer threads), taken from each tenant in turn.
+
+    The tokenizer threads encode long prompts, render long chats, parse large bodies and compile
+    structured-output grammars for every tenant. Handed to the threads first come first served,
+    one key's flood of slow jobs (unique ``guided_json`` grammars, long prompts) put every other
+    key's job behind all of its own (``tests/test_tokenizer_fairness.py``: a key flooding unique
+    grammars made another key's long prompt 8x slower than idle). Here at most ``threads`` jobs
+    run at once, and a thread that comes free takes the oldest job of the tenant with the fewest
+    jobs running, among equals the one served longest ago: a newcomer's job waits for the jobs
+    running, not for the queues of the others. With one tenant this is first come first served.
+
+    ``refusal`` bounds each tenant's jobs (waiting or running) to its share of ``max_jobs``
+    among the tenants with jobs, never the last quarter, when ``shared`` (several API keys).
+
+    Loop-confined (the router's event loop): no locks.
+    """
+
+    def __init__(self, executor: Executor, threads: int, *, max_jobs: int,
+                 shared: bool = False):
+        self._executor = executor
+        self.threads = threads
+        self.max_jobs = max_jobs
+        self.shared = shared
+        self.running = 0  # jobs handed to the threads and not yet done
+        self._jobs: dict[str, int] = {}  # bounded jobs (waiting or running) per tenant
+        self._waiting: dict[str, deque[tuple[Callable[[], Any], asyncio.Future[Any]]]] = {}
+        self._running: dict[str, int] = {}  # per tenant
+        self._served: dict[str, int] = {}  # tenant -> when its latest job started (a count)
+        self._starts = itertools.count()
+
+    def refusal(self, tenant: str) -> str | None:
+        """Why a new bounded job of ``tenant`` is refused (its share of the jobs is taken), or
+        None."""
+        if not self.shared:
+            return None
+        held = self._jobs.get(tenant, 0)
+        present = len(self._jobs) + (tenant not in self._jobs)
+        cap = max(1, min(self.max_jobs - self.max_jobs // 4,
+                         math.ceil(self.max_jobs / present)))
+        if held < cap:
+            return None
+        return (f"router busy: {held} jobs of this API key wait for the tokenizer (its share "
+                f"of {self.max_jobs})")
+
+    async def run(self, tenant: str, fn: Callable[[], T], *, bounded: bool = True) -> T:
+        """``fn()`` on the threads, in ``tenant``'s turn; ``bounded`` jobs count in its share
+        (``refusal`` is the caller's to check first)."""
+        if bounded:
+            self._jobs[tenant] = self._jobs.get(tenant, 0) + 1
+        try:
+            if self.running < self.threads and not self._waiting:
+                return await self._start(tenant, fn)
+            ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._waiting.setdefault(tenant, deque()).append((fn, ready))
+            try:
+                started = await ready  # cancelled while waiting: the job is skipped
+            except asyncio.CancelledError:
+                if ready.done() and not ready.cancelled():  # started as the caller left
+                    ready.result().cancel()
+                raise
+            return await started
+        finally:
+            if bounded:
+                _count(self._jobs, tenant, -1)
+
+    def _start(self, tenant: str, fn: Callable[[], T]) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        self.running += 1
+        _count(self._running, tenant, 1)
+        self._served[tenant] = next(self._starts)
+        done = self._executor.submit(fn)
+        # the thread is free when the job ends, whether or not its caller still waits
+        done.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, tenant))
+        return asyncio.wrap_future(done, loop=loop)
+
+    def _finished(self, tenant: str) -> None:
+        self.running -= 1
+        _count(self._running, tenant, -1)
+        if tenant not in self._running and tenant not in self._waiting:
+            del self._served[tenant]
+        self._next()
+
+    def _next(self) -> None:
+        """Free threads to the tenants with jobs waiting: the fewest jobs running first, then
+        the one served longest ago; each its oldest job still awaited."""
+        while self.running < self.threads and self._waiting:
+            tenant = min(self._waiting, key=lambda t: (self._running.get(t, 0),
+                                                       self._served.get(t, -1)))
+            jobs = self._waiting[tenant]
+            fn, ready = jobs.popleft()
+            if not jobs:
+                del self._waiting[tenant]
+            if not ready.cancelled():
+                ready.set_result(self._start(tenant, fn))
+            elif tenant not in self._running and tenant not in self._waiting:
+                self._served.pop(tenant, None)
+
+
+def _count(counts: dict[str, int], key: str, by: int) -> None:
+    """``counts[key] += by``, the key dropped at 0."""
+    left = counts.get(key, 0) + by
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from kvrelay.router.service import RouterService
+from kvrelay.router.service import RouterService, serve_tenant
 from kvrelay.router.validation import json_values
 
 M = TypeVar("M", bound=BaseModel)
@@ -57,7 +57,11 @@ def parse_body(model: type[M], body: bytes, max_values: int) -> M:
 
 async def read_body(service: RouterService, request: Request, model: type[M]) -> M:
     """The request's body as a ``model`` (BadBody, or RouterError when the tokenizer threads
-    are too busy to take a large one)."""
+    are too busy to take a large one). The tenant admission counted it under (its API key's)
+    becomes the task's: its jobs on the tokenizer threads take that tenant's turns."""
+    ticket = request.scope.get("kvrelay.admission")
+    if ticket is not None:
+        serve_tenant(ticket.tenant)
     body = await request.body()
     return await service.offload(len(body) > OFFLOAD_BODY_BYTES, parse_body, model, body,
                                  service.max_body_values)

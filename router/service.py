@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import grpc
@@ -30,7 +31,13 @@ from kvrelay.engine.structured import GrammarCompiler, StructuredOutput
 from kvrelay.engine.tokenizer import apply_chat_template
 from kvrelay.router.admission import RETRY_AFTER_S, Admission
 from kvrelay.router.errors import RouterError
-from kvrelay.router.fairness import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, FairQueue
+from kvrelay.router.fairness import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    FairQueue,
+    FairThreads,
+)
 from kvrelay.router.lifecycle import GenerateSpec, Lifecycle
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.outputs import ChoiceOutputs, Delta
@@ -64,6 +71,16 @@ MAX_TOKENIZER_QUEUE = 64
 # token-id prompt and two vocabularies (logit_bias, allowed_token_ids): a parsed value costs up
 # to ~350 bytes, so this bounds a body's parse at a few hundred MB however it is shaped.
 BODY_VALUES_SLACK = 1 << 16
+# The tenant (``RouterService.tenant_of``) whose request the running task serves: its jobs on
+# the tokenizer threads take that tenant's turns (``fairness.FairThreads``). Set where a
+# request's tenant is first known (``serve_tenant``: the HTTP body's read, ``build_spec``).
+_TENANT: ContextVar[str] = ContextVar("kvrelay_router_tenant", default="")
+
+
+def serve_tenant(tenant: str) -> None:
+    """Make ``tenant`` the running task's: its request's jobs on the tokenizer threads from
+    here on take that tenant's turns."""
+    _TENANT.set(tenant)
 
 T = TypeVar("T")
 
@@ -107,6 +124,10 @@ class RouterService:
         # (time, ttft_ms) and (time, mean itl ms) of recently finished requests (autoscaling)
         self._recent: deque[tuple[float, float, float | None]] = deque(maxlen=4096)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        # each API key's jobs take their turns on the threads, each key its share of the queue
+        self.tokenizer_threads = FairThreads(self._pool, TOKENIZER_THREADS,
+                                             max_jobs=MAX_TOKENIZER_QUEUE,
+                                             shared=tenant_keys > 1)
         # Structured-output grammars are compiled here too, so one the workers could not compile
         # is refused with a 400 before anything is routed (built on first use, on the pool).
         self._grammar: GrammarCompiler | None = None
@@ -155,22 +176,24 @@ class RouterService:
     async def _run(self, large: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         if not large:
             return fn(*args, **kw)
-        if self._queued >= MAX_TOKENIZER_QUEUE:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"router busy: {self._queued} prompts wait for the tokenizer",
+        tenant = _TENANT.get()
+        why = (f"router busy: {self._queued} prompts wait for the tokenizer"
+               if self._queued >= MAX_TOKENIZER_QUEUE
+               else self.tokenizer_threads.refusal(tenant))
+        if why is not None:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, why,
                               retry_after_s=RETRY_AFTER_S)
         self._queued += 1
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+            return await self.tokenizer_threads.run(tenant, functools.partial(fn, *args, **kw))
         finally:
             self._queued -= 1
 
     async def background(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the tokenizer threads, for a request already admitted (its answer's
         detokenization): never refused, its size bounded by the request's own."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+        return await self.tokenizer_threads.run(_TENANT.get(), functools.partial(fn, *args),
+                                                bounded=False)
 
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a long text is tokenized on the tokenizer threads."""
@@ -230,6 +253,8 @@ class RouterService:
         The cheap checks come first: sizes are checked before anything is scanned or tokenized.
         """
         t0 = time.monotonic()
+        tenant = self.tenant_of(api_key)
+        serve_tenant(tenant)
         rid = request_id or self.new_request_id()
         check_request_id(rid)
         if model and model != self.model_name:
@@ -266,7 +291,7 @@ class RouterService:
         if bad_id is not None:
             raise invalid(f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
         return GenerateSpec(rid, list(token_ids), sampling, deadline, arrival=t0,
-                            cache_salt=salt, tenant=self.tenant_of(api_key), priority=priority)
+                            cache_salt=salt, tenant=tenant, priority=priority)
 
     def tenant_of(self, api_key: str | None) -> str:
         """The tenant a request presenting ``api_key`` belongs to: a digest of the key when the
