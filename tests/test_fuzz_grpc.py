@@ -18,16 +18,45 @@ import math
 import fuzz_support
 import grpc
 import pytest
-from fuzz_support import BAD_REQUEST_ID, CONTEXT, MODEL, SETTINGS, VOCAB, varint, wire_field
+from fuzz_support import (
+    BAD_REQUEST_ID,
+    CONTEXT,
+    MODEL,
+    SETTINGS,
+    VOCAB,
+    counted,
+    tokenize_probe,
+    varint,
+    wire_field,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrelay.proto import generate_pb2 as pb
+from kvrelay.proto import generate_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
-# The fixtures: the router of this module's own, in this process, and its Generate over raw bytes.
+# The fixtures: the router of this module's own, in this process, its Generate over raw bytes,
+# and the liveness prober.
 router, generate = fuzz_support.router, fuzz_support.generate
+fuzz_liveness = fuzz_support.fuzz_liveness
+
+
+@pytest.fixture(scope="module")
+def probe(router):
+    """The liveness probe: ListModels on the public gRPC port the fuzz calls (a channel of its
+    own), then ``/tokenize`` of a short prompt (the router's tokenizer, on its loop). A Generate
+    cannot be the probe: this router has no worker, so it would wait for one and fail."""
+    channel = grpc.insecure_channel(router.address)
+    models = pb_grpc.GenerationStub(channel).ListModels
+    tokenize = tokenize_probe(router.post)
+
+    def run() -> None:
+        assert [m.id for m in models(pb.ListModelsRequest(), timeout=30).models] == [MODEL]
+        tokenize()
+    yield run
+    channel.close()
 
 f32_bad_temp = st.one_of(st.floats(max_value=-0.0078125, allow_nan=False, width=32),
                          st.floats(min_value=100.5, width=32), st.just(math.nan))
@@ -110,6 +139,7 @@ def _grpc_noise(d) -> bytes:
 
 @SETTINGS
 @given(data=st.data())
+@counted
 def test_grpc_malformed_generate_is_refused(generate, data) -> None:
     m = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=2, temperature=0.0))
     if data.draw(st.booleans()):
@@ -147,6 +177,7 @@ def test_grpc_malformed_generate_is_refused(generate, data) -> None:
     pb.GenerateRequest(text="hi", request_id="a\n").SerializeToString(),
     pb.GenerateRequest(text="hi", timeout_ms=2**32 - 1).SerializeToString(),
 ])
+@counted
 def test_grpc_regressions(generate, raw) -> None:
     with pytest.raises(grpc.RpcError) as e:
         list(generate(raw, timeout=30))  # a client deadline too: timeout_ms is checked alone

@@ -26,6 +26,8 @@ from fuzz_support import (
     SETTINGS,
     VOCAB,
     check_http,
+    counted,
+    tokenize_probe,
 )
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -35,8 +37,16 @@ from kvrelay.router.openai_models import ChatCompletionRequest, CompletionReques
 
 pytestmark = pytest.mark.slow
 
-# The fixture: the router of this module's own, in this process.
-router = fuzz_support.router
+# The fixtures: the router of this module's own, in this process, and the liveness prober.
+router, fuzz_liveness = fuzz_support.router, fuzz_support.fuzz_liveness
+
+
+@pytest.fixture(scope="module")
+def probe(router):
+    """The liveness probe: ``/tokenize`` of a short prompt, through the same app the fuzz
+    posts to, on the router's loop. (A generation request cannot be the probe: this router
+    has no worker, so one would wait for a worker and end 503.)"""
+    return tokenize_probe(router.post)
 
 KNOWN = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 UNCOERCIBLE = st.sampled_from([{"a": 1}, [[{"b": None}]], {"": []}])
@@ -224,6 +234,7 @@ def _http_case(data, chat: bool) -> tuple[bytes, list[str]]:
 
 @SETTINGS
 @given(data=st.data())
+@counted
 def test_http_malformed_completions_are_refused(router, data) -> None:
     text, broken = _http_case(data, chat=False)
     check_http(router, "/v1/completions", text, broken)
@@ -231,6 +242,7 @@ def test_http_malformed_completions_are_refused(router, data) -> None:
 
 @SETTINGS
 @given(data=st.data())
+@counted
 def test_http_malformed_chat_completions_are_refused(router, data) -> None:
     text, broken = _http_case(data, chat=True)
     check_http(router, "/v1/chat/completions", text, broken)
@@ -252,6 +264,7 @@ HTTP_REGRESSIONS = [
 
 
 @pytest.mark.parametrize("path,body", HTTP_REGRESSIONS)
+@counted
 def test_http_regressions(router, path, body) -> None:
     check_http(router, path, body, [])
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import api_fixtures
+import fuzz_support
 import grpc
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from fuzz_support import (
     SETTINGS,
     VOCAB,
     check_still_serving,
+    counted,
     http_client,
     raw_generate,
     varint,
@@ -44,6 +46,21 @@ from kvrelay.proto import generate_pb2 as pb
 pytestmark = pytest.mark.slow
 
 cluster = api_fixtures.cluster
+fuzz_liveness = fuzz_support.fuzz_liveness
+
+
+@pytest.fixture(scope="module")
+def probe(cluster):
+    """The liveness probe: a normal completion (a short prompt, 2 tokens) over HTTP, through
+    the router and the workers the fuzz also loads."""
+    client = http_client(cluster)
+
+    def run() -> None:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "are you there?",
+                                                 "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    yield run
+    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +105,7 @@ EDGES = settings(SETTINGS, max_examples=150)
 
 @EDGES
 @given(data=st.data())
+@counted
 def test_http_numeric_edges_never_fail_the_server(http, data) -> None:
     chat = data.draw(st.booleans())
     fields = HTTP_NUMERIC + (["max_completion_tokens", "top_logprobs"] if chat
@@ -144,6 +162,7 @@ def _numeric_field(number: int, how: str, v: float | int) -> bytes:
 
 @EDGES
 @given(data=st.data())
+@counted
 def test_grpc_numeric_edges_never_fail_the_server(generate, data) -> None:
     ints = st.sampled_from(EDGE_INTS)
     sampling = _numeric_field(5, "varint", 2)  # max_tokens=2 unless drawn below
@@ -171,6 +190,7 @@ def test_grpc_numeric_edges_never_fail_the_server(generate, data) -> None:
         assert len(e.details() or "") > 5, names
 
 
+@counted
 def test_values_that_overflowed_the_wire_are_refused(http, generate) -> None:
     # top_k >= 2**31 passed validation, then overflowed the int32 field to the workers: a 500.
     for path, extra in (("/v1/completions", {"prompt": "hi"}),
@@ -186,6 +206,7 @@ def test_values_that_overflowed_the_wire_are_refused(http, generate) -> None:
     assert r.status_code == 200, r.text
 
 
+@counted
 def test_oversized_lists_and_strings_are_refused(cluster, http, generate) -> None:
     def refused(r: httpx.Response, status: int, words: str) -> None:
         assert r.status_code == status, (r.status_code, r.text[:300])
@@ -228,6 +249,7 @@ def test_oversized_lists_and_strings_are_refused(cluster, http, generate) -> Non
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
 
 
+@counted
 def test_deep_or_many_parts_are_refused_with_a_400(http) -> None:
     """Inputs whose cost is in their shape, not their size: a guided_json nested past the
     parser's recursion (was an HTTP 500), the same nesting inside the body itself, and a chat
@@ -257,5 +279,6 @@ def test_deep_or_many_parts_are_refused_with_a_400(http) -> None:
             r.text[:300]
 
 
+@counted
 def test_still_serving_after_the_fuzz(cluster, http) -> None:
     check_still_serving(cluster, http)
