@@ -28,7 +28,8 @@ from kvrelay.engine.attention import (
 from kvrelay.engine.kv_cache import kv_groups_of
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear, empty_param
-from kvrelay.engine.pointwise import add_rms_norm, rope, silu_mul
+from kvrelay.engine.models.mlp import MLP
+from kvrelay.engine.pointwise import add_rms_norm, rope
 
 
 class FusedPath(Protocol):
@@ -147,30 +148,6 @@ class Attention(nn.Module):
                                       v[:, ks].contiguous(), kc, vc, queries, self.scale,
                                       self.window)
         return self.o(out.reshape(q.shape[0], self.q_size))
-
-
-class MLP(nn.Module):
-    """SwiGLU, over all rows at once or, where the platform sets ``chunk_rows``, in chunks of
-    that many rows (the CPU's: so one chunk's gate/up activations stay in its cache)."""
-
-    def __init__(self, arch: ModelArch):
-        super().__init__()
-        self.inter = arch.intermediate_size
-        self.gate_up = Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
-        self.down = Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
-        self.chunk_rows: int | None = None
-
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up(x), self.inter))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, c = x.shape[0], self.chunk_rows
-        if c is None or n <= c:
-            return self._swiglu(x)
-        out = x.new_empty(n, x.shape[1])
-        for start in range(0, n, c):
-            out[start:start + c] = self._swiglu(x[start:start + c])
-        return out
 
 
 class DecoderLayer(nn.Module):
