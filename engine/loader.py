@@ -17,6 +17,8 @@ from safetensors import safe_open
 from kvrelay.engine.attention import AttentionFn
 from kvrelay.engine.models.arch import ModelArch, load_model_config
 from kvrelay.engine.models.llama import LlamaForCausalLM
+from kvrelay.engine.models.mlp import MLP
+from kvrelay.engine.models.moe import SparseMoE
 from kvrelay.engine.models.rope import rope_inv_freq
 from kvrelay.engine.platform import Platform, platform_for
 from kvrelay.engine.tp_shard import TPShard, shard_model, validate_tp
@@ -74,8 +76,7 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
                                "model.norm.weight": _Target(model.norm.weight)}
     if model.lm_head.weight is not None:
         out["lm_head.weight"] = _Target(model.lm_head.weight)
-    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
-        arch.intermediate_size
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         a, m = layer.attn, layer.mlp
@@ -92,13 +93,44 @@ def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
         if a.q_norm is not None:
             out[p + "self_attn.q_norm.weight"] = _Target(a.q_norm.weight)
             out[p + "self_attn.k_norm.weight"] = _Target(a.k_norm.weight)
-        for kind, fused in (("weight", m.gate_up.weight), ("bias", m.gate_up.bias)):
-            if fused is not None:
-                out[p + f"mlp.gate_proj.{kind}"] = _Target(fused, 0, inter)
-                out[p + f"mlp.up_proj.{kind}"] = _Target(fused, inter, 2 * inter)
-        out[p + "mlp.down_proj.weight"] = _Target(m.down.weight)
-        if m.down.bias is not None:
-            out[p + "mlp.down_proj.bias"] = _Target(m.down.bias)
+        if isinstance(m, SparseMoE):
+            out.update(_moe_targets(m, p, arch))
+        else:
+            out.update(_mlp_targets(m, p + "mlp.", _DENSE_NAMES))
+    return out
+
+
+# A SwiGLU's checkpoint names: (gate, up, down). Mixtral's experts call them w1, w3, w2.
+_DENSE_NAMES = ("gate_proj", "up_proj", "down_proj")
+_MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+def _mlp_targets(m: MLP, prefix: str, names: tuple[str, str, str]) -> dict[str, _Target]:
+    gate, up, down = names
+    inter = m.inter
+    out: dict[str, _Target] = {}
+    for kind, fused in (("weight", m.gate_up.weight), ("bias", m.gate_up.bias)):
+        if fused is not None:
+            out[prefix + f"{gate}.{kind}"] = _Target(fused, 0, inter)
+            out[prefix + f"{up}.{kind}"] = _Target(fused, inter, 2 * inter)
+    out[prefix + f"{down}.weight"] = _Target(m.down.weight)
+    if m.down.bias is not None:
+        out[prefix + f"{down}.bias"] = _Target(m.down.bias)
+    return out
+
+
+def _moe_targets(moe: SparseMoE, layer_prefix: str, arch: ModelArch) -> dict[str, _Target]:
+    """A sparse layer's router and experts, by the names their checkpoints use on the Hub (and
+    transformers' ``save_pretrained`` writes): Mixtral's ``block_sparse_moe.gate`` and
+    ``experts.N.w1/w3/w2``, Qwen3-MoE's ``mlp.gate`` and ``experts.N.gate_proj/up_proj/
+    down_proj``."""
+    if arch.family == "mixtral":
+        prefix, names = layer_prefix + "block_sparse_moe.", _MIXTRAL_EXPERT_NAMES
+    else:
+        prefix, names = layer_prefix + "mlp.", _DENSE_NAMES
+    out = {prefix + "gate.weight": _Target(moe.router.weight)}
+    for e, expert in enumerate(moe.experts):
+        out.update(_mlp_targets(expert, f"{prefix}experts.{e}.", names))
     return out
 
 

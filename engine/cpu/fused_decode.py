@@ -13,8 +13,9 @@ prefill kernel runs (at most ``MAX_MIXED_ROWS`` rows in all: past that the glue 
 of the step), without padding rows, on a CPU model of fp32 activations with the native
 attention backend over an fp32 or bf16 KV cache, whose linears hold panel-packed weights, fp32
 or bf16 (one dtype throughout: the kernels widen bf16 in registers), and are not
-tensor-parallel shards, without per-head q/k norms and without a per-layer KV hook
-(layer-by-layer KV streaming); any other step takes the per-op path. A mixed step was ~1 ms
+tensor-parallel shards, of a dense model (a mixture of experts takes the per-op path), without
+per-head q/k norms and without a per-layer KV hook (layer-by-layer KV streaming); any other step
+takes the per-op path. A mixed step was ~1 ms
 of glue slower than its arithmetic on the ~7M model (a 16-token chunk beside 8 decodes: 4.1 ms
 against 1.5 for the decodes alone), which an ITL cap has to leave room for. Where the model's
 last layer would run only the rows that are read (``AttentionMetadata.last_layer``), the fused
@@ -104,6 +105,8 @@ class FusedDecode:
     def for_model(cls, model: LlamaForCausalLM) -> FusedDecode | None:
         """The fused path for ``model``, or None where it does not apply."""
         if not enabled() or native.load() is None:  # the ABI check pins the library's symbols
+            return None
+        if model.arch.is_moe:  # the native layer's MLP is the dense SwiGLU: MoE runs per op
             return None
         # fp32 activations (the embedding's rows widened as they are gathered: it may be bf16)
         if model.embed.device.type != "cpu" \

@@ -126,7 +126,7 @@ def linear_shapes(model: LlamaForCausalLM) -> list[tuple[int, int]]:
 
 def linear_kernel(model: LlamaForCausalLM) -> str:
     """Which copies the linears hold: ``panels``, ``onednn``, ``mixed`` or ``dense``."""
-    k = packed(model.layers[0].mlp.down)
+    k = packed(model.layers[0].attn.o)  # every layer has one (an MoE layer has no mlp.down)
     if k is None:
         return "dense"
     if k.panels is not None:

@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-# Hugging Face architecture name -> family variant. All are the Llama decoder with small twists.
+# Hugging Face architecture name -> family variant. All are the Llama decoder with small twists;
+# Mixtral and Qwen3-MoE replace its MLP with a sparse mixture of experts (``models/moe.py``).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -50,6 +54,17 @@ class ModelArch:
     # What the weights were written in (config.json's ``dtype``/``torch_dtype``: "bfloat16",
     # "float16", "float32"), or None where the config does not say: ``--dtype auto`` reads it.
     checkpoint_dtype: str | None = None
+    # Mixture of experts (0 experts: a dense model). A sparse layer's MLP is a router over
+    # ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, of which each token takes
+    # ``num_experts_per_tok`` (softmax, then top-k; renormalised to sum 1 where
+    # ``norm_topk_prob``); ``sparse_layers`` says which layers are sparse (Qwen3-MoE's
+    # ``decoder_sparse_step``/``mlp_only_layers`` resolved; the others keep the dense MLP of
+    # ``intermediate_size``).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -57,6 +72,21 @@ class ModelArch:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
         assert len(self.layer_windows) == self.num_layers
+        if not self.sparse_layers:
+            object.__setattr__(self, "sparse_layers", (False,) * self.num_layers)
+        assert len(self.sparse_layers) == self.num_layers
+        if any(self.sparse_layers) and not (
+                1 <= self.num_experts_per_tok <= self.num_experts
+                and self.moe_intermediate_size > 0):
+            raise UnsupportedModelError(
+                f"a mixture of experts needs 1 <= num_experts_per_tok "
+                f"({self.num_experts_per_tok}) <= num_experts ({self.num_experts}) and a "
+                f"positive moe_intermediate_size ({self.moe_intermediate_size})")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer's MLP is a mixture of experts."""
+        return any(self.sparse_layers)
 
 
 def supported_architecture(archs: Any) -> str | None:
@@ -142,9 +172,23 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
         if family in ("qwen2", "qwen3"):
             return None  # their configs default it to a constant, not hidden / heads
         cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if family in MOE_FAMILIES:
+        if _num_experts(raw) is None or raw.get("num_experts_per_tok") is None:
+            return None  # left to the config class's defaults (8 and 2; 128 and 8)
+        cfg["num_experts"] = _num_experts(raw)
     if family == "mistral":
         if "sliding_window" not in raw:
             return None  # MistralConfig defaults it to 4096
+    elif family == "mixtral":
+        cfg.setdefault("sliding_window", None)  # MixtralConfig's default
+    elif family == "qwen3_moe":
+        if any(raw.get(k) is None for k in ("moe_intermediate_size", "norm_topk_prob",
+                                            "decoder_sparse_step")):
+            return None
+        if raw.get("use_sliding_window", False):
+            return None  # refused by arch_from_hf_config, with AutoConfig's reading
+        cfg["sliding_window"] = None  # as Qwen3MoeConfig drops it
+        cfg["mlp_only_layers"] = list(raw.get("mlp_only_layers") or [])
     elif family in ("qwen2", "qwen3"):
         windowed = bool(raw.get("use_sliding_window", False))
         if not windowed:
@@ -178,13 +222,18 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     attn_bias = bool(getattr(cfg, "attention_bias", False))
     n_layers = cfg.num_hidden_layers
-    if family == "mistral":
+    if family == "qwen3_moe" and getattr(cfg, "use_sliding_window", False):
+        raise UnsupportedModelError(
+            "Qwen3-MoE with use_sliding_window is not supported (transformers versions differ "
+            "on which layers it windows)")
+    if family in ("mistral", "mixtral"):
         w = getattr(cfg, "sliding_window", None)
         windows: tuple[int | None, ...] = (w,) * n_layers
     else:
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
         w = getattr(cfg, "sliding_window", None)
         windows = tuple(w if t == "sliding_attention" else None for t in types)
+    moe = _moe_fields(cfg, family, n_layers)
     digest = hashlib.sha256(json.dumps(cfg.to_dict() if raw is None else raw, sort_keys=True,
                                        default=str).encode())
     return ModelArch(
@@ -200,14 +249,44 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         rms_norm_eps=float(cfg.rms_norm_eps),
         max_position_embeddings=int(cfg.max_position_embeddings),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=True if family == "qwen2" else attn_bias,
-        o_bias=False if family == "qwen2" else attn_bias,
-        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        # Mixtral's attention has no biases whatever its config says.
+        qkv_bias=True if family == "qwen2" else attn_bias and family != "mixtral",
+        o_bias=False if family == "qwen2" else attn_bias and family != "mixtral",
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)) and family not in MOE_FAMILIES,
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         layer_windows=windows,
         identity=f"{arch}:{digest.hexdigest()[:16]}",
         checkpoint_dtype=checkpoint_dtype(cfg),
+        **moe,
     )
+
+
+def _num_experts(cfg: Any) -> int | None:
+    """Routed experts per sparse layer: ``num_experts`` (Qwen3-MoE's configs on the Hub) or
+    ``num_local_experts`` (Mixtral's, and what transformers 5 writes for both)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k, None)
+    n = get("num_experts")
+    return n if n is not None else get("num_local_experts")
+
+
+def _moe_fields(cfg: Any, family: str, n_layers: int) -> dict[str, Any]:
+    """The ``ModelArch`` fields of a mixture of experts (none for a dense family): Mixtral's
+    every layer sparse with its top-k always renormalised; Qwen3-MoE's layer ``i`` sparse unless
+    listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step`` (its config's reading)."""
+    if family not in MOE_FAMILIES:
+        return {}
+    experts = int(_num_experts(cfg) or 0)
+    if family == "mixtral":
+        inter, norm = cfg.intermediate_size, True
+        sparse = (experts > 0,) * n_layers
+    else:
+        inter, norm = cfg.moe_intermediate_size, bool(cfg.norm_topk_prob)
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+        sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0
+                       for i in range(n_layers))
+    return dict(num_experts=experts, num_experts_per_tok=int(cfg.num_experts_per_tok),
+                moe_intermediate_size=int(inter), norm_topk_prob=norm, sparse_layers=sparse)
 
 
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")

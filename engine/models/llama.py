@@ -1,4 +1,5 @@
-"""The Llama decoder family (Llama 2/3, Mistral, Qwen2, Qwen3) on the paged KV cache.
+"""The Llama decoder family (Llama 2/3, Mistral, Qwen2, Qwen3, and with a mixture of experts in
+place of the MLP Mixtral and Qwen3-MoE: ``moe.py``) on the paged KV cache.
 
 Tokens of a step arrive flattened (``[T]``), so one matmul serves every sequence in the batch.
 q/k/v and gate/up projections are fused into single weights at load time. Logits are computed
@@ -29,6 +30,7 @@ from kvrelay.engine.kv_cache import kv_groups_of
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.models.mlp import MLP
+from kvrelay.engine.models.moe import SparseMoE
 from kvrelay.engine.pointwise import add_rms_norm, rope
 
 
@@ -160,7 +162,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.attn = Attention(arch, layer, attn_fn)
         self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp: MLP | SparseMoE = SparseMoE(arch) if arch.sparse_layers[layer] else MLP(arch)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: Rotary, next_norm: RMSNorm | None) -> torch.Tensor | None:
