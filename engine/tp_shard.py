@@ -2,11 +2,12 @@
 the heads and KV it owns, and the model cut to its slice.
 
 Megatron-style: q/k/v (by heads) and gate/up are column-parallel, o_proj and down_proj
-row-parallel followed by an all-reduce; embedding and LM head are replicated and only rank 0
-computes logits and samples. When the model has fewer KV heads than ranks, each rank keeps a
-copy of the one KV head its query heads read. Every rank owns the KV cache of its heads with the
-same block ids, so one scheduler (rank 0's) drives them all. The ranks' processes and rank 0's
-runner are ``tensor_parallel.py``'s.
+row-parallel followed by an all-reduce (a mixture of experts: every expert's gate/up and down
+split so, the router replicated, one all-reduce after the experts' outputs are combined);
+embedding and LM head are replicated and only rank 0 computes logits and samples. When the
+model has fewer KV heads than ranks, each rank keeps a copy of the one KV head its query heads
+read. Every rank owns the KV cache of its heads with the same block ids, so one scheduler (rank
+0's) drives them all. The ranks' processes and rank 0's runner are ``tensor_parallel.py``'s.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.models.llama import LlamaForCausalLM
+from kvrelay.engine.models.mlp import MLP
+from kvrelay.engine.models.moe import SparseMoE
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +125,13 @@ def validate_tp(arch: ModelArch, size: int) -> None:
     if (kvh >= size and kvh % size) or (kvh < size and size % kvh):
         raise ValueError(f"tensor_parallel_size {size} and the {kvh} KV heads must divide one "
                          f"another")
-    if arch.intermediate_size % size:
+    if not all(arch.sparse_layers) and arch.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size "
                          f"{arch.intermediate_size}")
+    if arch.is_moe and arch.moe_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide moe_intermediate_size "
+                         f"{arch.moe_intermediate_size} (each rank holds a slice of every "
+                         f"expert)")
 
 
 def local_kv_heads(arch: ModelArch, size: int) -> int:
@@ -201,16 +208,13 @@ def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
     """Cut a loaded (dense, unpacked) model down to ``shard.rank``'s part, in place: before
     packing, so the kernels pack only the shard."""
     arch, r, n = model.arch, shard.rank, shard.size
-    hd, inter = arch.head_dim, arch.intermediate_size
+    hd = arch.head_dim
     heads = arch.num_heads // n
     kv = kv_head_range(arch, r, n)
     q_size, kv_size = arch.num_heads * hd, arch.num_kv_heads * hd
     q_rows = slice(r * heads * hd, (r + 1) * heads * hd)
     k_rows = slice(q_size + kv.start * hd, q_size + kv.stop * hd)
     v_rows = slice(q_size + kv_size + kv.start * hd, q_size + kv_size + kv.stop * hd)
-    i_per = inter // n
-    gate_rows = slice(r * i_per, (r + 1) * i_per)
-    up_rows = slice(inter + r * i_per, inter + (r + 1) * i_per)
     for layer in model.layers:
         a, m = layer.attn, layer.mlp
         a.qkv.weight = _keep(a.qkv.weight, [q_rows, k_rows, v_rows])
@@ -222,11 +226,29 @@ def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
         if r != 0:
             a.o.bias = None
         _row_parallel(a.o, shard)
-        m.gate_up.weight = _keep(m.gate_up.weight, [gate_rows, up_rows])
-        m.gate_up.bias = _keep(m.gate_up.bias, [gate_rows, up_rows])
-        m.gate_up.out_features = 2 * i_per
-        m.inter = i_per
-        m.down.weight = _keep(m.down.weight, [gate_rows], dim=1)
-        if r != 0:
-            m.down.bias = None
-        _row_parallel(m.down, shard)
+        if isinstance(m, SparseMoE):
+            # The router stays whole (every rank routes the same rows alike); each expert is
+            # cut as a dense MLP is, and its partial outputs are summed once per layer, after
+            # the routing weights combine them.
+            for expert in m.experts:
+                _shard_mlp(expert, r, n)
+            m.reduce = shard.all_reduce
+        else:
+            _shard_mlp(m, r, n)
+            _row_parallel(m.down, shard)
+
+
+def _shard_mlp(m: MLP, r: int, n: int) -> None:
+    """Rank ``r`` of ``n``'s slice of a SwiGLU: its columns of gate and up, its rows of down
+    (whose partial product the caller reduces)."""
+    inter = m.inter
+    i_per = inter // n
+    gate_rows = slice(r * i_per, (r + 1) * i_per)
+    up_rows = slice(inter + r * i_per, inter + (r + 1) * i_per)
+    m.gate_up.weight = _keep(m.gate_up.weight, [gate_rows, up_rows])
+    m.gate_up.bias = _keep(m.gate_up.bias, [gate_rows, up_rows])
+    m.gate_up.out_features = 2 * i_per
+    m.inter = i_per
+    m.down.weight = _keep(m.down.weight, [gate_rows], dim=1)
+    if r != 0:
+        m.down.bias = None
