@@ -194,8 +194,11 @@ class _Summary:
                           f"examples, {r['explicit_cases']} explicit); {r['probes']} probes, "
                           f"median {r['probe_median_s']:.3f}s, max {r['probe_max_s']:.3f}s")
         total = sum(r["cases"] for r in REPORT.values())
-        tr.write_line(f"fuzz: {total} cases in all, 0 x 5xx; the router answered every probe "
-                      f"within {max(r['probe_max_s'] for r in REPORT.values()):.3f}s")
+        failed = len(tr.stats.get("failed", [])) + len(tr.stats.get("error", []))
+        tr.write_line(f"fuzz: {total} cases passed in all"
+                      + (f" ({failed} tests failed or errored)" if failed else ", 0 x 5xx")
+                      + f"; slowest probe {max(r['probe_max_s'] for r in REPORT.values()):.3f}s "
+                      f"(bound {LIVENESS_BOUND_S:.0f}s)")
 
 
 _SUMMARY = _Summary()
