@@ -48,7 +48,7 @@ class ArchSpec:
 
     def __post_init__(self) -> None:
         if self.config_class not in ("LlamaConfig", "Qwen2Config", "Qwen3Config",
-                                     "MistralConfig"):
+                                     "MistralConfig", "MixtralConfig", "Qwen3MoeConfig"):
             raise ValueError(f"unsupported config class {self.config_class!r}")
 
 
@@ -74,6 +74,39 @@ ARCHS: dict[str, ArchSpec] = {
     "mistral_swa": ArchSpec("MistralConfig", dict(sliding_window=48)),  # masking matters
 }
 
+# Mixtures of experts (tests/test_moe_models.py), apart from ARCHS so that the dense families'
+# parametrized tests keep their cases: expert counts 4 and 8, top-1 and top-2, GQA 2:1, 1:1 and
+# 4:1, tied embeddings, Qwen3-MoE's renormalised top-k and dense layers among sparse ones.
+_MOE = dict(intermediate_size=32)
+MOE_ARCHS: dict[str, ArchSpec] = {
+    "mixtral": ArchSpec("MixtralConfig", dict(_MOE, num_local_experts=4,
+                                              num_experts_per_tok=2)),
+    "mixtral_top1_mha": ArchSpec("MixtralConfig", dict(_MOE, num_local_experts=8,
+                                                       num_experts_per_tok=1,
+                                                       num_key_value_heads=4)),
+    "mixtral_tied_swa": ArchSpec("MixtralConfig", dict(_MOE, num_local_experts=8,
+                                                       num_experts_per_tok=2,
+                                                       num_key_value_heads=1,
+                                                       sliding_window=48,
+                                                       tie_word_embeddings=True),
+                                 embed_std=0.3),
+    "qwen3_moe": ArchSpec("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, head_dim=32,
+                                                 rope_theta=1000000.0,
+                                                 tie_word_embeddings=True), embed_std=0.3),
+    # Layers 0, 1 and 3 sparse (2 is in mlp_only_layers: a dense MLP of intermediate_size).
+    "qwen3_moe_norm": ArchSpec("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=32,
+                                                      norm_topk_prob=True, num_hidden_layers=4,
+                                                      mlp_only_layers=[2])),
+    # decoder_sparse_step 2: layers 1 and 3 sparse, top-1 of 4 (renormalised: weight 1).
+    "qwen3_moe_step2": ArchSpec("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=1,
+                                                       moe_intermediate_size=32,
+                                                       norm_topk_prob=True,
+                                                       num_hidden_layers=4,
+                                                       decoder_sparse_step=2)),
+}
+
 # The weights' scale: matrices N(0, GAIN**2 / fan_in), embeddings N(0, 1).
 GAIN = 1.5
 
@@ -90,9 +123,10 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
     """
     import transformers
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
-    spec = ARCHS[arch]
+    specs = {**ARCHS, **MOE_ARCHS}
+    if arch not in specs:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(specs)}")
+    spec = specs[arch]
     legacy_rope = overrides.pop("legacy_rope", spec.legacy_rope)
     bias_std = overrides.pop("bias_std", spec.bias_std)
     embed_std = overrides.pop("embed_std", spec.embed_std)
