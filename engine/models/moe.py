@@ -77,16 +77,17 @@ class SparseMoE(nn.Module):
         flat = ids.view(-1)
         order = torch.argsort(flat, stable=True)  # the (token, expert) pairs by expert
         rows = order // k  # the token of each pair, in that order
-        w = weights.view(-1).index_select(0, order).unsqueeze(1)
         xs = x.index_select(0, rows)
-        out = torch.zeros_like(x)
+        ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
             if n:
                 stop = start + n
-                y = self.experts[e](xs[start:stop])
-                out.index_add_(0, rows[start:stop], y.mul_(w[start:stop]))
+                ys[start:stop] = self.experts[e](xs[start:stop])
                 start = stop
+        # Weighted, then into their tokens' rows in one pass (a token's pairs in expert order).
+        ys.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
+        out = torch.zeros_like(x).index_add_(0, rows, ys)
         if self.reduce is not None:
             self.reduce(out)
         return out
