@@ -61,6 +61,9 @@ DUPLICATE_ID_WAIT_S = 1.0  # how long a request waits for an earlier one of its 
 # checked off the event loop, which also serves heartbeats and lease renewals. Smaller inputs
 # take well under a millisecond: they pay no thread hop.
 OFFLOAD_CHARS = 16 * 1024
+# A text prompt longer than this is counted in chunks of it before being encoded whole (a text
+# too long for the context is refused after the first chunks, not encoded: _tokens_at_least).
+COUNT_CHUNK_CHARS = 64 * 1024
 OFFLOAD_IDS = OFFLOAD_CHARS // 4
 OFFLOAD_MESSAGES = 256
 TOKENIZER_THREADS = 2  # fast tokenizers release the GIL while they encode
@@ -200,6 +203,27 @@ class RouterService:
         return await self._run(len(text) > OFFLOAD_CHARS, self.tokenizer.encode, text,
                                add_special_tokens=add_special_tokens)
 
+    def _tokens_at_least(self, text: str, max_len: int) -> int:
+        """A lower bound on ``text``'s token count, counted a chunk at a time until it reaches
+        ``max_len`` (then the prompt cannot fit, whatever the rest holds). Encoding a text of
+        millions of characters whole costs ~300 bytes of tokenizer state a character (two such
+        prompts at once took the router past 2 GiB); a chunk costs ~20 MB, and a prompt too long
+        for the context stops after the first few. Chunks end at whitespace where they can; a
+        cut can split what the whole text encodes as one token, so each cut discounts two."""
+        total = 0
+        start = 0
+        while start < len(text):
+            end = min(len(text), start + COUNT_CHUNK_CHARS)
+            if end < len(text):
+                cut = text.rfind(" ", start + COUNT_CHUNK_CHARS // 2, end)
+                end = cut if cut > start else end
+            total += len(self.tokenizer.encode(text[start:end], add_special_tokens=False))
+            total -= 2 if start else 0
+            if total >= max_len:
+                return total
+            start = end
+        return max(total, 0)
+
     async def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``; many ids are decoded on the tokenizer threads."""
         return await self._run(len(token_ids) > OFFLOAD_IDS, self.tokenizer.decode,
@@ -219,10 +243,12 @@ class RouterService:
                              f"{MAX_PROMPT_CHARS}")
         # the template renders every message, even an empty one: many go off the loop too
         large = size > OFFLOAD_CHARS or len(messages) > OFFLOAD_MESSAGES
-        return await self._run(large, self._encode_chat, messages, add_generation_prompt)
+        return await self._run(large, self._encode_chat, messages, add_generation_prompt,
+                               self.effective_max_model_len())
 
     def _encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                     add_generation_prompt: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, max_len: int | None = None
+                     ) -> list[int]:
         text = apply_chat_template(self.tokenizer, messages, add_generation_prompt,
                                    chat_template=self.chat_template)
         if len(text) > MAX_PROMPT_CHARS:  # the template's own text counts too
@@ -232,6 +258,11 @@ class RouterService:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("the messages are not valid Unicode (lone surrogate)") from None
+        if max_len is not None and len(text) > COUNT_CHUNK_CHARS:
+            n = self._tokens_at_least(text, max_len)
+            if n >= max_len:
+                raise ValueError(f"the conversation has more than {n - 1} tokens; this model "
+                                 f"takes at most {max_len - 1} (context {max_len})")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- validation ----------------------------------------------------------------------------
@@ -280,6 +311,11 @@ class RouterService:
                           f"{max_len} tokens, prompt included")
         if text is not None:
             check_prompt_text(text)
+            if len(text) > COUNT_CHUNK_CHARS:  # count before encoding a text that may not fit
+                n = await self._run(True, self._tokens_at_least, text, max_len)
+                if n >= max_len:
+                    raise invalid(f"the prompt has more than {n - 1} tokens; this model takes "
+                                  f"at most {max_len - 1} (context {max_len})")
             token_ids = await self.encode(text)
         assert token_ids is not None
         if sampling.prompt_logprobs is not None and len(token_ids) > MAX_PROMPT_LOGPROB_TOKENS:

@@ -5,15 +5,14 @@ The session's shared cluster (``api_fixtures``): its router is a process of its 
 resident memory is read from ``/proc/<pid>/status`` (VmRSS sampled every 10 ms, and VmHWM, its
 peak, reset first where the kernel lets us).
 
-Found here, open: a body carrying the largest prompt the router takes (4 Mi characters, each
-a 6-byte JSON escape: 24 MiB) is parsed and then tokenized whole before it is found too long
-for the context, and the tokenization alone costs ~1.2 GiB (the fast tokenizer's encoding of
-millions of tokens, and their ids as Python ints). Admission lets two such bodies in at once
-(its byte budget is two maximal bodies): measured, the router went from 95 MiB to 2.5 GiB,
-past the manifests' 2 GiB limit (an OOM kill on Kubernetes), and it answered the fuzz's
-liveness probe in more than 1 s meanwhile. The test is a strict xfail until the router bounds
-what tokenizing a prompt may cost (e.g. refusing a text prompt whose characters no context
-could hold, or counting its tokens in pieces, before encoding it whole).
+Found here, and fixed: a body carrying the largest prompt the router takes (4 Mi characters,
+each a 6-byte JSON escape: 24 MiB) was parsed and then tokenized whole before it was found too
+long for the context, and the tokenization alone cost ~1.2 GiB (the fast tokenizer's encoding
+of millions of tokens, and their ids as Python ints). Admission lets two such bodies in at once
+(its byte budget is two maximal bodies): measured, the router went from 95 MiB to 2.5 GiB, past
+the manifests' 2 GiB limit (an OOM kill on Kubernetes). The router now counts a long text's
+tokens a chunk at a time before encoding it (``RouterService._tokens_at_least``) and refuses it
+once the count passes the context.
 """
 
 from __future__ import annotations
@@ -46,8 +45,6 @@ def _memory_kib(pid: int) -> dict[str, int]:
                 if k in ("VmRSS", "VmHWM")}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54, open: tokenizing a maximal prompt costs "
-                   "~1.2 GiB, and admission lets two in at once (2.5 GiB measured)")
 def test_concurrent_maximal_bodies_stay_under_the_memory_limit(cluster) -> None:
     """Four of the largest prompt a body can carry at once, with one body a byte over the limit
     (413 by its length), then a maximal body of numbers (refused by its value count before it
