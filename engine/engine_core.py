@@ -273,14 +273,15 @@ class EngineCore:
         bm = self.block_manager
         self._sync_tiers()  # blocks published since the last step reach the tiers before reuse
         n = seq.num_prompt_tokens
-        match = bm.match_prefix(seq.token_ids, n, seq.hash_root)
-        need = -(-n // bm.block_size) - match.num_blocks
-        if not bm.can_allocate(need):
-            raise EngineOverloaded(f"no KV room for {n} tokens: {need} blocks needed, "
-                                   f"{bm.num_free_blocks} free")
-        bm.allocate_prefix(seq, match)
+        # The matched blocks first: those still free (cached, unreferenced) leave the free list
+        # as they are taken, so the room left is known only after.
+        bm.allocate_prefix(seq, bm.match_prefix(seq.token_ids, n, seq.hash_root))
         bm.promote(seq, n)  # blocks the host tier holds: each one promoted is one less to send
-        assert bm.allocate(seq, n)
+        if not bm.allocate(seq, n):
+            need = bm.blocks_needed(seq, n)
+            bm.free(seq)
+            raise EngineOverloaded(f"no KV room for {n} tokens: {need} more blocks needed, "
+                                   f"{bm.num_free_blocks} free")
         seq.num_cached_tokens = seq.num_computed_tokens
         self.seqs[request_id] = seq
         if seq.num_computed_tokens == n:
