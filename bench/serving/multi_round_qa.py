@@ -88,6 +88,11 @@ class Settings:
         per_user = self.history_tokens + self.rounds * (self.question_tokens + self.answer_tokens)
         return self.system_tokens + self.users * per_user
 
+    def decode_pool(self) -> int:
+        """Blocks for every user's longest context at once, plus a quarter."""
+        longest = self.working_set() - self.system_tokens  # all users' own tokens
+        return (self.users * self.system_tokens + longest) * 5 // 4 // BLOCK + 1
+
     def pool(self) -> int:
         tokens = self.pool_tokens or int(self.working_set() / self.working_set_ratio)
         return max(tokens // BLOCK, (self.working_set() // self.users + 256) // BLOCK + 1)
@@ -119,16 +124,21 @@ def start_cluster(st: Settings, config: str, tag: str) -> tuple[Deployment, str]
     ready = wait_file(work / "router.ready", dep, st.startup_timeout_s)
     control = f"127.0.0.1:{ready['control_port']}"
     disagg = config.startswith("1p1d")
-    engine = ["--model", st.model_dir, "--device", "cpu", "--num-kv-blocks", str(st.pool()),
+    engine = ["--model", st.model_dir, "--device", "cpu",
               "--block-size", str(BLOCK), "--max-model-len", "8192", "--seed", str(st.seed),
               "--num-threads", "1" if disagg else "2"]
     if "+tiers" in config:
         engine += ["--kv-offload-memory", st.offload_memory]
     roles = ["prefill", "decode"] if disagg else ["both"]
     for role in roles:
+        # The pool under test is the one that computes (agg: the worker; 1P1D: the prefill
+        # worker). A decode worker must hold every running request's whole context (it cannot
+        # preempt and recompute), so it is sized for all users at once, as a deployment sizes
+        # its decode pool for its concurrency.
+        blocks = st.decode_pool() if role == "decode" else st.pool()
         dep.spawn(Proc(role, kvrelay_cmd(
             "worker", "--role", role, "--router", control, "--worker-id", role,
-            "--ready-file", str(work / f"{role}.ready"), *engine),
+            "--ready-file", str(work / f"{role}.ready"), *engine, "--num-kv-blocks", str(blocks)),
             {**env, "OMP_NUM_THREADS": "1" if disagg else "2"}, work / f"{role}.log"))
     for role in roles:
         wait_file(work / f"{role}.ready", dep, st.startup_timeout_s)
