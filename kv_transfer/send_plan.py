@@ -49,6 +49,10 @@ def blocks_to_send(start_token: int, num_new_tokens: int, num_prompt_tokens: int
 
 def map_blocks(block_table: Sequence[int], remote_block_ids: Sequence[int],
                rng: BlockRange) -> BlockMap:
+    if rng.start >= rng.end:
+        # Nothing to send: a chunk wholly inside what the peer holds already (its prefix cache
+        # reaches past this chunk's end), whatever the sequence has allocated beyond it yet.
+        return BlockMap([], [])
     if rng.end > len(remote_block_ids):
         raise PlanError(f"the destination reserved {len(remote_block_ids)} blocks but the prompt "
                         f"needs at least {rng.end}: reserve ceil(prompt_tokens / block_size) "

@@ -92,6 +92,18 @@ def test_map_blocks_pairs_local_and_remote_and_refuses_short_reservations() -> N
         map_blocks([7, 8, 9], [70, 80], BlockRange(0, 3, 3))
 
 
+def test_a_chunk_inside_the_peers_prefix_sends_nothing_whatever_is_allocated() -> None:
+    """A prefill chunk that ends before the decode worker's own cached prefix does (the decode
+    side holds more of a later turn than the prefill side): nothing to send, and the blocks the
+    sequence has not allocated yet past the chunk are no error. Found by the multi-round QA
+    benchmark: tokens [992, 3040) of a 3120-token prompt, the peer holding 191 blocks, failed
+    the request with "sequence has 190 blocks, step needs 191"."""
+    rng = blocks_to_send(992, 2048, 3120, BS, covered=191, skip_blocks=191)
+    assert rng.start == rng.end == 191
+    bm = map_blocks(list(range(190)), list(range(1000, 1195)), rng)
+    assert bm.local == [] and bm.remote == []
+
+
 def test_plane_indices_follow_the_tensor_order() -> None:
     assert plane_indices([0, 1, 4, 5], [2, 3], num_blocks=10) == [2, 3, 12, 13, 42, 43, 52, 53]
     big = list(range(0, 600, 2))
