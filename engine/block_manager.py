@@ -73,7 +73,8 @@ class BlockManager:
         # Copy-on-write block copies (src, dst) the engine applies before the next model run.
         self.pending_copies: list[tuple[int, int]] = []
         self.tiers = tiers if enable_prefix_caching else None
-        self._to_store: list[tuple[int, BlockRef]] = []  # published, not yet copied to a tier
+        # Published, not yet copied to a tier: block id -> its ref, oldest first.
+        self._to_store: OrderedDict[int, BlockRef] = OrderedDict()
         self.events: KVEventSink | None = None
 
     # -- queries -------------------------------------------------------------------------------
@@ -206,6 +207,8 @@ class BlockManager:
     def _take_free(self) -> int:
         bid, _ = self._free.popitem(last=False)
         block = self.blocks[bid]
+        if bid in self._to_store:  # its store was deferred: it goes now, before the reuse
+            self._store([(bid, self._to_store.pop(bid))])
         if block.hash is not None:  # evict the cached prefix this block held
             if self._cached.get(block.hash) == bid:
                 del self._cached[block.hash]
@@ -245,7 +248,7 @@ class BlockManager:
             if block.hash is None and parent not in self._cached:
                 self._adopt(block, BlockRef(parent, before, chunk))
                 if self.tiers is not None:
-                    self._to_store.append((block.block_id, BlockRef(parent, before, chunk)))
+                    self._to_store[block.block_id] = BlockRef(parent, before, chunk)
 
     def _adopt(self, block: Block, ref: BlockRef) -> None:
         """Index ``block`` as holding ``ref``'s KV."""
@@ -257,15 +260,21 @@ class BlockManager:
                                self.block_size)
 
     # -- the tiers below ---------------------------------------------------------------------------
-    def flush_stores(self) -> None:
-        """Copy the blocks published since the last call into the tiers below (before the pool
-        can reuse them: the engine calls it after each step's run and before it reserves)."""
+    def flush_stores(self, limit: int | None = None) -> None:
+        """Copy the blocks published since the last call into the tiers below, oldest first, at
+        most ``limit`` of them (None: all). The engine calls it after each step's run with a
+        limit while the step carried decodes (a prompt's KV arriving on a decode worker is
+        hundreds of blocks: copied at once, they stalled every running stream's next token),
+        and without one otherwise. A block still waiting when the pool reuses it is copied
+        then (``_take_free``), so none is lost."""
         if not self._to_store:
             return
+        n = len(self._to_store) if limit is None else min(limit, len(self._to_store))
+        self._store([self._to_store.popitem(last=False) for _ in range(n)])
+
+    def _store(self, blocks: list[tuple[int, BlockRef]]) -> None:
         assert self.tiers is not None
-        blocks = [(bid, ref) for bid, ref in self._to_store if self.blocks[bid].hash == ref.hash]
-        self._to_store = []
-        self.tiers.store(blocks)
+        self.tiers.store([(bid, ref) for bid, ref in blocks if self.blocks[bid].hash == ref.hash])
 
     def promote(self, seq: Sequence, max_tokens: int, reserve: int = 0) -> int | None:
         """Extend ``seq``'s cached prefix (after ``allocate_prefix``) with the blocks the host
@@ -291,12 +300,16 @@ class BlockManager:
             slots.append(slot)
         k = len(slots)
         if k:
+            for slot in slots:  # taking pool blocks may store deferred ones into the host tier:
+                tiers.host_index.pin(slot)  # never over these
             bids = []
             for ref in chain[:k]:
                 bid = self._take_free()  # referenced by seq from now on
                 self._adopt(self.blocks[bid], ref)
                 bids.append(bid)
             tiers.load(slots, bids)
+            for slot in slots:
+                tiers.host_index.unpin(slot)
             seq.block_table.extend(bids)
             hashes.extend(ref.hash for ref in chain[:k])
             seq.num_computed_tokens += k * bs

@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 # A step that found only prompts waiting for disk-tier loads sleeps this long before the next.
 TIER_WAIT_S = 0.001
+# Blocks stored into the host tier after a step that carried decodes (~0.05 ms each on the ~150M
+# model): a prompt's KV arriving whole on a decode worker is stored over several steps, not in
+# one stall of every stream (measured: ITL p99 61 -> 191 ms in the multi-round QA benchmark).
+STORE_BLOCKS_PER_DECODE_STEP = 16
 
 
 class EngineCore:
@@ -271,7 +275,7 @@ class EngineCore:
         seq = self._new_seq(request_id, prompt_token_ids, SamplingParams(), kv_transfer_params,
                             None, cache_salt)
         bm = self.block_manager
-        self._sync_tiers()  # blocks published since the last step reach the tiers before reuse
+        self._sync_tiers()
         n = seq.num_prompt_tokens
         # The matched blocks first: those still free (cached, unreferenced) leave the free list
         # as they are taken, so the room left is known only after.
@@ -419,7 +423,9 @@ class EngineCore:
             self.step_log.record(now, done - now, shape)
         self.heap.after_step(out.num_prefill_tokens)
         finished = {s.request_id for s in self.scheduler.postprocess(out, sampled.tokens)}
-        self.block_manager.flush_stores()  # this step's new blocks into the host tier
+        # This step's new blocks into the host tier: a bounded number while streams are
+        # decoding (the rest follow in later steps, or when the pool reuses them).
+        self.block_manager.flush_stores(STORE_BLOCKS_PER_DECODE_STEP if shape.decodes else None)
         for (seq, _), tok, lp in zip(out.scheduled, sampled.tokens, sampled.logprobs,
                                      strict=True):
             if tok is None or seq.request_id not in self.seqs:
@@ -440,11 +446,10 @@ class EngineCore:
 
     # -- internals -----------------------------------------------------------------------------
     def _sync_tiers(self) -> None:
-        """Apply finished tier IO, and store blocks published outside a step's run (KV that
-        arrived from a prefill engine) before anything can reuse them."""
+        """Apply finished tier IO (blocks published outside a step's run, KV that arrived from a
+        prefill engine, are stored after the next step's run, or when the pool reuses them)."""
         if self.tiers is not None:
             self.tiers.poll()
-            self.block_manager.flush_stores()
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, emit: bool = True,
                 error: str | None = None, error_kind: ErrorKind | None = None) -> None:

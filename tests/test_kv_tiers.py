@@ -119,6 +119,38 @@ def test_workers_sharing_a_tier_directory_get_one_each(tmp_path: Path) -> None:
     c.close()
 
 
+def test_deferred_stores_are_bounded_a_step_and_never_lost_on_reuse() -> None:
+    """After a step with decodes at most a few blocks are stored (the rest wait), and a block
+    whose store is still waiting when the pool reuses it is stored first: its KV reaches the
+    host tier intact."""
+    from kvrelay.engine.block_manager import BlockManager
+    from kvrelay.engine.sampling_params import SamplingParams as SP
+    from kvrelay.engine.sequence import Sequence
+    from kvrelay.engine.tiers.kv_tiers import KVTiers, TierConfig
+
+    kv = torch.zeros(2, 2, 8, 4, 1, 2)  # 2 layers, K/V, 8 blocks of 4 tokens, 1 head of 2
+    for b in range(8):
+        kv[:, :, b] = b + 1
+    tiers = KVTiers(kv, 4, TierConfig(host_slots=16), b"x" * 16)
+    bm = BlockManager(8, 4, True, tiers)
+    seq = Sequence("a", list(range(1, 17)), SP())
+    assert bm.allocate(seq, 16)
+    seq.num_computed_tokens = 16
+    bm.publish(seq)  # 4 full blocks queued
+    first = list(seq.block_table)
+    bm.flush_stores(limit=1)
+    assert len(tiers.hash_sets()[HOST]) == 1
+    bm.free(seq)
+    other = Sequence("b", list(range(100, 132)), SP())
+    assert bm.allocate(other, 32)  # every block, a's included: the 3 waiting are stored first
+    assert len(tiers.hash_sets()[HOST]) == 4
+    hashes = block_hashes(list(range(1, 17)), 4)
+    for h, bid in zip(hashes, first, strict=True):
+        slot = tiers.host_index.slot_of(h)
+        assert slot is not None
+        assert torch.equal(tiers.host[slot], torch.full_like(kv[:, :, 0], bid + 1))
+
+
 def test_host_tier_promotes_evicted_prefixes_with_the_recomputed_tokens(demo_model_dir,
                                                                         reference) -> None:
     core = make_core(demo_model_dir, kv_offload_memory=128 * SLOT_BYTES)
