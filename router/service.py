@@ -261,8 +261,8 @@ class RouterService:
         if max_len is not None and len(text) > COUNT_CHUNK_CHARS:
             n = self._tokens_at_least(text, max_len)
             if n >= max_len:
-                raise ValueError(f"the conversation has more than {n - 1} tokens; this model "
-                                 f"takes at most {max_len - 1} (context {max_len})")
+                raise ValueError(f"the prompt has more than {n - 1} tokens; this model takes "
+                                 f"at most {max_len - 1} (context {max_len})")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- validation ----------------------------------------------------------------------------

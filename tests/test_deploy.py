@@ -417,7 +417,8 @@ def exported_series() -> set[str]:
     from kvrelay.engine.step_cost import StepCostFit
     from kvrelay.worker.metrics import WorkerMetrics
 
-    stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)})
+    stats = EngineStats(**{f.name: {} if str(f.type).startswith("dict") else 1
+                             for f in dataclasses.fields(EngineStats)})
     stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),
                                 kv_transfer={"held": 1, "hold_ended_notice": 1},
                                 gemm_prefetch=PrefetchChoices({8: True}, 1))

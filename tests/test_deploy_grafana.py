@@ -32,7 +32,8 @@ def _script():
 def _exported() -> dict[str, set[str]]:
     """Sample names kvrelay exposes (router and worker /metrics) -> their label names."""
     router = RouterMetrics(WorkerRegistry(), "demo")
-    stats = EngineStats(**{f: 1 for f in EngineStats.__dataclass_fields__})
+    stats = EngineStats(**{n: {} if str(f.type).startswith("dict") else 1
+                          for n, f in EngineStats.__dataclass_fields__.items()})
     stats = dataclasses.replace(stats, step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),
                                 kv_transfer={"held": 1, "hold_ended_notice": 1},
                                 gemm_prefetch=PrefetchChoices({8: True}, 3))

@@ -94,7 +94,8 @@ def test_the_worker_exports_the_yields() -> None:
 
     from kvrelay.worker.metrics import WorkerMetrics
 
-    stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)})
+    stats = EngineStats(**{f.name: {} if str(f.type).startswith("dict") else 1
+                             for f in dataclasses.fields(EngineStats)})
     stats = dataclasses.replace(stats, step_cost=None, kv_transfer={}, num_cap_yields=7,
                                 gemm_prefetch=None)
     text = generate_latest(WorkerMetrics(lambda: stats, "both", "w").registry).decode()

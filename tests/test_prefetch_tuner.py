@@ -159,7 +159,8 @@ def test_the_worker_exports_the_choices() -> None:
 
     from kvrelay.worker.metrics import WorkerMetrics
 
-    stats = EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
+    stats = EngineStats(**{f.name: {} if str(f.type).startswith("dict") else 0
+                             for f in dataclasses.fields(EngineStats)})
     stats = dataclasses.replace(stats, num_blocks=1, step_cost=None, kv_transfer={},
                                 gemm_prefetch=PrefetchChoices({1: False, 8: True}, 5))
     text = generate_latest(WorkerMetrics(lambda: stats, "decode", "w").registry).decode()

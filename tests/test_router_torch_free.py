@@ -132,7 +132,8 @@ def service(demo_model_dir: str) -> Any:
     from kvrelay.engine.tokenizer import load_tokenizer
 
     tok = _ThreadRecorder(load_tokenizer(demo_model_dir))
-    svc = RouterService(types.SimpleNamespace(), tok, model_name="demo", vocab_size=1 << 30,
+    lifecycle = types.SimpleNamespace(registry=types.SimpleNamespace(workers={}))
+    svc = RouterService(lifecycle, tok, model_name="demo", vocab_size=1 << 30,
                         max_model_len=1 << 30, eos_token_ids=frozenset())
     yield svc
     svc.close()
