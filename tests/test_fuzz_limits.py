@@ -51,15 +51,13 @@ fuzz_liveness = fuzz_support.fuzz_liveness
 
 @pytest.fixture(scope="module")
 def probe(cluster):
-    """The liveness probe: a normal completion (a short prompt, 2 tokens) over HTTP, through
-    the router and the workers the fuzz also loads."""
+    """The liveness probe: ``/tokenize`` of a short prompt on the router the fuzz loads,
+    answered by the router itself. It measures what the 1 s bound is about, the router's loop
+    staying responsive; a completion through the workers measured their CPU share under the
+    suite's parallel load instead (a 2-token completion took 1.66 s once in a full `make test`
+    on 2 cores, with the router idle)."""
     client = http_client(cluster)
-
-    def run() -> None:
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "are you there?",
-                                                 "max_tokens": 2, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
-    yield run
+    yield fuzz_support.tokenize_probe(client.post)
     client.close()
 
 
