@@ -263,18 +263,7 @@ class NixlTransport:
                 raise self._failed(e, peer, "building a write to") from e
             handle = WriteHandle(peer, nbytes, xfer, time.monotonic() + self.write_timeout_s,
                                  staged)
-            try:
-                state = self._agent.transfer(xfer)
-            except _NIXL_ERRORS as e:
-                self._finish(handle)
-                raise self._failed(e, peer, "posting a write to") from e
-            if state == "ERR":
-                self._finish(handle)
-                raise KVTransferError(f"NIXL refused a write to {peer}", retriable=True,
-                                      peer=peer)
-            if state == "DONE":
-                self._finish(handle)
-            return handle
+            return self._post(handle, xfer, "a write to")
 
     # -- reads (prefix pull) ----------------------------------------------------------------------
     def read(self, peer: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
@@ -316,18 +305,23 @@ class NixlTransport:
             timeout = self.write_timeout_s if timeout_s is None else timeout_s
             handle = WriteHandle(peer, len(lidx) * self._block_bytes, xfer,
                                  time.monotonic() + timeout, op="read")
-            try:
-                state = self._agent.transfer(xfer)
-            except _NIXL_ERRORS as e:
-                self._finish(handle)
-                raise self._failed(e, peer, "posting a read from") from e
-            if state == "ERR":
-                self._finish(handle)
-                raise KVTransferError(f"NIXL refused a read from {peer}", retriable=True,
-                                      peer=peer)
-            if state == "DONE":
-                self._finish(handle)
-            return handle
+            return self._post(handle, xfer, "a read from")
+
+    def _post(self, handle: WriteHandle, xfer: object, what: str) -> WriteHandle:
+        """Post ``handle``'s prepared transfer (under the lock); a refusal or a failure to post
+        releases it and raises. ``what``: "a write to" / "a read from", for the messages."""
+        peer = handle.peer
+        try:
+            state = self._agent.transfer(xfer)
+        except _NIXL_ERRORS as e:
+            self._finish(handle)
+            raise self._failed(e, peer, f"posting {what}") from e
+        if state == "ERR":
+            self._finish(handle)
+            raise KVTransferError(f"NIXL refused {what} {peer}", retriable=True, peer=peer)
+        if state == "DONE":
+            self._finish(handle)
+        return handle
 
     def poll(self, handle: WriteHandle) -> bool:
         """True once the data is at the peer (remote completion: NIXL flushes the endpoint),
