@@ -13,7 +13,7 @@ linears at load and may give it a fused path for the steps it can run whole
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,13 @@ from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.models.mlp import MLP
 from kvrelay.engine.models.moe import SparseMoE
+from kvrelay.engine.models.rope import rope_inv_freq
+from kvrelay.engine.models.weights import (
+    DENSE_MLP_NAMES,
+    MIXTRAL_EXPERT_NAMES,
+    WeightTarget,
+    mlp_targets,
+)
 from kvrelay.engine.pointwise import add_rms_norm, rope
 
 
@@ -212,6 +219,47 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, RMSNorm) and m.weight.dtype != self.compute_dtype:
                 m.weight = nn.Parameter(m.weight.to(self.compute_dtype), requires_grad=False)
 
+    @classmethod
+    def from_config(cls, arch: ModelArch, hf_cfg: Any, attn_fn: AttentionFn,
+                    max_positions: int, compute_dtype: torch.dtype) -> LlamaForCausalLM:
+        """The model of a checkpoint's config, on the current default device and dtype (the
+        weights'), its rope tables in ``compute_dtype``."""
+        inv_freq, rope_scale = rope_inv_freq(hf_cfg, arch.head_dim)
+        model = cls(arch, attn_fn, inv_freq, rope_scale, max_positions,
+                    compute_dtype=compute_dtype)
+        model.rotary.to(compute_dtype)
+        return model
+
+    def checkpoint_targets(self) -> dict[str, WeightTarget]:
+        """Each checkpoint tensor's place in this model, by the names its checkpoints use."""
+        arch = self.arch
+        out = {"model.embed_tokens.weight": WeightTarget(self.embed),
+               "model.norm.weight": WeightTarget(self.norm.weight)}
+        if self.lm_head.weight is not None:
+            out["lm_head.weight"] = WeightTarget(self.lm_head.weight)
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a, m = layer.attn, layer.mlp
+            out[p + "input_layernorm.weight"] = WeightTarget(layer.input_norm.weight)
+            out[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attn_norm.weight)
+            for kind, fused in (("weight", a.qkv.weight), ("bias", a.qkv.bias)):
+                if fused is not None:
+                    out[p + f"self_attn.q_proj.{kind}"] = WeightTarget(fused, 0, q)
+                    out[p + f"self_attn.k_proj.{kind}"] = WeightTarget(fused, q, q + kv)
+                    out[p + f"self_attn.v_proj.{kind}"] = WeightTarget(fused, q + kv, q + 2 * kv)
+            out[p + "self_attn.o_proj.weight"] = WeightTarget(a.o.weight)
+            if a.o.bias is not None:
+                out[p + "self_attn.o_proj.bias"] = WeightTarget(a.o.bias)
+            if a.q_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = WeightTarget(a.q_norm.weight)
+                out[p + "self_attn.k_norm.weight"] = WeightTarget(a.k_norm.weight)
+            if isinstance(m, SparseMoE):
+                out.update(_moe_targets(m, p, arch))
+            else:
+                out.update(mlp_targets(m, p + "mlp."))
+        return out
+
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
         """Give each layer flat views of its K and V planes of the engine's KV tensor (of every
         head group's, under KV head groups)."""
@@ -254,3 +302,18 @@ class LlamaForCausalLM(nn.Module):
             # GEMM is the only place this runs with two dtypes.
             return F.linear(h, self.embed.to(h.dtype))
         return self.lm_head(h)
+
+
+def _moe_targets(moe: SparseMoE, layer_prefix: str, arch: ModelArch) -> dict[str, WeightTarget]:
+    """A sparse layer's router and experts, by the names their checkpoints use on the Hub (and
+    transformers' ``save_pretrained`` writes): Mixtral's ``block_sparse_moe.gate`` and
+    ``experts.N.w1/w3/w2``, Qwen3-MoE's ``mlp.gate`` and ``experts.N.gate_proj/up_proj/
+    down_proj``."""
+    if arch.family == "mixtral":
+        prefix, names = layer_prefix + "block_sparse_moe.", MIXTRAL_EXPERT_NAMES
+    else:
+        prefix, names = layer_prefix + "mlp.", DENSE_MLP_NAMES
+    out = {prefix + "gate.weight": WeightTarget(moe.router.weight)}
+    for e, expert in enumerate(moe.experts):
+        out.update(mlp_targets(expert, f"{prefix}experts.{e}.", names))
+    return out

@@ -1,0 +1,20 @@
+"""Which model class runs each architecture family (``ModelArch.family``).
+
+A model class is an ``nn.Module`` built by ``from_config`` over the paged KV cache, with the
+interface the engine drives (``bind_kv_cache``, ``forward``, ``compute_logits``) and
+``checkpoint_targets`` for the loader. Every family of the Llama decoder (Llama, Mistral, Qwen2,
+Qwen3, and Mixtral and Qwen3-MoE with their experts) is ``LlamaForCausalLM``; a family with a
+decoder of its own registers its class here.
+"""
+
+from __future__ import annotations
+
+from kvrelay.engine.models.arch import ModelArch
+from kvrelay.engine.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type] = {}
+
+
+def model_class(arch: ModelArch) -> type:
+    """The class that runs ``arch`` (``LlamaForCausalLM`` unless its family registers one)."""
+    return MODEL_CLASSES.get(arch.family, LlamaForCausalLM)
