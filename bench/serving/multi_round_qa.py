@@ -20,8 +20,13 @@ reversed (``--repeat 2``: drift in the shared machine's speed hits them alike):
   ``1p1d+tiers+pull``: and the router's ``--prefix-pull auto``: the prefill worker reads the
   history the decode worker generated (P←D) instead of recomputing it.
 
-A second workload, ``no_reuse`` (fresh prompts only, the same sizes), measures what the tiers cost
-where they cannot help (every block stored, none loaded).
+A second workload, ``long_doc_qa`` (LMCache's long-document QA shape), asks ``--doc-rounds``
+rounds of questions about ``--docs`` documents of ``--doc-tokens`` tokens each, ``doc_concurrency``
+at a time, every round going through the documents in the same order: the documents together are
+at least ``--working-set-ratio`` times the pool, so without tiers each round finds the documents
+of the last one evicted (LRU, cyclic access: a pool-sized cache hits nothing) and recomputes
+them; with tiers they load. A third, ``no_reuse`` (fresh prompts only, the sizes of the first),
+measures what the tiers cost where they cannot help (every block stored, none loaded).
 
 Per configuration and workload: TTFT p50/p99, ITL p50/p99 (client side, gaps between streamed
 messages), output tokens/s over the run, prompt tokens computed against sent (from each
@@ -80,6 +85,12 @@ class Settings:
     pool_tokens: int = 0  # 0: the working set / working_set_ratio
     offload_memory: str = "1GiB"
     no_reuse_requests: int = 12
+    docs: int = 6
+    doc_tokens: int = 4000
+    doc_rounds: int = 2
+    doc_question_tokens: int = 30
+    doc_answer_tokens: int = 32
+    doc_concurrency: int = 2
     seed: int = 0
     request_timeout_s: float = 900.0
     startup_timeout_s: float = 300.0
@@ -197,6 +208,26 @@ async def multi_round_qa(address: str, st: Settings, usable: list[int]) -> list[
     return replies
 
 
+async def long_doc_qa(address: str, st: Settings, usable: list[int]) -> list[Reply]:
+    rng = random.Random(f"ldqa:{st.seed}")
+    docs = [rng.choices(usable, k=st.doc_tokens) for _ in range(st.docs)]
+    asks = [(d, rng.choices(usable, k=st.doc_question_tokens), k)
+            for k in range(st.doc_rounds) for d in range(st.docs)]
+    replies: list[Reply] = []
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        queue = iter(asks)
+
+        async def reader() -> None:
+            for d, question, k in queue:  # the readers share one iterator: in order, N at once
+                r = await ask(stub, docs[d] + question, st.doc_answer_tokens,
+                              f"round{min(k, 1)}", st.request_timeout_s)
+                replies.append(r)
+
+        await asyncio.gather(*(reader() for _ in range(st.doc_concurrency)))
+    return replies
+
+
 async def no_reuse(address: str, st: Settings, usable: list[int]) -> list[Reply]:
     rng = random.Random(f"mrqa-fresh:{st.seed}")
     n = st.system_tokens + st.history_tokens
@@ -237,13 +268,20 @@ def summarize(replies: Sequence[Reply], duration_s: float) -> dict[str, Any]:
     }
 
 
-def bench_config(st: Settings, config: str, tag: str, quick: bool) -> dict[str, Any]:
+WORKLOADS = ("multi_round_qa", "long_doc_qa", "no_reuse")
+
+
+def bench_config(st: Settings, config: str, tag: str,
+                 workloads: Sequence[str] = WORKLOADS) -> dict[str, Any]:
     usable = read_vocab(st.model_dir).usable()
     dep, address = start_cluster(st, config, tag)
     out: dict[str, Any] = {}
     try:
         asyncio.run(warm_up(address, usable))
-        for name, run in (("multi_round_qa", multi_round_qa), ("no_reuse", no_reuse)):
+        runs = {"multi_round_qa": multi_round_qa, "long_doc_qa": long_doc_qa,
+                "no_reuse": no_reuse}
+        for name in workloads:
+            run = runs[name]
             t0 = time.perf_counter()
             replies = asyncio.run(run(address, st, usable))
             out[name] = summarize(replies, time.perf_counter() - t0)
@@ -252,8 +290,6 @@ def bench_config(st: Settings, config: str, tag: str, quick: bool) -> dict[str, 
                         "computed %d/%d, failed %d", config, name, s["ttft_ms"]["p50"] or -1,
                         s["ttft_ms"]["p99"] or -1, s["itl_ms"]["p99"] or -1, s["output_tok_s"],
                         s["prompt_tokens_computed"], s["prompt_tokens"], s["failed"])
-            if quick:
-                break
     finally:
         dep.stop()
     return out
@@ -277,7 +313,7 @@ def table(doc: dict[str, Any]) -> str:
             ("prompt tokens sent", ("prompt_tokens",)), ("failed", ("failed",))]
     res = doc["configs"]
     lines = []
-    for wl in ("multi_round_qa", "no_reuse"):
+    for wl in WORKLOADS:
         names = [c for c in res if wl in res[c]]
         if not names:
             continue
@@ -306,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workdir", default=str(ROOT / ".bench-out" / "multi_round_qa"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--users", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=1)
@@ -321,14 +358,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.quick:
         st.users, st.rounds, st.system_tokens, st.history_tokens = 2, 2, 64, 128
         st.answer_tokens, st.stagger_s, st.think_s, st.no_reuse_requests = 8, 0.2, 0.1, 2
+        st.docs, st.doc_tokens, st.doc_answer_tokens = 3, 200, 4
     for k in ("users", "rounds"):
         if getattr(a, k) is not None:
             setattr(st, k, getattr(a, k))
-    bad = [c for c in st.configs if c not in CONFIGS]
+    workloads = tuple(w for w in a.workloads.split(",") if w)
+    bad = [c for c in st.configs if c not in CONFIGS] + [w for w in workloads
+                                                          if w not in WORKLOADS]
     if bad:
-        raise SystemExit(f"unknown configuration: {bad}")
-    logger.info("working set %d tokens, pool %d blocks (%d tokens): %.1fx", st.working_set(),
-                st.pool(), st.pool() * BLOCK, st.working_set() / (st.pool() * BLOCK))
+        raise SystemExit(f"unknown configuration or workload: {bad}")
+    logger.info("working set %d tokens, pool %d blocks (%d tokens): %.1fx; documents %d tokens: "
+                "%.1fx", st.working_set(), st.pool(), st.pool() * BLOCK,
+                st.working_set() / (st.pool() * BLOCK), st.docs * st.doc_tokens,
+                st.docs * st.doc_tokens / (st.pool() * BLOCK))
     out = Path(a.out or Path(st.workdir) / "results.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in st.configs}
@@ -336,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rep in range(max(1, a.repeat)):
         order = st.configs if rep % 2 == 0 else tuple(reversed(st.configs))
         for config in order:
-            runs[config].append(bench_config(st, config, f"{config}-{rep}", a.quick))
+            runs[config].append(bench_config(st, config, f"{config}-{rep}",
+                                             workloads))
             doc["runs"] = runs
             out.write_text(json.dumps(doc, indent=1))
     doc["configs"] = {c: mean(rs) for c, rs in runs.items()}
