@@ -383,12 +383,14 @@ class EngineCore:
     def begin_import(self, share_id: str, token_ids: list[int], *,
                      cache_salt: str | None = None,
                      ttl_s: float = 30.0) -> tuple[list[int], int]:
-        """Fresh blocks to read a peer's KV of ``token_ids``' full blocks into, and how many
-        leading blocks are held here already (not returned: no read needed)."""
+        """Fresh blocks to read a peer's KV of ``token_ids``' full blocks into (the leading ones
+        that fit beside what admitted requests still need: a pull may be partial), and how
+        many leading blocks are held here already (not returned: no read needed)."""
         self.validate_prompt(token_ids)
         self._sync_tiers()
         self.shares.expire()
-        return self.shares.begin_import(share_id, token_ids, cache_salt, ttl_s)
+        return self.shares.begin_import(share_id, token_ids, cache_salt, ttl_s,
+                                        reserve=self.scheduler.promised_blocks())
 
     def end_import(self, share_id: str, complete: bool) -> int:
         """Publish an import's blocks (``complete``: every byte read and verified) or drop them;

@@ -70,18 +70,26 @@ class PrefixShares:
 
     # -- borrowing ---------------------------------------------------------------------------------
     def begin_import(self, share_id: str, token_ids: Seq[int], cache_salt: str | None,
-                     ttl_s: float) -> tuple[list[int], int]:
+                     ttl_s: float, reserve: int = 0) -> tuple[list[int], int]:
         """Blocks to read ``token_ids``' full blocks into: returns the ids of those not already
         cached here (in order) and how many leading blocks are cached (they need no read).
-        Raises MemoryError when the pool has no room."""
+
+        Where the pool cannot take them all, the import is *partial*: the leading blocks that
+        fit in the free blocks beyond ``reserve`` (those the engine's admitted requests still
+        need), so a pull still saves what it can (a prefix is useful from its first block on)
+        and never takes room an admitted prompt waits for. Raises MemoryError when not one
+        block fits."""
         seq = self._holder(share_id, token_ids, cache_salt)
         bs = self.bm.block_size
         n = len(token_ids) // bs * bs
         self.bm.allocate_prefix(seq, self.bm.match_prefix(seq.token_ids, n, seq.hash_root))
         have = len(seq.block_table)
-        if not self.bm.allocate(seq, n):
+        room = max(0, self.bm.num_free_blocks - reserve)
+        n = min(n, (have + room) * bs)
+        if n <= have * bs or not self.bm.allocate(seq, n):
             self.bm.free(seq)
-            raise MemoryError(f"no KV room to import {n // bs - have} blocks")
+            raise MemoryError(f"no KV room to import {len(token_ids) // bs - have} blocks "
+                              f"({self.bm.num_free_blocks} free, {reserve} promised)")
         self._imports[share_id] = (seq, n, time.monotonic() + ttl_s)
         return list(seq.block_table[have:]), have
 

@@ -178,6 +178,11 @@ class Scheduler:
             return None
         return time.monotonic() - min(s.arrival_time for s in self.waiting)
 
+    def promised_blocks(self) -> int:
+        """Free blocks the admitted (running) sequences will still take to finish their
+        prompts: what a pull's import must leave them."""
+        return sum(self.bm.blocks_needed(s, s.num_prompt_tokens) for s in self.running)
+
     def _remaining(self, seq: Sequence) -> int:
         if not seq.block_table and seq.status == SequenceStatus.WAITING:
             return seq.num_tokens  # before prefix matching: an upper bound

@@ -8,7 +8,8 @@ computing them. Before the prefill runs, this worker:
 1. asks the holder to export the prefix (``WorkerControl.ExportPrefix``): it pins its blocks
    and answers their ids, the tokens they cover and its NIXL endpoint;
 2. opens an import for the blocks it lacks (``EngineCore.begin_import``: fresh blocks, not yet
-   in its prefix cache; the leading ones it holds already are not read);
+   in its prefix cache; the leading ones it holds already are not read; where its pool has room
+   for only some, the leading ones that fit: the prefill recomputes the rest);
 3. READs every layer's K and V of those blocks into its own (``NixlConnector.read_blocks``, in
    a thread: the copy runs in the posting call);
 4. ends the export (``EndExport``: were the blocks held throughout?);
@@ -163,7 +164,7 @@ class PrefixPull:
                                 else wpb.PULL_SOURCE_SHORT, "we hold as much already")
             try:
                 nbytes = await _unabandoned(asyncio.to_thread(
-                    self.kv.read_blocks, exp.agent_name, src_ids[have:], dst,
+                    self.kv.read_blocks, exp.agent_name, src_ids[have:have + len(dst)], dst,
                     timeout_s=_left(deadline), incarnation=exp.incarnation))
             except KVTransferError as e:
                 raise _Fallback(wpb.PULL_READ_FAILED, str(e)) from e

@@ -110,3 +110,38 @@ def test_a_demoted_prefix_is_exported_from_the_host_tier(engines) -> None:
 
 def make_core_like(core: EngineCore) -> EngineCore:
     return EngineCore(core.config)
+
+
+def test_a_pull_without_room_for_all_imports_the_leading_blocks_that_fit(demo_model_dir) -> None:
+    """A reader whose pool has fewer free blocks than the prefix lacks imports the leading ones
+    that fit beside what its admitted prompts still need, and serves the recomputed tokens with
+    the pulled part cached; with no room beyond that promise it refuses (MemoryError)."""
+    holder = make_core(demo_model_dir)
+    reader = make_core(demo_model_dir, num_blocks=24)  # chunks of 64 tokens (8 blocks)
+    try:
+        p = prompt(11, 180)  # 22 full blocks
+        run(holder, "h", p)
+        ref, _ = run(make_core_like(reader), "ref", p)
+        bm = reader.block_manager
+        # 13 blocks; one output token, as on a prefill worker (the promise covers prompts)
+        reader.add_request("busy", prompt(12, 100), SamplingParams(max_tokens=1))
+        reader.step()  # admitted: its first chunk holds 8, it will take 5 more
+        assert reader.scheduler.promised_blocks() == 5 and bm.num_free_blocks == 16
+        src, covered = holder.export_prefix("x5", p)
+        dst, have = reader.begin_import("i5", p[:covered])
+        assert have == 0 and len(dst) == 11, "the leading blocks that fit beside the promise"
+        copy_blocks(holder, src[:len(dst)], reader, dst)
+        holder.end_export("x5")
+        assert reader.end_import("i5", complete=True) == 11 * BLOCK
+        while reader.has_unfinished():
+            reader.step()
+        got, cached = run(reader, "p", p)
+        assert got == ref and cached == 11 * BLOCK, "the pulled blocks serve, the rest computes"
+
+        with pytest.raises(MemoryError, match="promised"):
+            reader.shares.begin_import("i6", p[:covered], None, 5.0,
+                                       reserve=bm.num_free_blocks)
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        holder.close()
+        reader.close()
