@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from kvrelay.engine.prefix_hash import ROOT_HASH, block_hashes
 from kvrelay.engine.step_cost_fit import StepCostFit
 from kvrelay.router.estimators import PRIOR_STEP_COST
+from kvrelay.router.pull_sources import best_source, pull_seconds
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.worker_state import NOTHING_HELD, HeldPrefix, WorkerState
 
@@ -150,6 +151,9 @@ class CostModel:
 
     def __init__(self, registry: WorkerRegistry):
         self.registry = registry
+        # ``--prefix-pull`` (set by ``prefix_pull.PrefixPulls``): other than "off", a prefill
+        # worker is priced with the prefix it could pull from another worker (``prefill``).
+        self.pull_mode = "off"
         # The fit last chosen per kind of work, and the ``now`` it was chosen at: one ranking
         # estimates every worker at one ``now``, and so scans the pool once, not once a worker.
         self._chosen: dict[str, tuple[float, StepCostFit]] = {}
@@ -210,11 +214,29 @@ class CostModel:
         return held, int(held.credit * bs + 0.5)
 
     def prefill(self, w: WorkerState, req: RouteRequest, now: float) -> PrefillEstimate:
+        """Seconds until ``req`` would be prefilled on ``w``: its queue, then the prompt tokens
+        it lacks. Where prefix pulls are on and another worker holds more of the prompt, ``w``
+        is priced as pulling those blocks first (the pull's predicted time, then computing the
+        rest) when that is cheaper (``auto``) or always (``always``), as ``prefix_pull`` then
+        has it do: so a busy holder of a prefix is not preferred to an idle worker that would
+        read the prefix from it."""
         held, cached = self.held(w, req, now)
-        new = len(req) - cached
-        seconds = self._fit("prompt", now).prompt_seconds(
-            new, w.perf.step_tokens, queued=w.queued_tokens_estimate, context=cached)
-        return PrefillEstimate(w, cached, new, seconds, held)
+        fit = self._fit("prompt", now)
+        step, queued = w.perf.step_tokens, w.queued_tokens_estimate
+        seconds = fit.prompt_seconds(len(req) - cached, step, queued=queued, context=cached)
+        if self.pull_mode != "off":
+            bs = w.identity.block_size
+            hashes = req.hashes(bs)[:(len(req) - 1) // bs]
+            src = best_source(self.registry, w, hashes, held.blocks, now)
+            pull = None if src is None else pull_seconds(self.registry.perf,
+                                                         src[0] - held.blocks)
+            if src is not None and pull is not None:
+                have = src[0] * bs
+                pulled = pull + fit.prompt_seconds(len(req) - have, step, queued=queued,
+                                                   context=have)
+                if pulled < seconds or self.pull_mode == "always":
+                    seconds, cached = pulled, have
+        return PrefillEstimate(w, cached, len(req) - cached, seconds, held)
 
     def decode(self, w: WorkerState, req: RouteRequest, blocks_needed: int,
                now: float) -> DecodeEstimate:

@@ -2,10 +2,10 @@
 prefix from another worker that holds more of it (``PullHint``), and what a pull costs.
 
 A source is any other usable prefill or decode worker whose beats (or this router's own
-expectations) say it holds more leading blocks of the prompt than the chosen prefill worker:
-the decode worker that generated the previous turn (P<-D: it holds the history's answer, which
-no prefill worker ever computed) or another prefill worker (P<-P). The one holding the most
-wins; on a tie a prefill worker, whose lending takes nothing from a decode batch.
+expectations) say it holds more leading blocks of the prompt than the chosen prefill worker
+(``pull_sources.best_source``). The routing cost model counts the same pull when it chooses the
+prefill worker (``CostModel.prefill``): a worker that could pull a prefix is priced as if it
+did, where that is cheaper than its recompute.
 
 ``--prefix-pull auto`` pulls when the predicted pull time of the blocks the prefill worker lacks
 is below the predicted recompute time of their tokens; ``always`` whenever a source holds more
@@ -31,13 +31,13 @@ from kvrelay.engine.step_cost_fit import StepCostFit
 from kvrelay.proto import worker_pb2 as wpb
 from kvrelay.router.estimators import ClusterPerf
 from kvrelay.router.policy import CostModel, RouteRequest
+from kvrelay.router.pull_sources import best_source, pull_seconds
 from kvrelay.router.registry import WorkerRegistry
 from kvrelay.router.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
 
 PULL_MODES = ("off", "auto", "always")
-SOURCE_ROLES = ("prefill", "decode")  # role=both workers have no NIXL agent to lend from
 MIN_PULL_TIMEOUT_S = 0.2
 MAX_PULL_TIMEOUT_S = 10.0
 CROSSOVER_LOG_CHANGE = 0.2  # log the crossover again once it moved by this fraction
@@ -71,15 +71,6 @@ class PullPlan:
         return wpb.PullHint(source_address=ident.address, source_agent=ident.worker_id,
                             prefix_tokens=self.source_blocks * self.block_size,
                             timeout_ms=int(budget * 1e3))
-
-
-def pull_seconds(perf: ClusterPerf, blocks: int) -> float | None:
-    """Predicted seconds to pull ``blocks``; None until a block's bytes are known."""
-    if blocks <= 0:
-        return 0.0
-    if not perf.block_bytes:
-        return None
-    return perf.pull.predict(blocks * perf.block_bytes / 2.0**20)
 
 
 def recompute_seconds(fit: StepCostFit, step_tokens: int, prompt: int, have: int,
@@ -124,7 +115,7 @@ class PrefixPulls:
             raise ValueError(f"prefix pull mode must be one of {PULL_MODES}, got {mode!r}")
         self.registry = registry
         self.cost = cost
-        self.mode = mode
+        self.mode = cost.pull_mode = mode  # the cost model prices prefill workers by it too
         self.counters = registry.pulls
         self._logged: int | None = None
         self._crossover_of: tuple[object, ...] = ()  # what it was computed from
@@ -139,14 +130,7 @@ class PrefixPulls:
         bs = p.identity.block_size
         hashes = req.hashes(bs)[:(len(req) - 1) // bs]  # the engine computes the last token
         own = p.cached_prefix(hashes, now).blocks
-        best: tuple[int, WorkerState] | None = None
-        for role in SOURCE_ROLES:  # prefill first: it wins ties
-            for w in self.registry.alive(role):
-                if w is p or w.identity.block_size != bs:
-                    continue
-                n = w.cached_prefix(hashes, now).blocks
-                if n > own and (best is None or n > best[0]):
-                    best = (n, w)
+        best = best_source(self.registry, p, hashes, own, now)
         if best is None:
             return None
         n, src = best

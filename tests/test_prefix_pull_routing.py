@@ -19,8 +19,8 @@ from kvrelay.router.prefix_pull import (
     MIN_PULL_TIMEOUT_S,
     PrefixPulls,
     crossover_tokens,
-    pull_seconds,
 )
+from kvrelay.router.pull_sources import pull_seconds
 from kvrelay.router.registry import WorkerRegistry
 
 BS = 16
@@ -159,3 +159,34 @@ def test_a_budget_is_bounded_and_another_salt_holds_nothing() -> None:
 
 def _worker(reg: WorkerRegistry):
     return next(iter(reg.workers.values()))
+
+
+def test_choosing_the_prefill_worker_counts_the_prefix_it_could_pull() -> None:
+    """The holder of a long prefix, with a queue, against an idle worker that holds nothing:
+    without pulls the holder wins (its queue costs less than computing the prefix); with them
+    the idle worker is priced as reading the prefix from the holder, and wins."""
+    prompt = ids(200 * BS + 1, 9)
+
+    def body(reg: WorkerRegistry) -> None:
+        busy = beat("p1", wpb.ROLE_PREFILL, block_hashes(prompt, BS))
+        busy.load.queued_prompt_tokens = 2 * 1024  # ~82 ms of compute ahead of it
+        reg.heartbeat(busy)
+        reg.heartbeat(beat("p2", wpb.ROLE_PREFILL, []))
+        reg.perf.block_bytes = BLOCK_BYTES
+        policy = make_policy("prefix_aware", reg)
+        req = RouteRequest(prompt)
+        workers = [reg.workers["p1"], reg.workers["p2"]]
+        # Off: p2 would compute 200 blocks (~128 ms), p1 its queue and one token.
+        assert [w.worker_id for w in policy.rank_prefill(workers, req)] == ["p1", "p2"]
+        est = policy.cost.prefill(reg.workers["p2"], req, 0.0)
+        assert est.new_tokens == len(prompt), "no pull priced while pulls are off"
+
+        PrefixPulls(reg, policy.cost, "auto")  # --prefix-pull auto
+        est = policy.cost.prefill(reg.workers["p2"], req, 0.0)
+        assert est.cached_tokens == 200 * BS and est.new_tokens == 1, "priced as pulling"
+        # ~47 ms to pull (the prior) + one token against p1's ~82 ms queue
+        assert [w.worker_id for w in policy.rank_prefill(workers, req)] == ["p2", "p1"]
+        # The chosen worker then pulls from the holder, as priced.
+        plan = PrefixPulls(reg, policy.cost, "auto").plan(reg.workers["p2"], req)
+        assert plan is not None and plan.source.worker_id == "p1"
+    run(body)
