@@ -71,9 +71,14 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
              "evicts stay here and come back on a prefix hit instead of being recomputed "
              "(pinned host memory on a GPU; on a CPU worker make it several times the pool)")
     opt(g, "--kv-offload-dir", default=None,
-        help="a disk tier below the host tier, in this directory (a local disk; files of an "
-             "earlier run are removed at start)")
+        help="a disk tier below the host tier, in this directory (a local disk, or /dev/shm "
+             "for a tier in shared memory; files of an earlier run are removed at start "
+             "unless --kv-offload-keep)")
     opt(g, "--kv-offload-disk", default="4GiB", help="the disk tier's size")
+    opt(g, "--kv-offload-keep", action="store_true",
+        help="keep the disk tier's blocks across restarts: a worker starting on a directory an "
+             "earlier one left (same model and KV layout) serves its blocks again, each "
+             "checked on load, and leaves its own at exit")
     opt(g, "--kv-head-groups", type=int, default=1,
         help="keep the KV heads (each rank's) in this many groups, laid out as the ranks of a "
              "replica of this many times our TP size lay them out: KV then moves to or from "
@@ -129,6 +134,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         kv_offload_memory=getattr(args, "kv_offload_memory", "0"),
         kv_offload_dir=getattr(args, "kv_offload_dir", None),
         kv_offload_disk=getattr(args, "kv_offload_disk", "4GiB"),
+        kv_offload_keep=bool(getattr(args, "kv_offload_keep", False)),
         max_num_batched_tokens=int(args.max_num_batched_tokens),
         max_num_seqs=int(args.max_num_seqs), enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_threshold=args.long_prefill_threshold, max_waiting=int(args.max_waiting),

@@ -104,6 +104,8 @@ class CacheConfig:
     kv_offload_memory: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk: int = 4 * 2**30
+    # Keep the disk tier's files across restarts (``engine/tiers/disk_files.py``).
+    kv_offload_keep: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_head_groups < 1:
@@ -123,6 +125,8 @@ class CacheConfig:
         if self.kv_offload_dir is not None and not self.kv_offload_memory:
             raise ValueError("a disk tier (kv_offload_dir) sits below the host tier: it needs "
                              "kv_offload_memory too")
+        if self.kv_offload_keep and self.kv_offload_dir is None:
+            raise ValueError("kv_offload_keep keeps the disk tier: it needs kv_offload_dir")
         if self.kv_offload_memory and not self.enable_prefix_caching:
             raise ValueError("KV offload tiers keep prefix-cache blocks: they need prefix caching")
         if self.num_blocks is not None and self.num_blocks < 1:

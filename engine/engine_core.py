@@ -129,7 +129,8 @@ class EngineCore:
                            "(%d a step): blocks may skip it while its slots are busy; give "
                            "--kv-offload-memory several times the KV pool", host_slots,
                            step_blocks)
-        tiers = KVTiers(kv, cc.block_size, TierConfig(host_slots, cc.kv_offload_dir, disk_slots),
+        tiers = KVTiers(kv, cc.block_size, TierConfig(host_slots, cc.kv_offload_dir, disk_slots,
+                                                      keep_disk=cc.kv_offload_keep),
                         layout_fingerprint(layout))
         logger.info("KV tiers: host %d blocks (%.0f MiB)%s", host_slots,
                     host_slots * slot_bytes / 2**20,

@@ -213,6 +213,45 @@ def test_disk_tier_spills_and_loads_back_and_a_bad_file_recomputes(demo_model_di
         core.close()
 
 
+def test_a_kept_disk_tier_serves_the_worker_that_restarts_on_it(demo_model_dir, reference,
+                                                                 tmp_path: Path) -> None:
+    """--kv-offload-keep: the disk tier's files outlive the engine; the next one on the
+    directory indexes the complete ones of its layout (a truncated file is removed) and serves
+    them with the recomputed tokens; without keep the files go at start."""
+    tiers = dict(kv_offload_memory=40 * SLOT_BYTES, kv_offload_dir=str(tmp_path),
+                 kv_offload_disk=200 * SLOT_BYTES, kv_offload_keep=True)
+    first = make_core(demo_model_dir, **tiers)
+    try:
+        for s in range(3):
+            run(first, f"a{s}", prompt(s))
+        settle(first)
+        assert first.tiers is not None and first.tiers.disk is not None
+        h1 = block_hashes(prompt(1), BLOCK)
+        bad = first.tiers.disk.path(first.tiers.disk_index.slot_of(h1[4]))  # type: ignore
+    finally:
+        first.close()
+    bad.write_bytes(bad.read_bytes()[:-10])  # truncated after its writer left
+
+    second = make_core(demo_model_dir, **tiers)
+    try:
+        on_disk = second.cached_hash_sets()[DISK]
+        assert set(block_hashes(prompt(0), BLOCK)) <= on_disk
+        assert h1[3] in on_disk and h1[4] not in on_disk and not bad.exists()
+        again, cached = run(second, "b0", prompt(0))
+        assert again == reference[0] and cached == (160 - 1) // BLOCK * BLOCK
+        again, cached = run(second, "b1", prompt(1))
+        assert again == reference[1] and cached == 4 * BLOCK, "up to the truncated block"
+        assert second.stats().kv_tiers[DISK].load_failures == 0
+    finally:
+        second.close()
+
+    third = make_core(demo_model_dir, **{**tiers, "kv_offload_keep": False})
+    try:
+        assert not third.cached_hash_sets()[DISK], "not kept: an earlier run's files go"
+    finally:
+        third.close()
+
+
 def test_requests_sharing_a_prefix_being_loaded_share_its_loads(demo_model_dir, reference,
                                                                  tmp_path: Path) -> None:
     """Four prompts that extend one prefix on disk (long prompts until their prefix matched):
@@ -313,6 +352,8 @@ def test_offload_flags_are_checked() -> None:
 
     with pytest.raises(ValueError, match="needs kv_offload_memory"):
         CacheConfig(kv_offload_dir="/tmp/x")
+    with pytest.raises(ValueError, match="needs kv_offload_dir"):
+        CacheConfig(kv_offload_memory=2**20, kv_offload_keep=True)
     with pytest.raises(ValueError, match="prefix caching"):
         CacheConfig(kv_offload_memory=2**20, enable_prefix_caching=False)
     assert CacheConfig(kv_offload_memory="1GiB").kv_offload_memory == 2**30

@@ -11,6 +11,13 @@ was written under: model, KV shape and dtype, block size, hash scheme; the block
 parent and tokens) and the payload's CRC-32 does: a truncated, corrupted or foreign file is a
 miss (the request recomputes), never wrong KV. Writes go to a temporary name and are renamed
 into place, so a crash mid-write leaves no file that looks complete.
+
+By default a tier's files live as long as its process: they are removed at start (an earlier
+process's index died with it) and at close. Kept (``--kv-offload-keep``), they outlive it: a
+process starting on the directory reads every file's header (``found``) and takes the blocks
+written under its own layout back into its index, so a restarted worker, or one replacing it on
+the same host, starts with the tier warm. On ``/dev/shm`` the tier is then a shared-memory one
+that survives the worker process.
 """
 
 from __future__ import annotations
@@ -60,19 +67,49 @@ def claim_directory(root: Path, limit: int = 4096) -> tuple[Path, int]:
 
 
 class DiskFiles:
-    def __init__(self, directory: str | os.PathLike[str], fingerprint: bytes):
+    def __init__(self, directory: str | os.PathLike[str], fingerprint: bytes,
+                 keep: bool = False):
         self.dir, self._lock = claim_directory(Path(directory))
         self.fingerprint = fingerprint
-        # Files of an earlier process: their index died with it, so they are removed (only
-        # files of this tier's own naming, nothing else in the directory).
+        self.keep = keep
+        # Blocks an earlier process left, written under this layout: (slot, hash, parent hash,
+        # token ids). Every other file of this tier's naming is removed (a temporary one, a
+        # foreign layout's, or all of them when not keeping); nothing else in the directory.
+        self.found: list[tuple[int, int, int, tuple[int, ...]]] = []
         for p in self.dir.glob(f"slot-*{SUFFIX}*"):
-            p.unlink(missing_ok=True)
-        logger.info("disk tier in %s", self.dir)
+            header = self._header(p) if keep and p.suffix == SUFFIX else None
+            if header is None:
+                p.unlink(missing_ok=True)
+            else:
+                self.found.append(header)
+        self.found.sort()
+        logger.info("disk tier in %s%s", self.dir,
+                    f" ({len(self.found)} blocks kept)" if keep else "")
+
+    def _header(self, path: Path) -> tuple[int, int, int, tuple[int, ...]] | None:
+        """The block a kept file holds, if it is a complete file of this layout (its payload's
+        CRC is checked when it is read, as always)."""
+        try:
+            slot = int(path.name[len("slot-"):-len(SUFFIX)])
+            with open(path, "rb") as f:
+                magic, version, head_len, fp, h, parent, n_tok, n_bytes, _ = _HEAD.unpack(
+                    f.read(_HEAD.size))
+                if (magic, version, fp) != (MAGIC, VERSION, self.fingerprint) \
+                        or head_len != _HEAD.size + 8 * n_tok:
+                    return None
+                tokens = array("q")
+                tokens.frombytes(f.read(8 * n_tok))
+            if os.path.getsize(path) != head_len + n_bytes:
+                return None
+        except (OSError, ValueError, struct.error):
+            return None
+        return slot, h, parent, tuple(tokens)
 
     def close(self) -> None:
-        """Remove this tier's files and give its directory up."""
+        """Remove this tier's files (unless kept) and give its directory up."""
         for p in self.dir.glob(f"slot-*{SUFFIX}*"):
-            p.unlink(missing_ok=True)
+            if not self.keep or p.suffix != SUFFIX:
+                p.unlink(missing_ok=True)
         if self._lock >= 0:
             os.close(self._lock)
             self._lock = -1

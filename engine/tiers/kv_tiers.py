@@ -68,6 +68,7 @@ class TierConfig:
     host_slots: int
     disk_dir: str | None = None
     disk_slots: int = 0
+    keep_disk: bool = False  # the disk tier's files outlive the process (``DiskFiles``)
 
 
 class KVTiers:
@@ -93,10 +94,11 @@ class KVTiers:
         if config.disk_dir is not None:
             if config.disk_slots < 1:
                 raise ValueError("a disk tier needs room for at least one block")
-            self.disk = DiskFiles(config.disk_dir, fingerprint)
+            self.disk = DiskFiles(config.disk_dir, fingerprint, keep=config.keep_disk)
             self.disk_index = TierIndex(config.disk_slots)
             self.stats[DISK] = TierStats(DISK, config.disk_slots)
             self.io = TierIO()
+            self._adopt_disk_files()
         self._staged_spills = 0
         self._max_staged = max(8, MAX_STAGED_BYTES // self.slot_bytes)
         self._spilling: set[int] = set()  # host slots being written ahead to disk (pinned)
@@ -105,6 +107,22 @@ class KVTiers:
         # CUDA: host slots whose store is still copying, with the event that ends it.
         self._cuda_stores: list[tuple[torch.cuda.Event, list[int]]] = []
         self._side = torch.cuda.Stream(kv.device) if self.cuda else None
+
+    def _adopt_disk_files(self) -> None:
+        """Index the blocks an earlier process left in the disk tier (``keep_disk``): each
+        ready at its own slot, as if this process had spilled it (a file past this tier's
+        size, or a second copy of a block, is removed). Their payloads are checked when loaded,
+        as every disk read is."""
+        assert self.disk is not None and self.disk_index is not None
+        adopted = 0
+        for slot, h, parent, tokens in self.disk.found:
+            if slot < self.disk_index.num_slots and self.disk_index.slot_of(h) is None:
+                self.disk_index.adopt(slot, h, parent, tokens)
+                adopted += 1
+            else:
+                self.disk.remove(slot)
+        if adopted:
+            logger.info("disk tier: %d blocks kept from an earlier run", adopted)
 
     # -- queries -------------------------------------------------------------------------------
     def hash_sets(self) -> dict[str, frozenset[int]]:

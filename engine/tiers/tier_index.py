@@ -90,6 +90,16 @@ class TierIndex:
         self._by_hash[block_hash] = slot
         return slot, evicted
 
+    def adopt(self, slot: int, block_hash: int, parent_hash: int,
+              token_ids: tuple[int, ...]) -> None:
+        """Hold a block that is already complete in the free slot ``slot`` (a disk tier's file
+        kept from an earlier process), ready."""
+        assert block_hash not in self._by_hash, "block already held in this tier"
+        self._free.remove(slot)
+        self._entries[slot] = SlotEntry(block_hash, parent_hash, token_ids)
+        self._by_hash[block_hash] = slot
+        self.mark_ready(slot)
+
     def mark_ready(self, slot: int) -> None:
         e = self._entries[slot]
         e.ready = True
