@@ -132,6 +132,9 @@ def validate_tp(arch: ModelArch, size: int) -> None:
         raise ValueError(f"tensor_parallel_size {size} must divide moe_intermediate_size "
                          f"{arch.moe_intermediate_size} (each rank holds a slice of every "
                          f"expert)")
+    if arch.is_moe and arch.shared_expert_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide "
+                         f"shared_expert_intermediate_size {arch.shared_expert_intermediate_size}")
 
 
 def local_kv_heads(arch: ModelArch, size: int) -> int:
@@ -227,10 +230,10 @@ def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
             a.o.bias = None
         _row_parallel(a.o, shard)
         if isinstance(m, SparseMoE):
-            # The router stays whole (every rank routes the same rows alike); each expert is
-            # cut as a dense MLP is, and its partial outputs are summed once per layer, after
-            # the routing weights combine them.
-            for expert in m.experts:
+            # The router stays whole (every rank routes the same rows alike); each expert (and
+            # a shared expert) is cut as a dense MLP is, and its partial outputs are summed once
+            # per layer, after the routing weights (the shared expert's gate) combine them.
+            for expert in m.sharded_mlps():
                 _shard_mlp(expert, r, n)
             m.reduce = shard.all_reduce
         else:

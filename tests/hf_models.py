@@ -48,7 +48,8 @@ class ArchSpec:
 
     def __post_init__(self) -> None:
         if self.config_class not in ("LlamaConfig", "Qwen2Config", "Qwen3Config",
-                                     "MistralConfig", "MixtralConfig", "Qwen3MoeConfig"):
+                                     "MistralConfig", "MixtralConfig", "Qwen3MoeConfig",
+                                     "Qwen2MoeConfig"):
             raise ValueError(f"unsupported config class {self.config_class!r}")
 
 
@@ -105,6 +106,18 @@ MOE_ARCHS: dict[str, ArchSpec] = {
                                                        norm_topk_prob=True,
                                                        num_hidden_layers=4,
                                                        decoder_sparse_step=2)),
+    # Qwen2-MoE: routed experts plus a shared expert behind a sigmoid gate, q/k/v biases.
+    "qwen2_moe": ArchSpec("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=48,
+                                                 rope_theta=1000000.0), bias_std=0.2),
+    # Renormalised top-k, MHA, layer 1 dense (mlp_only_layers) between sparse layers 0 and 2.
+    "qwen2_moe_norm": ArchSpec("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=32,
+                                                      shared_expert_intermediate_size=64,
+                                                      norm_topk_prob=True, num_hidden_layers=3,
+                                                      num_key_value_heads=4,
+                                                      mlp_only_layers=[1]), bias_std=0.2),
 }
 
 # The weights' scale: matrices N(0, GAIN**2 / fan_in), embeddings N(0, 1).

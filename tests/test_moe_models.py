@@ -1,7 +1,8 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE) against transformers, on tiny random checkpoints built
-by transformers' own classes (``hf_models.MOE_ARCHS``: 4 and 8 experts, top-1 and top-2, GQA 2:1,
-1:1 and 4:1, tied embeddings, a sliding window, Qwen3-MoE's renormalised top-k and dense layers
-among the sparse ones): the config read, the grouped expert computation against a per-token
+"""Mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE) against transformers, on tiny random
+checkpoints built by transformers' own classes (``hf_models.MOE_ARCHS``: 4 and 8 experts, top-1
+and top-2, GQA 2:1, 1:1 and 4:1, tied embeddings, a sliding window, the Qwen MoEs' renormalised
+top-k and dense layers among the sparse ones, Qwen2-MoE's gated shared expert and q/k/v biases):
+the config read, the grouped expert computation against a per-token
 reference, greedy tokens identical and logits within the fp32 bound (1e-4 of the range,
 ``test_engine_parity``) through the offline engine, chunked prefill with a prefix-cache hit, a
 bf16 checkpoint within ``test_bf16_engine``'s stated bounds, and TP=2."""
@@ -40,7 +41,11 @@ EXPECTED = {
     "qwen3_moe": (8, 2, 32, False, (True, True)),
     "qwen3_moe_norm": (4, 2, 32, True, (True, True, False, True)),
     "qwen3_moe_step2": (4, 1, 32, True, (False, True, False, True)),
+    "qwen2_moe": (8, 2, 32, False, (True, True)),
+    "qwen2_moe_norm": (4, 2, 32, True, (True, False, True)),
 }
+# Their shared expert: (shared_expert_intermediate_size, gated); (0, False) where none.
+SHARED = {"qwen2_moe": (48, True), "qwen2_moe_norm": (64, True)}
 
 
 def _config(model_dir: str) -> dict[str, Any]:
@@ -65,13 +70,16 @@ def test_arch_reads_the_experts_and_plain_config_agrees_with_autoconfig(hf_model
     assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
             arch.norm_topk_prob, arch.sparse_layers) == EXPECTED[name]
     assert arch.is_moe and arch.qk_norm == (arch.family == "qwen3_moe")
+    assert (arch.shared_expert_intermediate_size, arch.shared_expert_gate) == \
+        SHARED.get(name, (0, False))
+    assert (arch.qkv_bias, arch.o_bias) == (arch.family == "qwen2_moe", False)
     if name == "mixtral_tied_swa":
         assert arch.layer_windows == (48, 48)
     saved = _config(d)
     assert plain_config(saved) is not None  # what save_pretrained writes is read directly
     moe_keys = ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "sliding_window",
-                "head_dim")
+                "head_dim", "shared_expert_intermediate_size", "qkv_bias")
     variants = [saved] + [{k: v for k, v in saved.items() if k != key}
                           for key in moe_keys if key in saved]
     if "num_local_experts" in saved:  # the Hub's Qwen3-MoE configs say num_experts
@@ -108,17 +116,22 @@ def test_unsupported_moe_configs_are_refused_by_name(hf_model_dir, tmp_path) -> 
         ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
         ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ]
-    for i, (change, match) in enumerate(cases):
+    cases = [(saved, change, match) for change, match in cases]
+    cases.append((_config(hf_model_dir("qwen2_moe")), {"use_sliding_window": True,
+                                                        "sliding_window": 64},
+                  "Qwen2MoeForCausalLM with use_sliding_window"))
+    for i, (base, change, match) in enumerate(cases):
         d = tmp_path / str(i)
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({**saved, **change}))
+        (d / "config.json").write_text(json.dumps({**base, **change}))
         with pytest.raises(UnsupportedModelError, match=match):
             load_model_config(str(d))
 
 
 # -- the block --------------------------------------------------------------------------------
 def _per_token_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """Each token through its own top-k experts, one at a time: the definition."""
+    """Each token through its own top-k experts, one at a time, then the shared expert (times
+    its sigmoid gate): the definition."""
     out = torch.zeros_like(x)
     probs = torch.softmax(F.linear(x, moe.router.weight), dim=-1)
     for t in range(x.shape[0]):
@@ -129,10 +142,17 @@ def _per_token_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
             ex = moe.experts[e]
             gate, up = F.linear(x[t:t + 1], ex.gate_up.weight).split(ex.inter, dim=-1)
             out[t] += wi * F.linear(F.silu(gate) * up, ex.down.weight)[0]
+        if moe.shared_expert is not None:
+            ex = moe.shared_expert
+            gate, up = F.linear(x[t:t + 1], ex.gate_up.weight).split(ex.inter, dim=-1)
+            s = F.linear(F.silu(gate) * up, ex.down.weight)[0]
+            if moe.shared_expert_gate is not None:
+                s = s * torch.sigmoid(F.linear(x[t], moe.shared_expert_gate.weight))
+            out[t] += s
     return out
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_moe_step2"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_moe_step2", "qwen2_moe"])
 def test_grouped_experts_equal_the_per_token_definition_one_call_per_active_expert(
         hf_model_dir, name: str, monkeypatch) -> None:
     from kvrelay.engine.models.llama import LlamaForCausalLM
@@ -171,8 +191,11 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str) ->
     experts = [e for layer in model.layers if isinstance(layer.mlp, SparseMoE)
                for e in layer.mlp.experts]
     assert len(experts) == sum(EXPECTED[name][4]) * EXPECTED[name][0]
+    shared = [layer.mlp.shared_expert for layer in model.layers
+              if isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_expert is not None]
+    assert len(shared) == (sum(EXPECTED[name][4]) if name in SHARED else 0)
     if core.runner.model.lm_head.is_packed:  # the platform packed the experts as it did the rest
-        assert all(e.gate_up.is_packed and e.down.is_packed for e in experts)
+        assert all(e.gate_up.is_packed and e.down.is_packed for e in experts + shared)
     ps = prompts(1, (1, 7, 16, 33))
     free0 = core.block_manager.num_free_blocks
     got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
@@ -211,7 +234,7 @@ def _check_logits(core: Any, model_dir: str, tol: float, length: int = 50,
     bm.free(seq)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_norm"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_norm", "qwen2_moe"])
 def test_chunked_prefill_with_a_prefix_cache_hit(hf_model_dir, name: str) -> None:
     model_dir = hf_model_dir(name)
     core = make_core(model_dir)
@@ -228,7 +251,7 @@ def test_the_offline_llm_serves_a_mixtral(hf_model_dir) -> None:
     assert out.token_ids == hf_tokens(model_dir, tuple(ids), GEN)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_norm"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_norm", "qwen2_moe_norm"])
 def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir, name: str) -> None:
     """bf16 experts stay bf16 (no fp32 copy of any expert matrix); logits within 2 % of the
     range of transformers in fp32 over the same weights with a bf16 KV cache, 1e-4 with an fp32
@@ -239,7 +262,7 @@ def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir, name: str) ->
         assert core.runner.dtype == torch.bfloat16
         for layer in core.runner.model.layers:
             if isinstance(layer.mlp, SparseMoE):
-                for lin in (layer.mlp.router, *(m for e in layer.mlp.experts
+                for lin in (layer.mlp.router, *(m for e in layer.mlp.sharded_mlps()
                                                 for m in (e.gate_up, e.down))):
                     k = lin.kernel
                     held = [lin.weight] if k is None else [getattr(k, "panels", None),
@@ -250,10 +273,11 @@ def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir, name: str) ->
 
 # -- tensor parallelism -----------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral_tied_swa", "qwen3_moe_norm"])
+@pytest.mark.parametrize("name", ["mixtral_tied_swa", "qwen3_moe_norm", "qwen2_moe_norm"])
 def test_tp2_shards_every_expert_and_matches_transformers(hf_model_dir, name: str) -> None:
-    """TP=2 on CPU (gloo): each rank holds half of every expert's FFN and the whole router;
-    greedy tokens identical and logits within 1e-4, as at TP=1."""
+    """TP=2 on CPU (gloo): each rank holds half of every expert's FFN (the shared expert's too)
+    and the whole router (and shared expert gate); greedy tokens identical and logits within
+    1e-4, as at TP=1."""
     model_dir = hf_model_dir(name)
     core = make_core(model_dir, tensor_parallel_size=2, tp_timeout_s=20.0)
     try:
@@ -261,6 +285,8 @@ def test_tp2_shards_every_expert_and_matches_transformers(hf_model_dir, name: st
                    if isinstance(layer.mlp, SparseMoE))
         assert moe.experts[0].inter == 16 and moe.reduce is not None
         assert moe.router.out_features == moe.num_experts
+        if moe.shared_expert is not None:
+            assert moe.shared_expert.inter == SHARED[name][0] // 2
         ps = prompts(1, (7, 33))
         got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
         for i, p in enumerate(ps):

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 from typing import Any
 
 # Hugging Face architecture name -> family variant. All are the Llama decoder with small twists;
-# Mixtral and Qwen3-MoE replace its MLP with a sparse mixture of experts (``models/moe.py``).
+# Mixtral, Qwen3-MoE and Qwen2-MoE replace its MLP with a sparse mixture of experts
+# (``models/moe.py``).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -22,8 +23,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -65,6 +67,11 @@ class ModelArch:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[bool, ...] = ()
+    # Shared experts (Qwen2-MoE): a sparse layer's SwiGLU of ``shared_expert_intermediate_size``
+    # (0: none) that every token takes besides its routed experts, its output scaled by
+    # ``sigmoid(shared_expert_gate(x))`` where ``shared_expert_gate``.
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -181,13 +188,16 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
             return None  # MistralConfig defaults it to 4096
     elif family == "mixtral":
         cfg.setdefault("sliding_window", None)  # MixtralConfig's default
-    elif family == "qwen3_moe":
-        if any(raw.get(k) is None for k in ("moe_intermediate_size", "norm_topk_prob",
-                                            "decoder_sparse_step")):
+    elif family in ("qwen3_moe", "qwen2_moe"):
+        keys = ("moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step")
+        if family == "qwen2_moe":
+            keys += ("shared_expert_intermediate_size",)
+            cfg.setdefault("qkv_bias", True)  # Qwen2MoeConfig's default (older ones: always)
+        if any(raw.get(k) is None for k in keys):
             return None
         if raw.get("use_sliding_window", False):
             return None  # refused by arch_from_hf_config, with AutoConfig's reading
-        cfg["sliding_window"] = None  # as Qwen3MoeConfig drops it
+        cfg["sliding_window"] = None  # as Qwen3MoeConfig/Qwen2MoeConfig drop it
         cfg["mlp_only_layers"] = list(raw.get("mlp_only_layers") or [])
     elif family in ("qwen2", "qwen3"):
         windowed = bool(raw.get("use_sliding_window", False))
@@ -222,9 +232,9 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     attn_bias = bool(getattr(cfg, "attention_bias", False))
     n_layers = cfg.num_hidden_layers
-    if family == "qwen3_moe" and getattr(cfg, "use_sliding_window", False):
+    if family in ("qwen3_moe", "qwen2_moe") and getattr(cfg, "use_sliding_window", False):
         raise UnsupportedModelError(
-            "Qwen3-MoE with use_sliding_window is not supported (transformers versions differ "
+            f"{arch} with use_sliding_window is not supported (transformers versions differ "
             "on which layers it windows)")
     if family in ("mistral", "mixtral"):
         w = getattr(cfg, "sliding_window", None)
@@ -234,6 +244,8 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         w = getattr(cfg, "sliding_window", None)
         windows = tuple(w if t == "sliding_attention" else None for t in types)
     moe = _moe_fields(cfg, family, n_layers)
+    if family == "qwen2_moe":  # q/k/v biases by its own key (older configs: always), no o bias
+        attn_bias = bool(getattr(cfg, "qkv_bias", True))
     digest = hashlib.sha256(json.dumps(cfg.to_dict() if raw is None else raw, sort_keys=True,
                                        default=str).encode())
     return ModelArch(
@@ -251,7 +263,7 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         # Mixtral's attention has no biases whatever its config says.
         qkv_bias=True if family == "qwen2" else attn_bias and family != "mixtral",
-        o_bias=False if family == "qwen2" else attn_bias and family != "mixtral",
+        o_bias=False if family in ("qwen2", "qwen2_moe") else attn_bias and family != "mixtral",
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)) and family not in MOE_FAMILIES,
         qk_norm=family in ("qwen3", "qwen3_moe"),
         layer_windows=windows,
@@ -272,7 +284,8 @@ def _num_experts(cfg: Any) -> int | None:
 def _moe_fields(cfg: Any, family: str, n_layers: int) -> dict[str, Any]:
     """The ``ModelArch`` fields of a mixture of experts (none for a dense family): Mixtral's
     every layer sparse with its top-k always renormalised; Qwen3-MoE's layer ``i`` sparse unless
-    listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step`` (its config's reading)."""
+    listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step`` (its config's reading),
+    Qwen2-MoE's alike, with a gated shared expert."""
     if family not in MOE_FAMILIES:
         return {}
     experts = int(_num_experts(cfg) or 0)
@@ -285,8 +298,13 @@ def _moe_fields(cfg: Any, family: str, n_layers: int) -> dict[str, Any]:
         dense = set(getattr(cfg, "mlp_only_layers", None) or ())
         sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0
                        for i in range(n_layers))
+    shared = {}
+    if family == "qwen2_moe":
+        shared = dict(shared_expert_intermediate_size=int(cfg.shared_expert_intermediate_size),
+                      shared_expert_gate=True)
     return dict(num_experts=experts, num_experts_per_tok=int(cfg.num_experts_per_tok),
-                moe_intermediate_size=int(inter), norm_topk_prob=norm, sparse_layers=sparse)
+                moe_intermediate_size=int(inter), norm_topk_prob=norm, sparse_layers=sparse,
+                **shared)
 
 
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")

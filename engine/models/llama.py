@@ -1,5 +1,5 @@
 """The Llama decoder family (Llama 2/3, Mistral, Qwen2, Qwen3, and with a mixture of experts in
-place of the MLP Mixtral and Qwen3-MoE: ``moe.py``) on the paged KV cache.
+place of the MLP Mixtral, Qwen3-MoE and Qwen2-MoE: ``moe.py``) on the paged KV cache.
 
 Tokens of a step arrive flattened (``[T]``), so one matmul serves every sequence in the batch.
 q/k/v and gate/up projections are fused into single weights at load time. Logits are computed
@@ -32,12 +32,7 @@ from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.models.mlp import MLP
 from kvrelay.engine.models.moe import SparseMoE
 from kvrelay.engine.models.rope import rope_inv_freq
-from kvrelay.engine.models.weights import (
-    DENSE_MLP_NAMES,
-    MIXTRAL_EXPERT_NAMES,
-    WeightTarget,
-    mlp_targets,
-)
+from kvrelay.engine.models.weights import MIXTRAL_EXPERT_NAMES, WeightTarget, mlp_targets
 from kvrelay.engine.pointwise import add_rms_norm, rope
 
 
@@ -307,13 +302,9 @@ class LlamaForCausalLM(nn.Module):
 def _moe_targets(moe: SparseMoE, layer_prefix: str, arch: ModelArch) -> dict[str, WeightTarget]:
     """A sparse layer's router and experts, by the names their checkpoints use on the Hub (and
     transformers' ``save_pretrained`` writes): Mixtral's ``block_sparse_moe.gate`` and
-    ``experts.N.w1/w3/w2``, Qwen3-MoE's ``mlp.gate`` and ``experts.N.gate_proj/up_proj/
-    down_proj``."""
+    ``experts.N.w1/w3/w2``, the Qwen MoEs' ``mlp.gate`` and ``experts.N.gate_proj/up_proj/
+    down_proj`` (and Qwen2-MoE's ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``)."""
     if arch.family == "mixtral":
-        prefix, names = layer_prefix + "block_sparse_moe.", MIXTRAL_EXPERT_NAMES
-    else:
-        prefix, names = layer_prefix + "mlp.", DENSE_MLP_NAMES
-    out = {prefix + "gate.weight": WeightTarget(moe.router.weight)}
-    for e, expert in enumerate(moe.experts):
-        out.update(mlp_targets(expert, f"{prefix}experts.{e}.", names))
-    return out
+        return moe.checkpoint_targets(layer_prefix + "block_sparse_moe.",
+                                      expert_names=MIXTRAL_EXPERT_NAMES)
+    return moe.checkpoint_targets(layer_prefix + "mlp.")

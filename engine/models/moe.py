@@ -1,28 +1,37 @@
-"""The sparse mixture-of-experts block of Mixtral and Qwen3-MoE, in place of a layer's MLP.
+"""The sparse mixture-of-experts block of Mixtral, Qwen3-MoE and Qwen2-MoE, in place of a layer's
+MLP.
 
 A router (a linear to one logit per expert) scores each token; softmax over the experts, the
-top ``k`` kept, renormalised to sum 1 where the architecture says so (Mixtral always, Qwen3-MoE
-per ``norm_topk_prob``). Each expert is a SwiGLU :class:`~kvrelay.engine.models.mlp.MLP` with
-its gate/up fused, an ordinary module of :class:`~kvrelay.engine.models.linear.Linear` layers, so
-a platform packs the experts at load as it packs the dense linears (on CPU: the panel GEMM /
-oneDNN copies in the checkpoint's dtype, bf16 stays bf16).
+top ``k`` kept, renormalised to sum 1 where the architecture says so (Mixtral always, the Qwen
+MoEs per ``norm_topk_prob``). Each expert is a SwiGLU :class:`~kvrelay.engine.models.mlp.MLP`
+with its gate/up fused, an ordinary module of :class:`~kvrelay.engine.models.linear.Linear`
+layers, so a platform packs the experts at load as it packs the dense linears (on CPU: the panel
+GEMM / oneDNN copies in the checkpoint's dtype, bf16 stays bf16).
 
-The step's tokens are run grouped by expert: the ``T * k`` (token, expert) pairs are sorted by
-expert (one stable argsort), and each expert that any token chose multiplies its tokens' rows in
-one call per linear; its outputs, scaled by their routing weights, are added into their tokens'
-rows. The loop is over the active experts (at most ``min(E, T * k)``), never over tokens; one
-host sync per layer reads the group sizes. The per-token sums run in ascending expert order, as
-transformers' loop adds them.
+The step's tokens are run grouped by expert (:meth:`SparseMoE.run_experts`): the ``T * k``
+(token, expert) pairs are sorted by expert (one stable argsort), and each expert that any token
+chose multiplies its tokens' rows in one call per linear; its outputs, scaled by their routing
+weights, are added into their tokens' rows. The loop is over the active experts (at most
+``min(E, T * k)``), never over tokens; one host sync per layer reads the group sizes. The
+per-token sums run in ascending expert order, as transformers' loop adds them.
 
-Under tensor parallelism every rank holds a slice of every expert's FFN (gate/up split by
-columns, down by rows, ``tp_shard.py``) and the router whole: each rank routes the same
-(replicated) rows the same way, combines its partial expert outputs with the routing weights
-(linear in them, so the partials sum to the whole), and one all-reduce per layer sums them, as
-the dense MLP's down projection does.
+A shared expert (Qwen2-MoE's; ``ModelArch.shared_expert_intermediate_size``) is a SwiGLU every
+token takes besides its routed ones, added after them, its output scaled by
+``sigmoid(shared_expert_gate(x))`` where the architecture gates it. A family with other routing
+(DeepSeek's grouped top-k) or ungated shared experts subclasses this block and overrides
+:meth:`SparseMoE.route` (and its checkpoint names); the grouped dispatch and the shared expert
+are reused as they are.
+
+Under tensor parallelism every rank holds a slice of every expert's FFN, the shared expert's
+too (gate/up split by columns, down by rows: :meth:`SparseMoE.sharded_mlps`, ``tp_shard.py``),
+and the router and the shared expert's gate whole: each rank routes the same (replicated) rows
+the same way, combines its partial expert outputs with the routing weights and its partial
+shared output with the gate (both linear in the partials, so they sum to the whole), and one
+all-reduce per layer sums them, as the dense MLP's down projection does.
 
 Not here yet: a grouped GEMM on CUDA (one kernel for every expert, which CUDA graphs could
-capture: the host sync above keeps MoE models' decode steps eager there), expert parallelism,
-shared experts and DeepSeek's grouped top-k gating.
+capture: the host sync above keeps MoE models' decode steps eager there) and expert
+parallelism.
 """
 
 from __future__ import annotations
@@ -35,20 +44,38 @@ from torch import nn
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.models.mlp import MLP
+from kvrelay.engine.models.weights import DENSE_MLP_NAMES, WeightTarget, mlp_targets
 
 
 class SparseMoE(nn.Module):
-    """Router, top-k and the experts of one sparse layer: ``[T, hidden] -> [T, hidden]``."""
+    """Router, top-k, the routed experts and the shared expert (where the architecture has one)
+    of one sparse layer: ``[T, hidden] -> [T, hidden]``."""
 
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, *, shared_intermediate_size: int | None = None,
+                 shared_gate: bool | None = None):
+        """``shared_intermediate_size`` / ``shared_gate`` override the arch's shared expert (a
+        subclass's: DeepSeek's is ``n_shared_experts`` experts wide, ungated)."""
         super().__init__()
         self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
         self.router = Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(arch, arch.moe_intermediate_size, bias=False)
                                      for _ in range(arch.num_experts))
+        shared = (arch.shared_expert_intermediate_size if shared_intermediate_size is None
+                  else shared_intermediate_size)
+        gated = arch.shared_expert_gate if shared_gate is None else shared_gate
+        self.shared_expert = MLP(arch, shared, bias=False) if shared else None
+        self.shared_expert_gate = (Linear(arch.hidden_size, 1, bias=False)
+                                   if shared and gated else None)
         # Under tensor parallelism: the all-reduce of the combined partial outputs.
         self.reduce: Callable[[torch.Tensor], None] | None = None
+
+    def sharded_mlps(self) -> list[MLP]:
+        """The SwiGLUs tensor parallelism cuts as it cuts a dense MLP (each rank a slice of
+        every one): the routed experts and the shared expert. Their partial outputs are summed
+        by :attr:`reduce`, once."""
+        shared = [] if self.shared_expert is None else [self.shared_expert]
+        return [*self.experts, *shared]
 
     @property
     def chunk_rows(self) -> int | None:
@@ -58,7 +85,7 @@ class SparseMoE(nn.Module):
     def chunk_rows(self, rows: int | None) -> None:
         """The platform's row chunks, for each expert's own MLP (an expert's group is at most
         the step's rows)."""
-        for e in self.experts:
+        for e in self.sharded_mlps():
             e.chunk_rows = rows
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,10 +98,12 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         return ids, weights.to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
-        k = self.top_k
-        flat = ids.view(-1)
+    def run_experts(self, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """``sum_j weights[t, j] * expert[ids[t, j]](x[t])`` for every row ``t`` (a new tensor,
+        not reduced), the experts run grouped: one call per active expert over its rows."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, expert) pairs by expert
         rows = order // k  # the token of each pair, in that order
         xs = x.index_select(0, rows)
@@ -86,8 +115,33 @@ class SparseMoE(nn.Module):
                 ys[start:stop] = self.experts[e](xs[start:stop])
                 start = stop
         # Weighted, then into their tokens' rows in one pass (a token's pairs in expert order).
-        ys.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
-        out = torch.zeros_like(x).index_add_(0, rows, ys)
+        ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, rows, ys)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.run_experts(x, ids, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared.mul_(torch.sigmoid(self.shared_expert_gate(x)))
+            out.add_(shared)
         if self.reduce is not None:
             self.reduce(out)
+        return out
+
+    def checkpoint_targets(self, prefix: str, router: str = "gate",
+                           expert_names: tuple[str, str, str] = DENSE_MLP_NAMES,
+                           shared: str = "shared_expert") -> dict[str, WeightTarget]:
+        """This block's tensors under ``prefix`` (the layer's ``mlp.``), by the names its
+        checkpoints use: the router's ``{router}.weight``, ``experts.N.{gate,up,down}``
+        (``expert_names``), the shared expert's ``{shared}.gate_proj/up_proj/down_proj`` and
+        its gate's ``{shared}_gate.weight``."""
+        out = {f"{prefix}{router}.weight": WeightTarget(self.router.weight)}
+        for e, expert in enumerate(self.experts):
+            out.update(mlp_targets(expert, f"{prefix}experts.{e}.", expert_names))
+        if self.shared_expert is not None:
+            out.update(mlp_targets(self.shared_expert, f"{prefix}{shared}."))
+        if self.shared_expert_gate is not None:
+            out[f"{prefix}{shared}_gate.weight"] = WeightTarget(self.shared_expert_gate.weight)
         return out
