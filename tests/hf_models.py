@@ -49,7 +49,8 @@ class ArchSpec:
     def __post_init__(self) -> None:
         if self.config_class not in ("LlamaConfig", "Qwen2Config", "Qwen3Config",
                                      "MistralConfig", "MixtralConfig", "Qwen3MoeConfig",
-                                     "Qwen2MoeConfig"):
+                                     "Qwen2MoeConfig",
+                                     "Gemma3TextConfig"):
             raise ValueError(f"unsupported config class {self.config_class!r}")
 
 
@@ -120,6 +121,35 @@ MOE_ARCHS: dict[str, ArchSpec] = {
                                                       mlp_only_layers=[1]), bias_std=0.2),
 }
 
+# Gemma 3 (tests/test_gemma3_models.py), apart as the MoE ones are: GQA 2:1, 4:1 (one KV head)
+# and 1:1; head dims 16 and 32; windows of 24, 8 (one block) and 40 tokens; local:global
+# patterns 2:1 (Gemma's 5:1 shortened), 1:1 and 3:1 out of order; query_pre_attn_scalar equal to
+# the head dim and not; the global layers' linear rope scaling (Gemma 3 4B+), final logit
+# soft-capping; tied and untied embeddings.
+_LOCAL, _GLOBAL = "sliding_attention", "full_attention"
+_GEMMA = dict(intermediate_size=96, rope_parameters={
+    _LOCAL: {"rope_type": "default", "rope_theta": 10000.0},
+    _GLOBAL: {"rope_type": "default", "rope_theta": 1000000.0}})
+GEMMA3_ARCHS: dict[str, ArchSpec] = {
+    "gemma3": ArchSpec("Gemma3TextConfig", dict(
+        _GEMMA, num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=16,
+        layer_types=[_LOCAL, _LOCAL, _GLOBAL], tie_word_embeddings=True), embed_std=0.03),
+    "gemma3_mqa_scaled": ArchSpec("Gemma3TextConfig", dict(
+        _GEMMA, num_hidden_layers=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        query_pre_attn_scalar=48, layer_types=[_LOCAL, _GLOBAL], final_logit_softcapping=5.0,
+        rope_parameters={_LOCAL: {"rope_type": "default", "rope_theta": 10000.0},
+                         _GLOBAL: {"rope_type": "linear", "factor": 8.0,
+                                   "rope_theta": 1000000.0}})),
+    "gemma3_mha": ArchSpec("Gemma3TextConfig", dict(
+        _GEMMA, num_hidden_layers=4, num_key_value_heads=4, sliding_window=40,
+        query_pre_attn_scalar=64, layer_types=[_LOCAL, _GLOBAL, _LOCAL, _LOCAL],
+        tie_word_embeddings=True), embed_std=0.03),
+}
+# transformers' model class of a config class, where it is not the config's name with
+# "ForCausalLM" for "Config".
+_MODEL_CLASSES = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
+
+
 # The weights' scale: matrices N(0, GAIN**2 / fan_in), embeddings N(0, 1).
 GAIN = 1.5
 
@@ -136,7 +166,7 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
     """
     import transformers
 
-    specs = {**ARCHS, **MOE_ARCHS}
+    specs = {**ARCHS, **MOE_ARCHS, **GEMMA3_ARCHS}
     if arch not in specs:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(specs)}")
     spec = specs[arch]
@@ -149,7 +179,8 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
     if kwargs["vocab_size"] < TOKENIZER_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE}")
     config = getattr(transformers, spec.config_class)(**kwargs)
-    model_class = getattr(transformers, spec.config_class.replace("Config", "ForCausalLM"))
+    model_class = getattr(transformers, _MODEL_CLASSES.get(
+        spec.config_class, spec.config_class.replace("Config", "ForCausalLM")))
     config.architectures = [model_class.__name__]
     with torch.random.fork_rng(devices=[]):
         model = model_class(config)

@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",  # its own decoder: models/gemma3.py
     "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
@@ -72,6 +73,10 @@ class ModelArch:
     # ``sigmoid(shared_expert_gate(x))`` where ``shared_expert_gate``.
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    # Gemma 3: scores scale by ``query_pre_attn_scalar ** -0.5`` (None: by ``head_dim``'s, as
+    # every other family); logits are soft-capped at ``final_logit_softcapping`` where set.
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -162,6 +167,8 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
     if arch is None or any(raw.get(k) is None for k in _REQUIRED_KEYS):
         return None
     family = SUPPORTED_ARCHITECTURES[arch]
+    if family == "gemma3":
+        return None  # defaults (layer types, two rope tables) are Gemma3TextConfig's code
     if raw.get("partial_rotary_factor") not in (None, 1, 1.0):
         return None
     params = raw.get("rope_parameters")
@@ -220,13 +227,14 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
             f"unsupported architecture {archs!r}; kvrelay supports "
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
     family = SUPPORTED_ARCHITECTURES[arch]
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
-    rope_type = rope_parameters(cfg).get("rope_type", "default")
-    if rope_type not in _STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"rope_type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    if family == "gemma3":
+        gemma = _gemma3_fields(cfg)
+    else:
+        gemma = {}
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        _check_rope_type(rope_parameters(cfg).get("rope_type", "default"))
     num_heads = cfg.num_attention_heads
     num_kv = getattr(cfg, "num_key_value_heads", None) or num_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
@@ -265,12 +273,42 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         qkv_bias=True if family == "qwen2" else attn_bias and family != "mixtral",
         o_bias=False if family in ("qwen2", "qwen2_moe") else attn_bias and family != "mixtral",
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)) and family not in MOE_FAMILIES,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         layer_windows=windows,
         identity=f"{arch}:{digest.hexdigest()[:16]}",
         checkpoint_dtype=checkpoint_dtype(cfg),
         **moe,
+        **gemma,
     )
+
+
+def _check_rope_type(rope_type: str) -> None:
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+
+
+def _gemma3_fields(cfg: Any) -> dict[str, Any]:
+    """Gemma 3's ``ModelArch`` fields, refusing by name what the engine does not implement:
+    attention logit soft-capping (no attention backend applies it), bidirectional attention,
+    an activation other than ``gelu_pytorch_tanh``, a rope type it has no table for."""
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(
+            f"Gemma 3 with hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedModelError(
+            "Gemma 3 with attn_logit_softcapping is not supported (no attention backend "
+            "soft-caps scores)")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention is not supported "
+                                    "(a causal decoder only)")
+    for params in (getattr(cfg, "rope_parameters", None) or {}).values():
+        if isinstance(params, dict):
+            _check_rope_type(params.get("rope_type", "default"))
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return dict(query_pre_attn_scalar=float(cfg.query_pre_attn_scalar),
+                final_logit_softcapping=None if cap is None else float(cap))
 
 
 def _num_experts(cfg: Any) -> int | None:

@@ -10,9 +10,10 @@ decoder of its own registers its class here.
 from __future__ import annotations
 
 from kvrelay.engine.models.arch import ModelArch
+from kvrelay.engine.models.gemma3 import Gemma3ForCausalLM
 from kvrelay.engine.models.llama import LlamaForCausalLM
 
-MODEL_CLASSES: dict[str, type] = {}
+MODEL_CLASSES: dict[str, type] = {"gemma3": Gemma3ForCausalLM}
 
 
 def model_class(arch: ModelArch) -> type:

@@ -1,0 +1,207 @@
+"""Gemma 3 (``Gemma3ForCausalLM``) against transformers, on tiny random checkpoints built by
+transformers' own classes (``hf_models.GEMMA3_ARCHS``: GQA 2:1, 4:1 and 1:1, head dims 16 and
+32, windows of 24, 8 and 40 tokens in several local:global patterns, linear rope scaling on the
+global layers, final logit soft-capping, tied and untied embeddings): the config read and what
+is refused, greedy tokens identical and logits within the fp32 bound (1e-4 of the range,
+``test_engine_parity``) through chunks and decodes at a context past the window, chunked
+prefill with a prefix-cache hit, a bf16 checkpoint within ``test_bf16_engine``'s bounds, and
+TP=2."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from hf_models import GEMMA3_ARCHS, hf_forward_logits, hf_greedy
+from test_bf16_engine import BF16_KV_TOL, FP32_TOL
+from test_engine_parity import GEN, GREEDY, check_prefix_hit, hf_tokens, make_core, prompts, run
+
+from kvrelay.engine.kv_connector import ScheduledSeq
+from kvrelay.engine.models.arch import (
+    UnsupportedModelError,
+    load_hf_config,
+    load_model_config,
+    plain_config,
+)
+from kvrelay.engine.models.gemma3 import GLOBAL, LOCAL, Gemma3ForCausalLM, gemma3_ropes
+from kvrelay.engine.sequence import Sequence
+
+GEMMA = sorted(GEMMA3_ARCHS)
+# What each checkpoint's ModelArch says: (windows, kv heads, head dim, query_pre_attn_scalar,
+# final_logit_softcapping, tied).
+EXPECTED = {
+    "gemma3": ((24, 24, None), 2, 16, 16.0, None, True),
+    "gemma3_mqa_scaled": ((8, None), 1, 32, 48.0, 5.0, False),
+    "gemma3_mha": ((40, None, 40, 40), 4, 16, 64.0, None, True),
+}
+
+
+def _config(model_dir: str) -> dict[str, Any]:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def _write(d: Any, raw: dict[str, Any]) -> str:
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(raw))
+    return str(d)
+
+
+# -- the config -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", GEMMA)
+def test_arch_reads_gemma_fields_as_autoconfig_does(hf_model_dir, name: str) -> None:
+    from transformers import AutoConfig
+
+    d = hf_model_dir(name)
+    assert plain_config(_config(d)) is None  # Gemma's defaults are its config class's code
+    cfg, arch = load_model_config(d)
+    assert type(cfg) is type(AutoConfig.from_pretrained(d, local_files_only=True))
+    assert (arch.layer_windows, arch.num_kv_heads, arch.head_dim, arch.query_pre_attn_scalar,
+            arch.final_logit_softcapping, arch.tie_word_embeddings) == EXPECTED[name]
+    assert arch.family == "gemma3" and arch.qk_norm and not arch.is_moe
+
+
+def test_legacy_rope_keys_give_the_same_tables(hf_model_dir, tmp_path) -> None:
+    """A config as transformers 4 wrote it (``rope_theta``, ``rope_local_base_freq``,
+    ``rope_scaling`` of the global layers, ``sliding_window_pattern``) reads to the same
+    windows and rope tables as transformers 5's ``rope_parameters`` by layer type."""
+    d = hf_model_dir("gemma3_mqa_scaled")
+    raw = _config(d)
+    legacy = {k: v for k, v in raw.items() if k not in ("rope_parameters", "layer_types")}
+    legacy.update(rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=2,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+    old = load_hf_config(_write(tmp_path / "legacy", legacy))
+    new = load_hf_config(d)
+    _, arch = load_model_config(str(tmp_path / "legacy"))
+    assert arch.layer_windows == (8, None)
+    a, b = gemma3_ropes(old, 32), gemma3_ropes(new, 32)
+    for kind in (LOCAL, GLOBAL):
+        torch.testing.assert_close(a[kind][0], b[kind][0], rtol=0, atol=0)
+        assert a[kind][1] == b[kind][1]
+    assert not torch.equal(a[LOCAL][0], a[GLOBAL][0])  # two tables indeed
+
+
+def test_what_is_not_implemented_is_refused_by_name(hf_model_dir, tmp_path) -> None:
+    saved = _config(hf_model_dir("gemma3"))
+    cases = [
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"hidden_activation": "gelu"}, "hidden_activation"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]},
+         r"unsupported architecture.*Gemma3ForConditionalGeneration.*Gemma3ForCausalLM"),
+    ]
+    for i, (change, match) in enumerate(cases):
+        with pytest.raises(UnsupportedModelError, match=match):
+            load_model_config(_write(tmp_path / str(i), {**saved, **change}))
+
+
+# -- through the engine -----------------------------------------------------------------------
+def check_logits(core: Any, model_dir: str, tol: float, length: int = 70,
+                 decodes: int = 8) -> None:
+    """One prompt's logits through 24-token chunks (each reading the earlier ones from the paged
+    cache) and decodes, against transformers in fp32: the prompt is longer than every test
+    checkpoint's window, so the local layers' masks cut into the cached prefix."""
+    prompt = prompts(2, (length,))[0]
+    ref = hf_greedy(model_dir, prompt, decodes)
+    ref_prefill = hf_forward_logits(model_dir, prompt)
+    runner, bm = core.runner, core.block_manager
+    seq = Sequence("x", prompt + ref.token_ids, GREEDY)
+    seq.num_prompt_tokens = len(prompt)
+    assert bm.allocate(seq, seq.num_tokens)
+    chunks = []
+    for start in range(0, length, 24):
+        stop = min(start + 24, length)
+        chunks.append(runner.logits_for([ScheduledSeq(seq, stop - start)]))
+        seq.num_computed_tokens = stop
+    dec = []
+    for _ in ref.token_ids[:-1]:
+        dec.append(runner.logits_for([ScheduledSeq(seq, 1)])[0])
+        seq.num_computed_tokens += 1
+    err_p = float((torch.cat(chunks) - ref_prefill).abs().max() / ref_prefill.abs().max())
+    ref_dec = ref.logits[1:]
+    err_d = float((torch.stack(dec) - ref_dec).abs().max() / ref_dec.abs().max())
+    assert err_p < tol and err_d < tol, (model_dir, err_p, err_d)
+    bm.free(seq)
+
+
+@pytest.mark.parametrize("name", GEMMA)
+def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str) -> None:
+    """A mixed batch's greedy tokens (prompts up to 70 tokens, generations of 24: past every
+    window), then one prompt's logits through chunks and decodes."""
+    model_dir = hf_model_dir(name)
+    core = make_core(model_dir)
+    model = core.runner.model
+    assert isinstance(model, Gemma3ForCausalLM)
+    assert model.fused_decode is None  # the native fused layer knows no Gemma norms: per op
+    ps = prompts(1)
+    free0 = core.block_manager.num_free_blocks
+    got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
+    seen: set[int] = set()
+    for i, p in enumerate(ps):
+        ref = hf_tokens(model_dir, tuple(p), GEN)
+        seen.update(ref)
+        assert got[f"r{i}"] == ref, f"{name} prompt of {len(p)} tokens"
+    assert len(seen) >= 10, "degenerate reference model"
+    assert core.block_manager.num_free_blocks == free0
+    check_logits(core, model_dir, tol=1e-4)
+
+
+def test_torch_sdpa_backend_too(hf_model_dir) -> None:
+    """The fallback where nothing native builds: windows through SDPA's masks."""
+    model_dir = hf_model_dir("gemma3_mqa_scaled")
+    core = make_core(model_dir, attention_backend="sdpa")
+    assert core.runner.backend == "sdpa"
+    check_logits(core, model_dir, tol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3_mqa_scaled"])
+def test_chunked_prefill_with_a_prefix_cache_hit(hf_model_dir, name: str) -> None:
+    model_dir = hf_model_dir(name)
+    core = make_core(model_dir)
+    check_prefix_hit(core, model_dir)  # 24-token chunks over 40 cached tokens, past the window
+    assert core.stats().prefix_cache_hits >= 40
+
+
+def test_the_offline_llm_serves_gemma3(hf_model_dir) -> None:
+    from kvrelay.engine.llm import LLM
+
+    model_dir = hf_model_dir("gemma3")
+    ids = prompts(11, (45,))[0]
+    out = LLM(model_dir, num_blocks=64, block_size=8).generate([ids], GREEDY)[0]
+    assert out.token_ids == hf_tokens(model_dir, tuple(ids), GEN)
+
+
+@pytest.mark.parametrize("name", ["gemma3_mqa_scaled", "gemma3_mha"])
+def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir, name: str) -> None:
+    """Logits within 2 % of the range of transformers in fp32 over the same weights with a bf16
+    KV cache, 1e-4 with an fp32 one (``test_bf16_engine``'s bounds). Measured: 0.5 % and 1.1 %
+    with the bf16 cache; ``gemma3`` (not here) is 5 %: its tied embedding of std 0.03 gives
+    logits of a tiny range that the cache's rounding moves by more (with an fp32 cache it is
+    within 3e-6, so the rounding is the cache's, not the model's)."""
+    d = hf_model_dir(name, dtype=torch.bfloat16)
+    for kv, tol in (("auto", BF16_KV_TOL), ("float32", FP32_TOL)):
+        core = make_core(d, kv_cache_dtype=kv)
+        assert core.runner.dtype == torch.bfloat16
+        check_logits(core, d, tol=tol, length=40)
+
+
+# -- tensor parallelism -----------------------------------------------------------------------
+@pytest.mark.slow
+def test_tp2_matches_transformers(hf_model_dir) -> None:
+    """TP=2 on CPU (gloo): each rank holds half the heads (of the one KV head: a copy) and half
+    the GeGLU; greedy tokens identical and logits within 1e-4, as at TP=1."""
+    model_dir = hf_model_dir("gemma3")
+    core = make_core(model_dir, tensor_parallel_size=2, tp_timeout_s=20.0)
+    try:
+        layer = core.runner.model.layers[0]
+        assert layer.attn.num_heads == 2 and layer.mlp.inter == 48
+        ps = prompts(1, (7, 33))
+        got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
+        for i, p in enumerate(ps):
+            assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN), len(p)
+        check_logits(core, model_dir, tol=1e-4)
+    finally:
+        core.runner.close()
