@@ -40,18 +40,24 @@ checkpoint, ``model(ids)`` for prefill and ``generate`` (greedy, KV cache) for d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from bench.engine.core_runs import make_core, next_seed, prompt, run_prefill
+from bench.engine.moe_model import (
+    expected_distinct_experts,
+    measured_distinct_experts,
+    write_moe_model,
+)
 from bench.engine.roofline import Ceilings, best, gemm_tuning, prefetch_note, timed
 from kvrelay.engine.cpu import gemm, kernel_choice
 from kvrelay.engine.cpu.packed_linear import onednn_packing_available
@@ -81,6 +87,29 @@ class Model:
 
     kv_proj: int  # K and V projection weights of one layer
     kv_elem: int = 4  # bytes of one cached K or V element (2 in a bf16 cache)
+    # A mixture of experts: ``sparse_layers`` layers of ``experts`` routed experts of
+    # ``expert_params`` weights each (``expert_bytes`` as held), of which a token runs
+    # ``top_k``. ``body_params`` and ``step_bytes`` count every expert; the FLOPs count a
+    # token's active ones, and a step's bytes the experts its rows touch
+    # (:func:`~bench.engine.moe_model.expected_distinct_experts`).
+    experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0
+    expert_bytes: int = 0
+    sparse_layers: int = 0
+
+    @property
+    def active_body_params(self) -> int:
+        """Decoder-layer weights one token runs through: all but the routed experts it did not
+        choose (the router, shared experts and dense layers are all run)."""
+        return self.body_params - self.sparse_layers * (self.experts - self.top_k) \
+            * self.expert_params
+
+    def weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a step of ``tokens`` rows reads: ``step_bytes`` less the experts none of
+        them chose (in expectation, under uniform routing)."""
+        untouched = self.experts - expected_distinct_experts(self.experts, self.top_k, tokens)
+        return self.step_bytes - self.sparse_layers * untouched * self.expert_bytes
 
     def flops(self, new_tokens: int, sampled: int, attended_pairs: int,
               sampled_pairs: int | None = None) -> float:
@@ -90,7 +119,7 @@ class Model:
         which attend over ``sampled_pairs`` keys (every row, ``attended_pairs``, by default:
         decodes all sample). The engine skips the rest (``AttentionMetadata.last_layer``), so
         counting it would flatter a prefill row."""
-        layer = self.body_params / self.layers
+        layer = self.active_body_params / self.layers
         pairs = attended_pairs if sampled_pairs is None else sampled_pairs
         last = 2 * self.kv_proj * new_tokens + 2 * (layer - self.kv_proj) * sampled
         return (2 * layer * (self.layers - 1) * new_tokens + last + 2 * self.embed * sampled
@@ -146,13 +175,15 @@ def ours_prefill(core: EngineCore, make: Callable[[], list[list[int]]], reps: in
 
 
 def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, ceil: Ceilings,
-                model: Model, steps: int = DECODE_STEPS) -> tuple[float, float, float]:
+                model: Model, steps: int = DECODE_STEPS,
+                distinct: list[float] | None = None) -> tuple[float, float, float]:
     """Requests with prompts of ``lengths`` decode together: ``steps`` timed steps, each after
     an untimed one, with every one of them in the batch (none can finish: no EOS, no length
     limit within reach), then they are aborted. Returns (median step time of the best rep,
     median over steps of roofline / step time, the same with the read-only bandwidth); each
     step's roofline from the copy and read bandwidths sampled right after it and the matmul
-    rate sampled at the start."""
+    rate sampled at the start. ``distinct``, where given, gets the experts per sparse layer
+    that one more (untimed) step of each rep touched."""
     sp = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
     ratios: list[float] = []
     read_ratios: list[float] = []
@@ -178,9 +209,12 @@ def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, cei
             t = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - t)
-            nbytes, compute = model.step_bytes + model.kv_bytes(ctx), model.flops(b, b, ctx) / gf
+            nbytes = model.weight_bytes(b) + model.kv_bytes(ctx)
+            compute = model.flops(b, b, ctx) / gf
             ratios.append(max(nbytes / (ceil.copy_gbs() * 1e9), compute) / times[-1])
             read_ratios.append(max(nbytes / (ceil.read_gbs() * 1e9), compute) / times[-1])
+        if distinct is not None:
+            distinct.append(measured_distinct_experts(core, b))
         for rid in ids:
             core.abort(rid)
         while core.has_unfinished():
@@ -189,6 +223,19 @@ def ours_decode(core: EngineCore, lengths: list[int], reps: int, vocab: int, cei
 
     t = best(run, reps)
     return t, statistics.median(ratios), statistics.median(read_ratios)
+
+
+@contextlib.contextmanager
+def unpacked_linears() -> Iterator[None]:
+    """Engines built inside leave their linears unpacked (``F.linear`` over the dense weights,
+    bf16 ones widened per call) and take no fused decode layers: the CPU platform's path where
+    neither the panel GEMM nor oneDNN's packing is available."""
+    from unittest import mock
+
+    with mock.patch.multiple("kvrelay.engine.cpu.platform",
+                             panels_available=lambda dtype: False,
+                             onednn_packing_available=lambda dtype: False):
+        yield
 
 
 # -- transformers ------------------------------------------------------------------------------
@@ -229,6 +276,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="the engine's --dtype (auto: the checkpoint's); with no --model, the "
                          "demo checkpoint is written in bf16 unless this says float32")
+    ap.add_argument("--moe", action="store_true",
+                    help="with no --model: the bench's mid-size random Qwen3-MoE "
+                         "(bench/engine/moe_model.py: 32 experts, top-4) for the demo Llama")
+    ap.add_argument("--short", action="store_true",
+                    help="only prefill 2048 and decode B=8/32 (issue #55's rows)")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="the decode rows again with the linears left unpacked (F.linear: a "
+                         "CPU without the native GEMM or oneDNN's packing), in the same run")
     ap.add_argument("--tp", type=int, default=1,
                     help="only the tensor-parallel prefill comparison (2048 tokens) at this TP")
     args = ap.parse_args()
@@ -239,8 +294,12 @@ def main() -> int:
         from kvrelay.engine.demo_model import write_demo_model
 
         tmp = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
-        model_dir = write_demo_model(os.path.join(tmp.name, "base"), size="base",
-                                     dtype="float32" if args.dtype == "float32" else "bfloat16")
+        dtype = "float32" if args.dtype == "float32" else "bfloat16"
+        if args.moe:
+            model_dir = write_moe_model(os.path.join(tmp.name, "moe"), dtype=dtype)
+        else:
+            model_dir = write_demo_model(os.path.join(tmp.name, "base"), size="base",
+                                         dtype=dtype)
     if args.tp > 1:
         from bench.engine.engine_tp import tp_bench
 
@@ -260,6 +319,8 @@ def main() -> int:
     heads, hd = hf_cfg.num_attention_heads, hf_cfg.hidden_size // hf_cfg.num_attention_heads
     hd = getattr(hf_cfg, "head_dim", None) or hd
     kvh = getattr(hf_cfg, "num_key_value_heads", None) or heads
+    arch = runner.model.arch
+    expert_params = 3 * arch.hidden_size * arch.moe_intermediate_size if arch.is_moe else 0
     model = Model(
         body_params=params - embed * (1 if hf_cfg.tie_word_embeddings else 2),
         embed=embed,
@@ -267,15 +328,29 @@ def main() -> int:
         step_bytes=weight_bytes - (0 if hf_cfg.tie_word_embeddings else embed * w_elem),
         heads=heads, kv_heads=kvh, head_dim=hd, layers=hf_cfg.num_hidden_layers,
         vocab=hf_cfg.vocab_size, kv_proj=2 * hf_cfg.hidden_size * kvh * hd,
-        kv_elem=runner.kv_dtype.itemsize)
+        kv_elem=runner.kv_dtype.itemsize, experts=arch.num_experts if arch.is_moe else 0,
+        top_k=arch.num_experts_per_tok, expert_params=expert_params,
+        expert_bytes=expert_params * w_elem, sparse_layers=sum(arch.sparse_layers))
     vocab = model.vocab
+    prefill_lens = (2048,) if args.short else PREFILL_LENS
+    decode_batches = (8, 32) if args.short else DECODE_BATCHES
 
     print(f"model {model_dir}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB as "
           f"{runner.dtype} (activations {runner.compute_dtype}, KV {runner.kv_dtype}); "
           f"{args.threads} threads; attention {core.runner.backend}; "
           f"linears {kernel_choice.linear_kernel(core.runner.model)}; {gemm_tuning()}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    ceil = Ceilings(hf_cfg.hidden_size, hf_cfg.intermediate_size, weight_bytes, runner.dtype)
+    if model.experts:
+        print(f"mixture of experts: {model.experts} experts, top-{model.top_k}, in "
+              f"{model.sparse_layers} of {model.layers} layers; a token runs "
+              f"{model.active_body_params / 1e6:.1f}M of the layers' "
+              f"{model.body_params / 1e6:.1f}M weights; FLOPs count those, a decode step's "
+              "bytes the experts its B rows touch in expectation (uniform routing: "
+              + ", ".join(f"B={b} {expected_distinct_experts(model.experts, model.top_k, b):.1f}"
+                          for b in decode_batches) + " per layer)", flush=True)
+    # The matmul ceiling on the model's projection shapes: an MoE's are its experts'.
+    inter = arch.moe_intermediate_size if arch.is_moe else hf_cfg.intermediate_size
+    ceil = Ceilings(hf_cfg.hidden_size, inter, weight_bytes, runner.dtype)
     mm0 = max(ceil.gflops() for _ in range(args.reps + 2))
     bw0 = max(ceil.copy_gbs() for _ in range(args.reps + 2))
     rd0 = max(ceil.read_gbs() for _ in range(args.reps + 2))
@@ -299,40 +374,47 @@ def main() -> int:
             row += f" {hf_len / th:>9.0f} {th / t:>8.2f}x"
         print(row, flush=True)
 
-    for n in PREFILL_LENS:
+    for n in prefill_lens:
         t, cxt = ours_prefill(core, lambda n=n: [prompt(n, next_seed(), vocab)], args.reps, ceil)
         prefill_row(str(n), t, cxt, n, model.flops(n, 1, causal_pairs(n), n), n)
-    # Eight 256-token prompts in one step (the budget is 2048 tokens).
-    t, cxt = ours_prefill(core, lambda: [prompt(256, next_seed(), vocab) for _ in range(8)],
-                          args.reps, ceil)
-    prefill_row("8 x 256", t, cxt, 2048, model.flops(2048, 8, 8 * causal_pairs(256), 8 * 256),
-               None)
-    # 2048 tokens of which the first 1536 are cached: the prefix is prefilled (untimed) by a
-    # request of its own, then the full prompt computes only its last 512 tokens.
-    cached = make_core(model_dir, args.threads, num_blocks=1024, prefix_caching=True,
-                       attention_backend=args.attention_backend, dtype=args.dtype)
-    holder: dict[str, list[int]] = {}
+    if not args.short:
+        # Eight 256-token prompts in one step (the budget is 2048 tokens).
+        t, cxt = ours_prefill(core, lambda: [prompt(256, next_seed(), vocab) for _ in range(8)],
+                              args.reps, ceil)
+        prefill_row("8 x 256", t, cxt, 2048, model.flops(2048, 8, 8 * causal_pairs(256), 8 * 256),
+                   None)
+        # 2048 tokens of which the first 1536 are cached: the prefix is prefilled (untimed) by a
+        # request of its own, then the full prompt computes only its last 512 tokens.
+        cached = make_core(model_dir, args.threads, num_blocks=1024, prefix_caching=True,
+                           attention_backend=args.attention_backend, dtype=args.dtype)
+        holder: dict[str, list[int]] = {}
 
-    def warm_prefix() -> None:
-        holder["p"] = prompt(2048, next_seed(), vocab)
-        run_prefill(cached, [holder["p"][:1536]])
+        def warm_prefix() -> None:
+            holder["p"] = prompt(2048, next_seed(), vocab)
+            run_prefill(cached, [holder["p"][:1536]])
 
-    warm_prefix()
-    t, cxt = ours_prefill(cached, lambda: [holder["p"]], args.reps, ceil, warm=warm_prefix)
-    prefill_row("2048 (1536 cached)", t, cxt, 512, model.flops(512, 1, causal_pairs(512, 1536),
-                                                           2048), None)
+        warm_prefix()
+        t, cxt = ours_prefill(cached, lambda: [holder["p"]], args.reps, ceil, warm=warm_prefix)
+        prefill_row("2048 (1536 cached)", t, cxt, 512, model.flops(512, 1, causal_pairs(512, 1536),
+                                                               2048), None)
 
     print(f"\n{'decode B':>18} {'ours tok/s':>11} {'step ms':>8} {'of roof':>8} {'of read':>8} "
           f"{'hf tok/s':>9} {'ours/hf':>8}")
-    for b in DECODE_BATCHES:
-        t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
+    distinct: dict[int, list[float] | None] = {}
+    for b in decode_batches:
+        distinct[b] = [] if model.experts else None
+        t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model,
+                                   distinct=distinct[b])
         row = f"{b:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}"
         if hf is not None:
             th = hf_decode_step(hf, b, max(1, args.reps - 1), vocab)
             row += f" {b / th:>9.1f} {th / t:>8.2f}x"
         print(row, flush=True)
+    if model.experts:
+        print(f"{'':>18} (experts touched per layer, measured: " + ", ".join(
+            f"B={b} {statistics.mean(d):.1f}" for b, d in distinct.items()) + ")", flush=True)
     rng = random.Random(0)
-    for b in MIXED_BATCHES:
+    for b in MIXED_BATCHES if not args.short else ():
         lengths = [rng.randint(*MIXED_CTX) for _ in range(b)]
         t, ratio, rr = ours_decode(core, lengths, 1, vocab, ceil, model, steps=16)
         label = f"{b} ctx {MIXED_CTX[0]}-{MIXED_CTX[1]}"
@@ -345,7 +427,7 @@ def main() -> int:
         if fused.tuner is not None:
             fused.tuner.skip()  # the CPU's fixed prefetch choice, not the last step's arm
         core.runner.model.fused_decode = None
-        for b in DECODE_BATCHES:
+        for b in decode_batches:
             t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
             print(f"{f'{b} per-op':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}   "
                   "(fused decode layers off)", flush=True)
@@ -360,11 +442,22 @@ def main() -> int:
             (other == "panels" and gemm.available()):
         alt = make_core(model_dir, args.threads, num_blocks=blocks, linear_kernel=other,
                         attention_backend=args.attention_backend, dtype=args.dtype)
-        for b in DECODE_BATCHES:
+        for b in decode_batches:
             t, ratio, rr = ours_decode(alt, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
             print(f"{f'{b} {other}':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}   "
                   f"(--linear-kernel {other}; auto picked {picked})", flush=True)
         del alt
+    if args.unpacked:
+        with unpacked_linears():
+            plain = make_core(model_dir, args.threads, num_blocks=blocks,
+                              attention_backend=args.attention_backend, dtype=args.dtype)
+        assert kernel_choice.linear_kernel(plain.runner.model) == "dense"
+        for b in decode_batches:
+            t, ratio, rr = ours_decode(plain, [DECODE_PROMPT] * b, args.reps, vocab, ceil,
+                                       model)
+            print(f"{f'{b} unpacked':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} "
+                  f"{rr:>8.0%}   (linears unpacked: F.linear)", flush=True)
+        del plain
     print("\nof roof: the row's floor (max of FLOPs / matmul ceiling and bytes read / copy_ "
           "bandwidth) over its measured time; each the median over pairs of a measurement and "
           "ceiling samples taken beside it. Targets: prefill 2048 >= 85%, 8 x 256 >= 80%, "
