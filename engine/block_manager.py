@@ -64,6 +64,9 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id
         # Per-sequence chained hashes of its full blocks, kept across preemption.
         self._seq_hashes: dict[str, list[int]] = {}
+        # Sequences whose KV has holes (a sliding-window layer's blocks out of its window never
+        # arrived): none of their blocks is ever published as a cached prefix (``withhold``).
+        self._withheld: set[str] = set()
         self.num_cache_queries = 0  # prompt tokens looked up
         self.num_cache_hits = 0  # prompt tokens found
         # Bumped whenever a hash enters or leaves the index, so ``cached_hash_set`` copies the
@@ -203,6 +206,8 @@ class BlockManager:
         hashes = self._seq_hashes.get(parent.request_id)
         if hashes is not None:
             self._seq_hashes[child.request_id] = list(hashes)
+        if parent.request_id in self._withheld:
+            self._withheld.add(child.request_id)
 
     def _take_free(self) -> int:
         bid, _ = self._free.popitem(last=False)
@@ -231,10 +236,11 @@ class BlockManager:
                 self._free[bid] = None
         seq.block_table = []
         self._seq_hashes.pop(seq.request_id, None)
+        self._withheld.discard(seq.request_id)
 
     def publish(self, seq: Sequence) -> None:
         """Publish the hashes of ``seq``'s full blocks whose KV is now in the cache."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.request_id in self._withheld:
             return
         bs = self.block_size
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
@@ -249,6 +255,13 @@ class BlockManager:
                 self._adopt(block, BlockRef(parent, before, chunk))
                 if self.tiers is not None:
                     self._to_store[block.block_id] = BlockRef(parent, before, chunk)
+
+    def withhold(self, seq: Sequence) -> None:
+        """Never publish ``seq``'s blocks (until it is freed): some layer's KV is missing from
+        some of them (``engine/kv_window.py``). Attention over ``seq`` itself never reads the
+        missing part (it lies outside that layer's window), but a prompt that matched them as its
+        cached prefix would run its prefill over it."""
+        self._withheld.add(seq.request_id)
 
     def _adopt(self, block: Block, ref: BlockRef) -> None:
         """Index ``block`` as holding ``ref``'s KV."""

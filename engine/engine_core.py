@@ -28,6 +28,7 @@ from kvrelay.engine.engine_types import (  # the workers import these from here 
 from kvrelay.engine.heap import HeapTrimmer
 from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.kv_events import KVEventSink
+from kvrelay.engine.kv_window import LayerWindows
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.outputs import ErrorKind
 from kvrelay.engine.prefix_hash import HASH_SCHEME
@@ -94,6 +95,8 @@ class EngineCore:
             else:
                 connector.register_kv_cache(self.runner.transfer_kv, self.runner.kv_spec)
         self.seqs: dict[str, Sequence] = {}
+        # Each layer's window: arriving KV may lack a windowed layer's blocks out of its window.
+        self._windows = LayerWindows(self.runner.kv_spec.layer_windows)
         # Finished requests whose blocks the connector still reads, with the output to report
         # once they are delivered (None when nobody waits for one).
         self._sending: dict[str, tuple[Sequence, RequestOutput | None]] = {}
@@ -525,6 +528,8 @@ class EngineCore:
     def _kv_arrived(self, seq: Sequence) -> None:
         seq.kv_ready = True
         seq.num_computed_tokens = seq.num_prompt_tokens
+        if self._windows.has_holes(seq.num_prompt_tokens, self.block_manager.block_size):
+            self.block_manager.withhold(seq)  # its sender skipped blocks out of a window
         self._forks_ready(seq.request_id)
         self.block_manager.publish(seq)
         self._pending.append(RequestOutput(seq.request_id, [], kv_arrived=True,

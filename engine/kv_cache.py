@@ -44,6 +44,10 @@ class KVCacheSpec:
     block_size: int
     num_blocks: int
     dtype: str = "float32"
+    # Each layer's sliding window (None: full attention; empty: none known). Not part of the
+    # layout: a sender writes a windowed layer only the blocks its receiver will still read
+    # (``kv_window.py``).
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):

@@ -93,7 +93,8 @@ class ModelRunner:
         self.kv_groups = groups = cc.kv_head_groups
         check_kv_head_groups(groups, kv_heads)
         self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads // groups, arch.head_dim,
-                                   block_size, num_blocks, dtype_name(self.kv_dtype))
+                                   block_size, num_blocks, dtype_name(self.kv_dtype),
+                                   layer_windows=arch.layer_windows)
         if shard is not None and shard.kv_shm:
             self.kv = shared_kv_cache(shard.kv_shm, shard.rank, kv_shape(self.kv_spec, groups),
                                       self.kv_spec.torch_dtype)

@@ -39,6 +39,7 @@ class PlannedWrite(NamedTuple):
     local: list[int]
     remote: list[int]
     incarnation: str | None
+    first: int = 0  # the sequence's index of the block ``local[0]``
 
 
 class SendOutcome(NamedTuple):
@@ -89,7 +90,7 @@ class SendTracker:
             return None
         st.covered = rng.covered
         st.sent_tokens = max(st.sent_tokens, min(start_token + num_new_tokens, num_prompt_tokens))
-        return PlannedWrite(bm.local, bm.remote, st.incarnation) if bm.local else None
+        return PlannedWrite(bm.local, bm.remote, st.incarnation, rng.start) if bm.local else None
 
     def catch_up(self, request_id: str, dest: KVDestination, block_table: list[int],
                  num_prompt_tokens: int, block_size: int,
@@ -201,6 +202,7 @@ class PeerWrites:
     local: list[int] = field(default_factory=list)
     remote: list[int] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
+    needs: list[int] = field(default_factory=list)  # each pair's ``kv_window.block_needs``
 
 
 MAX_FENCED = 65536  # fenced notifications remembered (a late Prefill comes within seconds)

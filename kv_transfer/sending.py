@@ -4,7 +4,8 @@
 ``start_step`` plans the blocks each scheduled request touches (``send_plan``), ``save_layer(L)``
 hands layer L's writes to the I/O thread (``transfer_thread``) while layer L+1 computes,
 ``end_step`` posts any layer the model did not report (every layer, where the config's
-``layerwise`` resolves to off: ``streams_layerwise``). ``finished`` (the engine is done with the
+``layerwise`` resolves to off: ``streams_layerwise``). A sliding-window layer is written only
+the blocks its receiver will still read (``engine/kv_window.py``). ``finished`` (the engine is done with the
 request: its blocks are still being read) sends what is left, and once every write is done the
 notification goes out exactly once; then ``take`` names the request in ``sent``. Aborted or
 failed requests are never notified: ``failed`` names them, then ``sent``.
@@ -33,6 +34,7 @@ import torch
 
 from kvrelay.common.timeline import mark
 from kvrelay.engine.kv_connector import ScheduledSeq
+from kvrelay.engine.kv_window import LayerWindows, block_needs
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.config import NixlConnectorConfig
 from kvrelay.kv_transfer.cuda_sync import record_ready_event
@@ -107,11 +109,14 @@ class Sending:
         self.proof = SelfFence(config.self_fence_s)  # may we still write (``self_fence``)
         self._epoch_of: OrderedDict[str, int] = OrderedDict()  # request -> epoch it arrived in
         self._step_epoch: int | None = None  # the epoch this step's writes were planned in
+        # Each layer's window: a windowed layer gets only the blocks its receiver still reads.
+        self._windows = LayerWindows(())
 
     def attach(self, transport: NixlTransport, spec: KVCacheSpec, device: torch.device) -> None:
         """The registered KV cache's transport: nothing is planned or sent before."""
         self._transport = transport
         self._spec = spec
+        self._windows = LayerWindows(spec.layer_windows)
         self._cuda = device.type == "cuda"
         self._device = device
         self._layerwise = streams_layerwise(self.config.layerwise, device)
@@ -160,8 +165,14 @@ class Sending:
         w = self._step.setdefault((dest.peer, pw.incarnation), PeerWrites())
         w.local += pw.local
         w.remote += pw.remote
+        w.needs += self._needs(seq.num_prompt_tokens, pw)
         w.request_ids.append(seq.request_id)
         return pw
+
+    def _needs(self, num_prompt_tokens: int, pw: PlannedWrite) -> list[int]:
+        """Each of ``pw``'s block pairs' smallest window that reads it (``engine/kv_window.py``)."""
+        assert self._spec is not None
+        return block_needs(pw.first, len(pw.local), num_prompt_tokens, self._spec.block_size)
 
     def _adopt_named(self) -> None:
         """Requests whose destination was named while this step computes join its writes: the
@@ -176,16 +187,19 @@ class Sending:
                     continue
                 pw = self._plan_into_step(s.seq, s.num_new_tokens, dest)
                 if pw is not None:
-                    named.append((s.seq.request_id, dest, pw))
+                    named.append((s.seq.request_id, dest, pw,
+                                  self._needs(s.seq.num_prompt_tokens, pw)))
             self._unnamed = unnamed
+            jobs = []
             if self._saved:
-                self._send.posted(rid for rid, _, _ in named)
-        if self._saved:
-            done = tuple(sorted(self._saved))
-            for rid, dest, pw in named:
-                self._io().submit(WriteJob(dest.peer, done, pw.local, pw.remote, (rid,),
-                                           pw.incarnation, self._ready_event(),
-                                           self._step_epoch))
+                done = tuple(sorted(self._saved))
+                for rid, dest, pw, needs in named:
+                    for lw in self._windows.split(done, pw.local, pw.remote, needs):
+                        jobs.append(WriteJob(dest.peer, lw.layers, lw.local, lw.remote, (rid,),
+                                             pw.incarnation, None, self._step_epoch))
+                        self._send.posted([rid])
+        for job in jobs:
+            self._io().submit(job._replace(ready=self._ready_event()))
 
     def wants_layer_hooks(self, scheduled: Seq[ScheduledSeq]) -> bool:
         """A step that sends KV streams it layer by layer from ``save_layer``; one that sends
@@ -228,11 +242,12 @@ class Sending:
         ready = self._ready_event()
         thread = self._io()
         for (peer, incarnation), w in self._step.items():
-            job = WriteJob(peer, layers, w.local, w.remote, tuple(w.request_ids), incarnation,
-                           ready, self._step_epoch)
-            with self._lock:
-                self._send.posted(job.request_ids)
-            thread.submit(job)
+            for lw in self._windows.split(layers, w.local, w.remote, w.needs):
+                job = WriteJob(peer, lw.layers, lw.local, lw.remote, tuple(w.request_ids),
+                               incarnation, ready, self._step_epoch)
+                with self._lock:
+                    self._send.posted(job.request_ids)
+                thread.submit(job)
 
     def _io(self) -> TransferThread:
         if self._thread is None:
@@ -337,17 +352,20 @@ class Sending:
             late = None if aborted else self._send.catch_up(
                 request_id, dest, block_table, num_prompt_tokens, self._spec.block_size,
                 self.transport.peer_incarnation(dest.peer))
-            if late is not None:
+            writes = [] if late is None else [
+                WriteJob(dest.peer, lw.layers, lw.local, lw.remote, (request_id,),
+                         late.incarnation, epoch=epoch)
+                for lw in self._windows.split(range(self._spec.num_layers), late.local,
+                                              late.remote, self._needs(num_prompt_tokens, late))]
+            for _ in writes:
                 self._send.posted([request_id])
             jobs = self._send.finish(request_id, dest, aborted=aborted)
-        if late is not None:
-            self._io().submit(WriteJob(dest.peer, tuple(range(self._spec.num_layers)),
-                                       late.local, late.remote, (request_id,), late.incarnation,
-                                       epoch=epoch))
+        for write in writes:
+            self._io().submit(write)
         for job in jobs:
             mark("kv_written", job.request_id)
             self._io().submit(job)
-        if not jobs and late is None:  # done already (a write had failed): ``take_events``
+        if not jobs and not writes:  # done already (a write had failed): ``take_events``
             self.wake()
 
     def destination_ready(self, request_id: str) -> None:

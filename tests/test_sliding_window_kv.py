@@ -1,0 +1,225 @@
+"""Sliding-window KV (``engine/kv_window.py``): a prompt's KV handed to a decode worker carries,
+for each windowed layer, only the blocks that layer still reads from the handoff on; the
+receiver never reads what was skipped and never serves those blocks as a cached prefix.
+
+- the arithmetic against its definition (which positions each layer attends after the handoff);
+- the sender's writes (``kv_transfer/sending.py`` over a recording stand-in for the I/O thread):
+  streamed by chunks, layer by layer or whole, and late (a destination named after the prompt
+  finished), every layer gets exactly the blocks it reads;
+- the receiver: a Gemma 3 and a windowed Mistral decode from a copy of only those blocks, the
+  rest poisoned (NaN for the native paged decode kernel, which must not even load them; huge
+  finite values for torch SDPA, which gathers whole block tables and masks), with transformers'
+  logits; a withheld sequence's blocks never match as a prefix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import hf_greedy
+from test_engine_parity import GREEDY, make_core, prompts
+
+from kvrelay.engine.block_manager import BlockManager
+from kvrelay.engine.cpu import native as native_kernels
+from kvrelay.engine.kv_cache import KVCacheSpec
+from kvrelay.engine.kv_connector import ScheduledSeq
+from kvrelay.engine.kv_window import LayerWindows, block_needs
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.kv_transfer.config import NixlConnectorConfig
+from kvrelay.kv_transfer.messages import KVDestination, PendingDestination
+from kvrelay.kv_transfer.sending import Sending
+from kvrelay.kv_transfer.transfer_thread import WriteJob
+
+BS = 8
+
+
+def read_after_handoff(num_prompt_tokens: int, window: int | None, decodes: int = 40) -> set[int]:
+    """The prompt blocks a layer attends to from the handoff on, by the definition: the token at
+    position p sees keys (p - window, p]."""
+    out = set()
+    for p in range(num_prompt_tokens, num_prompt_tokens + decodes):
+        lo = 0 if window is None else max(0, p - window + 1)
+        out.update(k // BS for k in range(lo, min(p + 1, num_prompt_tokens)))
+    return out
+
+
+# -- the arithmetic ---------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", [1, 7, 8, 9, 23, 24, 25, 40, 70, 129])
+@pytest.mark.parametrize("window", [1, 7, 8, 9, 24, 40, 200, None])
+def test_needs_select_exactly_the_blocks_each_window_reads(prompt: int, window: int | None):
+    n = -(-prompt // BS)
+    needs = block_needs(0, n, prompt, BS)
+    kept = {i for i, need in enumerate(needs) if window is None or need <= window}
+    assert kept == read_after_handoff(prompt, window)
+    lw = LayerWindows((window, None))
+    assert lw.has_holes(prompt, BS) == (window is not None and kept != set(range(n)))
+
+
+def test_split_groups_layers_by_window_and_drops_empty_writes():
+    lw = LayerWindows((16, None, 16, 8))
+    local, remote = [10, 11, 12, 13], [20, 21, 22, 23]
+    needs = block_needs(0, 4, 32, BS)  # 26, 18, 10, 2
+    got = {w.layers: (w.local, w.remote) for w in lw.split(range(4), local, remote, needs)}
+    assert got == {(0, 2): ([12, 13], [22, 23]), (1,): (local, remote), (3,): ([13], [23])}
+    assert lw.split((3,), [10], [20], block_needs(0, 1, 32, BS)) == []  # nothing for layer 3
+    assert LayerWindows((None, None)).split((0, 1), local, remote, needs)[0].local == local
+
+
+# -- the sender -------------------------------------------------------------------------------
+class _Transport:
+    def peer_incarnation(self, peer: str) -> str | None:
+        return None
+
+
+class _Recorder:
+    """The I/O thread's stand-in: keeps every job."""
+
+    def __init__(self) -> None:
+        self.jobs: list[object] = []
+
+    def submit(self, job: object) -> None:
+        self.jobs.append(job)
+
+
+def _sending(windows: tuple[int | None, ...], layerwise: str) -> tuple[Sending, _Recorder]:
+    spec = KVCacheSpec(len(windows), 2, 16, BS, 64, layer_windows=windows)
+    s = Sending(NixlConnectorConfig("prefill", "model", layerwise=layerwise))
+    s.attach(_Transport(), spec, torch.device("cpu"))  # type: ignore[arg-type]
+    rec = _Recorder()
+    s._io = lambda: rec  # type: ignore[method-assign]
+    return s, rec
+
+
+def _written(jobs: list[object], layers: int) -> list[dict[int, int]]:
+    """Per layer: remote block -> local block, over every write."""
+    out: list[dict[int, int]] = [{} for _ in range(layers)]
+    for job in jobs:
+        if isinstance(job, WriteJob):
+            for layer in job.layers:
+                for lo, re in zip(job.local, job.remote, strict=True):
+                    out[layer][re] = lo
+    return out
+
+
+def _seq(prompt: int, params: object) -> Sequence:
+    seq = Sequence("r", list(range(prompt)), SamplingParams(), kv_transfer_params=params)
+    n = -(-prompt // BS)
+    seq.block_table = list(range(3, 3 + n))
+    seq.status = SequenceStatus.RUNNING
+    return seq
+
+
+@pytest.mark.parametrize("layerwise", ["on", "off"])
+@pytest.mark.parametrize("windows", [(24, 24, None), (16, 16, 16), (None, None)])
+def test_each_layer_is_written_exactly_the_blocks_it_reads(windows, layerwise: str):
+    prompt, chunk = 70, 24
+    n = -(-prompt // BS)
+    remote = list(range(30, 30 + n))
+    s, rec = _sending(windows, layerwise)
+    seq = _seq(prompt, KVDestination("decode", remote, 0, b"n"))
+    for start in range(0, prompt, chunk):
+        k = min(chunk, prompt - start)
+        s.start_step([ScheduledSeq(seq, k)])
+        for layer in range(len(windows)):
+            s.save_layer(layer)
+        s.end_step()
+        seq.num_computed_tokens = start + k
+    assert s.finished(seq, seq.kv_transfer_params)
+    for layer, got in enumerate(_written(rec.jobs, len(windows))):
+        want = read_after_handoff(prompt, windows[layer])
+        assert got == {remote[i]: seq.block_table[i] for i in want}, (layer, windows[layer])
+
+
+def test_a_destination_named_late_sends_the_same_blocks():
+    windows, prompt = (16, None, 16), 50
+    n = -(-prompt // BS)
+    remote = list(range(30, 30 + n))
+    s, rec = _sending(windows, "on")
+    pending = PendingDestination()
+    seq = _seq(prompt, pending)
+    s.start_step([ScheduledSeq(seq, prompt)])
+    for layer in range(3):
+        s.save_layer(layer)
+    s.end_step()
+    seq.num_computed_tokens = prompt
+    assert s.finished(seq, pending)
+    assert not rec.jobs
+    pending.resolve(KVDestination("decode", remote, 0, b"n"))
+    s.destination_ready("r")
+    for layer, got in enumerate(_written(rec.jobs, 3)):
+        want = read_after_handoff(prompt, windows[layer])
+        assert got == {remote[i]: seq.block_table[i] for i in want}
+
+
+# -- the receiver -----------------------------------------------------------------------------
+def test_a_withheld_sequence_is_never_a_cached_prefix():
+    bm = BlockManager(16, BS)
+    a = Sequence("a", list(range(40)), SamplingParams())
+    assert bm.allocate(a, 40)
+    a.num_computed_tokens = 40
+    bm.withhold(a)
+    bm.publish(a)
+    child = Sequence("c", list(range(40)), SamplingParams())
+    bm.fork(a, child)
+    bm.publish(child)
+    assert bm.match_prefix(list(range(40)), 40).num_blocks == 0
+    bm.free(a)
+    bm.free(child)
+    b = Sequence("b", list(range(40)), SamplingParams())  # computed in full here: published
+    assert bm.allocate(b, 40)
+    b.num_computed_tokens = 40
+    bm.publish(b)
+    assert bm.match_prefix(list(range(40)), 40).num_blocks == 5
+
+
+def _handoff_decode(hf_model_dir, name: str, backend: str, poison: float) -> None:
+    """Prefill on one engine, copy to a second engine only the blocks each layer reads (the rest
+    ``poison``), decode there: logits as transformers'."""
+    model_dir = hf_model_dir(name)
+    prompt, decodes = prompts(2, (70,))[0], 8
+    ref = hf_greedy(model_dir, prompt, decodes)
+    src, dst = make_core(model_dir, attention_backend=backend), \
+        make_core(model_dir, attention_backend=backend)
+    windows = LayerWindows(dst.runner.kv_spec.layer_windows)
+    assert windows.has_holes(len(prompt), BS)
+    tokens = prompt + ref.token_ids
+    a, b = (Sequence(r, tokens, GREEDY) for r in "ab")
+    for core, seq in ((src, a), (dst, b)):
+        seq.num_prompt_tokens = len(prompt)
+        assert core.block_manager.allocate(seq, len(tokens))
+    for start in range(0, len(prompt), 24):
+        k = min(24, len(prompt) - start)
+        src.runner.logits_for([ScheduledSeq(a, k)])
+        a.num_computed_tokens = start + k
+    kv_a, kv_b = src.runner.kv, dst.runner.kv
+    kv_b.fill_(poison)
+    n = -(-len(prompt) // BS)
+    layers = range(dst.runner.kv_spec.num_layers)
+    copied = 0
+    for w in windows.split(layers, a.block_table[:n], b.block_table[:n],
+                           block_needs(0, n, len(prompt), BS)):
+        for layer in w.layers:
+            kv_b[layer][:, w.remote] = kv_a[layer][:, w.local]
+            copied += len(w.local)
+    assert copied < len(layers) * n  # some blocks were skipped
+    b.num_computed_tokens = len(prompt)
+    got = []
+    for _ in ref.token_ids[:-1]:
+        got.append(dst.runner.logits_for([ScheduledSeq(b, 1)])[0])
+        b.num_computed_tokens += 1
+    ref_dec = ref.logits[1:]
+    err = float((torch.stack(got) - ref_dec).abs().max() / ref_dec.abs().max())
+    assert err < 1e-4, (name, backend, err)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3_mqa_scaled", "mistral_swa"])
+def test_native_decode_never_loads_the_skipped_blocks(hf_model_dir, name: str):
+    if not native_kernels.available():
+        pytest.skip("no native kernels here")
+    _handoff_decode(hf_model_dir, name, "native", float("nan"))
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral_swa"])
+def test_sdpa_decode_masks_the_skipped_blocks(hf_model_dir, name: str):
+    _handoff_decode(hf_model_dir, name, "sdpa", 1e30)
