@@ -82,11 +82,7 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
                 ignored += 1  # tied head stored anyway; stale rope buffers of old checkpoints
                 continue
             raise ValueError(f"unexpected weight {name!r} in {model_dir} for {arch.architecture}")
-        view = target.view()
-        if tuple(view.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(view.shape)}")
-        view.copy_(tensor)
+        target.load(name, tensor)
         loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:

@@ -135,8 +135,8 @@ class Attention(nn.Module):
             write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
             if meta.on_kv_written is not None:
                 meta.on_kv_written(self.layer)
-            o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, queries, self.scale,
-                             self.window)
+            o = self._attention(q, k, v, self.k_cache, self.v_cache, queries,
+                                slice(0, self.num_heads))
             return self.o(o.reshape(q.shape[0], self.q_size))
         n = len(self.kv_groups)
         hq, hk = self.num_heads // n, self.num_kv_heads // n
@@ -148,10 +148,16 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for g, (kc, vc) in enumerate(self.kv_groups):
             qs, ks = slice(g * hq, (g + 1) * hq), slice(g * hk, (g + 1) * hk)
-            out[:, qs] = self.attn_fn(q[:, qs].contiguous(), k[:, ks].contiguous(),
-                                      v[:, ks].contiguous(), kc, vc, queries, self.scale,
-                                      self.window)
+            out[:, qs] = self._attention(q[:, qs].contiguous(), k[:, ks].contiguous(),
+                                         v[:, ks].contiguous(), kc, vc, queries, qs)
         return self.o(out.reshape(q.shape[0], self.q_size))
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   heads: slice) -> torch.Tensor:
+        """The backend's attention of the query heads ``heads`` of this layer (all of them, or
+        one KV head group's): what a family with more to it (gpt-oss's sinks) overrides."""
+        return self.attn_fn(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
 
 
 class DecoderLayer(nn.Module):
@@ -162,9 +168,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer: int, attn_fn: AttentionFn):
         super().__init__()
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.attn = Attention(arch, layer, attn_fn)
+        self.attn = self.attention_class(arch, layer, attn_fn)
         self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp: MLP | SparseMoE = SparseMoE(arch) if arch.sparse_layers[layer] else MLP(arch)
+        self.mlp: MLP | SparseMoE = self.make_mlp(arch, layer)
+
+    attention_class: type[Attention] = Attention  # a family's own attention subclasses it
+
+    @staticmethod
+    def make_mlp(arch: ModelArch, layer: int) -> MLP | SparseMoE:
+        """Layer ``layer``'s MLP: the dense SwiGLU or, in a sparse layer, the experts."""
+        return SparseMoE(arch) if arch.sparse_layers[layer] else MLP(arch)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: Rotary, next_norm: RMSNorm | None) -> torch.Tensor | None:
@@ -195,6 +208,8 @@ class LlamaForCausalLM(nn.Module):
     widened as they are gathered and the linears take ``compute_dtype`` in and out (on CPU bf16
     weights under fp32 activations: their kernels widen the weights in registers)."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer  # a family's own layers subclass it
+
     def __init__(self, arch: ModelArch, attn_fn: AttentionFn, inv_freq: torch.Tensor,
                  rope_scale: float, max_positions: int,
                  compute_dtype: torch.dtype | None = None):
@@ -202,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.compute_dtype = compute_dtype or torch.get_default_dtype()
         self.embed = empty_param(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, attn_fn)
+        self.layers = nn.ModuleList(self.layer_class(arch, i, attn_fn)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)

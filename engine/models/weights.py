@@ -23,6 +23,16 @@ class WeightTarget:
     def view(self) -> torch.Tensor:
         return self.param if self.start is None else self.param[self.start:self.stop]
 
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor ``name`` into its place (converted to the parameter's dtype).
+        A target whose tensor fills several parameters (gpt-oss's experts stacked in one
+        tensor) overrides this."""
+        view = self.view()
+        if tuple(view.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(view.shape)}")
+        view.copy_(tensor)
+
 
 # A SwiGLU's checkpoint names: (gate, up, down). Mixtral's experts call them w1, w3, w2.
 DENSE_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
