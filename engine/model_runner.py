@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kvrelay.engine.attention import StepLayout, forward_context
+from kvrelay.engine.attention import SdpaBackend, StepLayout, forward_context
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.cuda.graphs import DecodeGraphRunner
 from kvrelay.engine.device import resolve_device
@@ -71,6 +71,10 @@ class ModelRunner:
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else \
             dtype_from_name(cc.kv_cache_dtype)
         self.attention = self.platform.attention(mc.attention_backend, self.compute_dtype)
+        if arch.attention_sinks and not self.attention.supports_sinks:
+            logger.info("attention: torch SDPA, %s has attention sinks, which the %s backend "
+                        "lacks", arch.architecture, self.attention.name)
+            self.attention = SdpaBackend()
         self.backend = self.attention.name
         max_len = min(mc.max_model_len or arch.max_position_embeddings,
                       arch.max_position_embeddings)

@@ -11,9 +11,12 @@ from kvrelay.engine.attention.step import DecodeRows, StepLayout
 
 class AttentionBackend:
     """A backend; called as the attention function ``(q, k, v, k_cache, v_cache, meta, scale,
-    window) -> out`` with the metadata it built."""
+    window, sinks=None) -> out`` with the metadata it built (``sinks``: a logit per query head
+    in each softmax's denominator, gpt-oss's; only a backend that ``supports_sinks`` takes
+    them, and the runner serves a model with sinks on one that does)."""
 
     name = ""
+    supports_sinks = False
     # Whether the model's last layer may run only the rows that are read (last_layer_rows).
     prunes_last_layer = False
     # Whether it reads the paged cache through block tables itself (what CUDA graphs need).
@@ -21,7 +24,8 @@ class AttentionBackend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, window: int | None) -> torch.Tensor:
+                 scale: float, window: int | None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def bind_cache(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -5,6 +5,12 @@ per segment. Decodes come in groups of similar context length (so padding stays 
 padded SDPA call per group: their cached blocks are gathered into
 ``[B, kv_heads, ctx, head_dim]`` and the query heads of each KV group are laid along the query
 axis, so grouped-query attention needs no copy of K/V per query head.
+
+Attention sinks (gpt-oss): each query head ``h`` has a learned logit ``sinks[h]`` that joins the
+softmax's denominator and attends to nothing, ``p_j = exp(s_j) / (sum_i exp(s_i) +
+exp(sinks[h]))``. SDPA has no such term, so a layer with sinks attends explicitly
+(:func:`sink_attention`: scores, a log-sum-exp that takes the sink in, weights, values), in
+chunks of query rows that bound its scores' memory, with the same spans, groups and masks.
 """
 
 from __future__ import annotations
@@ -58,22 +64,66 @@ def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: SdpaMetadata, scale: float, window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q [T, H, D]``, ``k/v [T, KVH, D]``; caches are flat ``[slots, KVH, D]``. Returns
-    ``[T, H, D]``. The new K/V must already be in the caches."""
+    """``q [T, H, D]``, ``k/v [T, KVH, D]``; caches are flat ``[slots, KVH, D]``; ``sinks``
+    ``[H]`` (or None). Returns ``[T, H, D]``. The new K/V must already be in the caches."""
     out = torch.empty_like(q)
-    prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out)
-    grouped_decode_attention(q, k_cache, v_cache, meta, scale, window, out)
+    prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out, sinks)
+    grouped_decode_attention(q, k_cache, v_cache, meta, scale, window, out, sinks)
     zero_padding(out, meta)
     return out
+
+
+# Scores one chunk of a sink attention holds at most (fp32: 64 MiB).
+SINK_CHUNK_SCORES = 1 << 24
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per query head: ``q [B, H, L, D]``, ``k/v [B, KVH, S, D]``
+    (``H`` a multiple of ``KVH``: query head ``h`` reads KV head ``h // (H / KVH)``), ``mask``
+    boolean (True: attend) broadcastable to ``[B, H, L, S]`` or None (every key), ``sinks
+    [H]``. Returns ``[B, H, L, D]`` in ``q``'s dtype; scores and softmax in fp32. Each query
+    head's rows of a KV group are laid along one axis (as the grouped decode does), so K/V are
+    never copied per query head."""
+    b, h, n, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
+    out = q.new_empty(b, h, n, v.shape[-1])
+    sink = sinks.float().view(1, h, 1)
+    kt = k.transpose(-1, -2)
+    step = max(1, SINK_CHUNK_SCORES // max(1, b * h * s))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        qc = q[:, :, r0:r1].reshape(b, kvh, g * (r1 - r0), d)
+        scores = torch.matmul(qc, kt).float().mul_(scale).view(b, h, r1 - r0, s)
+        if mask is not None:
+            m = mask if mask.shape[-2] == 1 else mask[..., r0:r1, :]
+            scores.masked_fill_(~m, float("-inf"))
+        # log of the denominator: the keys' exp-sum and the sink's, stably
+        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), sink)
+        probs = torch.exp(scores.sub_(lse.unsqueeze(-1))).to(v.dtype)
+        o = torch.matmul(probs.view(b, kvh, g * (r1 - r0), s), v)
+        out[:, :, r0:r1] = o.view(b, h, r1 - r0, -1)
+    return out
+
+
+def causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[q_len, ctx_len]``: the last ``q_len`` positions each see themselves and every
+    earlier key."""
+    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    return torch.arange(ctx_len, device=device)[None, :] <= qpos
 
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: SdpaMetadata, scale: float, window: int | None, out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """The prefill spans of the step (rows ``[0, num_prefill_tokens)``), one SDPA call each."""
+    """The prefill spans of the step (rows ``[0, num_prefill_tokens)``), one SDPA call each
+    (with ``sinks``: one :func:`sink_attention`)."""
     gqa = q.shape[1] != k.shape[1]
     for span in meta.prefills:
         qs = q[span.q_start:span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)
@@ -88,17 +138,24 @@ def prefill_attention(
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = span.mask(window, q.device)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=gqa)
+        if sinks is not None:
+            if mask is None:
+                mask = causal_mask(span.q_len, span.ctx_len, q.device)
+            o = sink_attention(qs, ks, vs, mask, scale, sinks)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                               is_causal=mask is None, scale=scale,
+                                               enable_gqa=gqa)
         out[span.q_start:span.q_start + span.q_len] = o.squeeze(0).transpose(0, 1)
 
 
 def grouped_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: SdpaMetadata, scale: float, window: int | None, out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """The step's decodes (rows from ``num_prefill_tokens`` on), one padded SDPA call per
-    group of similar context lengths."""
+    """The step's decodes (rows from ``num_prefill_tokens`` on), one padded SDPA call (with
+    ``sinks``: one :func:`sink_attention`) per group of similar context lengths."""
     if not meta.decode_groups:
         return
     num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
@@ -117,8 +174,12 @@ def grouped_decode_attention(
         flat = g.block_tables.reshape(-1)
         kd = widened(meta.gather(k_blocks, flat, 0).view(shape), q.dtype).transpose(1, 2)
         vd = widened(meta.gather(v_blocks, flat, 1).view(shape), q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, bs),
-                                           scale=scale)
+        if sinks is not None:
+            o = sink_attention(qd.view(g.count, num_heads, 1, head_dim), kd, vd,
+                               g.mask(window, bs), scale, sinks)
+        else:
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, bs),
+                                               scale=scale)
         out[start:start + g.count] = o.reshape(g.count, num_heads, head_dim)
 
 
@@ -139,6 +200,7 @@ class SdpaBackend(AttentionBackend):
     keeps across steps."""
 
     name = "sdpa"
+    supports_sinks = True
 
     def __init__(self) -> None:
         self._row = 0  # elements of one cache slot (kv heads x head dim)
@@ -147,9 +209,10 @@ class SdpaBackend(AttentionBackend):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, window: int | None) -> torch.Tensor:
+                 scale: float, window: int | None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         assert isinstance(meta, SdpaMetadata)
-        return sdpa_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        return sdpa_attention(q, k, v, k_cache, v_cache, meta, scale, window, sinks)
 
     def bind_cache(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device) -> None:

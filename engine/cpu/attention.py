@@ -158,6 +158,8 @@ class NativeBackend(SdpaBackend):
     of another dtype (fp16) runs every step through SDPA (``native_kv`` False)."""
 
     name = "native"
+    # The kernels have no attention sinks: the runner serves a model with sinks on torch SDPA.
+    supports_sinks = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -166,9 +168,12 @@ class NativeBackend(SdpaBackend):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, window: int | None) -> torch.Tensor:
+                 scale: float, window: int | None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(meta, NativeMetadata):  # a cache the kernels do not read
-            return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window)
+            return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window, sinks)
+        if sinks is not None:
+            raise ValueError("the native attention kernels have no attention sinks")
         return native_attention(q, k, v, k_cache, v_cache, meta, scale, window)
 
     def bind_cache(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

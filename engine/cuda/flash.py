@@ -72,8 +72,11 @@ class FlashBackend(AttentionBackend):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, window: int | None) -> torch.Tensor:
+                 scale: float, window: int | None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         assert isinstance(meta, FlashMetadata) and self._varlen is not None
+        if sinks is not None:  # supports_sinks is False: the runner never sends them here
+            raise ValueError("flash-attn's varlen kernels have no attention sinks")
         return flash_attention(self._varlen, q, k_cache, v_cache, meta, scale, window)
 
     def metadata(self, step: StepLayout) -> FlashMetadata:

@@ -77,6 +77,9 @@ class ModelArch:
     # every other family); logits are soft-capped at ``final_logit_softcapping`` where set.
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # gpt-oss: each query head has a learned logit that joins its softmax's denominator and
+    # attends to nothing (an attention sink); only backends that take sinks can serve it.
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
