@@ -50,7 +50,7 @@ class ArchSpec:
         if self.config_class not in ("LlamaConfig", "Qwen2Config", "Qwen3Config",
                                      "MistralConfig", "MixtralConfig", "Qwen3MoeConfig",
                                      "Qwen2MoeConfig",
-                                     "Gemma3TextConfig"):
+                                     "Gemma3TextConfig", "Phi3Config", "GptOssConfig"):
             raise ValueError(f"unsupported config class {self.config_class!r}")
 
 
@@ -145,6 +145,24 @@ GEMMA3_ARCHS: dict[str, ArchSpec] = {
         query_pre_attn_scalar=64, layer_types=[_LOCAL, _GLOBAL, _LOCAL, _LOCAL],
         tie_word_embeddings=True), embed_std=0.03),
 }
+# Phi-3 (tests/test_phi3_models.py): GQA 2:1, 4:1 (one KV head) and 1:1; plain rope; LongRoPE
+# with Phi-4-mini's partial rotary (0.75) and tied embeddings, its factors switching at position
+# 32 (``original_max_position_embeddings``), written with the legacy keys as the Hub's configs
+# are; a sliding window of 24 tokens.
+_PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+                  "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+                  "long_factor": [1.0, 3.0, 6.0, 12.0, 24.0, 40.0],
+                  "original_max_position_embeddings": 32}
+PHI3_ARCHS: dict[str, ArchSpec] = {
+    "phi3": ArchSpec("Phi3Config", dict(num_hidden_layers=2)),
+    "phi3_longrope": ArchSpec("Phi3Config", dict(
+        num_key_value_heads=4, partial_rotary_factor=0.75, rope_parameters=_PHI3_LONGROPE,
+        original_max_position_embeddings=32, tie_word_embeddings=True), embed_std=0.3,
+        legacy_rope=True),
+    "phi3_swa": ArchSpec("Phi3Config", dict(num_hidden_layers=3, num_key_value_heads=1,
+                                            sliding_window=24)),
+}
+
 # transformers' model class of a config class, where it is not the config's name with
 # "ForCausalLM" for "Config".
 _MODEL_CLASSES = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
@@ -166,7 +184,7 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
     """
     import transformers
 
-    specs = {**ARCHS, **MOE_ARCHS, **GEMMA3_ARCHS}
+    specs = {**ARCHS, **MOE_ARCHS, **GEMMA3_ARCHS, **PHI3_ARCHS}
     if arch not in specs:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(specs)}")
     spec = specs[arch]

@@ -113,6 +113,8 @@ class FusedDecode:
                 or getattr(model, "compute_dtype", torch.float32) != torch.float32 \
                 or model.rotary.cos.dtype != torch.float32 or not model.rotary.cos.is_contiguous():
             return None
+        if 2 * model.rotary.cos.shape[-1] != model.arch.head_dim:  # a partial rotary (Phi-4-mini)
+            return None
         panel_dtypes = set()
         for layer in model.layers:
             a, m = layer.attn, layer.mlp

@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",  # its own decoder: models/gemma3.py
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Phi3ForCausalLM": "phi3",  # fused checkpoint tensors, LongRoPE: models/phi3.py
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -172,6 +173,8 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
     family = SUPPORTED_ARCHITECTURES[arch]
     if family == "gemma3":
         return None  # defaults (layer types, two rope tables) are Gemma3TextConfig's code
+    if family in ("phi3", "gpt_oss"):
+        return None  # rope and layer-type defaults (longrope, yarn) are their config's code
     if raw.get("partial_rotary_factor") not in (None, 1, 1.0):
         return None
     params = raw.get("rope_parameters")
@@ -237,7 +240,9 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
-        _check_rope_type(rope_parameters(cfg).get("rope_type", "default"))
+        rope_type = rope_parameters(cfg).get("rope_type", "default")
+        if not (family == "phi3" and rope_type == "longrope"):  # phi3.py builds its table
+            _check_rope_type(rope_type)
     num_heads = cfg.num_attention_heads
     num_kv = getattr(cfg, "num_key_value_heads", None) or num_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
@@ -247,7 +252,7 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         raise UnsupportedModelError(
             f"{arch} with use_sliding_window is not supported (transformers versions differ "
             "on which layers it windows)")
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):  # Phi-3: one window (or none) for every layer
         w = getattr(cfg, "sliding_window", None)
         windows: tuple[int | None, ...] = (w,) * n_layers
     else:
