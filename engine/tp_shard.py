@@ -226,6 +226,8 @@ def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
         a.q_size, a.kv_size = heads * hd, len(kv) * hd
         a.qkv.out_features = a.q_size + 2 * a.kv_size
         a.o.weight = _keep(a.o.weight, [q_rows], dim=1)
+        if getattr(a, "sinks", None) is not None:  # gpt-oss: a sink per query head, with it
+            a.sinks = _keep(a.sinks, [slice(r * heads, (r + 1) * heads)])
         if r != 0:
             a.o.bias = None
         _row_parallel(a.o, shard)

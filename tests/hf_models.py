@@ -163,10 +163,33 @@ PHI3_ARCHS: dict[str, ArchSpec] = {
                                             sliding_window=24)),
 }
 
+# gpt-oss (tests/test_gpt_oss_models.py): 4 and 8 experts, top-1, -2 and -4; GQA 2:1, 4:1 and
+# 1:1; head dims 16 and 32; windows of 16, 8 (one block) and 40 tokens, sliding and full layers
+# alternating and out of order; YaRN from 64 and from 32 positions to 1024; tied
+# embeddings. Sinks and biases N(0, 0.5**2), so that the sinks weigh in the softmax.
+_GPT_OSS = dict(intermediate_size=32)
+_GPT_OSS_YARN = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 64,
+                 "rope_theta": 150000.0}
+GPT_OSS_ARCHS: dict[str, ArchSpec] = {
+    "gpt_oss": ArchSpec("GptOssConfig", dict(_GPT_OSS, num_local_experts=4,
+                                             num_experts_per_tok=2, sliding_window=16,
+                                             rope_parameters=_GPT_OSS_YARN), bias_std=0.5),
+    "gpt_oss_top1_mqa": ArchSpec("GptOssConfig", dict(
+        _GPT_OSS, num_local_experts=8, num_experts_per_tok=1, num_key_value_heads=1,
+        num_hidden_layers=3, sliding_window=8,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={**_GPT_OSS_YARN, "factor": 32.0, "original_max_position_embeddings": 32}),
+        bias_std=0.5),
+    "gpt_oss_mha_tied": ArchSpec("GptOssConfig", dict(
+        _GPT_OSS, num_local_experts=8, num_experts_per_tok=4, num_key_value_heads=4,
+        head_dim=32, sliding_window=40, tie_word_embeddings=True,
+        rope_parameters=_GPT_OSS_YARN), bias_std=0.5, embed_std=0.3),
+}
+
 # transformers' model class of a config class, where it is not the config's name with
 # "ForCausalLM" for "Config".
 _MODEL_CLASSES = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
-
 
 # The weights' scale: matrices N(0, GAIN**2 / fan_in), embeddings N(0, 1).
 GAIN = 1.5
@@ -184,7 +207,7 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
     """
     import transformers
 
-    specs = {**ARCHS, **MOE_ARCHS, **GEMMA3_ARCHS, **PHI3_ARCHS}
+    specs = {**ARCHS, **MOE_ARCHS, **GEMMA3_ARCHS, **PHI3_ARCHS, **GPT_OSS_ARCHS}
     if arch not in specs:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(specs)}")
     spec = specs[arch]

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",  # its own decoder: models/gemma3.py
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Phi3ForCausalLM": "phi3",  # fused checkpoint tensors, LongRoPE: models/phi3.py
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, biased experts: models/gpt_oss.py
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -252,6 +253,9 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         raise UnsupportedModelError(
             f"{arch} with use_sliding_window is not supported (transformers versions differ "
             "on which layers it windows)")
+    if family == "gpt_oss" and getattr(cfg, "quantization_config", None):
+        raise UnsupportedModelError(
+            "a quantized gpt-oss checkpoint (MXFP4 experts) is not supported; serve a bf16 one")
     if family in ("mistral", "mixtral", "phi3"):  # Phi-3: one window (or none) for every layer
         w = getattr(cfg, "sliding_window", None)
         windows: tuple[int | None, ...] = (w,) * n_layers
@@ -287,6 +291,7 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         checkpoint_dtype=checkpoint_dtype(cfg),
         **moe,
         **gemma,
+        attention_sinks=family == "gpt_oss",
     )
 
 
@@ -332,6 +337,11 @@ def _moe_fields(cfg: Any, family: str, n_layers: int) -> dict[str, Any]:
     every layer sparse with its top-k always renormalised; Qwen3-MoE's layer ``i`` sparse unless
     listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step`` (its config's reading),
     Qwen2-MoE's alike, with a gated shared expert."""
+    if family == "gpt_oss":  # every layer sparse; a softmax over the top-k logits: renormalised
+        return dict(num_experts=int(cfg.num_local_experts),
+                    num_experts_per_tok=int(cfg.num_experts_per_tok),
+                    moe_intermediate_size=int(cfg.intermediate_size), norm_topk_prob=True,
+                    sparse_layers=(True,) * n_layers)
     if family not in MOE_FAMILIES:
         return {}
     experts = int(_num_experts(cfg) or 0)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.gemma3 import Gemma3ForCausalLM
+from kvrelay.engine.models.gpt_oss import GptOssForCausalLM
 from kvrelay.engine.models.llama import LlamaForCausalLM
 from kvrelay.engine.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type] = {
     "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 
