@@ -70,6 +70,13 @@ class LayerWindows:
                 out.append(LayerWrite(tuple(group), loc, rem))
         return out
 
+    def pairs_written(self, first: int, count: int, num_prompt_tokens: int,
+                      block_size: int) -> int:
+        """(layer, block) pairs a handoff of blocks ``first .. first + count - 1`` writes (a
+        model with no window: ``num_layers * count``)."""
+        needs = block_needs(first, count, num_prompt_tokens, block_size)
+        return sum(count if w is None else sum(n <= w for n in needs) for w in self.windows)
+
     def has_holes(self, num_prompt_tokens: int, block_size: int) -> bool:
         """Whether a windowed handoff of a prompt this long leaves some layer's block unwritten
         (then the receiver must never serve the blocks as a cached prefix)."""

@@ -40,6 +40,7 @@ import torch
 
 from kvrelay.common.timeline import mark
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq, TransferEvents
+from kvrelay.engine.kv_window import LayerWindows
 from kvrelay.kv_transfer.config import NixlConnectorConfig
 from kvrelay.kv_transfer.cuda_sync import bind_thread_to
 from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
@@ -247,6 +248,21 @@ class NixlConnector(KVConnector):
         if self._spec is None:
             raise RuntimeError("register_kv_cache() first")
         return self._spec.bytes_per_block_all_layers
+
+    def handoff_bytes(self, dest: KVDestination, num_prompt_tokens: int) -> int:
+        """Bytes a prompt's handoff to ``dest`` writes: its blocks past the peer's cached prefix,
+        K and V of every layer that still reads them (a sliding-window layer: those in its
+        window, ``engine/kv_window.py``)."""
+        if self._spec is None:
+            raise RuntimeError("register_kv_cache() first")
+        spec = self._spec
+        first = dest.skip_blocks
+        count = min(len(dest.remote_block_ids), -(-num_prompt_tokens // spec.block_size)) - first
+        if count <= 0:
+            return 0
+        windows = LayerWindows(spec.layer_windows or (None,) * spec.num_layers)
+        pairs = windows.pairs_written(first, count, num_prompt_tokens, spec.block_size)
+        return 2 * pairs * spec.block_bytes
 
     # -- fencing (sending side) ----------------------------------------------------------------
     def fence(self, request_id: str, lease_id: str) -> bytes:

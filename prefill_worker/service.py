@@ -292,7 +292,8 @@ class PrefillService:
         computed = out.computed_at or done
         dest = destination_of(params)
         sent_blocks = len(dest.remote_block_ids) - dest.skip_blocks if dest is not None else 0
-        kv_bytes = sent_blocks * self.kv.block_bytes()
+        # what the writes carried: a sliding-window layer is sent only the blocks it still reads
+        kv_bytes = self.kv.handoff_bytes(dest, out.num_prompt_tokens) if dest is not None else 0
         if span is not None:  # the engine's time points, as spans under the request's
             span.set_attribute("kvrelay.cached_prompt_tokens", out.num_cached_tokens)
             span.set_attribute("kvrelay.kv_bytes", kv_bytes)

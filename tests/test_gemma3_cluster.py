@@ -1,0 +1,133 @@
+"""Gemma 3 served disaggregated: a tiny Gemma 3 (``hf_models.GEMMA3_ARCHS``' ``gemma3``: two
+local layers of window 24 and a global one) through one prefill and two decode workers (real
+router, worker processes, NIXL KV transfer), with the engine alone's greedy tokens
+(``kvrelay.engine.llm.LLM``, itself held to transformers in tests/test_gemma3_models.py) for
+prompts within the window and well past it. The handoff is windowed (``engine/kv_window.py``):
+the bytes the router counts are exactly the blocks each layer reads from the handoff on, well
+under a dense handoff's; the decode worker never serves a windowed handoff's blocks as a cached
+prefix (a prompt sharing the first prompt's head, whose window reaches into the skipped blocks,
+still gets the engine alone's tokens); a decode worker killed mid-stream, the stream resumes on
+the other with the same tokens. One cluster for the module: the tests run in order."""
+
+from __future__ import annotations
+
+import random
+import re
+import urllib.request
+
+import pytest
+from cluster import Cluster
+
+from kvrelay.client import sampling
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.models.arch import load_model_config
+from kvrelay.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = "gemma3"
+BLOCK = 16  # the workers' block size
+LENGTHS = (5, 23, 70, 130)  # within the window (24), then 3 and 5 times it
+GEN = 12
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(7, 4000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_dir) -> str:
+    return hf_model_dir(MODEL)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    with Cluster(model_dir, tmp_path_factory.mktemp("gemma3"), prefill=1, decode=2,
+                 router_args=("--http-port", "0")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, num_blocks=256)
+
+
+def engine_alone(llm: LLM, ids: list[int], n: int) -> list[int]:
+    return llm.generate(ids, SamplingParams(max_tokens=n, temperature=0,
+                                            ignore_eos=True))[0].token_ids
+
+
+def kv_bytes_sent(cluster: Cluster) -> float:
+    port = cluster.router.ready["http_port"]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(
+        r"^kvrelay:kv_transfer_bytes_total(?:{[^}]*})? (\S+)$", body, re.MULTILINE))
+
+
+def windowed_bytes(windows: tuple[int | None, ...], prompt: int, block_bytes: int) -> int:
+    """By the definition: each layer's K and V of the prompt blocks holding a key some decode
+    step attends to (the token at position p sees (p - window, p])."""
+    pairs = 0
+    for w in windows:
+        first = 0 if w is None else max(0, prompt - w + 1)
+        pairs += -(-prompt // BLOCK) - first // BLOCK
+    return 2 * pairs * block_bytes
+
+
+def check_greedy(cluster: Cluster, llm: LLM, prompts: list[list[int]], what: str) -> None:
+    baseline = cluster.free_blocks()
+    with cluster.client() as c:
+        for ids in prompts:
+            got = c.generate(ids, sampling(GEN, 0.0, ignore_eos=True))
+            assert got.finish_reason == "length"
+            assert got.token_ids == engine_alone(llm, ids, GEN), f"{what}, prompt of {len(ids)}"
+            names = [e.name for e in got.trace]
+            assert "received" in names and "prefill_end" in names, names
+    assert cluster.wait_free_blocks(baseline) == baseline
+
+
+def test_gemma3_greedy_through_1p1d_moving_only_the_windows(cluster, llm, model_dir) -> None:
+    _, arch = load_model_config(model_dir)
+    block_bytes = BLOCK * arch.num_kv_heads * arch.head_dim * 4  # one plane of one block, fp32
+    prompts = [prompt_ids(n, i) for i, n in enumerate(LENGTHS)]
+    before = kv_bytes_sent(cluster)
+    check_greedy(cluster, llm, prompts, "1P1D")
+    moved = kv_bytes_sent(cluster) - before
+    want = sum(windowed_bytes(arch.layer_windows, n, block_bytes) for n in LENGTHS)
+    dense = sum(windowed_bytes((None,) * arch.num_layers, n, block_bytes) for n in LENGTHS)
+    assert moved == want < dense, (moved, want, dense)
+
+
+def test_a_windowed_handoff_is_never_a_cached_prefix_at_the_decode_worker(cluster, llm) -> None:
+    """The second prompt shares the first's 96 tokens (6 blocks) and ends 5 tokens later, so its
+    local layers read from position 78 on: blocks 4 and 5, which the first handoff skipped for
+    them. Were the decode worker to match them as its cached prefix, the prefill worker would
+    not send them and the decode would attend to holes."""
+    first = prompt_ids(130, 11)
+    second = first[:96] + prompt_ids(5, 12)
+    check_greedy(cluster, llm, [first, second], "a prefix of a windowed handoff")
+
+
+def test_gemma3_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
+    """The other decode worker gets the prompt and the tokens so far from a new prefill (a
+    windowed handoff of its own) and goes on with the engine alone's tokens."""
+    n = 80
+    ids = prompt_ids(90, 7)
+    ref = engine_alone(llm, ids, n)
+    decodes = cluster.live("decode")
+    got: list[int] = []
+    trace: list[str] = []
+    killed_at = None
+    with cluster.client() as c:
+        for msg in c.stream(ids, sampling(n, 0.0, ignore_eos=True), timeout=180):
+            got.extend(msg.token_ids)
+            if killed_at is None and len(got) >= 10:
+                victim = next((p for p in decodes if cluster.status(p).load.running >= 1), None)
+                assert victim is not None, "no decode worker holds the stream"
+                cluster.kill(victim)
+                killed_at = len(got)
+            if msg.finish_reason:
+                trace = [e.name for e in msg.trace]
+    assert killed_at is not None and "migrate" in trace, trace
+    assert got == ref
