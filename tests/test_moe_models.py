@@ -28,7 +28,7 @@ from kvrelay.engine.models.arch import (
     load_model_config,
     plain_config,
 )
-from kvrelay.engine.models.moe import SparseMoE
+from kvrelay.engine.models.moe import SparseMoE, enable_grouped_mm, grouped_mm_available
 from kvrelay.engine.sequence import Sequence
 
 MOE = sorted(MOE_ARCHS)
@@ -179,6 +179,38 @@ def test_grouped_experts_equal_the_per_token_definition_one_call_per_active_expe
         assert calls == active  # one call per active expert, in ascending order
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_grouped_gemm_equals_the_definition_without_a_loop(hf_model_dir, name: str,
+                                                            monkeypatch) -> None:
+    """``torch._grouped_mm`` over the stacked experts (the CUDA platform's path, probed and run
+    here on CPU in fp32): the per-token definition, empty groups included (1 row leaves most
+    experts without one), and no expert's own forward runs."""
+    from kvrelay.engine.models.llama import LlamaForCausalLM
+
+    assert grouped_mm_available(torch.device("cpu"), torch.float32)
+    _, arch = load_model_config(hf_model_dir(name))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(arch, None, torch.ones(arch.head_dim // 2), 1.0, 16)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    moe = model.layers[0].mlp
+    x = torch.randn(40, arch.hidden_size)
+    loop = moe(x)
+    assert enable_grouped_mm(model, torch.device("cpu"), torch.float32) == sum(
+        arch.sparse_layers)
+    gate_up, down = moe.stacked
+    for i in (0, 1):  # the experts' weights are views of the stacks: no second copy
+        assert moe.experts[i].gate_up.weight.data_ptr() == gate_up[i].data_ptr()
+        assert moe.experts[i].down.weight.data_ptr() == down[i].data_ptr()
+    for ex in moe.experts:
+        monkeypatch.setattr(ex, "forward", lambda x: pytest.fail("the loop ran"))
+    for rows in (1, 3, 40):
+        got = moe(x[:rows])
+        torch.testing.assert_close(got, _per_token_reference(moe, x[:rows]), rtol=1e-5,
+                                   atol=1e-5)
+    torch.testing.assert_close(moe(x), loop, rtol=1e-6, atol=1e-6)
+
+
 # -- through the engine -----------------------------------------------------------------------
 @pytest.mark.parametrize("name", MOE)
 def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str) -> None:
@@ -232,6 +264,24 @@ def _check_logits(core: Any, model_dir: str, tol: float, length: int = 50,
     err_d = float((torch.stack(dec) - ref_dec).abs().max() / ref_dec.abs().max())
     assert err_p < tol and err_d < tol, (model_dir, err_p, err_d)
     bm.free(seq)
+
+
+def test_grouped_gemm_through_the_engine_matches_transformers(hf_model_dir, monkeypatch) -> None:
+    """The engine with its linears unpacked (as on CUDA) and every sparse layer's experts in
+    grouped GEMMs: greedy tokens and logits as transformers', as the loop gets them."""
+    import kvrelay.engine.cpu.platform as cpu_platform
+
+    model_dir = hf_model_dir("qwen2_moe_norm")
+    monkeypatch.setattr(cpu_platform, "panels_available", lambda dtype: False)
+    monkeypatch.setattr(cpu_platform, "onednn_packing_available", lambda dtype: False)
+    core = make_core(model_dir)
+    assert not core.runner.model.lm_head.is_packed
+    assert enable_grouped_mm(core.runner.model, torch.device("cpu"), torch.float32) == 2
+    ps = prompts(1, (7, 33))
+    got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN)
+    _check_logits(core, model_dir, tol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_norm", "qwen2_moe"])

@@ -13,6 +13,7 @@ from kvrelay.engine.attention import AttentionBackend, select_backend
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.cuda.graphs import graphs_off_reason
 from kvrelay.engine.cuda.memory import kv_budget_for, paged_flash_block_size
+from kvrelay.engine.models.moe import enable_grouped_mm
 
 if TYPE_CHECKING:
     from kvrelay.engine.models.llama import LlamaForCausalLM
@@ -46,6 +47,10 @@ class CudaPlatform:
     def prepare_model(self, model: LlamaForCausalLM, dtype: torch.dtype) -> str:
         model.fused_decode = None
         self.moe = model.arch.is_moe
+        if self.moe:
+            n = enable_grouped_mm(model, self.device, dtype)
+            logger.info("mixture of experts: %d sparse layers run their experts as grouped "
+                        "GEMMs (torch._grouped_mm), the others one expert at a time", n)
         return "dense"
 
     def pad_rows_above(self, model: LlamaForCausalLM) -> int | None:
@@ -62,8 +67,9 @@ class CudaPlatform:
     def graphs_off_reason(self, **kw: object) -> str | None:
         off = graphs_off_reason(self.device, **kw)  # type: ignore[arg-type]
         if off is None and self.moe:
-            # models/moe.py sizes each expert's group on the host: no grouped GEMM here yet.
-            off = "mixture-of-experts layers run their experts eagerly (no grouped GEMM yet)"
+            # The loop over experts sizes each group on the host; the grouped GEMMs do not, but
+            # their capture has not been tried on a GPU yet (models/moe.py).
+            off = "mixture-of-experts layers run their experts eagerly"
         if off is not None:
             logger.info("CUDA graphs off: %s", off)
         return off

@@ -29,9 +29,15 @@ the same way, combines its partial expert outputs with the routing weights and i
 shared output with the gate (both linear in the partials, so they sum to the whole), and one
 all-reduce per layer sums them, as the dense MLP's down projection does.
 
-Not here yet: a grouped GEMM on CUDA (one kernel for every expert, which CUDA graphs could
-capture: the host sync above keeps MoE models' decode steps eager there) and expert
-parallelism.
+A platform whose linears stay unpacked (CUDA) may instead run every expert of a layer in two
+grouped GEMMs (:meth:`SparseMoE.use_grouped_mm`: ``torch._grouped_mm`` over the experts'
+weights stacked ``[E, out, in]``, the per-expert linears then views of the stack): no loop and
+no host sync, the group offsets computed on the device. :func:`grouped_mm_available` probes it
+on the device and dtype first (on CUDA torch's kernel needs a recent GPU; on CPU it exists for
+fp32), so a platform falls back to the loop where it is missing or wrong. Its math is tested on
+CPU in fp32 (tests/test_moe_models.py); not yet run on a GPU.
+
+Not here yet: expert parallelism.
 """
 
 from __future__ import annotations
@@ -45,6 +51,41 @@ from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.models.mlp import MLP
 from kvrelay.engine.models.weights import DENSE_MLP_NAMES, WeightTarget, mlp_targets
+from kvrelay.engine.pointwise import silu_mul
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here, for ``dtype`` on ``device``, and gets a small
+    product with an empty group right (checked against a loop of matmuls)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(-2, 3, (24, 16), generator=g).to(device, dtype)
+        w = torch.randint(-2, 3, (3, 32, 16), generator=g).to(device, dtype)
+        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)
+        got = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        want = torch.cat([x[:8] @ w[0].T, x[8:] @ w[2].T])
+        return bool(torch.equal(got.float(), want.float()))  # small integers: exact sums
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def enable_grouped_mm(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Give every sparse layer of ``model`` (weights and activations of ``dtype``, unpacked)
+    the grouped GEMMs where :func:`grouped_mm_available` and its widths are multiples of 8
+    (CUDA's kernel wants 16-byte aligned rows); returns how many layers took them."""
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not moes or not grouped_mm_available(device, dtype):
+        return 0
+    n = 0
+    for m in moes:
+        e = m.experts[0]
+        if e.inter % 8 == 0 and e.gate_up.weight is not None \
+                and e.gate_up.weight.shape[1] % 8 == 0:
+            m.use_grouped_mm()
+            n += 1
+    return n
 
 
 class SparseMoE(nn.Module):
@@ -69,6 +110,22 @@ class SparseMoE(nn.Module):
                                    if shared and gated else None)
         # Under tensor parallelism: the all-reduce of the combined partial outputs.
         self.reduce: Callable[[torch.Tensor], None] | None = None
+        # The experts' gate/up and down weights stacked [E, out, in] (use_grouped_mm).
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def use_grouped_mm(self) -> None:
+        """Run the experts through two grouped GEMMs from now on: their (loaded, unpacked,
+        sharded) weights are stacked, and each expert's linears become views of the stack (no
+        second copy)."""
+        stacks = []
+        for name in ("gate_up", "down"):
+            lins = [getattr(e, name) for e in self.experts]
+            assert all(lin.weight is not None and lin.bias is None for lin in lins)
+            stack = torch.stack([lin.weight for lin in lins])
+            for i, lin in enumerate(lins):
+                lin.weight = nn.Parameter(stack[i], requires_grad=False)
+            stacks.append(stack)
+        self.stacked = (stacks[0], stacks[1])
 
     def sharded_mlps(self) -> list[MLP]:
         """The SwiGLUs tensor parallelism cuts as it cuts a dense MLP (each rank a slice of
@@ -101,19 +158,30 @@ class SparseMoE(nn.Module):
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[t, j] * expert[ids[t, j]](x[t])`` for every row ``t`` (a new tensor,
-        not reduced), the experts run grouped: one call per active expert over its rows."""
+        not reduced), the experts run grouped: one call per active expert over its rows, or
+        two grouped GEMMs over all of them (:meth:`use_grouped_mm`)."""
         t, k = ids.shape
         ids, perm = torch.sort(ids, dim=1)  # a row's experts ascending: its sum's order
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, expert) pairs by expert
         xs = x.index_select(0, order // k)
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            if n:
-                stop = start + n
-                ys[start:stop] = self.experts[e](xs[start:stop])
-                start = stop
+        if self.stacked is not None:
+            # Group e's rows end at offs[e]: the pairs of experts <= e (no host sync).
+            offs = torch.searchsorted(flat.index_select(0, order),
+                                      torch.arange(self.num_experts, device=x.device),
+                                      right=True).to(torch.int32)
+            gate_up, down = self.stacked
+            inter = down.shape[2]
+            h = silu_mul(torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs), inter)
+            ys = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+                if n:
+                    stop = start + n
+                    ys[start:stop] = self.experts[e](xs[start:stop])
+                    start = stop
         # Back in (token, expert) order by a gather, weighted, each token's k summed. (Not an
         # index_add_ into the tokens' rows: on 2 threads its parallel scatter took 0.5-1 ms for
         # 32 rows of 512 on the shared 2-core host, the gather ~60 us; the bench MoE's B=8
