@@ -67,6 +67,12 @@ class BlockManager:
         # Sequences whose KV has holes (a sliding-window layer's blocks out of its window never
         # arrived): none of their blocks is ever published as a cached prefix (``withhold``).
         self._withheld: set[str] = set()
+        # Every layer windowed (Mistral's sliding_window): a decoding sequence's blocks wholly
+        # before the widest window are returned to the pool as it goes
+        # (``release_out_of_window``); per sequence, how many leading blocks it gave back.
+        self.release_window: int | None = None
+        self._released: dict[str, int] = {}
+        self.num_released_blocks = 0
         self.num_cache_queries = 0  # prompt tokens looked up
         self.num_cache_hits = 0  # prompt tokens found
         # Bumped whenever a hash enters or leaves the index, so ``cached_hash_set`` copies the
@@ -200,9 +206,12 @@ class BlockManager:
         """Give a block-less ``child`` every block of ``parent`` (shared: one more reference
         each) and its prefix hashes; the blocks' KV counts as computed for it too."""
         assert not child.block_table
-        for bid in parent.block_table:
+        released = self._released.get(parent.request_id, 0)
+        for bid in parent.block_table[released:]:
             self._ref(bid)
         child.block_table = list(parent.block_table)
+        if released:
+            self._released[child.request_id] = released
         hashes = self._seq_hashes.get(parent.request_id)
         if hashes is not None:
             self._seq_hashes[child.request_id] = list(hashes)
@@ -228,12 +237,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            assert block.ref_count > 0, f"double free of block {bid}"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[bid] = None
+        released = self._released.pop(seq.request_id, 0)
+        for bid in reversed(seq.block_table[released:]):
+            self._unref(bid)
         seq.block_table = []
         self._seq_hashes.pop(seq.request_id, None)
         self._withheld.discard(seq.request_id)
@@ -255,6 +261,43 @@ class BlockManager:
                 self._adopt(block, BlockRef(parent, before, chunk))
                 if self.tiers is not None:
                     self._to_store[block.block_id] = BlockRef(parent, before, chunk)
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Give back ``seq``'s blocks that no layer reads any more, where every layer is windowed
+        (``release_window``): once it decodes, its next token at position ``p`` sees keys from
+        ``p - w + 1`` on, so the blocks wholly before are dead. Returns how many went.
+
+        The block table keeps their ids (the pool may hand them to others): they lie outside
+        every window, which each attention backend masks (the native decode kernel does not
+        load them), and ``free`` skips them. A released block keeps its published prefix, as
+        any freed block does, until the pool reuses it: its KV is whole and still matches
+        (a prefix held only in part, a windowed handoff's, is never published: ``withhold``).
+        Only a sequence past its prompt gives blocks back: a prefill's blocks are still read by
+        its KV transfer when it finishes."""
+        w = self.release_window
+        if w is None or seq.num_computed_tokens <= seq.num_prompt_tokens:
+            return 0
+        first = min(max(0, seq.num_computed_tokens - w + 1) // self.block_size,
+                    len(seq.block_table))
+        done = self._released.get(seq.request_id, 0)
+        if first <= done:
+            return 0
+        for bid in seq.block_table[done:first]:
+            self._unref(bid)
+        self._released[seq.request_id] = first
+        self.num_released_blocks += first - done
+        return first - done
+
+    def held_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` holds a reference to (its table less what it gave back)."""
+        return len(seq.block_table) - self._released.get(seq.request_id, 0)
+
+    def _unref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        assert block.ref_count > 0, f"double free of block {bid}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[bid] = None
 
     def withhold(self, seq: Sequence) -> None:
         """Never publish ``seq``'s blocks (until it is freed): some layer's KV is missing from

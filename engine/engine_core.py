@@ -97,6 +97,7 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}
         # Each layer's window: arriving KV may lack a windowed layer's blocks out of its window.
         self._windows = LayerWindows(self.runner.kv_spec.layer_windows)
+        self.block_manager.release_window = self._windows.common_window
         # Finished requests whose blocks the connector still reads, with the output to report
         # once they are delivered (None when nobody waits for one).
         self._sending: dict[str, tuple[Sequence, RequestOutput | None]] = {}

@@ -17,6 +17,19 @@ not even load keys before ``p - w + 1``, torch SDPA gathers whole block tables a
 (flash-attn's paged kernel skips blocks wholly left of the window). And the receiver never
 publishes such a sequence's blocks as a cached prefix (``BlockManager.withhold``): a later
 prompt sharing the prefix would run its prefill over them.
+
+Blocks held: one block table serves every layer (a block id is the same slot of every layer's
+K and V planes), so a block can go back to the pool only when no layer reads it any more. A
+model whose every layer is windowed gives back, as it decodes, the blocks wholly before its
+widest window (``common_window``, ``BlockManager.release_out_of_window``): a long decode holds
+``ceil(w / bs) + 1`` blocks per sequence instead of its whole context. A hybrid (Gemma 3, 5
+local : 1 global; gpt-oss) holds every block: its global layers read them all, and the local
+layers' bytes of a block are the same allocation as the global layers'. Freeing those would
+take per-layer-group block tables (vLLM's hybrid allocator): a KV tensor, a block pool and a
+block table per group of layers of one window, a slot mapping per group in every backend's
+metadata, a descriptor layout per group in the KV transfer handshake, the tiers and the prefix
+hashes per group, and admission counting blocks per group; a hybrid's saving is the handoff's
+(the global layers' blocks, and the local layers' last window).
 """
 
 from __future__ import annotations
@@ -69,6 +82,14 @@ class LayerWindows:
             if loc:
                 out.append(LayerWrite(tuple(group), loc, rem))
         return out
+
+    @property
+    def common_window(self) -> int | None:
+        """The widest window when every layer has one (a block out of it is dead for the whole
+        model: ``BlockManager.release_out_of_window``), else None."""
+        if not self.windows or any(w is None for w in self.windows):
+            return None
+        return max(w for w in self.windows if w is not None)
 
     def pairs_written(self, first: int, count: int, num_prompt_tokens: int,
                       block_size: int) -> int:

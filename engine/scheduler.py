@@ -285,6 +285,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += n
             self.bm.publish(seq)
+            self.bm.release_out_of_window(seq)  # every layer windowed: dead blocks go back
             if token is None:
                 continue
             assert seq.num_computed_tokens == seq.num_tokens

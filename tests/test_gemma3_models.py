@@ -157,9 +157,8 @@ def test_torch_sdpa_backend_too(hf_model_dir) -> None:
     check_logits(core, model_dir, tol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma3_mqa_scaled"])
-def test_chunked_prefill_with_a_prefix_cache_hit(hf_model_dir, name: str) -> None:
-    model_dir = hf_model_dir(name)
+def test_chunked_prefill_with_a_prefix_cache_hit(hf_model_dir) -> None:
+    model_dir = hf_model_dir("gemma3_mqa_scaled")  # window 8: the hit's blocks are mostly out
     core = make_core(model_dir)
     check_prefix_hit(core, model_dir)  # 24-token chunks over 40 cached tokens, past the window
     assert core.stats().prefix_cache_hits >= 40
@@ -169,18 +168,18 @@ def test_the_offline_llm_serves_gemma3(hf_model_dir) -> None:
     from kvrelay.engine.llm import LLM
 
     model_dir = hf_model_dir("gemma3")
-    ids = prompts(11, (45,))[0]
+    ids = prompts(1)[-1]  # the mixed batch's longest (its reference is computed once)
     out = LLM(model_dir, num_blocks=64, block_size=8).generate([ids], GREEDY)[0]
     assert out.token_ids == hf_tokens(model_dir, tuple(ids), GEN)
 
 
-@pytest.mark.parametrize("name", ["gemma3_mqa_scaled", "gemma3_mha"])
+@pytest.mark.parametrize("name", ["gemma3_mqa_scaled"])
 def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir, name: str) -> None:
     """Logits within 2 % of the range of transformers in fp32 over the same weights with a bf16
-    KV cache, 1e-4 with an fp32 one (``test_bf16_engine``'s bounds). Measured: 0.5 % and 1.1 %
-    with the bf16 cache; ``gemma3`` (not here) is 5 %: its tied embedding of std 0.03 gives
-    logits of a tiny range that the cache's rounding moves by more (with an fp32 cache it is
-    within 3e-6, so the rounding is the cache's, not the model's)."""
+    KV cache, 1e-4 with an fp32 one (``test_bf16_engine``'s bounds). Measured: 0.5 % with the
+    bf16 cache (``gemma3_mha``: 1.1 %); ``gemma3`` (not here) is 5 %: its tied embedding of std
+    0.03 gives logits of a tiny range that the cache's rounding moves by more (with an fp32
+    cache it is within 3e-6, so the rounding is the cache's, not the model's)."""
     d = hf_model_dir(name, dtype=torch.bfloat16)
     for kv, tol in (("auto", BF16_KV_TOL), ("float32", FP32_TOL)):
         core = make_core(d, kv_cache_dtype=kv)

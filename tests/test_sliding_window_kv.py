@@ -14,6 +14,9 @@ receiver never reads what was skipped and never serves those blocks as a cached 
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytest
 import torch
 from hf_models import hf_greedy
@@ -173,12 +176,17 @@ def test_a_withheld_sequence_is_never_a_cached_prefix():
     assert bm.match_prefix(list(range(40)), 40).num_blocks == 5
 
 
+@functools.cache
+def _reference(model_dir: str, prompt: tuple[int, ...]) -> Any:
+    return hf_greedy(model_dir, list(prompt), 8)
+
+
 def _handoff_decode(hf_model_dir, name: str, backend: str, poison: float) -> None:
     """Prefill on one engine, copy to a second engine only the blocks each layer reads (the rest
     ``poison``), decode there: logits as transformers'."""
     model_dir = hf_model_dir(name)
-    prompt, decodes = prompts(2, (70,))[0], 8
-    ref = hf_greedy(model_dir, prompt, decodes)
+    prompt = prompts(2, (70,))[0]
+    ref = _reference(model_dir, tuple(prompt))
     src, dst = make_core(model_dir, attention_backend=backend), \
         make_core(model_dir, attention_backend=backend)
     windows = LayerWindows(dst.runner.kv_spec.layer_windows)
@@ -213,13 +221,83 @@ def _handoff_decode(hf_model_dir, name: str, backend: str, poison: float) -> Non
     assert err < 1e-4, (name, backend, err)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma3_mqa_scaled", "mistral_swa"])
+@pytest.mark.parametrize("name", ["gemma3_mqa_scaled", "mistral_swa"])
 def test_native_decode_never_loads_the_skipped_blocks(hf_model_dir, name: str):
     if not native_kernels.available():
         pytest.skip("no native kernels here")
     _handoff_decode(hf_model_dir, name, "native", float("nan"))
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral_swa"])
+@pytest.mark.parametrize("name", ["gemma3_mqa_scaled"])
 def test_sdpa_decode_masks_the_skipped_blocks(hf_model_dir, name: str):
     _handoff_decode(hf_model_dir, name, "sdpa", 1e30)
+
+
+# -- blocks held: every layer windowed ----------------------------------------------------------
+def _decoding(bm: BlockManager, rid: str, prompt: int) -> Sequence:
+    seq = Sequence(rid, list(range(prompt)), SamplingParams())
+    assert bm.allocate(seq, prompt + 1)
+    seq.num_computed_tokens = prompt
+    bm.publish(seq)
+    return seq
+
+
+def test_blocks_wholly_before_the_window_go_back_once_decoding():
+    bm = BlockManager(32, BS)
+    bm.release_window = 16
+    seq = _decoding(bm, "a", 40)
+    assert bm.release_out_of_window(seq) == 0  # the prompt's own step: a sender may read it
+    held = []
+    for _ in range(60):
+        seq.append_token(7)
+        assert bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens += 1
+        bm.publish(seq)
+        bm.release_out_of_window(seq)
+        # the next token, at position num_computed, sees keys from num_computed - 15 on
+        assert bm.held_blocks(seq) == len(seq.block_table) - (seq.num_computed_tokens - 15) // BS
+        held.append(bm.held_blocks(seq))
+    assert max(held) <= 16 // BS + 2
+    assert bm.num_released_blocks == len(seq.block_table) - bm.held_blocks(seq)
+    assert bm.num_free_blocks == 32 - bm.held_blocks(seq)
+    child = Sequence("c", list(seq.token_ids), SamplingParams())
+    bm.fork(seq, child)
+    bm.free(seq)
+    assert bm.num_free_blocks == 32 - bm.held_blocks(child)
+    bm.free(child)
+    assert bm.num_free_blocks == 32  # nothing freed twice, nothing lost
+    # the released blocks kept their published prefix (whole KV) until reused
+    assert bm.match_prefix(list(range(40)), 40).num_blocks == 5
+
+
+def test_a_hybrid_model_holds_every_block():
+    assert LayerWindows((24, 24, None)).common_window is None
+    assert LayerWindows((48, 48)).common_window == 48
+    bm = BlockManager(32, BS)  # release_window None: Gemma 3's global layers read everything
+    seq = _decoding(bm, "a", 40)
+    seq.append_token(7)
+    assert bm.allocate(seq, 41)
+    seq.num_computed_tokens = 41
+    assert bm.release_out_of_window(seq) == 0 and bm.held_blocks(seq) == 6
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_a_windowed_mistral_decodes_long_in_a_pool_it_would_overflow(hf_model_dir, backend):
+    """Two 100-token generations of a window-48 Mistral, side by side in a pool of 28 blocks
+    of 8 tokens: each needs 17 blocks without releases (34: preemptions), and holds 8 at most
+    with them; the blocks they give back are reused by the other as both go on (stale ids in
+    their tables, masked). Greedy tokens are transformers'."""
+    from test_engine_parity import hf_tokens, run
+
+    model_dir = hf_model_dir("mistral_swa")
+    core = make_core(model_dir, num_blocks=28, attention_backend=backend)
+    assert core.block_manager.release_window == 48
+    ps = prompts(5, (30, 33))
+    sp = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    got = run(core, {f"r{i}": (p, sp) for i, p in enumerate(ps)})
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), 100), len(p)  # cached for both
+    bm = core.block_manager
+    assert bm.num_released_blocks >= 2 * 9
+    assert core.stats().num_preemptions == 0
+    assert bm.num_free_blocks == 28
