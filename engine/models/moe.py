@@ -186,7 +186,7 @@ class SparseMoE(nn.Module):
         # index_add_ into the tokens' rows: on 2 threads its parallel scatter took 0.5-1 ms for
         # 32 rows of 512 on the shared 2-core host, the gather ~60 us; the bench MoE's B=8
         # decode step went from 46.7 to 44.9 ms, median of 15 paired steps.)
-        pairs = ys.index_select(0, torch.argsort(order)).view(t, k, -1)
+        pairs = ys.index_select(0, torch.argsort(order)).view(t, k, ys.shape[1])
         pairs.mul_(weights.gather(1, perm).unsqueeze(2))
         return pairs.sum(dim=1)
 
