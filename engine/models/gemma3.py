@@ -124,7 +124,10 @@ class Gemma3ForCausalLM(nn.Module):
         self.arch = arch
         self.compute_dtype = compute_dtype or torch.get_default_dtype()
         self.embed = empty_param(arch.vocab_size, arch.hidden_size)
-        self.embed_scale = math.sqrt(arch.hidden_size)
+        # sqrt(hidden) rounded to the compute dtype, as the reference rounds it to the weights'
+        # (a Python float: no tensor made per call, nothing for a CUDA graph to capture)
+        self.embed_scale = float(torch.tensor(math.sqrt(arch.hidden_size),
+                                              dtype=self.compute_dtype))
         self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i, attn_fn)
                                     for i in range(arch.num_layers))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -188,7 +191,7 @@ class Gemma3ForCausalLM(nn.Module):
         h = F.embedding(input_ids, self.embed)
         if h.dtype != self.compute_dtype:
             h = h.to(self.compute_dtype)
-        h = h * torch.tensor(self.embed_scale, dtype=self.compute_dtype)
+        h = h * self.embed_scale
         last = current_metadata().last_layer
         tables = {True: (self.rotary_local, self.rotary_local.cos[positions],
                          self.rotary_local.sin[positions]),
