@@ -6,9 +6,8 @@ and de-interleaved at load, the grouped experts and the sink attention against t
 definitions, greedy tokens identical and logits within the fp32 bound (1e-4 of the range) at a
 context past every window through chunked prefill and decodes, a prefix-cache hit, a bf16
 checkpoint within the stated 2 %, and TP=2 (experts sliced per rank, sinks with their heads).
-
-The native CPU attention kernels have no sinks: the runner serves gpt-oss on torch SDPA's
-path (checked here; ``bench/results`` has what that fallback costs per decode step)."""
+Sinks run on both CPU backends: the native paged kernels (checked against the torch path, itself
+checked against transformers' definition) and torch SDPA."""
 
 from __future__ import annotations
 
@@ -25,7 +24,9 @@ from test_bf16_engine import BF16_KV_TOL, FP32_TOL
 from test_engine_parity import GEN, GREEDY, check_prefix_hit, hf_tokens, make_core, prompts, run
 from test_phi3_models import check_logits
 
+from kvrelay.engine.attention import SdpaBackend, StepLayout
 from kvrelay.engine.attention.sdpa import sink_attention
+from kvrelay.engine.cpu import attention as native
 from kvrelay.engine.loader import iter_checkpoint
 from kvrelay.engine.models.arch import (
     UnsupportedModelError,
@@ -154,18 +155,61 @@ def test_sink_attention_equals_the_softmax_with_a_sink_column(heads: int, kv_hea
             sdpa.SINK_CHUNK_SCORES = old
 
 
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+@pytest.mark.parametrize("heads,kv_heads,head_dim,ctx,window,kv_dtype", [
+    (4, 2, 16, 40, None, torch.float32),
+    (8, 1, 64, 700, None, torch.float32),  # decode contexts cut into partitions, merged
+    (4, 4, 32, 600, 100, torch.bfloat16),
+    (4, 2, 16, 33, 8, torch.float32),
+])
+def test_native_kernels_take_sinks_as_the_torch_path_does(heads: int, kv_heads: int,
+                                                          head_dim: int, ctx: int,
+                                                          window: int | None,
+                                                          kv_dtype: torch.dtype) -> None:
+    """The paged decode kernel (two sequences) and the paged prefill kernel (a chunk of up to 37
+    rows over a cached prefix) with sinks, against the torch backend's sink attention over the
+    same cache; and the sinks matter (without them the outputs differ)."""
+    bs = 8
+    per = -(-ctx // bs)
+    gen = torch.Generator().manual_seed(ctx)
+    kc = torch.randn(2 * per * bs, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    vc = torch.randn(2 * per * bs, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(2)]
+    sinks = torch.randn(heads, generator=gen) * 2 + 4  # large enough to show over 700 keys
+    nb, sb = native.NativeBackend(), SdpaBackend()
+    for b in (nb, sb):
+        b.bind_cache(kv_heads, head_dim, kv_dtype, torch.device("cpu"))
+    scale = head_dim ** -0.5
+    q = torch.randn(2, heads, head_dim, generator=gen)
+    decode = StepLayout(bs, torch.tensor([t[-1] * bs for t in tables]), [1, 1], [ctx, ctx],
+                        tables, 0)
+    rows = min(37, ctx - 5)  # over a cached prefix: every key from the cache
+    qp = torch.randn(rows, heads, head_dim, generator=gen)
+    prefill = StepLayout(bs, torch.arange(rows), [rows], [ctx], tables[:1], 1)
+    for qs, step in ((q, decode), (qp, prefill)):
+        k = v = qs[:, :kv_heads]  # not read: the keys are the cache's
+        got = nb(qs, k, v, kc, vc, nb.metadata(step), scale, window, sinks=sinks)
+        ref = sb(qs, k, v, kc, vc, sb.metadata(step), scale, window, sinks=sinks)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        plain = nb(qs, k, v, kc, vc, nb.metadata(step), scale, window)
+        assert (plain - got).abs().max() > 1e-3
+
+
 # -- through the engine -----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
 @pytest.mark.parametrize("name", OSS)
-def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str) -> None:
+def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str,
+                                                     backend: str) -> None:
     """A mixed batch's greedy tokens (prompts up to 33 tokens, 24 generated: past every window),
     then one 50-token prompt's logits through 24-token chunks (each reading the earlier ones
-    from the paged cache) and decodes, against transformers in fp32; on torch SDPA whatever
-    backend was asked for (the native kernels have no sinks)."""
+    from the paged cache) and decodes, against transformers in fp32, on both CPU backends (the
+    native paged kernels under auto, where they build)."""
     model_dir = hf_model_dir(name)
-    core = make_core(model_dir, attention_backend="auto")
+    core = make_core(model_dir, attention_backend=backend)
     model = core.runner.model
     assert isinstance(model, GptOssForCausalLM) and model.fused_decode is None
-    assert core.runner.backend == "sdpa"
+    assert core.runner.backend == ("native" if backend == "auto" and native.available()
+                                   else "sdpa")
     if model.lm_head.is_packed:  # the platform packed the experts as it did the rest
         assert all(e.gate_up.is_packed and e.down.is_packed
                    for layer in model.layers for e in layer.mlp.experts)

@@ -13,7 +13,8 @@ class AttentionBackend:
     """A backend; called as the attention function ``(q, k, v, k_cache, v_cache, meta, scale,
     window, sinks=None) -> out`` with the metadata it built (``sinks``: a logit per query head
     in each softmax's denominator, gpt-oss's; only a backend that ``supports_sinks`` takes
-    them, and the runner serves a model with sinks on one that does)."""
+    them, and the runner serves a model with sinks on one that does: the CPU's native kernels
+    and torch SDPA do, flash-attn does not)."""
 
     name = ""
     supports_sinks = False

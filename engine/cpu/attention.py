@@ -11,7 +11,8 @@ table, once.
 
 The queries and outputs are fp32; the cache is fp32 or bf16 (half the bytes a decode step reads),
 widened to fp32 as it is read: a bf16 cache gives the fp32 result over its values, as if it
-were widened first.
+were widened first. Both kernels take attention sinks (gpt-oss: a logit per query head in each
+softmax's denominator), added to each head's sum before the output is divided by it.
 """
 
 from __future__ import annotations
@@ -77,17 +78,28 @@ def kv_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
 MIN_PART_TOKENS = 256
 
 
+def _sinks(sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """The kernels' sinks: fp32, contiguous, one per query head (or None)."""
+    if sinks is None:
+        return None
+    assert sinks.shape == (heads,), (sinks.shape, heads)
+    return sinks.to(torch.float32).contiguous()
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, ctx_lens: torch.Tensor, out: torch.Tensor,
-                 block_size: int, scale: float, window: int | None) -> torch.Tensor:
+                 block_size: int, scale: float, window: int | None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of ``q [N, H, D]`` over the paged caches (flat ``[slots, KVH, D]``),
     sequence ``i`` seeing its first ``ctx_lens[i]`` keys through ``block_tables[i]`` (int32,
-    ``[N, W]``). Writes and returns ``out [N, H, D]``; every tensor contiguous on CPU, ``q`` and
-    ``out`` fp32, the caches fp32 or bf16."""
+    ``[N, W]``), with a sink logit per query head where ``sinks`` ``[H]`` is given. Writes and
+    returns ``out [N, H, D]``; every tensor contiguous on CPU, ``q`` and ``out`` fp32, the
+    caches fp32 or bf16."""
     lib = load()
     assert lib is not None, "native kernels unavailable"
     n, h, d = q.shape
     kvh = k_cache.shape[1]
+    s = _sinks(sinks, h)
     assert q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
     assert v_cache.is_contiguous() and out.dtype == torch.float32
     assert q.dtype == torch.float32 and block_tables.dtype == torch.int32
@@ -95,7 +107,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         ctx_lens.data_ptr(), out.data_ptr(), n, h, kvh, d, block_size, block_tables.shape[1],
         scale, window or 0, MIN_PART_TOKENS, torch.get_num_threads(),
-        kv_dtype(k_cache, v_cache))
+        kv_dtype(k_cache, v_cache), None if s is None else s.data_ptr())
     if rc != 0:
         raise RuntimeError(f"native paged decode attention failed ({rc})")
     return out
@@ -103,15 +115,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, spans: torch.Tensor, out: torch.Tensor,
-                  block_size: int, scale: float, window: int | None) -> torch.Tensor:
+                  block_size: int, scale: float, window: int | None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of prefill spans over the paged caches. ``spans`` is int32 ``[3, S]``:
     each span's first row in ``q [T, H, D]``, its row count, and the keys visible to its last
     row (cached prefix plus its new tokens, whose K/V are already in the caches);
-    ``block_tables`` int32 ``[S, W]``. Writes the spans' rows of ``out [T, H, D]``. ``q`` and
-    ``out`` fp32, the caches fp32 or bf16."""
+    ``block_tables`` int32 ``[S, W]``; ``sinks`` ``[H]`` or None. Writes the spans' rows of
+    ``out [T, H, D]``. ``q`` and ``out`` fp32, the caches fp32 or bf16."""
     lib = load()
     assert lib is not None, "native kernels unavailable"
     h, d = q.shape[1], q.shape[2]
+    s = _sinks(sinks, h)
     assert q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
     assert v_cache.is_contiguous() and out.dtype == torch.float32
     assert q.dtype == torch.float32 and block_tables.dtype == torch.int32
@@ -121,7 +135,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         spans[0].data_ptr(), spans[1].data_ptr(), spans[2].data_ptr(), out.data_ptr(), n, h,
         k_cache.shape[1], d, block_size, block_tables.shape[1], scale, window or 0,
-        torch.get_num_threads(), kv_dtype(k_cache, v_cache))
+        torch.get_num_threads(), kv_dtype(k_cache, v_cache), None if s is None else s.data_ptr())
     if rc != 0:
         raise RuntimeError(f"native paged prefill attention failed ({rc})")
     return out
@@ -131,6 +145,7 @@ def native_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: NativeMetadata, scale: float, window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU backend: every prefill span of the step in one call of the paged prefill kernel
     (torch SDPA where the head size is not a multiple of 16), every decode in one call of the
@@ -139,14 +154,14 @@ def native_attention(
     if meta.prefill_spans is not None:
         assert meta.prefill_tables is not None
         paged_prefill(q, k_cache, v_cache, meta.prefill_tables, meta.prefill_spans, out,
-                      meta.block_size, scale, window)
+                      meta.block_size, scale, window, sinks)
     else:
-        prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out)
+        prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, out, sinks)
     if meta.decode_lens is not None:
         p, e = meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes
         assert meta.decode_tables is not None
         paged_decode(q[p:e], k_cache, v_cache, meta.decode_tables, meta.decode_lens, out[p:e],
-                     meta.block_size, scale, window)
+                     meta.block_size, scale, window, sinks)
     zero_padding(out, meta)
     return out
 
@@ -158,8 +173,6 @@ class NativeBackend(SdpaBackend):
     of another dtype (fp16) runs every step through SDPA (``native_kv`` False)."""
 
     name = "native"
-    # The kernels have no attention sinks: the runner serves a model with sinks on torch SDPA.
-    supports_sinks = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -172,9 +185,7 @@ class NativeBackend(SdpaBackend):
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(meta, NativeMetadata):  # a cache the kernels do not read
             return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window, sinks)
-        if sinks is not None:
-            raise ValueError("the native attention kernels have no attention sinks")
-        return native_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        return native_attention(q, k, v, k_cache, v_cache, meta, scale, window, sinks)
 
     def bind_cache(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device) -> None:

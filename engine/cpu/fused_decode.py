@@ -120,6 +120,7 @@ class FusedDecode:
             a, m = layer.attn, layer.mlp
             lins = (a.qkv, a.o, m.gate_up, m.down)
             if a.q_norm is not None or not isinstance(a.attn_fn, NativeBackend) or a.head_dim % 2 \
+                    or getattr(a, "sinks", None) is not None \
                     or any(type(lin) is not Linear or (k := packed(lin)) is None
                            or k.panels is None for lin in lins):
                 return None

@@ -182,10 +182,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, f32, ptr, cint = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
     fn = lib.kvr_paged_decode
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, i64,
-                   cint, cint]
+                   cint, cint, ptr]
     fn.restype = cint
     fn = lib.kvr_paged_prefill
-    fn.argtypes = [ptr] * 8 + [i64] * 6 + [f32, i64, cint, cint]
+    fn.argtypes = [ptr] * 8 + [i64] * 6 + [f32, i64, cint, cint, ptr]
     fn.restype = cint
     for fn in (lib.kvr_gemm_panels_f32, lib.kvr_gemm_panels_bf16):
         fn.argtypes = [ptr] * 4 + [i64] * 3 + [cint, i64]

@@ -5,9 +5,10 @@ What differs from Llama, and where it lives here:
 - attention: q/k/v/o with biases, and a learned **sink** per query head: a logit that joins
   every softmax's denominator and attends to nothing (``exp(s_j) / (sum_i exp(s_i) +
   exp(sink))``), so a head can put weight on "nothing" instead of spreading it over the keys.
-  The backend applies it (``sinks=``, :func:`kvrelay.engine.attention.sdpa.sink_attention` on
-  torch); a backend without sinks (the native CPU kernels, flash-attn) is replaced by torch SDPA
-  for this model when the runner starts;
+  The backend applies it (``sinks=``): the native CPU kernels add it to each head's softmax sum,
+  the torch path attends explicitly (:func:`kvrelay.engine.attention.sdpa.sink_attention`); a
+  backend without sinks (flash-attn) is replaced by torch SDPA for this model when the runner
+  starts;
 - layers alternate sliding-window and full attention by ``layer_types`` (``ModelArch
   .layer_windows``), the rope is YaRN (transformers' own table, as any scaled rope here);
 - the MLP of every layer is a mixture of experts (:class:`GptOssMoE`): the router has a bias,

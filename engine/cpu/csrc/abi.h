@@ -7,7 +7,7 @@
 #define KVR_ABI_H
 #include <stdint.h>
 
-#define KVR_ABI_VERSION 18
+#define KVR_ABI_VERSION 19
 
 /* Element types of weights and KV caches (the kv_dtype / wdtype arguments and fields): bf16 is
  * stored as the top 16 bits of an fp32, widened on load, rounded to nearest even on store. */

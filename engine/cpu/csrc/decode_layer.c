@@ -119,10 +119,10 @@ int kvr_decode_layer_f32(const kvr_layer_t *L, const kvr_step_t *S) {
             if (P)
                 failed |= kvr__prefill_run(&pp, qg, kc, vc, S->span_tables, og, hq, hk, D,
                                            S->block_size, S->span_width, L->scale, L->window,
-                                           kvd);
+                                           kvd, NULL);
             if (N)
                 failed |= kvr__decode_run(&pl, qg + P * gq, kc, vc, S->tables, og + P * gq, hq,
-                                          hk, D, S->block_size, S->width, L->scale, kvd);
+                                          hk, D, S->block_size, S->width, L->scale, kvd, NULL);
         }
         if (G > 1) {
 #pragma omp for schedule(static)

@@ -40,7 +40,8 @@ int kvr__decode_plan(const int32_t *lens, int64_t N, int64_t H, int64_t D, int64
 void kvr__decode_plan_free(kvr_decode_plan_t *pl);
 int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const void *k_cache,
                     const void *v_cache, const int32_t *tables, float *out, int64_t H,
-                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int kv_dtype);
+                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int kv_dtype,
+                    const float *sinks);
 /* paged_prefill.c: prefill attention as a plan and its run, the same way. */
 typedef struct {
     int32_t span;
@@ -65,5 +66,5 @@ void kvr__prefill_plan_free(kvr_prefill_plan_t *pl);
 int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const void *k_cache,
                      const void *v_cache, const int32_t *tables, float *out, int64_t H,
                      int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
-                     int kv_dtype);
+                     int kv_dtype, const float *sinks);
 #endif

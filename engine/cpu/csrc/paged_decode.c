@@ -16,6 +16,9 @@
  *   lens     int32 [N]                  keys visible to each sequence (new token included)
  *   out      [N, H, D]
  * Query head h reads KV head h / (H / KVH). window > 0 keeps only the last `window` keys.
+ * sinks (fp32 [H], or NULL): attention sinks (gpt-oss), a logit per query head that joins its
+ * softmax's denominator and attends to nothing: each head's sum gains e^(sink - max) before the
+ * output is divided by it (after the partitions' merge).
  */
 #include <float.h>
 #include <math.h>
@@ -308,12 +311,18 @@ void kvr__decode_plan_free(kvr_decode_plan_t *pl) {
     pl->partial = NULL;
 }
 
+/* A head's softmax denominator: its keys' sum l at max m, plus the sink's e^(sink - m). */
+static inline float with_sink(float l, float m, const float *sinks, int64_t h) {
+    return sinks ? l + expf(sinks[h] - m) : l;
+}
+
 /* The plan's items and then the merge of cut sequences, shared among the threads of the
  * enclosing parallel region (every thread calls this; worksharing loops inside, each ending in
  * a barrier). Returns nonzero on this thread when its scratch could not be allocated. */
 int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const void *k_cache,
                     const void *v_cache, const int32_t *tables, float *out, int64_t H,
-                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int kv_dtype) {
+                    int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int kv_dtype,
+                    const float *sinks) {
     const item_t *items = pl->items;
     const int64_t n_items = pl->n_items;
     float *scores = malloc(sizeof(float) * H * (pl->part + VL));
@@ -334,7 +343,7 @@ int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const void *k_c
                    KVH, D, bs, w.begin, w.end, scale, scores, o, m, l, kv_dtype);
         if (w.slot < 0) {
             for (int64_t h = 0; h < H; h++) {
-                const float inv = 1.f / l[h];
+                const float inv = 1.f / with_sink(l[h], m[h], sinks, h);
                 for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv;
             }
         }
@@ -366,19 +375,19 @@ int kvr__decode_run(const kvr_decode_plan_t *pl, const float *q, const void *k_c
                 const float *op = base + 2 * H + h * D;
                 for (int64_t d = 0; d < D; d++) oh[d] += c * op[d];
             }
-            const float inv = 1.f / total_l;
+            const float inv = 1.f / with_sink(total_l, mx, sinks, h);
             for (int64_t d = 0; d < D; d++) oh[d] *= inv;
         }
     }
     return !ok;
 }
 
-/* The caches fp32 or bf16 (kv_dtype: KVR_DTYPE_F32 or KVR_DTYPE_BF16). Returns 0, or a negative
- * number on bad arguments / out of memory. */
+/* The caches fp32 or bf16 (kv_dtype: KVR_DTYPE_F32 or KVR_DTYPE_BF16); sinks [H] or NULL.
+ * Returns 0, or a negative number on bad arguments / out of memory. */
 int kvr_paged_decode(const float *q, const void *k_cache, const void *v_cache,
                      const int32_t *tables, const int32_t *lens, float *out, int64_t N, int64_t H,
                      int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
-                     int64_t min_part, int num_threads, int kv_dtype) {
+                     int64_t min_part, int num_threads, int kv_dtype, const float *sinks) {
     if (N <= 0) return 0;
     if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || bs <= 0 || min_part <= 0 || num_threads < 1 ||
         (kv_dtype != KVR_DTYPE_F32 && kv_dtype != KVR_DTYPE_BF16))
@@ -389,7 +398,7 @@ int kvr_paged_decode(const float *q, const void *k_cache, const void *v_cache,
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     failed |= kvr__decode_run(&pl, q, k_cache, v_cache, tables, out, H, KVH, D, bs, W, scale,
-                              kv_dtype);
+                              kv_dtype, sinks);
     kvr__decode_plan_free(&pl);
     return failed ? -3 : 0;
 }

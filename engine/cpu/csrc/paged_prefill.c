@@ -14,7 +14,8 @@
  *   ctx_len  int32 [S]       keys visible to span j's last row (cached prefix + new tokens)
  *   out      [T, H, D]       written for the spans' rows only
  * Row i of span j sits at position ctx_len - q_len + i and sees keys [lo, pos], lo = 0 or, with
- * a window, pos - window + 1.
+ * a window, pos - window + 1. sinks (fp32 [H], or NULL): a logit per query head in its softmax's
+ * denominator (gpt-oss's attention sinks), added as e^(sink - max) to each row's final sum.
  */
 #include <float.h>
 #include <math.h>
@@ -187,7 +188,8 @@ static inline __attribute__((always_inline)) void prefill_item(
     const int32_t *restrict table, int64_t q_start, int64_t q_len, int64_t ctx,
     const kvr_pitem_t *w, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
     int64_t window, float *restrict out, float *restrict sbuf, float *restrict obuf,
-    float *restrict ms, int64_t rowsv, float *restrict qbuf, const int bf) {
+    float *restrict ms, int64_t rowsv, float *restrict qbuf, const float *restrict sinks,
+    const int bf) {
     const int64_t G = H / KVH, row = KVH * D, nq = w->nq;
     const int64_t rows = G * nq;              /* item rows: r = g * nq + i */
     const int64_t rowsp = ROWS_PADDED(rows); /* padded for the QK tile */
@@ -241,7 +243,8 @@ static inline __attribute__((always_inline)) void prefill_item(
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++) {
             const int64_t r = g * nq + i;
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            const float lr = sinks ? l[r] + expf(sinks[w->kvh * G + g] - m[r]) : l[r];
+            const float inv = lr > 0.f ? 1.f / lr : 0.f;
             float *dst = out + ((q_start + w->q0 + i) * H + w->kvh * G + g) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = obuf[r * D + d] * inv;
         }
@@ -252,13 +255,14 @@ static void prefill_any(const float *restrict q, const float *restrict kt_all,
                         int64_t q_len, int64_t ctx, const kvr_pitem_t *w, int64_t H, int64_t KVH,
                         int64_t D, int64_t bs, float scale, int64_t window, float *restrict out,
                         float *restrict sbuf, float *restrict obuf, float *restrict ms,
-                        int64_t rowsv, float *restrict qbuf, int kv_dtype) {
+                        int64_t rowsv, float *restrict qbuf, const float *restrict sinks,
+                        int kv_dtype) {
     if (kv_dtype == KVR_DTYPE_BF16)
         prefill_item(q, kt_all, v_cache, table, q_start, q_len, ctx, w, H, KVH, D, bs, scale,
-                     window, out, sbuf, obuf, ms, rowsv, qbuf, 1);
+                     window, out, sbuf, obuf, ms, rowsv, qbuf, sinks, 1);
     else
         prefill_item(q, kt_all, v_cache, table, q_start, q_len, ctx, w, H, KVH, D, bs, scale,
-                     window, out, sbuf, obuf, ms, rowsv, qbuf, 0);
+                     window, out, sbuf, obuf, ms, rowsv, qbuf, sinks, 0);
 }
 
 /* The work of one call: its items and where each (span, KV head)'s transposed keys go. */
@@ -305,7 +309,7 @@ void kvr__prefill_plan_free(kvr_prefill_plan_t *pl) {
 int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const void *k_cache,
                      const void *v_cache, const int32_t *tables, float *out, int64_t H,
                      int64_t KVH, int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
-                     int kv_dtype) {
+                     int kv_dtype, const float *sinks) {
     const int64_t G = H / KVH, row = KVH * D, S = pl->S;
     const int32_t *ctx_len = pl->ctx_len;
     /* Phase 1: every span's keys, per KV head, transposed into [D][KT] tiles. */
@@ -349,19 +353,19 @@ int kvr__prefill_run(const kvr_prefill_plan_t *pl, const float *q, const void *k
         const int64_t j = w->span;
         prefill_any(q, pl->kt + pl->kt_off[j * KVH + w->kvh], v_cache, tables + j * W,
                     pl->q_start[j], pl->q_len[j], ctx_len[j], w, H, KVH, D, bs, scale, window,
-                    out, sbuf, obuf, ml, rowsv, qbuf, kv_dtype);
+                    out, sbuf, obuf, ml, rowsv, qbuf, sinks, kv_dtype);
     }
     free(sbuf), free(obuf), free(qbuf), free(ml);
     return !ok;
 }
 
-/* The caches fp32 or bf16 (kv_dtype: KVR_DTYPE_F32 or KVR_DTYPE_BF16). Returns 0, or a negative
- * number on bad arguments / out of memory. */
+/* The caches fp32 or bf16 (kv_dtype: KVR_DTYPE_F32 or KVR_DTYPE_BF16); sinks [H] or NULL.
+ * Returns 0, or a negative number on bad arguments / out of memory. */
 int kvr_paged_prefill(const float *q, const void *k_cache, const void *v_cache,
                       const int32_t *tables, const int32_t *q_start, const int32_t *q_len,
                       const int32_t *ctx_len, float *out, int64_t S, int64_t H, int64_t KVH,
                       int64_t D, int64_t bs, int64_t W, float scale, int64_t window,
-                      int num_threads, int kv_dtype) {
+                      int num_threads, int kv_dtype, const float *sinks) {
     if (S <= 0) return 0;
     if (H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % VL || bs <= 0 || num_threads < 1 ||
         (kv_dtype != KVR_DTYPE_F32 && kv_dtype != KVR_DTYPE_BF16))
@@ -372,7 +376,7 @@ int kvr_paged_prefill(const float *q, const void *k_cache, const void *v_cache,
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     failed |= kvr__prefill_run(&pl, q, k_cache, v_cache, tables, out, H, KVH, D, bs, W, scale,
-                               window, kv_dtype);
+                               window, kv_dtype, sinks);
     kvr__prefill_plan_free(&pl);
     return failed ? -3 : 0;
 }
