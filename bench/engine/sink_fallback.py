@@ -1,15 +1,15 @@
-"""What gpt-oss's attention sinks cost on the CPU: the native paged kernels have no sinks, so a
-model with sinks runs its attention on the torch path (``sdpa.sink_attention``). Measured two
-ways, paired (variants interleaved step by step in one process: a shared host's bandwidth swings
-too much for runs one after the other):
+"""What gpt-oss's attention sinks cost on the CPU, paired (variants interleaved step by step in
+one process: a shared host's bandwidth swings too much for runs one after the other):
 
 - the attention op of one layer for a decode batch (gpt-oss's head shape: head_dim 64, 8 query
-  heads per KV head): the native paged decode kernel, torch SDPA (the fallback's path without
-  sinks) and the sink attention (the fallback as gpt-oss runs it);
-- whole decode steps of a dense model of that attention shape (no sinks: the same model on
-  either backend), native against SDPA: the step-level cost of the fallback.
+  heads per KV head): the native paged decode kernel without and with sinks, torch SDPA, and
+  the torch path's sink attention (``sdpa.sink_attention``: what a backend without sinks falls
+  back to);
+- with ``--steps``, whole decode steps of a dense model of that attention shape (no sinks: the
+  same model on either backend), native against SDPA: what a model loses in all when it is
+  routed off the native backend (the fused decode layers go with it).
 
-    .venv/bin/python -m bench.engine.sink_fallback --out .bench-out/sink_fallback
+    .venv/bin/python -m bench.engine.sink_fallback --out .bench-out/sink_fallback [--steps]
 """
 
 from __future__ import annotations
@@ -107,6 +107,8 @@ def attention_op(batch: int, ctx: int, rounds: int) -> list[str]:
     scale = HEAD_DIM ** -0.5
     variants = {
         "native": lambda: backends["native"](q, k, v, kc, vc, metas["native"], scale, None),
+        "native+sinks": lambda: backends["native"](q, k, v, kc, vc, metas["native"], scale,
+                                                   None, sinks=sinks),
         "sdpa": lambda: backends["sdpa"](q, k, v, kc, vc, metas["sdpa"], scale, None),
         "sdpa+sinks": lambda: backends["sdpa"](q, k, v, kc, vc, metas["sdpa"], scale, None,
                                                sinks=sinks),
@@ -142,6 +144,7 @@ def main() -> None:
     ap.add_argument("--out", default=".bench-out/sink_fallback")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", action="store_true", help="also whole decode steps (minutes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not native.available():
@@ -149,9 +152,10 @@ def main() -> None:
     lines = [f"threads {args.threads}, heads {HEADS}/{KV_HEADS} x {HEAD_DIM}, fp32, block {BLOCK}"]
     for batch, ctx in ((8, 1024), (32, 1024), (8, 4096)):
         lines += attention_op(batch, ctx, args.rounds)
-    model_dir = write_model(os.path.join(args.out, "model"))
-    for batch, ctx in ((8, 1024), (32, 1024)):
-        lines += decode_steps(model_dir, batch, ctx, args.rounds)
+    if args.steps:
+        model_dir = write_model(os.path.join(args.out, "model"))
+        for batch, ctx in ((8, 1024), (32, 1024)):
+            lines += decode_steps(model_dir, batch, ctx, args.rounds)
     print("\n".join(lines))
 
 
