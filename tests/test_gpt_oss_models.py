@@ -225,6 +225,17 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str,
     check_logits(core, model_dir, tol=FP32_TOL)
 
 
+def test_a_backend_without_sinks_is_replaced_by_sdpa(hf_model_dir, monkeypatch) -> None:
+    """What flash-attn (no sinks) gets on CUDA, shown with the native backend told it has none:
+    the runner serves the model on torch SDPA, tokens unchanged."""
+    monkeypatch.setattr(native.NativeBackend, "supports_sinks", False)
+    d = hf_model_dir("gpt_oss")
+    core = make_core(d, attention_backend="native")
+    assert core.runner.backend == "sdpa"
+    p = prompts(1, (16,))[0]
+    assert run(core, {"a": (p, GREEDY)})["a"] == hf_tokens(d, tuple(p), GEN)
+
+
 @pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_top1_mqa"])
 def test_chunked_prefill_with_a_prefix_cache_hit(hf_model_dir, name: str) -> None:
     model_dir = hf_model_dir(name)
