@@ -1,0 +1,91 @@
+"""Phi-3 served disaggregated: a tiny Phi-4-mini-like Phi-3 (``hf_models.PHI3_ARCHS``'
+``phi3_longrope``: LongRoPE switching factors at position 32, a partial rotary, tied
+embeddings) through one prefill and two decode workers (real router, worker processes, NIXL KV
+transfer), with the engine alone's greedy tokens (``kvrelay.engine.llm.LLM``, itself held to
+transformers in tests/test_phi3_models.py) for prompts within the short factors' range and past
+it; a decode worker killed mid-stream, the stream resumes on the other (its KV recomputed: the
+rope table is per position, so the same values) with the same tokens. One cluster for the
+module: the tests run in order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from cluster import Cluster
+
+from kvrelay.client import sampling
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = "phi3_longrope"
+LENGTHS = (5, 17, 40, 130)  # within L0 (32) with the output, across it, past it
+GEN = 12
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(7, 4000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_dir) -> str:
+    return hf_model_dir(MODEL)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    with Cluster(model_dir, tmp_path_factory.mktemp("phi3"), prefill=1, decode=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, num_blocks=256)
+
+
+def engine_alone(llm: LLM, ids: list[int], n: int) -> list[int]:
+    return llm.generate(ids, SamplingParams(max_tokens=n, temperature=0,
+                                            ignore_eos=True))[0].token_ids
+
+
+def test_phi3_greedy_through_one_prefill_and_one_decode_worker(cluster, llm) -> None:
+    """Every prompt length's greedy tokens through the cluster equal the engine alone's, its KV
+    prefilled by the prefill worker and received by the decode worker; every block comes
+    back."""
+    baseline = cluster.free_blocks()
+    with cluster.client() as c:
+        for i, n in enumerate(LENGTHS):
+            ids = prompt_ids(n, i)
+            got = c.generate(ids, sampling(GEN, 0.0, ignore_eos=True))
+            assert got.finish_reason == "length"
+            assert got.token_ids == engine_alone(llm, ids, GEN), f"prompt of {n}"
+            names = [e.name for e in got.trace]
+            assert "received" in names and "prefill_end" in names, names
+    assert cluster.wait_free_blocks(baseline) == baseline
+
+
+def test_phi3_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
+    """The other decode worker recomputes the prompt's and the tokens' KV (fp32: the same
+    values) and goes on with the engine alone's tokens."""
+    n = 80
+    ids = prompt_ids(60, 7)
+    ref = engine_alone(llm, ids, n)
+    decodes = cluster.live("decode")
+    got: list[int] = []
+    trace: list[str] = []
+    killed_at = None
+    with cluster.client() as c:
+        for msg in c.stream(ids, sampling(n, 0.0, ignore_eos=True), timeout=180):
+            got.extend(msg.token_ids)
+            if killed_at is None and len(got) >= 10:
+                victim = next((p for p in decodes if cluster.status(p).load.running >= 1), None)
+                assert victim is not None, "no decode worker holds the stream"
+                cluster.kill(victim)
+                killed_at = len(got)
+            if msg.finish_reason:
+                trace = [e.name for e in msg.trace]
+    assert killed_at is not None and "migrate" in trace, trace
+    assert got == ref
