@@ -525,12 +525,18 @@ class EngineCore:
             if child is not None and child.status == SequenceStatus.WAITING_FOR_KV:
                 child.kv_ready = True
                 child.num_computed_tokens = child.num_prompt_tokens
+                self._withhold_if_holed(child)  # it shares the parent's blocks
+
+    def _withhold_if_holed(self, seq: Sequence) -> None:
+        """Arrived KV of a windowed model lacks its windowed layers' blocks out of the window
+        (``kv_window.py``): never publish them as a cached prefix."""
+        if self._windows.has_holes(seq.num_prompt_tokens, self.block_manager.block_size):
+            self.block_manager.withhold(seq)
 
     def _kv_arrived(self, seq: Sequence) -> None:
         seq.kv_ready = True
         seq.num_computed_tokens = seq.num_prompt_tokens
-        if self._windows.has_holes(seq.num_prompt_tokens, self.block_manager.block_size):
-            self.block_manager.withhold(seq)  # its sender skipped blocks out of a window
+        self._withhold_if_holed(seq)
         self._forks_ready(seq.request_id)
         self.block_manager.publish(seq)
         self._pending.append(RequestOutput(seq.request_id, [], kv_arrived=True,

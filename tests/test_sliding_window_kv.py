@@ -301,3 +301,21 @@ def test_a_windowed_mistral_decodes_long_in_a_pool_it_would_overflow(hf_model_di
     assert bm.num_released_blocks >= 2 * 9
     assert core.stats().num_preemptions == 0
     assert bm.num_free_blocks == 28
+
+
+@pytest.mark.parametrize(("prompt", "withheld"), [(70, True), (20, False)])
+def test_a_windowed_arrival_withholds_the_request_and_its_forks(hf_model_dir, prompt: int,
+                                                                 withheld: bool):
+    """A reservation's KV arriving for a prompt past the window (the sender skipped blocks)
+    is never published, nor are the blocks its fork (n = 2, forked before the arrival)
+    shares; within the window nothing was skipped and the prompt's blocks are published."""
+    core = make_core(hf_model_dir("gemma3"))  # windows (24, 24, None), blocks of 8
+    ids = prompts(6, (prompt,))[0]
+    core.reserve("a", ids)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2)
+    core.start_decode("a", 5, sp, forks=[("a.1", 6)])
+    core._kv_arrived(core.seqs["a"])  # what the connector's "received" event does
+    while core.has_unfinished():
+        core.step()
+    cached = core.block_manager.match_prefix(ids, prompt).num_blocks
+    assert cached == (0 if withheld else prompt // 8)
