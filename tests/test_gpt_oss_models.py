@@ -35,6 +35,7 @@ from kvrelay.engine.models.arch import (
     plain_config,
 )
 from kvrelay.engine.models.gpt_oss import GptOssForCausalLM, GptOssMoE
+from kvrelay.engine.models.moe import enable_grouped_mm, grouped_mm_available
 
 OSS = sorted(GPT_OSS_ARCHS)
 # (experts, top-k, KV heads, windows per layer) of each test checkpoint.
@@ -112,17 +113,27 @@ def test_stacked_experts_load_into_each_expert_deinterleaved(hf_model_dir) -> No
 def test_grouped_experts_equal_transformers_block(hf_model_dir, name: str) -> None:
     """The MoE block (router with bias, softmax over the top-k logits, clamped SwiGLU experts run
     grouped by expert) equals transformers' ``GptOssMLP`` on rows whose activations reach the
-    clamp, for 1, 3 and 40 rows."""
+    clamp, for 1, 3 and 40 rows; and so does its grouped-GEMM path (CUDA's), where this torch
+    has it on the CPU."""
     d = hf_model_dir(name)
-    ours, theirs = _loaded(d).layers[0].mlp, load_hf_model(d).model.layers[0].mlp
+    model = _loaded(d)
+    ours, theirs = model.layers[0].mlp, load_hf_model(d).model.layers[0].mlp
     gen = torch.Generator().manual_seed(0)
-    for rows in (1, 3, 40):
-        x = torch.randn(rows, 64, generator=gen) * 4.0
+    xs = [torch.randn(rows, 64, generator=gen) * 4.0 for rows in (1, 3, 40)]
+    for x in xs:
         with torch.no_grad():
             ref = theirs(x[None])[0][0]
             gate_up = x @ theirs.experts.gate_up_proj[0] + theirs.experts.gate_up_proj_bias[0]
         assert gate_up.abs().max() > 7.0  # the clamp is exercised
         torch.testing.assert_close(ours(x), ref, rtol=1e-4, atol=1e-4)
+    # CUDA's path, where torch has the grouped GEMM on this CPU too: the same outputs.
+    if not grouped_mm_available(torch.device("cpu"), torch.float32):
+        return
+    loop = [ours(x) for x in xs]
+    assert enable_grouped_mm(model, torch.device("cpu"), torch.float32) == len(model.layers)
+    assert ours.stacked is not None and ours.stacked_bias is not None
+    for x, want in zip(xs, loop, strict=True):
+        torch.testing.assert_close(ours(x), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (4, 4)])

@@ -66,22 +66,71 @@ class GptOssExpert(MLP):
         super().__init__(arch, arch.moe_intermediate_size, bias=True)
         self.alpha, self.limit = SWIGLU_ALPHA, SWIGLU_LIMIT
 
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[n, 2 * inter]`` (gate; up, biases added) -> ``[n, inter]``: the clamped SwiGLU."""
+        gate, up = gate_up.split(self.inter, dim=-1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return self.down((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.activate(self.gate_up(x)))
 
 
 class GptOssMoE(SparseMoE):
     """``SparseMoE`` with gpt-oss's router (a bias; softmax over the top-k logits) and experts
-    (:class:`GptOssExpert`); the grouped dispatch, TP's cut and the reduce are the base's."""
+    (:class:`GptOssExpert`); the grouped dispatch, TP's cut and the reduce are the base's. Its
+    grouped-GEMM path (:meth:`use_grouped_mm`, CUDA's) adds the experts' biases, gathered per
+    row, and runs gpt-oss's activation between the two GEMMs."""
 
     def __init__(self, arch: ModelArch):
         with torch.device("meta"):  # the base's own router and experts, replaced just below
             super().__init__(arch)
         self.router = Linear(arch.hidden_size, arch.num_experts, bias=True)
         self.experts = nn.ModuleList(GptOssExpert(arch) for _ in range(arch.num_experts))
+        # use_grouped_mm: the experts' biases stacked [E, 2 * inter] and [E, hidden] (the down
+        # biases None on a tensor-parallel rank other than 0, which adds none).
+        self.stacked_bias: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def use_grouped_mm(self) -> None:
+        """The base's stacked weights (each expert's linears become views of the stacks), and
+        the biases stacked beside them."""
+        stacks = []
+        for name in ("gate_up", "down"):
+            lins = [getattr(e, name) for e in self.experts]
+            stack = torch.stack([lin.weight for lin in lins])
+            for i, lin in enumerate(lins):
+                lin.weight = nn.Parameter(stack[i], requires_grad=False)
+            stacks.append(stack)
+        self.stacked = (stacks[0], stacks[1])
+        down_b = [e.down.bias for e in self.experts]
+        self.stacked_bias = (torch.stack([e.gate_up.bias for e in self.experts]),
+                             None if down_b[0] is None else torch.stack(down_b))
+
+    def run_experts(self, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """The base's, but on the grouped-GEMM path: its dispatch and combine (rows sorted by
+        expert, gathered back, weighted, each token's ``k`` summed in ascending expert order)
+        around the two GEMMs with the biases and gpt-oss's activation."""
+        if self.stacked is None or self.stacked_bias is None:
+            return super().run_experts(x, ids, weights)
+        t, k = ids.shape
+        ids, perm = torch.sort(ids, dim=1)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        xs = x.index_select(0, order // k)
+        expert = flat.index_select(0, order)  # each sorted pair's expert
+        offs = torch.searchsorted(expert, torch.arange(self.num_experts, device=x.device),
+                                  right=True).to(torch.int32)
+        (gate_up, down), (gate_up_b, down_b) = self.stacked, self.stacked_bias
+        h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+        h = self.experts[0].activate(h.add_(gate_up_b.index_select(0, expert)))
+        ys = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+        if down_b is not None:
+            ys.add_(down_b.index_select(0, expert))
+        pairs = ys.index_select(0, torch.argsort(order)).view(t, k, ys.shape[1])
+        pairs.mul_(weights.gather(1, perm).unsqueeze(2))
+        return pairs.sum(dim=1)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts by router logit and the softmax (fp32) of those k logits
