@@ -41,13 +41,15 @@ from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.models.llama import Attention, FusedPath, Rotary
 from kvrelay.engine.models.mlp import MLP
 from kvrelay.engine.models.weights import WeightTarget, mlp_targets
+from kvrelay.engine.pointwise import add_rms_norm
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
 
 class GemmaRMSNorm(nn.Module):
     """``rms_norm(x) * (1 + w)``, computed in fp32 and returned in ``x``'s dtype (as Gemma's
-    reference does: in a bf16 model the norm itself is still fp32)."""
+    reference does: in a bf16 model the norm itself is still fp32). Rows of fp32 activations
+    take the native pass (:func:`add_rms_norm`, with a residual add fused where there is one)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -55,6 +57,18 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            return add_rms_norm(x, None, 1.0 + self.weight.float(), self.eps)
+        return self._fp32(x)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``h += delta`` in place, then this norm of ``h``."""
+        if h.dtype == torch.float32 and h.is_contiguous():
+            return add_rms_norm(h, delta, 1.0 + self.weight.float(), self.eps)
+        h.add_(delta)
+        return self._fp32(h)
+
+    def _fp32(self, x: torch.Tensor) -> torch.Tensor:
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())
         return y.to(x.dtype)
 
@@ -80,7 +94,8 @@ class Gemma3Attention(Attention):
 
 class Gemma3DecoderLayer(nn.Module):
     """One layer over the residual stream ``h`` (updated in place): attention and MLP each
-    between an input norm and an output norm."""
+    between an input norm and an output norm. Each residual add is fused with the norm that
+    reads ``h`` next: this layer's ``pre_ff_norm``, then the next layer's ``input_norm``."""
 
     def __init__(self, arch: ModelArch, layer: int, attn_fn: AttentionFn):
         super().__init__()
@@ -93,22 +108,24 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_ff_norm = GemmaRMSNorm(arch.hidden_size, eps)
         self.is_local = arch.layer_windows[layer] is not None
 
-    def _mlp_into(self, h: torch.Tensor) -> None:
-        h.add_(self.post_ff_norm(self.mlp(self.pre_ff_norm(h))))
+    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotary: Rotary, next_norm: GemmaRMSNorm | None) -> torch.Tensor | None:
+        """``x`` is ``input_norm(h)``; returns ``next_norm(h)`` after this layer's two residual
+        adds into ``h`` (None without a next norm)."""
+        x = self.pre_ff_norm.add_and_norm(h, self.post_attn_norm(self.attn(x, cos, sin, rotary)))
+        m = self.post_ff_norm(self.mlp(x))
+        if next_norm is None:
+            h.add_(m)
+            return None
+        return next_norm.add_and_norm(h, m)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rotary: Rotary) -> None:
-        h.add_(self.post_attn_norm(self.attn(self.input_norm(h), cos, sin, rotary)))
-        self._mlp_into(h)
-
-    def forward_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     rotary: Rotary, last: LastLayerRows) -> torch.Tensor:
+    def forward_rows(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, rotary: Rotary, last: LastLayerRows) -> torch.Tensor:
         """This layer for the rows ``last.rows`` alone (every row's K/V still written):
-        their residual stream after it, ``[R, hidden]``."""
-        x = self.input_norm(h)
+        their residual stream after it, ``[R, hidden]`` (a new tensor)."""
         hr = h.index_select(0, last.rows)
-        hr.add_(self.post_attn_norm(self.attn.forward_rows(x, cos, sin, rotary, last)))
-        self._mlp_into(hr)
+        a = self.post_attn_norm(self.attn.forward_rows(x, cos, sin, rotary, last))
+        hr.add_(self.post_ff_norm(self.mlp(self.pre_ff_norm.add_and_norm(hr, a))))
         return hr
 
 
@@ -196,12 +213,14 @@ class Gemma3ForCausalLM(nn.Module):
         tables = {True: (self.rotary_local, self.rotary_local.cos[positions],
                          self.rotary_local.sin[positions]),
                   False: (self.rotary, self.rotary.cos[positions], self.rotary.sin[positions])}
-        n = len(self.layers)
-        for i, layer in enumerate(self.layers):
+        layers = self.layers
+        x = layers[0].input_norm(h)
+        for i, layer in enumerate(layers):
             rotary, cos, sin = tables[layer.is_local]
-            if i == n - 1 and last is not None:
-                return layer.forward_rows(h, cos, sin, rotary, last)
-            layer(h, cos, sin, rotary)
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
+            if nxt is None and last is not None:
+                return layer.forward_rows(h, x, cos, sin, rotary, last)
+            x = layer(h, x, cos, sin, rotary, nxt)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
