@@ -7,16 +7,21 @@ the bytes the router counts are exactly the blocks each layer reads from the han
 under a dense handoff's; the decode worker never serves a windowed handoff's blocks as a cached
 prefix (a prompt sharing the first prompt's head, whose window reaches into the skipped blocks,
 still gets the engine alone's tokens); a decode worker killed mid-stream, the stream resumes on
-the other with the same tokens. One cluster for the module: the tests run in order."""
+the other with the same tokens; and a TP=2 decode worker (one KV head per rank) receives the
+TP=1 prefill worker's windowed KV. One cluster for the module: the tests run in order, each
+leaving it as the next one needs."""
 
 from __future__ import annotations
 
 import random
 import re
+import signal
+import time
 import urllib.request
 
 import pytest
 from cluster import Cluster
+from test_disaggregated_tp import _rank_pids
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
@@ -131,3 +136,21 @@ def test_gemma3_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
                 trace = [e.name for e in msg.trace]
     assert killed_at is not None and "migrate" in trace, trace
     assert got == ref
+
+
+def test_gemma3_windowed_kv_from_a_tp1_prefill_worker_to_a_tp2_decode_worker(cluster,
+                                                                            llm) -> None:
+    """The surviving decode worker stopped and a TP=2 one started: each rank receives its KV
+    head's blocks, each layer only those it reads."""
+    for p in cluster.live("decode"):
+        cluster.kill(p, signal.SIGTERM)
+        assert cluster.wait_exit(p, 60) is not None
+    tp = cluster.add_worker("decode", extra=("--tensor-parallel-size", "2"))
+    assert len(_rank_pids(tp.popen.pid)) == 1  # rank 1 (rank 0 is the worker itself)
+    deadline = time.monotonic() + 30
+    while {w.info.worker_id for w in cluster.registered()
+           if w.info.worker_id.startswith("decode")} != {tp.name}:
+        assert time.monotonic() < deadline, "the stopped decode workers stay registered"
+        time.sleep(0.1)
+    prompts = [prompt_ids(n, 20 + i) for i, n in enumerate((23, 130))]
+    check_greedy(cluster, llm, prompts, "TP=1 prefill -> TP=2 decode")
