@@ -5,7 +5,10 @@ prefix (its hash stays in the index) until it is handed out again: free blocks a
 least-recently-freed first, so hot prefixes survive longest. A block's hash is published only
 after its KV has been written (``publish``), and reuse compares the block's stored token ids and
 the hash of the prefix before it (its parent), so a hash collision can never serve wrong KV: not
-another prefix's block with the same tokens, nor another cache salt's.
+another prefix's block with the same tokens, nor another cache salt's. A block may be
+*partial*: a windowed handoff skipped some sliding-window layers' KV in it (``mark_holes``); it
+ends a matched prefix only where no windowed layer reads it, and is never copied to a tier or
+read out to a peer.
 
 Sequences may share blocks beyond the prefix cache: ``fork`` gives a child sequence (one more
 choice of an ``n > 1`` request) its parent's blocks, one more reference each. Before a sequence
@@ -34,7 +37,7 @@ from kvrelay.engine.tiers.media import DEVICE
 
 
 class Block:
-    __slots__ = ("block_id", "hash", "parent_hash", "ref_count", "token_ids")
+    __slots__ = ("block_id", "hash", "parent_hash", "partial", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -42,6 +45,8 @@ class Block:
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
         self.parent_hash: int | None = None  # the chain's hash before this block (when published)
+        # Some sliding-window layer's KV never arrived (a windowed handoff: ``mark_holes``).
+        self.partial = False
 
 
 class PrefixMatch(NamedTuple):
@@ -64,9 +69,10 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id
         # Per-sequence chained hashes of its full blocks, kept across preemption.
         self._seq_hashes: dict[str, list[int]] = {}
-        # Sequences whose KV has holes (a sliding-window layer's blocks out of its window never
-        # arrived): none of their blocks is ever published as a cached prefix (``withhold``).
-        self._withheld: set[str] = set()
+        # The widest sliding window (None: no layer windowed). A prefix may end only where every
+        # block a windowed layer reads from there on is whole (``match_prefix``): blocks of a
+        # windowed handoff lack some layers' KV before the window (``mark_holes``).
+        self.hole_window: int | None = None
         # Every layer windowed (Mistral's sliding_window): a decoding sequence's blocks wholly
         # before the widest window are returned to the pool as it goes
         # (``release_out_of_window``); per sequence, how many leading blocks it gave back.
@@ -137,10 +143,15 @@ class BlockManager:
         self._hash_snapshot = (version, snap)
         return snap
 
-    def match_prefix(self, token_ids: Seq[int], max_tokens: int,
-                     root: int = ROOT_HASH) -> PrefixMatch:
+    def match_prefix(self, token_ids: Seq[int], max_tokens: int, root: int = ROOT_HASH,
+                     complete: bool = False) -> PrefixMatch:
         """Longest run of cached full blocks at the start of ``token_ids[:max_tokens]``, in the
-        namespace ``root`` (``Sequence.hash_root``: the request's cache salt)."""
+        namespace ``root`` (``Sequence.hash_root``: the request's cache salt), that a prompt may
+        continue from: where the run holds partial blocks (``mark_holes``), it ends before one
+        that a windowed layer would read past its end (every layer read by the continuation
+        is then whole: the full-attention layers' KV is in every block). With ``complete``,
+        the run stops at the first partial block (a copy read out to a peer, which will take
+        every block as whole)."""
         ids: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
@@ -154,9 +165,32 @@ class BlockManager:
             if bid is None or self.blocks[bid].token_ids != chunk \
                     or self.blocks[bid].parent_hash != before:
                 break
+            if complete and self.blocks[bid].partial:
+                break
             ids.append(bid)
             hashes.append(parent)
+        if not complete:
+            n = self._continuable(ids)
+            ids, hashes = ids[:n], hashes[:n]
         return PrefixMatch(ids, hashes)
+
+    def _continuable(self, ids: list[int]) -> int:
+        """The longest leading run of ``ids`` whose last ``hole_window`` tokens' blocks are whole
+        (a continuation's windowed layers read back that far)."""
+        last, latest = [], -1  # last[i]: the last partial block at or before i (-1: none)
+        for i, bid in enumerate(ids):
+            if self.blocks[bid].partial:
+                latest = i
+            last.append(latest)
+        if latest < 0:
+            return len(ids)
+        if self.hole_window is None:  # no window known: stop before the first partial block
+            return next(i for i, p in enumerate(last) if p >= 0)
+        bs, w = self.block_size, self.hole_window
+        for m in range(len(ids), 0, -1):
+            if last[m - 1] < max(0, m * bs - w + 1) // bs:
+                return m
+        return 0
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate_prefix(self, seq: Sequence, match: PrefixMatch) -> None:
@@ -215,8 +249,6 @@ class BlockManager:
         hashes = self._seq_hashes.get(parent.request_id)
         if hashes is not None:
             self._seq_hashes[child.request_id] = list(hashes)
-        if parent.request_id in self._withheld:
-            self._withheld.add(child.request_id)
 
     def _take_free(self) -> int:
         bid, _ = self._free.popitem(last=False)
@@ -227,11 +259,12 @@ class BlockManager:
             if self._cached.get(block.hash) == bid:
                 del self._cached[block.hash]
                 self.cache_version += 1
-                if self.events is not None:
+                if self.events is not None and not block.partial:
                     self.events.removed(DEVICE, [block.hash])
             block.hash = None
             block.token_ids = ()
             block.parent_hash = None
+        block.partial = False
         block.ref_count = 1
         return bid
 
@@ -242,11 +275,10 @@ class BlockManager:
             self._unref(bid)
         seq.block_table = []
         self._seq_hashes.pop(seq.request_id, None)
-        self._withheld.discard(seq.request_id)
 
     def publish(self, seq: Sequence) -> None:
         """Publish the hashes of ``seq``'s full blocks whose KV is now in the cache."""
-        if not self.enable_prefix_caching or seq.request_id in self._withheld:
+        if not self.enable_prefix_caching:
             return
         bs = self.block_size
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
@@ -257,9 +289,12 @@ class BlockManager:
             before, parent = parent, hash_block(parent, chunk)
             hashes.append(parent)
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None and parent not in self._cached:
+            held = self._cached.get(parent)
+            # a whole copy takes the index from a partial one (which keeps its KV, unindexed)
+            if block.hash is None and (held is None or (self.blocks[held].partial
+                                                        and not block.partial)):
                 self._adopt(block, BlockRef(parent, before, chunk))
-                if self.tiers is not None:
+                if self.tiers is not None and not block.partial:  # a tier copy is taken whole
                     self._to_store[block.block_id] = BlockRef(parent, before, chunk)
 
     def release_out_of_window(self, seq: Sequence) -> int:
@@ -270,8 +305,8 @@ class BlockManager:
         The block table keeps their ids (the pool may hand them to others): they lie outside
         every window, which each attention backend masks (the native decode kernel does not
         load them), and ``free`` skips them. A released block keeps its published prefix, as
-        any freed block does, until the pool reuses it: its KV is whole and still matches
-        (a prefix held only in part, a windowed handoff's, is never published: ``withhold``).
+        any freed block does, until the pool reuses it: its KV still matches (whole, or partial
+        as it was: ``mark_holes``).
         Only a sequence past its prompt gives blocks back: a prefill's blocks are still read by
         its KV transfer when it finishes."""
         w = self.release_window
@@ -299,19 +334,21 @@ class BlockManager:
         if block.ref_count == 0:
             self._free[bid] = None
 
-    def withhold(self, seq: Sequence) -> None:
-        """Never publish ``seq``'s blocks (until it is freed): some layer's KV is missing from
-        some of them (``engine/kv_window.py``). Attention over ``seq`` itself never reads the
-        missing part (it lies outside that layer's window), but a prompt that matched them as its
-        cached prefix would run its prefill over it."""
-        self._withheld.add(seq.request_id)
+    def mark_holes(self, seq: Sequence, first: int, end: int) -> None:
+        """``seq``'s blocks ``first .. end - 1`` lack some sliding-window layer's KV (a windowed
+        handoff skipped them: ``engine/kv_window.py``). Attention over ``seq`` never reads the
+        missing part; published, they serve only prefixes that end where no windowed layer
+        reads them (``match_prefix``), never a copy to a peer or a tier, and no KV event names
+        them."""
+        for bid in seq.block_table[first:end]:
+            self.blocks[bid].partial = True
 
     def _adopt(self, block: Block, ref: BlockRef) -> None:
         """Index ``block`` as holding ``ref``'s KV."""
         block.hash, block.parent_hash, block.token_ids = ref
         self._cached[ref.hash] = block.block_id
         self.cache_version += 1
-        if self.events is not None:
+        if self.events is not None and not block.partial:
             self.events.stored(DEVICE, [ref.hash], ref.parent_hash, ref.token_ids,
                                self.block_size)
 

@@ -98,6 +98,7 @@ class EngineCore:
         # Each layer's window: arriving KV may lack a windowed layer's blocks out of its window.
         self._windows = LayerWindows(self.runner.kv_spec.layer_windows)
         self.block_manager.release_window = self._windows.common_window
+        self.block_manager.hole_window = self._windows.widest
         # Finished requests whose blocks the connector still reads, with the output to report
         # once they are delivered (None when nobody waits for one).
         self._sending: dict[str, tuple[Sequence, RequestOutput | None]] = {}
@@ -525,18 +526,22 @@ class EngineCore:
             if child is not None and child.status == SequenceStatus.WAITING_FOR_KV:
                 child.kv_ready = True
                 child.num_computed_tokens = child.num_prompt_tokens
-                self._withhold_if_holed(child)  # it shares the parent's blocks
+                self._mark_holes(child)  # it shares the parent's blocks
 
-    def _withhold_if_holed(self, seq: Sequence) -> None:
-        """Arrived KV of a windowed model lacks its windowed layers' blocks out of the window
-        (``kv_window.py``): never publish them as a cached prefix."""
-        if self._windows.has_holes(seq.num_prompt_tokens, self.block_manager.block_size):
-            self.block_manager.withhold(seq)
+    def _mark_holes(self, seq: Sequence) -> None:
+        """Arrived KV of a windowed model lacks its windowed layers' blocks before their window
+        (``kv_window.py``): those blocks are partial (``BlockManager.mark_holes``). The blocks
+        the reservation matched in this engine's own cache were not written."""
+        bs = self.block_manager.block_size
+        end = self._windows.holes_end(seq.num_prompt_tokens, bs)
+        first = seq.num_cached_tokens // bs
+        if end > first:
+            self.block_manager.mark_holes(seq, first, end)
 
     def _kv_arrived(self, seq: Sequence) -> None:
         seq.kv_ready = True
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self._withhold_if_holed(seq)
+        self._mark_holes(seq)
         self._forks_ready(seq.request_id)
         self.block_manager.publish(seq)
         self._pending.append(RequestOutput(seq.request_id, [], kv_arrived=True,

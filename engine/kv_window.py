@@ -14,9 +14,11 @@ a prompt much longer than the window.
 The blocks not written hold whatever the receiver's pool left there (zeros, or an earlier
 request's finite KV). The receiver never attends to them: the native paged decode kernel does
 not even load keys before ``p - w + 1``, torch SDPA gathers whole block tables and masks them
-(flash-attn's paged kernel skips blocks wholly left of the window). And the receiver never
-publishes such a sequence's blocks as a cached prefix (``BlockManager.withhold``): a later
-prompt sharing the prefix would run its prefill over them.
+(flash-attn's paged kernel skips blocks wholly left of the window). The receiver publishes
+them as *partial* (``BlockManager.mark_holes``): a later prompt may take a cached prefix that
+holds them only if it ends where its windowed layers read none of them (the full-attention
+layers' KV is in every block), so a follow-up turn still finds the conversation's head at the
+decode worker; a partial block is never copied to a peer or a tier.
 
 Blocks held: one block table serves every layer (a block id is the same slot of every layer's
 K and V planes), so a block can go back to the pool only when no layer reads it any more. A
@@ -91,6 +93,20 @@ class LayerWindows:
             return None
         return max(w for w in self.windows if w is not None)
 
+    @property
+    def widest(self) -> int | None:
+        """The widest window of any layer (None: no layer windowed)."""
+        return max((w for w in self.windows if w is not None), default=None)
+
+    def holes_end(self, num_prompt_tokens: int, block_size: int) -> int:
+        """How many leading blocks of a windowed handoff of a prompt this long some layer
+        skips (0: none; ``BlockManager.mark_holes``)."""
+        if not self.windowed or num_prompt_tokens <= 0:
+            return 0
+        narrowest = min(w for w in self.windows if w is not None)
+        n = -(-num_prompt_tokens // block_size)
+        return sum(need > narrowest for need in block_needs(0, n, num_prompt_tokens, block_size))
+
     def pairs_written(self, first: int, count: int, num_prompt_tokens: int,
                       block_size: int) -> int:
         """(layer, block) pairs a handoff of blocks ``first .. first + count - 1`` writes (a
@@ -101,7 +117,4 @@ class LayerWindows:
     def has_holes(self, num_prompt_tokens: int, block_size: int) -> bool:
         """Whether a windowed handoff of a prompt this long leaves some layer's block unwritten
         (then the receiver must never serve the blocks as a cached prefix)."""
-        if not self.windowed or num_prompt_tokens <= 0:
-            return False
-        first = min(w for w in self.windows if w is not None)
-        return block_needs(0, 1, num_prompt_tokens, block_size)[0] > first
+        return self.holes_end(num_prompt_tokens, block_size) > 0

@@ -51,7 +51,9 @@ class PrefixShares:
         export is opened."""
         seq = self._holder(share_id, token_ids, cache_salt)
         n = len(token_ids) // self.bm.block_size * self.bm.block_size
-        self.bm.allocate_prefix(seq, self.bm.match_prefix(seq.token_ids, n, seq.hash_root))
+        # whole blocks only: the reader takes every block it reads as whole
+        self.bm.allocate_prefix(seq, self.bm.match_prefix(seq.token_ids, n, seq.hash_root,
+                                                          complete=True))
         self.bm.promote(seq, n)
         if not seq.block_table:
             return [], 0

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # Bump whenever the tensor layout ([layers, 2, blocks, block_size, kv_heads, head_dim]) or the
 # meaning of any field below changes.
 # 2: tp_size, head_ranges, model_kv_heads. 3: a sliding-window layer is written only the blocks
-# its receiver still reads, which the receiver must never publish as a cached prefix
+# its receiver still reads, whose others the receiver must never serve as whole blocks
 # (``engine/kv_window.py``): a v2 receiver would.
 PROTOCOL_VERSION = 3
 DEVICE_KINDS = ("cpu", "cuda")

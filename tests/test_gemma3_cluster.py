@@ -4,12 +4,12 @@ router, worker processes, NIXL KV transfer), with the engine alone's greedy toke
 (``kvrelay.engine.llm.LLM``, itself held to transformers in tests/test_gemma3_models.py) for
 prompts within the window and well past it. The handoff is windowed (``engine/kv_window.py``):
 the bytes the router counts are exactly the blocks each layer reads from the handoff on, well
-under a dense handoff's; the decode worker never serves a windowed handoff's blocks as a cached
-prefix (a prompt sharing the first prompt's head, whose window reaches into the skipped blocks,
-still gets the engine alone's tokens); a decode worker killed mid-stream, the stream resumes on
-the other with the same tokens; and a TP=2 decode worker (one KV head per rank) receives the
-TP=1 prefill worker's windowed KV. One cluster for the module: the tests run in order, each
-leaving it as the next one needs."""
+under a dense handoff's; the decode worker serves a windowed handoff's blocks as a cached prefix
+only where no window reaches into the skipped ones (a prompt sharing the first prompt's head
+and ending inside it, and one extending the whole of it, both get the engine alone's tokens);
+a decode worker killed mid-stream, the stream resumes on the other with the same tokens; and a
+TP=2 decode worker (one KV head per rank) receives the TP=1 prefill worker's windowed KV. One
+cluster for the module: the tests run in order, each leaving it as the next one needs."""
 
 from __future__ import annotations
 
@@ -104,14 +104,18 @@ def test_gemma3_greedy_through_1p1d_moving_only_the_windows(cluster, llm, model_
     assert moved == want < dense, (moved, want, dense)
 
 
-def test_a_windowed_handoff_is_never_a_cached_prefix_at_the_decode_worker(cluster, llm) -> None:
+def test_a_windowed_handoff_is_a_cached_prefix_only_where_no_window_reads_its_holes(
+        cluster, llm) -> None:
     """The second prompt shares the first's 96 tokens (6 blocks) and ends 5 tokens later, so its
     local layers read from position 78 on: blocks 4 and 5, which the first handoff skipped for
     them. Were the decode worker to match them as its cached prefix, the prefill worker would
-    not send them and the decode would attend to holes."""
+    not send them and the decode would attend to holes (this fails without
+    ``BlockManager.mark_holes``). The third extends the whole first prompt: its local layers
+    read from position 137 on, which the first handoff sent, so its 8 full blocks may serve."""
     first = prompt_ids(130, 11)
     second = first[:96] + prompt_ids(5, 12)
-    check_greedy(cluster, llm, [first, second], "a prefix of a windowed handoff")
+    third = first + prompt_ids(30, 13)
+    check_greedy(cluster, llm, [first, second, third], "a prefix of a windowed handoff")
 
 
 def test_gemma3_stream_survives_a_decode_worker_kill(cluster, llm) -> None:

@@ -156,24 +156,33 @@ def test_a_destination_named_late_sends_the_same_blocks():
 
 
 # -- the receiver -----------------------------------------------------------------------------
-def test_a_withheld_sequence_is_never_a_cached_prefix():
+def test_partial_blocks_end_a_prefix_only_where_no_window_reads_them():
+    """Blocks 0-2 of five lack the windowed layers' KV (window 16, blocks of 8): a prefix of all
+    five may be continued (its windowed layers read from position 25 on: blocks 3 and 4), a
+    prefix of four may not (from 17 on: block 2), nor any shorter; a copy for a peer takes none;
+    a whole copy computed later takes the index back."""
     bm = BlockManager(16, BS)
+    bm.hole_window = 16
     a = Sequence("a", list(range(40)), SamplingParams())
     assert bm.allocate(a, 40)
     a.num_computed_tokens = 40
-    bm.withhold(a)
+    bm.mark_holes(a, 0, 3)
     bm.publish(a)
     child = Sequence("c", list(range(40)), SamplingParams())
-    bm.fork(a, child)
-    bm.publish(child)
-    assert bm.match_prefix(list(range(40)), 40).num_blocks == 0
+    bm.fork(a, child)  # shares the partial blocks
+    assert bm.match_prefix(list(range(40)), 40).num_blocks == 5
+    for n in (8, 16, 24, 32):
+        assert bm.match_prefix(list(range(40)), n).num_blocks == 0, n
+    assert bm.match_prefix(list(range(40)), 40, complete=True).num_blocks == 0
     bm.free(a)
     bm.free(child)
-    b = Sequence("b", list(range(40)), SamplingParams())  # computed in full here: published
-    assert bm.allocate(b, 40)
+    b = Sequence("b", list(range(40)), SamplingParams())  # computed whole here
+    b.block_table = [bm._take_free() for _ in range(5)]  # fresh blocks, not the cached ones
     b.num_computed_tokens = 40
     bm.publish(b)
-    assert bm.match_prefix(list(range(40)), 40).num_blocks == 5
+    assert bm.match_prefix(list(range(40)), 32, complete=True).num_blocks == 4
+    bm.free(b)
+    assert bm.num_free_blocks == 16
 
 
 @functools.cache
@@ -303,13 +312,18 @@ def test_a_windowed_mistral_decodes_long_in_a_pool_it_would_overflow(hf_model_di
     assert bm.num_free_blocks == 28
 
 
-@pytest.mark.parametrize(("prompt", "withheld"), [(70, True), (20, False)])
-def test_a_windowed_arrival_withholds_the_request_and_its_forks(hf_model_dir, prompt: int,
-                                                                 withheld: bool):
-    """A reservation's KV arriving for a prompt past the window (the sender skipped blocks)
-    is never published, nor are the blocks its fork (n = 2, forked before the arrival)
-    shares; within the window nothing was skipped and the prompt's blocks are published."""
+@pytest.mark.parametrize("prompt", [70, 20])
+def test_a_windowed_arrival_marks_its_holes_and_its_head_is_found_again(hf_model_dir,
+                                                                      prompt: int):
+    """A reservation's KV arriving for a prompt past the window (70 tokens, window 24, blocks
+    of 8: the sender skipped blocks 0-4 for the local layers) is cached as partial, its fork's
+    too (n = 2, forked before the arrival: the same blocks). A follow-up turn that extends the
+    whole prompt finds its 8 full blocks at its reservation (its local layers read from
+    position 41 on); a prompt that diverges at 48 finds none (its local layers would read
+    blocks 3 and 4); a copy for a peer takes none. Within the window (20 tokens) nothing was
+    skipped."""
     core = make_core(hf_model_dir("gemma3"))  # windows (24, 24, None), blocks of 8
+    bm = core.block_manager
     ids = prompts(6, (prompt,))[0]
     core.reserve("a", ids)
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2)
@@ -317,5 +331,9 @@ def test_a_windowed_arrival_withholds_the_request_and_its_forks(hf_model_dir, pr
     core._kv_arrived(core.seqs["a"])  # what the connector's "received" event does
     while core.has_unfinished():
         core.step()
-    cached = core.block_manager.match_prefix(ids, prompt).num_blocks
-    assert cached == (0 if withheld else prompt // 8)
+    full = prompt // 8
+    assert bm.match_prefix(ids, prompt, complete=True).num_blocks == (0 if prompt > 24 else full)
+    follow_up = ids + prompts(7, (30,))[0]
+    assert core.reserve("b", follow_up).num_cached_tokens == full * 8
+    if prompt > 24:
+        assert bm.match_prefix(ids[:48] + [9] * 8, 56).num_blocks == 0
