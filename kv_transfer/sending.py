@@ -5,10 +5,10 @@
 hands layer L's writes to the I/O thread (``transfer_thread``) while layer L+1 computes,
 ``end_step`` posts any layer the model did not report (every layer, where the config's
 ``layerwise`` resolves to off: ``streams_layerwise``). A sliding-window layer is written only
-the blocks its receiver will still read (``engine/kv_window.py``). ``finished`` (the engine is done with the
-request: its blocks are still being read) sends what is left, and once every write is done the
-notification goes out exactly once; then ``take`` names the request in ``sent``. Aborted or
-failed requests are never notified: ``failed`` names them, then ``sent``.
+the blocks its receiver will still read (``engine/kv_window.py``). ``finished`` (the engine is
+done with the request: its blocks are still being read) sends what is left, and once every
+write is done the notification goes out exactly once; then ``take`` names the request in
+``sent``. Aborted or failed requests are never notified: ``failed`` names them, then ``sent``.
 
 A ``PendingDestination`` is a prefill sent before its destination was reserved: it writes
 nothing until ``destination_ready``; then blocks already computed go at once (mid-step: the
