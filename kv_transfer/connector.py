@@ -251,8 +251,8 @@ class NixlConnector(KVConnector):
 
     def handoff_bytes(self, dest: KVDestination, num_prompt_tokens: int) -> int:
         """Bytes a prompt's handoff to ``dest`` writes: its blocks past the peer's cached prefix,
-        K and V of every layer that still reads them (a sliding-window layer: those in its
-        window, ``engine/kv_window.py``)."""
+        every plane (K and V, or a latent) of every layer that still reads them (a sliding-window
+        layer: those in its window, ``engine/kv_window.py``)."""
         if self._spec is None:
             raise RuntimeError("register_kv_cache() first")
         spec = self._spec
@@ -262,7 +262,7 @@ class NixlConnector(KVConnector):
             return 0
         windows = LayerWindows(spec.layer_windows or (None,) * spec.num_layers)
         pairs = windows.pairs_written(first, count, num_prompt_tokens, spec.block_size)
-        return 2 * pairs * spec.block_bytes
+        return getattr(spec, "planes", 2) * pairs * spec.block_bytes  # K and V, or a latent
 
     # -- fencing (sending side) ----------------------------------------------------------------
     def fence(self, request_id: str, lease_id: str) -> bytes:
