@@ -1,7 +1,9 @@
 """The one preallocated paged KV tensor and how it is sized.
 
-Layout: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (2 = K, V). A token's
-slot is ``block_id * block_size + offset``; each layer gets views of its K and V planes. This one
+Layout: ``[num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim]``: two planes (K,
+V) per layer, or one where the model caches a latent per token instead (multi-head latent
+attention, DeepSeek's: one "head" of the latent and its rope key, ``models/mla.py``). A token's
+slot is ``block_id * block_size + offset``; each layer gets views of its planes. This one
 tensor is what a KV transport registers, so its address arithmetic lives here, in one place.
 
 KV head groups (``CacheConfig.kv_head_groups`` = G > 1): ``[G, ...]`` of that layout, group g
@@ -48,8 +50,13 @@ class KVCacheSpec:
     # layout: a sender writes a windowed layer only the blocks its receiver will still read
     # (``kv_window.py``).
     layer_windows: tuple[int | None, ...] = ()
+    # Planes per layer: 2 (K and V per head) or 1 (a latent per token: MLA). Part of the layout.
+    planes: int = 2
 
     def __post_init__(self) -> None:
+        if self.planes not in (1, 2):
+            raise ValueError(f"KVCacheSpec.planes must be 1 (latent) or 2 (K, V), "
+                             f"got {self.planes}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
@@ -65,41 +72,45 @@ class KVCacheSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+        return (self.num_layers, self.planes, self.num_blocks, self.block_size, self.num_kv_heads,
                 self.head_dim)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one plane (K or V) of one layer: the unit a transport moves."""
+        """Bytes of one block of one plane (K, V or latent) of one layer: the unit a transport
+        moves."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
     def bytes_per_block_all_layers(self) -> int:
-        """Bytes one block id costs across all layers and both planes (used for sizing)."""
-        return 2 * self.num_layers * self.block_bytes
+        """Bytes one block id costs across all layers and planes (used for sizing)."""
+        return self.planes * self.num_layers * self.block_bytes
 
     @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block_all_layers
 
     def plane_block_offset(self, layer: int, kv: int, block: int) -> int:
-        """Byte offset of (layer, K=0/V=1, block) from the start of the tensor."""
-        assert 0 <= layer < self.num_layers and kv in (0, 1) and 0 <= block < self.num_blocks
-        return ((layer * 2 + kv) * self.num_blocks + block) * self.block_bytes
+        """Byte offset of (layer, plane ``kv``: K=0/V=1, or 0 the latent, block) from the start
+        of the tensor."""
+        assert 0 <= layer < self.num_layers and 0 <= kv < self.planes \
+            and 0 <= block < self.num_blocks
+        return ((layer * self.planes + kv) * self.num_blocks + block) * self.block_bytes
 
 
 def blocks_for_budget(
     budget_bytes: int, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: str,
+    dtype: str, planes: int = 2,
 ) -> int:
     """How many blocks fit in ``budget_bytes``."""
-    probe = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, 1, dtype)
+    probe = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, 1, dtype, planes=planes)
     n = budget_bytes // probe.bytes_per_block_all_layers
     if n < 1:
         raise ValueError(
             f"KV budget of {budget_bytes} bytes holds no block: one block needs "
             f"{probe.bytes_per_block_all_layers} bytes (layers={num_layers}, "
-            f"kv_heads={num_kv_heads}, head_dim={head_dim}, block_size={block_size}, {dtype})"
+            f"kv_heads={num_kv_heads}, head_dim={head_dim}, block_size={block_size}, {dtype}, "
+            f"planes={planes})"
         )
     return int(n)
 
@@ -136,6 +147,7 @@ def check_kv_head_groups(groups: int, kv_heads: int) -> None:
                          f"engine (each tensor-parallel rank) holds")
 
 
-def layer_views(kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer as ``[num_blocks, block_size, kv_heads, head_dim]`` views."""
-    return kv[layer, 0], kv[layer, 1]
+def layer_views(kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
+    """Each plane of one layer (K and V, or the one latent plane) as ``[num_blocks,
+    block_size, kv_heads, head_dim]`` views."""
+    return tuple(kv[layer].unbind(0))

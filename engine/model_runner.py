@@ -75,6 +75,12 @@ class ModelRunner:
             logger.info("attention: torch SDPA, %s has attention sinks, which the %s backend "
                         "lacks", arch.architecture, self.attention.name)
             self.attention = SdpaBackend()
+        if arch.kv_latent and not isinstance(self.attention, SdpaBackend):
+            # MLA attends over its latent cache through SDPA's metadata (models/mla.py): on the
+            # CPU the native backend (an SdpaBackend) keeps its paged decode kernel for it.
+            logger.info("attention: torch SDPA, %s caches a latent, which the %s backend does "
+                        "not read", arch.architecture, self.attention.name)
+            self.attention = SdpaBackend()
         self.backend = self.attention.name
         max_len = min(mc.max_model_len or arch.max_position_embeddings,
                       arch.max_position_embeddings)
@@ -93,12 +99,13 @@ class ModelRunner:
         num_blocks = exact or blocks_for_budget(
             self.platform.kv_budget(cc.kv_cache_memory, cc.gpu_memory_utilization),
             num_layers=arch.num_layers, num_kv_heads=kv_heads,
-            head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.kv_dtype))
+            head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.kv_dtype),
+            planes=arch.kv_planes)
         self.kv_groups = groups = cc.kv_head_groups
         check_kv_head_groups(groups, kv_heads)
         self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads // groups, arch.head_dim,
                                    block_size, num_blocks, dtype_name(self.kv_dtype),
-                                   layer_windows=arch.layer_windows)
+                                   layer_windows=arch.layer_windows, planes=arch.kv_planes)
         if shard is not None and shard.kv_shm:
             self.kv = shared_kv_cache(shard.kv_shm, shard.rank, kv_shape(self.kv_spec, groups),
                                       self.kv_spec.torch_dtype)

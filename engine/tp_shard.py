@@ -209,7 +209,12 @@ def _keep(w: torch.Tensor | None, rows: list[slice], dim: int = 0) -> nn.Paramet
 
 def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
     """Cut a loaded (dense, unpacked) model down to ``shard.rank``'s part, in place: before
-    packing, so the kernels pack only the shard."""
+    packing, so the kernels pack only the shard. A model that cuts itself (DeepSeek's latent
+    attention) does it in its ``shard_tensor_parallel``."""
+    own = getattr(model, "shard_tensor_parallel", None)
+    if own is not None:
+        own(shard)
+        return
     arch, r, n = model.arch, shard.rank, shard.size
     hd = arch.head_dim
     heads = arch.num_heads // n

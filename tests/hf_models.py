@@ -50,7 +50,8 @@ class ArchSpec:
         if self.config_class not in ("LlamaConfig", "Qwen2Config", "Qwen3Config",
                                      "MistralConfig", "MixtralConfig", "Qwen3MoeConfig",
                                      "Qwen2MoeConfig",
-                                     "Gemma3TextConfig", "Phi3Config", "GptOssConfig"):
+                                     "Gemma3TextConfig", "Phi3Config", "GptOssConfig",
+                                     "DeepseekV2Config", "DeepseekV3Config"):
             raise ValueError(f"unsupported config class {self.config_class!r}")
 
 
@@ -187,6 +188,37 @@ GPT_OSS_ARCHS: dict[str, ArchSpec] = {
         rope_parameters=_GPT_OSS_YARN), bias_std=0.5, embed_std=0.3),
 }
 
+# DeepSeek-V2/V3 (tests/test_deepseek_models.py): multi-head latent attention with and without
+# the q bottleneck (V2-Lite's plain q_proj), rope dims 8 and 16, V3's YaRN with mscale (from 64
+# positions); V2's greedy and group-limited softmax gating, V3's sigmoid gating with its
+# selection bias over 2 or 4 groups; 4 and 8 routed experts, top-1 to top-3, one or two shared
+# experts, dense first layers and tied embeddings. Weight scales as everywhere (GAIN).
+_DS = dict(intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
+           qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, kv_lora_rank=32)
+_DS_YARN = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0}
+DEEPSEEK_ARCHS: dict[str, ArchSpec] = {
+    "deepseek_v3": ArchSpec("DeepseekV3Config", dict(
+        _DS, num_hidden_layers=3, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5)),
+    "deepseek_v3_yarn_tied": ArchSpec("DeepseekV3Config", dict(
+        _DS, num_hidden_layers=2, q_lora_rank=24, qk_rope_head_dim=16, head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=3, n_shared_experts=2, n_group=2, topk_group=1,
+        first_k_dense_replace=0, norm_topk_prob=False, routed_scaling_factor=1.0,
+        rope_parameters=_DS_YARN, tie_word_embeddings=True), embed_std=0.3),
+    "deepseek_v2_lite": ArchSpec("DeepseekV2Config", dict(
+        _DS, num_hidden_layers=2, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy")),
+    "deepseek_v2": ArchSpec("DeepseekV2Config", dict(
+        _DS, num_hidden_layers=2, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=1,
+        n_shared_experts=1, first_k_dense_replace=0, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, routed_scaling_factor=1.5, attention_bias=True),
+        bias_std=0.2),
+}
+
 # transformers' model class of a config class, where it is not the config's name with
 # "ForCausalLM" for "Config".
 _MODEL_CLASSES = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
@@ -207,7 +239,8 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
     """
     import transformers
 
-    specs = {**ARCHS, **MOE_ARCHS, **GEMMA3_ARCHS, **PHI3_ARCHS, **GPT_OSS_ARCHS}
+    specs = {**ARCHS, **MOE_ARCHS, **GEMMA3_ARCHS, **PHI3_ARCHS, **GPT_OSS_ARCHS,
+             **DEEPSEEK_ARCHS}
     if arch not in specs:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(specs)}")
     spec = specs[arch]
@@ -227,6 +260,11 @@ def make_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: Any) -> s
         model = model_class(config)
     init_random_weights(model, seed * 1_000_003 + zlib.crc32(arch.encode()), gain=GAIN,
                         embed_std=embed_std, norm_jitter=0.3, bias_std=bias_std)
+    gen = torch.Generator().manual_seed(seed + zlib.crc32(arch.encode()))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():  # DeepSeek-V3's selection bias: a buffer
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.3)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     model.to(dtype)

@@ -111,8 +111,8 @@ def test_identity_covers_the_expert_fields(hf_model_dir, tmp_path) -> None:
 def test_unsupported_moe_configs_are_refused_by_name(hf_model_dir, tmp_path) -> None:
     saved = _config(hf_model_dir("qwen3_moe"))
     cases = [
-        ({"architectures": ["DeepseekV3ForCausalLM"]},
-         r"unsupported architecture.*DeepseekV3.*MixtralForCausalLM.*Qwen3MoeForCausalLM"),
+        ({"architectures": ["JambaForCausalLM"]},
+         r"unsupported architecture.*Jamba.*MixtralForCausalLM.*Qwen3MoeForCausalLM"),
         ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
         ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ]

@@ -108,6 +108,8 @@ class FusedDecode:
             return None
         if model.arch.is_moe:  # the native layer's MLP is the dense SwiGLU: MoE runs per op
             return None
+        if model.arch.kv_latent:  # MLA: its attention is not the native layer's
+            return None
         # fp32 activations (the embedding's rows widened as they are gathered: it may be bf16)
         if model.embed.device.type != "cpu" \
                 or getattr(model, "compute_dtype", torch.float32) != torch.float32 \

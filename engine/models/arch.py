@@ -27,8 +27,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Phi3ForCausalLM": "phi3",  # fused checkpoint tensors, LongRoPE: models/phi3.py
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, biased experts: models/gpt_oss.py
+    # Multi-head latent attention and DeepSeek's experts: models/deepseek.py
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -82,6 +86,25 @@ class ModelArch:
     # gpt-oss: each query head has a learned logit that joins its softmax's denominator and
     # attends to nothing (an attention sink); only backends that take sinks can serve it.
     attention_sinks: bool = False
+    # DeepSeek-V2/V3: multi-head latent attention (``kv_lora_rank`` > 0). The KV cache then
+    # holds one plane of one shared "head" per token: the normalised latent (``kv_lora_rank``)
+    # and the rotated rope key (``qk_rope_head_dim``), so ``num_kv_heads`` is 1 and
+    # ``head_dim`` their sum (what every cache, transfer and tier sizes by); the query and
+    # output heads are ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim`` wide; q goes
+    # through a ``q_lora_rank`` bottleneck where set. Gating: ``topk_method`` ("greedy",
+    # "group_limited_greedy": softmax scores; "noaux_tc": V3's sigmoid scores with a selection
+    # bias), top-k limited to ``topk_group`` of ``n_group`` expert groups, weights times
+    # ``routed_scaling_factor``; the shared experts (``shared_expert_intermediate_size``) ungated.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rope dims' checkpoint layout is interleaved pairs
+    topk_method: str = ""
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -104,6 +127,16 @@ class ModelArch:
     def is_moe(self) -> bool:
         """Whether any layer's MLP is a mixture of experts."""
         return any(self.sparse_layers)
+
+    @property
+    def kv_latent(self) -> bool:
+        """Whether the KV cache holds a latent per token (MLA) rather than K and V per head."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes of the KV cache per layer: K and V (2), or MLA's one latent plane (1)."""
+        return 1 if self.kv_latent else 2
 
 
 def supported_architecture(archs: Any) -> str | None:
@@ -174,7 +207,7 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
     family = SUPPORTED_ARCHITECTURES[arch]
     if family == "gemma3":
         return None  # defaults (layer types, two rope tables) are Gemma3TextConfig's code
-    if family in ("phi3", "gpt_oss"):
+    if family in ("phi3", "gpt_oss", *DEEPSEEK_FAMILIES):
         return None  # rope and layer-type defaults (longrope, yarn) are their config's code
     if raw.get("partial_rotary_factor") not in (None, 1, 1.0):
         return None
@@ -237,7 +270,8 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
     if family == "gemma3":
         gemma = _gemma3_fields(cfg)
     else:
-        gemma = {}
+        # DeepSeek's latent attention and gating: kept with Gemma's (the family's own fields)
+        gemma = _deepseek_fields(cfg) if family in DEEPSEEK_FAMILIES else {}
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
@@ -247,6 +281,8 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
     num_heads = cfg.num_attention_heads
     num_kv = getattr(cfg, "num_key_value_heads", None) or num_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    if family in DEEPSEEK_FAMILIES:  # the cache's one latent "head" (see ModelArch)
+        num_kv, head_dim = 1, gemma["kv_lora_rank"] + gemma["qk_rope_head_dim"]
     attn_bias = bool(getattr(cfg, "attention_bias", False))
     n_layers = cfg.num_hidden_layers
     if family in ("qwen3_moe", "qwen2_moe") and getattr(cfg, "use_sliding_window", False):
@@ -284,7 +320,8 @@ def arch_from_hf_config(cfg: Any, *, raw: dict[str, Any] | None = None) -> Model
         # Mixtral's attention has no biases whatever its config says.
         qkv_bias=True if family == "qwen2" else attn_bias and family != "mixtral",
         o_bias=False if family in ("qwen2", "qwen2_moe") else attn_bias and family != "mixtral",
-        mlp_bias=bool(getattr(cfg, "mlp_bias", False)) and family not in MOE_FAMILIES,
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)) and family not in MOE_FAMILIES
+        and family not in DEEPSEEK_FAMILIES,
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         layer_windows=windows,
         identity=f"{arch}:{digest.hexdigest()[:16]}",
@@ -324,6 +361,32 @@ def _gemma3_fields(cfg: Any) -> dict[str, Any]:
                 final_logit_softcapping=None if cap is None else float(cap))
 
 
+def _deepseek_fields(cfg: Any) -> dict[str, Any]:
+    """DeepSeek-V2/V3's ``ModelArch`` fields: the latent attention's sizes and the gating (the
+    MoE fields themselves come from ``_moe_fields``). A layer is sparse from
+    ``first_k_dense_replace`` on, every ``moe_layer_freq``-th (DeepSeek's own reading;
+    transformers has no ``moe_layer_freq``, which is 1 in every released checkpoint)."""
+    for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        if not getattr(cfg, key, None):
+            raise UnsupportedModelError(f"{cfg.architectures[0]} needs a positive {key}")
+    if cfg.qk_rope_head_dim % 2:
+        raise UnsupportedModelError(f"qk_rope_head_dim {cfg.qk_rope_head_dim} must be even")
+    v3 = SUPPORTED_ARCHITECTURES[supported_architecture(cfg.architectures)] == "deepseek_v3"
+    method = "noaux_tc" if v3 else (getattr(cfg, "topk_method", None) or "greedy")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise UnsupportedModelError(f"topk_method {method!r} is not supported (greedy, "
+                                    f"group_limited_greedy, noaux_tc)")
+    q_lora = getattr(cfg, "q_lora_rank", None)
+    return dict(kv_lora_rank=int(cfg.kv_lora_rank), q_lora_rank=int(q_lora) if q_lora else None,
+                qk_nope_head_dim=int(cfg.qk_nope_head_dim),
+                qk_rope_head_dim=int(cfg.qk_rope_head_dim), v_head_dim=int(cfg.v_head_dim),
+                # V2 rotates interleaved pairs always; V3 where its config says (the default)
+                rope_interleave=bool(getattr(cfg, "rope_interleave", True)) if v3 else True,
+                topk_method=method, n_group=int(getattr(cfg, "n_group", None) or 1),
+                topk_group=int(getattr(cfg, "topk_group", None) or 1),
+                routed_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0))
+
+
 def _num_experts(cfg: Any) -> int | None:
     """Routed experts per sparse layer: ``num_experts`` (Qwen3-MoE's configs on the Hub) or
     ``num_local_experts`` (Mixtral's, and what transformers 5 writes for both)."""
@@ -342,6 +405,17 @@ def _moe_fields(cfg: Any, family: str, n_layers: int) -> dict[str, Any]:
                     num_experts_per_tok=int(cfg.num_experts_per_tok),
                     moe_intermediate_size=int(cfg.intermediate_size), norm_topk_prob=True,
                     sparse_layers=(True,) * n_layers)
+    if family in DEEPSEEK_FAMILIES:
+        experts = int(getattr(cfg, "n_routed_experts", None) or 0)
+        first = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+        freq = int(getattr(cfg, "moe_layer_freq", 1) or 1)
+        shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
+        return dict(num_experts=experts, num_experts_per_tok=int(cfg.num_experts_per_tok or 0),
+                    moe_intermediate_size=int(cfg.moe_intermediate_size),
+                    norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)),
+                    sparse_layers=tuple(experts > 0 and i >= first and i % freq == 0
+                                        for i in range(n_layers)),
+                    shared_expert_intermediate_size=shared * int(cfg.moe_intermediate_size))
     if family not in MOE_FAMILIES:
         return {}
     experts = int(_num_experts(cfg) or 0)

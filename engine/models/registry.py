@@ -10,6 +10,7 @@ decoder of its own registers its class here.
 from __future__ import annotations
 
 from kvrelay.engine.models.arch import ModelArch
+from kvrelay.engine.models.deepseek import DeepseekForCausalLM
 from kvrelay.engine.models.gemma3 import Gemma3ForCausalLM
 from kvrelay.engine.models.gpt_oss import GptOssForCausalLM
 from kvrelay.engine.models.llama import LlamaForCausalLM
@@ -19,6 +20,8 @@ MODEL_CLASSES: dict[str, type] = {
     "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
 
