@@ -1,6 +1,7 @@
-"""Descriptor arithmetic of the KV tensor: one NIXL descriptor per (layer, K|V, block).
+"""Descriptor arithmetic of the KV tensor: one NIXL descriptor per (layer, plane, block), a
+plane being K or V (or, in a latent layout, the one latent plane: ``KVLayout.planes``).
 
-Row ``(layer * 2 + kv) * num_blocks + block`` of an engine's descriptor list addresses
+Row ``(layer * planes + kv) * num_blocks + block`` of an engine's descriptor list addresses
 ``KVCacheSpec.plane_block_offset(layer, kv, block)``, so a write is a pair of index lists. NIXL
 merges descriptors that are adjacent on both sides, so consecutive blocks cost one copy.
 Pure numpy/Python: no NIXL here.
@@ -17,16 +18,21 @@ from kvrelay.kv_transfer.layout import HeadRun, KVLayout
 _SMALL = 512  # below this many indices plain Python beats numpy's per-call overhead
 
 
+def layer_planes(layers: Sequence[int], planes: int) -> list[int]:
+    """The plane rows of ``layers`` (each layer's K and V, or its one latent plane)."""
+    return [layer * planes + kv for layer in layers for kv in range(planes)]
+
+
 def region_descs(base_address: int, layout: KVLayout, device_id: int) -> np.ndarray:
     """``[n, 3]`` (address, length, device) rows in tensor order, for ``prep_xfer_dlist``."""
-    return uniform_descs(base_address, layout.num_layers * 2 * layout.num_blocks,
+    return uniform_descs(base_address, layout.num_layers * layout.planes * layout.num_blocks,
                          layout.block_bytes, device_id)
 
 
 def rank_region_descs(rank_addresses: Sequence[int], layout: KVLayout,
                       device_id: int) -> np.ndarray:
     """``region_descs`` of every rank's KV tensor, rank after rank: rank ``r``'s (plane, block)
-    row at ``r * num_layers * 2 * num_blocks`` plus its own index."""
+    row at ``r * num_layers * planes * num_blocks`` plus its own index."""
     return np.concatenate([region_descs(a, layout, device_id) for a in rank_addresses])
 
 
@@ -40,7 +46,7 @@ def uniform_descs(base_address: int, n: int, nbytes: int, device_id: int) -> np.
 
 
 def plane_indices(planes: Sequence[int], block_ids: Sequence[int], num_blocks: int) -> list[int]:
-    """Indices of ``block_ids`` in each plane (``plane = layer * 2 + kv``), plane-major."""
+    """Indices of ``block_ids`` in each plane (``plane = layer * planes + kv``), plane-major."""
     return [p * num_blocks + b for p in planes for b in block_ids]
 
 

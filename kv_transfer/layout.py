@@ -29,12 +29,13 @@ from kvrelay.kv_transfer.errors import KVTransferError
 if TYPE_CHECKING:
     import torch
 
-# Bump whenever the tensor layout ([layers, 2, blocks, block_size, kv_heads, head_dim]) or the
-# meaning of any field below changes.
+# Bump whenever the tensor layout ([layers, planes, blocks, block_size, kv_heads, head_dim]) or
+# the meaning of any field below changes.
 # 2: tp_size, head_ranges, model_kv_heads. 3: a sliding-window layer is written only the blocks
 # its receiver still reads, whose others the receiver must never serve as whole blocks
-# (``engine/kv_window.py``): a v2 receiver would.
-PROTOCOL_VERSION = 3
+# (``engine/kv_window.py``): a v2 receiver would. 4: ``planes`` (1: MLA's latent, one plane per
+# layer), which a v3 peer would take for K and V.
+PROTOCOL_VERSION = 4
 DEVICE_KINDS = ("cpu", "cuda")
 
 
@@ -59,6 +60,7 @@ class KVLayout:
     tp_size: int = 1
     head_ranges: tuple[tuple[int, int], ...] = ()  # per rank; () means one rank with them all
     model_kv_heads: int = 0  # 0 means num_kv_heads (no tensor parallelism)
+    planes: int = 2  # per layer: K and V, or 1: a latent per token (multi-head latent attention)
 
     def __post_init__(self) -> None:
         self.spec  # noqa: B018 - validates the shape fields and the dtype
@@ -86,12 +88,18 @@ class KVLayout:
         return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                    spec.num_blocks, spec.dtype, model_id, device_kind,
                    tp_size=max(1, len(head_ranges)), head_ranges=head_ranges,
-                   model_kv_heads=model_kv_heads)
+                   model_kv_heads=model_kv_heads, planes=spec.planes)
 
     @property
     def spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                           self.num_blocks, self.dtype)
+                           self.num_blocks, self.dtype, planes=self.planes)
+
+    @property
+    def kind(self) -> str:
+        """What a token's KV is in this layout, in words (what a mismatch names)."""
+        return "K and V per head (2 planes)" if self.planes == 2 else \
+            "a latent per token (1 plane, multi-head latent attention)"
 
     @property
     def block_bytes(self) -> int:
@@ -129,6 +137,7 @@ class KVLayout:
 
 # (field, what we say about it, the flag that makes both pools agree)
 _CHECKS: tuple[tuple[str, str, str], ...] = (
+    ("kind", "caches", "--model (the same checkpoint)"),
     ("model_id", "serves model", "--model (the same checkpoint)"),
     ("num_layers", "has num_layers", "--model (the same checkpoint)"),
     ("model_kv_heads", "has num_kv_heads", "--model (the same checkpoint)"),

@@ -35,6 +35,7 @@ import torch
 
 from kvrelay.kv_transfer.descriptors import (
     block_bounds,
+    layer_planes,
     plane_block_indices,
     region_descs,
 )
@@ -125,7 +126,7 @@ class NixlTransport:
             "NIXL_INIT_AGENT", region_descs(kv.data_ptr(), layout, self._device_id), self._mem)
         logger.info("NIXL agent %s up: %s KV, %d blocks x %d B x %d planes (incarnation %s)",
                     agent_name, self._mem, layout.num_blocks, layout.block_bytes,
-                    layout.num_layers * 2, self.incarnation[:8])
+                    layout.num_layers * layout.planes, self.incarnation[:8])
 
     # -- identity ------------------------------------------------------------------------------
     def peer_info(self) -> PeerInfo:
@@ -237,7 +238,7 @@ class NixlTransport:
             raise KVTransferError(f"need equally many local and remote blocks, got "
                                   f"{len(local_block_ids)} and {len(remote_block_ids)}",
                                   retriable=False)
-        planes = [layer * 2 + kv for layer in layers for kv in (0, 1)]
+        planes = layer_planes(layers, self.layout.planes)
         with self._lock:
             p = self._peer(peer, incarnation)
             nb_local, nb_remote = self.layout.num_blocks, p.info.layout.num_blocks
@@ -280,7 +281,7 @@ class NixlTransport:
                                   retriable=False)
         if timeout_s is not None and timeout_s <= 0:
             raise KVTransferError(f"no time left to read from {peer}", retriable=True, peer=peer)
-        planes = range(self.layout.num_layers * 2)
+        planes = range(self.layout.num_layers * self.layout.planes)
         with self._lock:
             p = self._peer(peer, incarnation)
             if p.runs is not None or len(self._rank_kvs) > 1:

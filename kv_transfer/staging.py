@@ -132,7 +132,7 @@ def staged_rows(offset: int, remote: KVLayout, planes: Sequence[int],
     """Row indices of a staged write, paired in :func:`stage`'s order: into the staging
     buffer's descriptor list (rows of one receiving block, from 0) and into the peer's list of
     every rank's (layer, K|V, block) regions (rank ``d``'s rows after ranks ``0..d-1``'s)."""
-    per_rank = remote.num_layers * 2 * remote.num_blocks
+    per_rank = remote.num_layers * remote.planes * remote.num_blocks
     ridx = np.asarray(plane_block_indices(planes, remote_block_ids, remote.num_blocks),
                       dtype=np.int64)
     d = remote.tp_size
@@ -205,7 +205,7 @@ class Stager:
             rows = rank_region_descs(local_addrs, local, self._device_id)
             self._local_ranks = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
         remote = p.info.layout
-        per_l, per_r = (x.num_layers * 2 * x.num_blocks for x in (local, remote))
+        per_l, per_r = (x.num_layers * x.planes * x.num_blocks for x in (local, remote))
         li = np.asarray(plane_block_indices(planes, local_block_ids, local.num_blocks))
         ri = np.asarray(plane_block_indices(planes, remote_block_ids, remote.num_blocks))
         src = np.concatenate([run.src * per_l + li for run in p.runs]).astype(np.int32)
