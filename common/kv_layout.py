@@ -4,7 +4,8 @@ A prefix-aware router credits a worker for the prompt blocks whose hashes it rep
 prefill worker writes its KV into a decode worker's blocks. Both are only right when every
 worker means the same thing by a block hash: the same model (``model_identity``), the same
 tokens per block (``block_size``), the same KV element type (``kv_dtype``: a bf16 KV pool
-cannot take a float32 prefill's bytes), and the same hash function, salts included
+cannot take a float32 prefill's bytes), the same kind of KV (``kv_kind``: K and V per head, or
+multi-head latent attention's one latent per token), and the same hash function, salts included
 (``hash_scheme``, ``hash_probe``). A worker that differs is refused at registration with a
 message naming the field and both values, not admitted to serve zero hits (or, for a prefill
 worker whose KV dtype differs from the decode pool's, never to serve at all: each of its
@@ -29,13 +30,15 @@ from dataclasses import dataclass
 from kvrelay.engine.prefix_hash import HASH_SCHEME, block_hashes, salt_root
 from kvrelay.proto import worker_pb2 as wpb
 
-# Bump when a field is added to, or changes meaning in, the handshake.
-LAYOUT_VERSION = 1
+# Bump when a field is added to, or changes meaning in, the handshake. 2: kv_kind.
+LAYOUT_VERSION = 2
+# What a token's KV is (``kv_kind``): K and V per head, or one latent (MLA).
+KV_KINDS = ("kv", "latent")
 _PROBE_TOKENS = tuple(range(1, 17))
 _PROBE_SALT = "kvrelay-layout-probe"
 MAX_FIELD_LEN = 64  # characters of kv_dtype and hash_scheme a beat may carry
 
-__all__ = ["HASH_SCHEME", "LAYOUT_VERSION", "CacheLayout", "KVLayoutMismatch", "check",
+__all__ = ["HASH_SCHEME", "KV_KINDS", "LAYOUT_VERSION", "CacheLayout", "KVLayoutMismatch", "check",
            "check_hashing", "differences", "hash_probe", "validate"]
 
 
@@ -62,15 +65,20 @@ class CacheLayout:
     hash_scheme: str = HASH_SCHEME
     hash_probe: int = 0  # 0: this process's (see ``local``)
     version: int = LAYOUT_VERSION
+    kv_kind: str = "kv"
 
     @classmethod
-    def local(cls, model_identity: str, block_size: int, kv_dtype: str) -> CacheLayout:
-        """This process's layout for a KV cache of ``block_size`` tokens of ``kv_dtype``."""
-        return cls(model_identity, block_size, kv_dtype, HASH_SCHEME, hash_probe())
+    def local(cls, model_identity: str, block_size: int, kv_dtype: str,
+              kv_kind: str = "kv") -> CacheLayout:
+        """This process's layout for a KV cache of ``block_size`` tokens of ``kv_dtype``, of
+        ``kv_kind`` ("kv" or "latent")."""
+        return cls(model_identity, block_size, kv_dtype, HASH_SCHEME, hash_probe(),
+                   kv_kind=kv_kind)
 
     def to_proto(self) -> wpb.CacheLayout:
         return wpb.CacheLayout(version=self.version, kv_dtype=self.kv_dtype,
-                               hash_scheme=self.hash_scheme, hash_probe=self.hash_probe)
+                               hash_scheme=self.hash_scheme, hash_probe=self.hash_probe,
+                               kv_kind=self.kv_kind)
 
     @classmethod
     def from_info(cls, info: wpb.WorkerInfo) -> CacheLayout | None:
@@ -79,7 +87,7 @@ class CacheLayout:
             return None
         kl = info.kv_layout
         return cls(info.model_identity, info.block_size, kl.kv_dtype, kl.hash_scheme,
-                   kl.hash_probe, kl.version)
+                   kl.hash_probe, kl.version, kl.kv_kind or "kv")
 
 
 # (field, what it is, what makes two processes agree on it)
@@ -88,6 +96,8 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("block_size", "tokens per KV block", "start every worker with the same --block-size"),
     ("kv_dtype", "KV cache dtype", "start every worker with the same --kv-cache-dtype (or "
      "--dtype, which it follows by default)"),
+    ("kv_kind", "KV cache kind: 'kv' per head or 'latent' (MLA)", "start every worker with the "
+     "same --model (a latent cache and per-head K/V never mix)"),
     ("hash_scheme", "prefix-hash scheme", "run the same kvrelay version everywhere"),
     ("hash_probe", "prefix hash of the probe block", "run the same kvrelay version everywhere "
      "(same scheme name, different hashing)"),
@@ -140,3 +150,6 @@ def validate(layout: wpb.CacheLayout) -> None:
                          f"characters")
     if not layout.kv_dtype or not layout.hash_scheme:
         raise ValueError("kv_layout needs a kv_dtype and a hash_scheme")
+    if layout.kv_kind not in ("", *KV_KINDS):
+        raise ValueError(f"kv_layout's kv_kind must be one of {KV_KINDS}, got "
+                         f"{layout.kv_kind[:MAX_FIELD_LEN]!r}")

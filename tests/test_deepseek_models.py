@@ -199,3 +199,41 @@ def test_tp2_splits_the_heads_replicates_the_latent_and_matches_transformers(
         _check_logits(core, d, tol=1e-4)
     finally:
         core.runner.close()
+
+
+# -- the latent layout between workers --------------------------------------------------------
+def test_transfer_layout_carries_the_latent_and_refuses_per_head_kv_naming_both() -> None:
+    from kvrelay.engine.kv_cache import KVCacheSpec
+    from kvrelay.kv_transfer.descriptors import layer_planes, region_descs
+    from kvrelay.kv_transfer.layout import IncompatibleKVLayout, KVLayout, check_compatible
+
+    latent = KVLayout.from_spec(KVCacheSpec(3, 1, 40, 8, 10, planes=1), "ds")
+    assert KVLayout.from_bytes(latent.to_bytes()) == latent and latent.spec.planes == 1
+    assert len(region_descs(0, latent, 0)) == 3 * 10  # one plane per layer
+    assert layer_planes([0, 2], 1) == [0, 2] and layer_planes([0, 2], 2) == [0, 1, 4, 5]
+    per_head = KVLayout.from_spec(KVCacheSpec(3, 1, 40, 8, 10), "ds")
+    with pytest.raises(IncompatibleKVLayout) as e:
+        check_compatible(latent, per_head, peer="d1")
+    msg = str(e.value)
+    assert "peer caches K and V per head (2 planes), we have a latent per token (1 plane" in msg
+    assert "--model" in msg
+
+
+def test_the_router_refuses_a_worker_of_another_kv_kind_naming_both() -> None:
+    import dataclasses
+
+    from test_kv_layout_handshake import F32, beat
+    from test_kv_layout_handshake import run as run_registry
+
+    from kvrelay.common.kv_layout import CacheLayout, KVLayoutMismatch
+
+    latent = dataclasses.replace(F32, kv_kind="latent")
+    assert CacheLayout.from_info(beat("d1", latent).worker) == latent
+
+    def body(reg: Any) -> None:
+        reg.heartbeat(beat("d1", latent))
+        with pytest.raises(KVLayoutMismatch) as e:
+            reg.heartbeat(beat("p1", F32))
+        assert "kv_kind" in str(e.value) and "'kv' on worker p1" in str(e.value)
+        assert "'latent' on the workers this router routes to (d1)" in str(e.value)
+    run_registry(body)

@@ -226,7 +226,8 @@ class Worker:
         # What its block hashes and KV bytes mean: a router refuses a worker that differs
         # from its cluster (common/kv_layout.py).
         layout = CacheLayout.local(core.runner.arch.identity, core.config.cache.block_size,
-                                   dtype_name(core.runner.kv_dtype))
+                                   dtype_name(core.runner.kv_dtype),
+                                   "latent" if core.runner.arch.kv_latent else "kv")
         self.info = info = wpb.WorkerInfo(
             worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
             incarnation=self.incarnation, model_identity=layout.model_identity,
