@@ -1,0 +1,109 @@
+"""DeepSeek-V3 served disaggregated: a tiny DeepSeek-V3 (``hf_models.DEEPSEEK_ARCHS``'
+``deepseek_v3``: latent attention, sigmoid-gated experts with shared ones, a dense first layer)
+through one prefill and two decode workers (real router, worker processes, NIXL KV transfer of
+the latent layout: one plane of ``kv_lora_rank + qk_rope_head_dim`` per token per layer), with
+the engine alone's greedy tokens (``kvrelay.engine.llm.LLM``, itself held to transformers in
+tests/test_deepseek_models.py) and exactly the latent bytes moved; a decode worker killed
+mid-stream, the stream resumes on the other with the same tokens. One cluster for the module:
+the tests run in order."""
+
+from __future__ import annotations
+
+import random
+import re
+import urllib.request
+
+import pytest
+from cluster import Cluster
+
+from kvrelay.client import sampling
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.models.arch import load_model_config
+from kvrelay.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = "deepseek_v3"
+BLOCK = 16  # the workers' block size
+LENGTHS = (5, 40, 130)
+GEN = 12
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(7, 4000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_dir) -> str:
+    return hf_model_dir(MODEL)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    with Cluster(model_dir, tmp_path_factory.mktemp("deepseek"), prefill=1, decode=2,
+                 router_args=("--http-port", "0")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, num_blocks=256)
+
+
+def engine_alone(llm: LLM, ids: list[int], n: int) -> list[int]:
+    return llm.generate(ids, SamplingParams(max_tokens=n, temperature=0,
+                                            ignore_eos=True))[0].token_ids
+
+
+def kv_bytes_sent(cluster: Cluster) -> float:
+    port = cluster.router.ready["http_port"]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(
+        r"^kvrelay:kv_transfer_bytes_total(?:{[^}]*})? (\S+)$", body, re.MULTILINE))
+
+
+def test_deepseek_greedy_through_1p1d_moving_only_the_latent(cluster, llm, model_dir) -> None:
+    """Every prompt's greedy tokens through the cluster equal the engine alone's, its latent
+    KV prefilled by the prefill worker and received by the decode worker; the bytes moved are
+    each prompt block's one latent plane per layer (40 fp32 a token), every block comes back."""
+    _, arch = load_model_config(model_dir)
+    assert arch.kv_planes == 1
+    block_bytes = BLOCK * (arch.kv_lora_rank + arch.qk_rope_head_dim) * 4
+    baseline = cluster.free_blocks()
+    before = kv_bytes_sent(cluster)
+    with cluster.client() as c:
+        for i, n in enumerate(LENGTHS):
+            ids = prompt_ids(n, i)
+            got = c.generate(ids, sampling(GEN, 0.0, ignore_eos=True))
+            assert got.finish_reason == "length"
+            assert got.token_ids == engine_alone(llm, ids, GEN), f"prompt of {n}"
+            names = [e.name for e in got.trace]
+            assert "received" in names and "prefill_end" in names, names
+    moved = kv_bytes_sent(cluster) - before
+    assert moved == sum(-(-n // BLOCK) for n in LENGTHS) * arch.num_layers * block_bytes
+    assert cluster.wait_free_blocks(baseline) == baseline
+
+
+def test_deepseek_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
+    """The other decode worker recomputes the prompt's and the tokens' latents (fp32: the same
+    values) and goes on with the engine alone's tokens."""
+    n = 60
+    ids = prompt_ids(50, 7)
+    ref = engine_alone(llm, ids, n)
+    decodes = cluster.live("decode")
+    got: list[int] = []
+    trace: list[str] = []
+    killed_at = None
+    with cluster.client() as c:
+        for msg in c.stream(ids, sampling(n, 0.0, ignore_eos=True), timeout=180):
+            got.extend(msg.token_ids)
+            if killed_at is None and len(got) >= 10:
+                victim = next((p for p in decodes if cluster.status(p).load.running >= 1), None)
+                assert victim is not None, "no decode worker holds the stream"
+                cluster.kill(victim)
+                killed_at = len(got)
+            if msg.finish_reason:
+                trace = [e.name for e in msg.trace]
+    assert killed_at is not None and "migrate" in trace, trace
+    assert got == ref
