@@ -237,3 +237,36 @@ def test_the_router_refuses_a_worker_of_another_kv_kind_naming_both() -> None:
         assert "kv_kind" in str(e.value) and "'kv' on worker p1" in str(e.value)
         assert "'latent' on the workers this router routes to (d1)" in str(e.value)
     run_registry(body)
+
+
+def test_host_and_disk_tiers_keep_and_give_back_the_latent(hf_model_dir, tmp_path) -> None:
+    """A prompt's latent blocks leave the pool for the host tier, then the disk tier, and come
+    back: the tokens are those it had when computed, the prefix is a hit. A tier's slot is one
+    block of every layer's one latent plane."""
+    from test_kv_tiers import BLOCK, prompt, settle
+    from test_kv_tiers import make_core as tier_core
+    from test_kv_tiers import run as tier_run
+
+    from kvrelay.engine.prefix_hash import block_hashes
+    from kvrelay.engine.tiers.media import DEVICE, DISK, HOST
+
+    d = hf_model_dir("deepseek_v3")
+    slot = 3 * 1 * BLOCK * 40 * 4  # layers x planes x block x (latent + rope) x fp32
+    core = tier_core(d, kv_offload_memory=40 * slot, kv_offload_dir=str(tmp_path),
+                     kv_offload_disk=200 * slot)
+    try:
+        assert core.tiers is not None and core.tiers.slot_bytes == slot
+        first = tier_run(core, "a0", prompt(0))[0]
+        for s in (1, 2, 3):  # prompt 0 leaves the pool, then the host tier
+            tier_run(core, f"a{s}", prompt(s))
+        settle(core)
+        h0 = block_hashes(prompt(0), BLOCK)
+        sets = core.cached_hash_sets()
+        assert set(h0) <= sets[DISK] and not set(h0) & (sets[DEVICE] | sets[HOST])
+        again, cached = tier_run(core, "b0", prompt(0))
+        assert again == first and cached == (160 - 1) // BLOCK * BLOCK
+        st = core.stats().kv_tiers
+        assert st[DISK].hit_blocks == cached // BLOCK and st[HOST].stored_blocks >= 4 * 20
+        assert all(st[m].load_failures == 0 for m in (HOST, DISK))
+    finally:
+        core.close()
