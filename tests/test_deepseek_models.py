@@ -140,13 +140,10 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str,
 
 
 def test_torch_sdpa_backend_matches_transformers(hf_model_dir) -> None:
+    """The absorbed decode through SDPA's grouped decode (the latent plane as K and as V)."""
     d = hf_model_dir("deepseek_v3")
     core = make_core(d, attention_backend="sdpa")
     assert core.runner.attention.name == "sdpa"
-    ps = prompts(1, (7, 33))
-    got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
-    for i, p in enumerate(ps):
-        assert got[f"r{i}"] == hf_tokens(d, tuple(p), GEN)
     _check_logits(core, d, tol=1e-4)
 
 
