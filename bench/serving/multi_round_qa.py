@@ -18,7 +18,9 @@ reversed (``--repeat 2``: drift in the shared machine's speed hits them alike):
 * ``1p1d``: a prefill and a decode worker (1 thread each); ``1p1d+tiers``: both with tiers (the
   decode worker's reservations then reuse its own tier: "decode-side reuse");
   ``1p1d+tiers+pull``: and the router's ``--prefix-pull auto``: the prefill worker reads the
-  history the decode worker generated (P←D) instead of recomputing it.
+  history the decode worker generated (P←D) instead of recomputing it; ``1p1d+ptiers``: tiers
+  on the prefill worker only, so that against ``1p1d+tiers`` the one difference is the decode
+  worker's reuse of its own tier (what that costs its ITL, under the same prefill-side load).
 
 A second workload, ``long_doc_qa`` (LMCache's long-document QA shape), asks ``--doc-rounds``
 rounds of questions about ``--docs`` documents of ``--doc-tokens`` tokens each, ``doc_concurrency``
@@ -64,7 +66,7 @@ from kvrelay.proto import generate_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("bench.serving.multi_round_qa")
 
-CONFIGS = ("agg", "agg+tiers", "1p1d", "1p1d+tiers", "1p1d+tiers+pull")
+CONFIGS = ("agg", "agg+tiers", "1p1d", "1p1d+ptiers", "1p1d+tiers", "1p1d+tiers+pull")
 BLOCK = 16
 
 
@@ -85,6 +87,7 @@ class Settings:
     pool_tokens: int = 0  # 0: the working set / working_set_ratio
     offload_memory: str = "1GiB"
     no_reuse_requests: int = 12
+    no_reuse_stagger_s: float = 6.0  # below saturation, this measures overhead, not queueing
     docs: int = 6
     doc_tokens: int = 4000
     doc_rounds: int = 2
@@ -138,10 +141,10 @@ def start_cluster(st: Settings, config: str, tag: str) -> tuple[Deployment, str]
     engine = ["--model", st.model_dir, "--device", "cpu",
               "--block-size", str(BLOCK), "--max-model-len", "8192", "--seed", str(st.seed),
               "--num-threads", "1" if disagg else "2"]
-    if "+tiers" in config:
-        engine += ["--kv-offload-memory", st.offload_memory]
     roles = ["prefill", "decode"] if disagg else ["both"]
     for role in roles:
+        tiers = "+tiers" in config or ("+ptiers" in config and role == "prefill")
+        offload = ["--kv-offload-memory", st.offload_memory] if tiers else []
         # The pool under test is the one that computes (agg: the worker; 1P1D: the prefill
         # worker). A decode worker must hold every running request's whole context (it cannot
         # preempt and recompute), so it is sized for all users at once, as a deployment sizes
@@ -149,7 +152,8 @@ def start_cluster(st: Settings, config: str, tag: str) -> tuple[Deployment, str]
         blocks = st.decode_pool() if role == "decode" else st.pool()
         dep.spawn(Proc(role, kvrelay_cmd(
             "worker", "--role", role, "--router", control, "--worker-id", role,
-            "--ready-file", str(work / f"{role}.ready"), *engine, "--num-kv-blocks", str(blocks)),
+            "--ready-file", str(work / f"{role}.ready"), *engine, *offload,
+            "--num-kv-blocks", str(blocks)),
             {**env, "OMP_NUM_THREADS": "1" if disagg else "2"}, work / f"{role}.log"))
     for role in roles:
         wait_file(work / f"{role}.ready", dep, st.startup_timeout_s)
@@ -236,7 +240,7 @@ async def no_reuse(address: str, st: Settings, usable: list[int]) -> list[Reply]
         stub = generate_pb2_grpc.GenerationStub(ch)
 
         async def one(i: int) -> Reply:
-            await asyncio.sleep(i * st.stagger_s)
+            await asyncio.sleep(i * st.no_reuse_stagger_s)
             return await ask(stub, prompts[i], st.answer_tokens, "fresh", st.request_timeout_s)
 
         return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
@@ -318,6 +322,8 @@ def table(doc: dict[str, Any]) -> str:
         if not names:
             continue
         pairs = [(c, c.split("+")[0]) for c in names if "+" in c and c.split("+")[0] in res]
+        if "1p1d+tiers" in names and "1p1d+ptiers" in names:  # decode-side reuse alone
+            pairs.append(("1p1d+tiers", "1p1d+ptiers"))
         head = names + [f"{a} ÷ {b}" for a, b in pairs]
         lines += [f"\n### {wl}\n", "| metric | " + " | ".join(head) + " |",
                   "|---" * (len(head) + 1) + "|"]
@@ -345,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--users", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--no-reuse-stagger", type=float, default=None,
+                    help="seconds between the no_reuse workload's requests")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: plumbing only")
     a = ap.parse_args(argv)
@@ -358,10 +366,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.quick:
         st.users, st.rounds, st.system_tokens, st.history_tokens = 2, 2, 64, 128
         st.answer_tokens, st.stagger_s, st.think_s, st.no_reuse_requests = 8, 0.2, 0.1, 2
+        st.no_reuse_stagger_s = 0.2
         st.docs, st.doc_tokens, st.doc_answer_tokens = 3, 200, 4
     for k in ("users", "rounds"):
         if getattr(a, k) is not None:
             setattr(st, k, getattr(a, k))
+    if a.no_reuse_stagger is not None:
+        st.no_reuse_stagger_s = a.no_reuse_stagger
     workloads = tuple(w for w in a.workloads.split(",") if w)
     bad = [c for c in st.configs if c not in CONFIGS] + [w for w in workloads
                                                           if w not in WORKLOADS]
