@@ -4,17 +4,21 @@ through one prefill and two decode workers (real router, worker processes, NIXL 
 the latent layout: one plane of ``kv_lora_rank + qk_rope_head_dim`` per token per layer), with
 the engine alone's greedy tokens (``kvrelay.engine.llm.LLM``, itself held to transformers in
 tests/test_deepseek_models.py) and exactly the latent bytes moved; a decode worker killed
-mid-stream, the stream resumes on the other with the same tokens. One cluster for the module:
-the tests run in order."""
+mid-stream, the stream resumes on the other with the same tokens; then a TP=2 decode worker
+(half the query heads per rank, the whole latent on each) receives the TP=1 prefill worker's
+latents, each rank all of them. One cluster for the module: the tests run in order."""
 
 from __future__ import annotations
 
 import random
 import re
+import signal
+import time
 import urllib.request
 
 import pytest
 from cluster import Cluster
+from test_disaggregated_tp import _rank_pids
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
@@ -63,26 +67,33 @@ def kv_bytes_sent(cluster: Cluster) -> float:
         r"^kvrelay:kv_transfer_bytes_total(?:{[^}]*})? (\S+)$", body, re.MULTILINE))
 
 
-def test_deepseek_greedy_through_1p1d_moving_only_the_latent(cluster, llm, model_dir) -> None:
+def check_greedy(cluster: Cluster, llm: LLM, model_dir: str, lengths: tuple[int, ...],
+                 seed: int) -> None:
     """Every prompt's greedy tokens through the cluster equal the engine alone's, its latent
-    KV prefilled by the prefill worker and received by the decode worker; the bytes moved are
-    each prompt block's one latent plane per layer (40 fp32 a token), every block comes back."""
+    KV prefilled by the prefill worker and received by the decode worker (every rank of it);
+    the bytes moved (the handoff's payload, as the prefill worker reports it: once, whatever
+    the receiving ranks) are each prompt block's one latent plane per layer (40 fp32 a token);
+    every block comes back."""
     _, arch = load_model_config(model_dir)
     assert arch.kv_planes == 1
     block_bytes = BLOCK * (arch.kv_lora_rank + arch.qk_rope_head_dim) * 4
     baseline = cluster.free_blocks()
     before = kv_bytes_sent(cluster)
     with cluster.client() as c:
-        for i, n in enumerate(LENGTHS):
-            ids = prompt_ids(n, i)
+        for i, n in enumerate(lengths):
+            ids = prompt_ids(n, seed + i)
             got = c.generate(ids, sampling(GEN, 0.0, ignore_eos=True))
             assert got.finish_reason == "length"
             assert got.token_ids == engine_alone(llm, ids, GEN), f"prompt of {n}"
             names = [e.name for e in got.trace]
             assert "received" in names and "prefill_end" in names, names
     moved = kv_bytes_sent(cluster) - before
-    assert moved == sum(-(-n // BLOCK) for n in LENGTHS) * arch.num_layers * block_bytes
+    assert moved == sum(-(-n // BLOCK) for n in lengths) * arch.num_layers * block_bytes
     assert cluster.wait_free_blocks(baseline) == baseline
+
+
+def test_deepseek_greedy_through_1p1d_moving_only_the_latent(cluster, llm, model_dir) -> None:
+    check_greedy(cluster, llm, model_dir, LENGTHS, 0)
 
 
 def test_deepseek_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
@@ -107,3 +118,21 @@ def test_deepseek_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
                 trace = [e.name for e in msg.trace]
     assert killed_at is not None and "migrate" in trace, trace
     assert got == ref
+
+
+def test_deepseek_latent_from_a_tp1_prefill_worker_to_a_tp2_decode_worker(cluster, llm,
+                                                                          model_dir) -> None:
+    """The surviving decode worker stopped and a TP=2 one started: each rank (half the query
+    heads) receives every latent block, the whole latent being every rank's: rank 1's half of
+    the heads reads its own copy, so the tokens hold only if it arrived."""
+    for p in cluster.live("decode"):
+        cluster.kill(p, signal.SIGTERM)
+        assert cluster.wait_exit(p, 60) is not None
+    tp = cluster.add_worker("decode", extra=("--tensor-parallel-size", "2"))
+    assert len(_rank_pids(tp.popen.pid)) == 1  # rank 1 (rank 0 is the worker itself)
+    deadline = time.monotonic() + 30
+    while {w.info.worker_id for w in cluster.registered()
+           if w.info.worker_id.startswith("decode")} != {tp.name}:
+        assert time.monotonic() < deadline, "the stopped decode workers stay registered"
+        time.sleep(0.1)
+    check_greedy(cluster, llm, model_dir, (23, 70), 20)
