@@ -190,9 +190,10 @@ GPT_OSS_ARCHS: dict[str, ArchSpec] = {
 
 # DeepSeek-V2/V3 (tests/test_deepseek_models.py): multi-head latent attention with and without
 # the q bottleneck (V2-Lite's plain q_proj), rope dims 8 and 16, V3's YaRN with mscale (from 64
-# positions); V2's greedy and group-limited softmax gating, V3's sigmoid gating with its
-# selection bias over 2 or 4 groups; 4 and 8 routed experts, top-1 to top-3, one or two shared
-# experts, dense first layers and tied embeddings. Weight scales as everywhere (GAIN).
+# positions, written with the legacy rope_scaling keys as the Hub's V3 config is); V2's greedy
+# and group-limited softmax gating, V3's sigmoid gating with its selection bias over 2 or 4
+# groups; 4 and 8 routed experts, top-1 to top-3, one or two shared experts, dense first layers,
+# attention biases, tied embeddings. Weight scales as everywhere (GAIN).
 _DS = dict(intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
            qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, kv_lora_rank=32)
 _DS_YARN = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -208,7 +209,7 @@ DEEPSEEK_ARCHS: dict[str, ArchSpec] = {
         n_routed_experts=4,
         num_experts_per_tok=3, n_shared_experts=2, n_group=2, topk_group=1,
         first_k_dense_replace=0, norm_topk_prob=False, routed_scaling_factor=1.0,
-        rope_parameters=_DS_YARN, tie_word_embeddings=True), embed_std=0.3),
+        rope_parameters=_DS_YARN, tie_word_embeddings=True), embed_std=0.3, legacy_rope=True),
     "deepseek_v2_lite": ArchSpec("DeepseekV2Config", dict(
         _DS, num_hidden_layers=2, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy")),
