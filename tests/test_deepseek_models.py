@@ -55,6 +55,22 @@ def test_arch_reads_the_latent_attention_and_the_gating(hf_model_dir, name: str)
     assert arch.rope_interleave
 
 
+def test_moe_layer_freq_and_first_k_dense_replace_place_the_dense_layers(hf_model_dir,
+                                                                         tmp_path) -> None:
+    """DeepSeek's own reading: sparse from ``first_k_dense_replace`` on, every
+    ``moe_layer_freq``-th layer (transformers has no ``moe_layer_freq``: 1 in every release)."""
+    saved = _config(hf_model_dir("deepseek_v3"))
+    for i, (change, sparse) in enumerate([({"num_hidden_layers": 6, "moe_layer_freq": 2},
+                                           (False, False, True, False, True, False)),
+                                          ({"num_hidden_layers": 4, "first_k_dense_replace": 0},
+                                           (True,) * 4),
+                                          ({"first_k_dense_replace": 3}, (False,) * 3)]):
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**saved, **change}))
+        assert load_model_config(str(d))[1].sparse_layers == sparse, change
+
+
 def test_unsupported_deepseek_configs_are_refused_by_name(hf_model_dir, tmp_path) -> None:
     saved = _config(hf_model_dir("deepseek_v2"))
     for i, (change, match) in enumerate([({"topk_method": "noaux"}, "topk_method 'noaux'"),
