@@ -173,11 +173,16 @@ class MLAttention(nn.Module):
                 lat = widened(self.cache.index_select(0, span_slots(meta, j)), q.dtype)
                 lat = lat.view(span.ctx_len, -1)
             k, v = self.up_project(lat)
+            qs, width = q[rows], max(self.qk_dim, self.v_dim)
+            # One head size for all three (zeros: the same scores and values): SDPA's fused CPU
+            # kernel takes no other (V3's 192 / 128 and 96 / 64 went to the math path, which
+            # took 4x as long on 2048 tokens, 8 heads, 2 threads).
+            qs, k, v = (F.pad(t, (0, width - t.shape[-1])).transpose(0, 1) for t in (qs, k, v))
             mask = span.mask(None, q.device)
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                is_causal=mask is None, scale=self.scale)
-            out[rows] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                               attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale)
+            out[rows] = o[0, ..., :self.v_dim].transpose(0, 1)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
