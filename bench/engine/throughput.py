@@ -97,6 +97,16 @@ class Model:
     expert_params: int = 0
     expert_bytes: int = 0
     sparse_layers: int = 0
+    # Multi-head latent attention (DeepSeek): ``mla_rank`` > 0. The cache is one plane of one
+    # "head" of ``head_dim`` (latent + rope) per token (``kv_planes`` 1). A prefill pair costs
+    # the up-projected heads' q.k and p.v, 2 H (``mla_qk`` + ``mla_v``); a decode pair the
+    # absorbed ones over the latent, 2 H (``head_dim`` + ``mla_rank``). The up- and absorbing
+    # projections (kv_b_proj's weights, once per new token) are in the layers' params; a chunk
+    # after a cached prefix up-projects the prefix's keys again, not counted (no row flattered).
+    kv_planes: int = 2
+    mla_rank: int = 0
+    mla_qk: int = 0
+    mla_v: int = 0
 
     @property
     def active_body_params(self) -> int:
@@ -122,13 +132,17 @@ class Model:
         layer = self.active_body_params / self.layers
         pairs = attended_pairs if sampled_pairs is None else sampled_pairs
         last = 2 * self.kv_proj * new_tokens + 2 * (layer - self.kv_proj) * sampled
+        per_pair = 4 * self.heads * self.head_dim
+        if self.mla_rank:  # decode rows (every row samples: no sampled_pairs) absorb
+            per_pair = 2 * self.heads * (self.head_dim + self.mla_rank if sampled_pairs is None
+                                         else self.mla_qk + self.mla_v)
         return (2 * layer * (self.layers - 1) * new_tokens + last + 2 * self.embed * sampled
-                + 4 * self.heads * self.head_dim * (attended_pairs * (self.layers - 1) + pairs))
+                + per_pair * (attended_pairs * (self.layers - 1) + pairs))
 
     def kv_bytes(self, keys: int) -> int:
-        """Bytes of cached K and V that ``keys`` visible keys (over all sequences) make a step
-        read."""
-        return 2 * keys * self.kv_heads * self.head_dim * self.layers * self.kv_elem
+        """Bytes of cached K and V (or latents) that ``keys`` visible keys (over all
+        sequences) make a step read."""
+        return self.kv_planes * keys * self.kv_heads * self.head_dim * self.layers * self.kv_elem
 
 
 def causal_pairs(n: int, offset: int = 0) -> int:
@@ -279,6 +293,9 @@ def main() -> int:
     ap.add_argument("--moe", action="store_true",
                     help="with no --model: the bench's mid-size random Qwen3-MoE "
                          "(bench/engine/moe_model.py: 32 experts, top-4) for the demo Llama")
+    ap.add_argument("--mla", action="store_true",
+                    help="with no --model: the bench's mid-size random DeepSeek-V2-Lite-like "
+                         "(bench/engine/mla_model.py: latent attention, 32 experts, top-4)")
     ap.add_argument("--short", action="store_true",
                     help="only prefill 2048 and decode B=8/32 (issue #55's rows)")
     ap.add_argument("--unpacked", action="store_true",
@@ -297,6 +314,10 @@ def main() -> int:
         dtype = "float32" if args.dtype == "float32" else "bfloat16"
         if args.moe:
             model_dir = write_moe_model(os.path.join(tmp.name, "moe"), dtype=dtype)
+        elif args.mla:
+            from bench.engine.mla_model import write_mla_model
+
+            model_dir = write_mla_model(os.path.join(tmp.name, "mla"), dtype=dtype)
         else:
             model_dir = write_demo_model(os.path.join(tmp.name, "base"), size="base",
                                          dtype=dtype)
@@ -321,16 +342,22 @@ def main() -> int:
     kvh = getattr(hf_cfg, "num_key_value_heads", None) or heads
     arch = runner.model.arch
     expert_params = 3 * arch.hidden_size * arch.moe_intermediate_size if arch.is_moe else 0
+    mla: dict[str, int] = {}
+    if arch.kv_latent:  # the cache's one latent head; the last layer needs kv_a for every row
+        heads, kvh, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        mla = dict(kv_planes=1, mla_rank=arch.kv_lora_rank, mla_v=arch.v_head_dim,
+                   mla_qk=arch.qk_nope_head_dim + arch.qk_rope_head_dim)
     model = Model(
         body_params=params - embed * (1 if hf_cfg.tie_word_embeddings else 2),
         embed=embed,
         # Bytes a step must read: everything but the input embedding table (a gather).
         step_bytes=weight_bytes - (0 if hf_cfg.tie_word_embeddings else embed * w_elem),
         heads=heads, kv_heads=kvh, head_dim=hd, layers=hf_cfg.num_hidden_layers,
-        vocab=hf_cfg.vocab_size, kv_proj=2 * hf_cfg.hidden_size * kvh * hd,
+        vocab=hf_cfg.vocab_size,
+        kv_proj=(1 if mla else 2) * hf_cfg.hidden_size * kvh * hd,
         kv_elem=runner.kv_dtype.itemsize, experts=arch.num_experts if arch.is_moe else 0,
         top_k=arch.num_experts_per_tok, expert_params=expert_params,
-        expert_bytes=expert_params * w_elem, sparse_layers=sum(arch.sparse_layers))
+        expert_bytes=expert_params * w_elem, sparse_layers=sum(arch.sparse_layers), **mla)
     vocab = model.vocab
     prefill_lens = (2048,) if args.short else PREFILL_LENS
     decode_batches = (8, 32) if args.short else DECODE_BATCHES
