@@ -26,7 +26,7 @@ from test_moe_models import _check_logits
 from kvrelay.engine.models.arch import UnsupportedModelError, load_model_config
 from kvrelay.engine.models.deepseek import DeepseekForCausalLM
 from kvrelay.engine.models.deepseek_moe import DeepseekMoE
-from kvrelay.engine.models.mla import deinterleave_rows
+from kvrelay.engine.models.mla import MLAttention, deinterleave_rows
 
 DEEPSEEK = sorted(DEEPSEEK_ARCHS)
 # (kv_lora_rank + rope dims, topk_method, sparse layers, shared expert width, q_lora_rank)
@@ -131,7 +131,8 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str,
                                                      monkeypatch) -> None:
     """A mixed batch's greedy tokens, then one prompt's logits through 24-token chunks (each
     up-projecting the earlier chunks' latents from the paged cache) and absorbed decodes (the
-    native paged decode kernel over the latent plane), against transformers in fp32."""
+    native paged decode kernel over the latent plane), against transformers in fp32; the last
+    layer on the sampled rows alone where the backend prunes it."""
     import kvrelay.engine.cpu.attention as native
 
     d = hf_model_dir(name)
@@ -141,6 +142,10 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str,
     real = native.paged_decode
     monkeypatch.setattr(native, "paged_decode",
                         lambda q, *a, **k: (calls.append(q.shape[-1]), real(q, *a, **k))[1])
+    pruned: list[int] = []
+    rows = MLAttention.forward_rows
+    monkeypatch.setattr(MLAttention, "forward_rows",
+                        lambda self, *a: (pruned.append(1), rows(self, *a))[1])
     ps = prompts(1, (1, 7, 16, 33))
     free0 = core.block_manager.num_free_blocks
     got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
@@ -152,6 +157,9 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str,
     assert len(seen) >= 10, "degenerate reference model"
     assert core.block_manager.num_free_blocks == free0
     assert calls and set(calls) == {EXPECTED[name][0]}  # the absorbed decode, natively
+    # The last layer on the rows read alone (absorbed, as decodes) where the native prefill
+    # kernel's head size lets the backend prune (a latent + rope of 48 here, 576 in V3)
+    assert bool(pruned) == core.runner.prune_last == (EXPECTED[name][0] % 16 == 0)
     _check_logits(core, d, tol=1e-4)
 
 

@@ -17,7 +17,9 @@ What the engine's CPU fast paths do with it: the linears are packed as every mod
 fused native decode layers decline it (``FusedDecode.for_model``: an MoE, and a latent cache);
 the native paged decode kernel serves the absorbed decode (one KV head of ``kv_lora_rank +
 qk_rope_head_dim``); prefill spans attend through torch SDPA (up-projected per head), whatever
-the backend. On CUDA the runner serves it on torch SDPA (flash-attn does not read a latent).
+the backend; where the backend prunes the last layer to the rows read (the native one, at head
+sizes its prefill kernel takes), those rows attend absorbed, as decodes. On CUDA the runner
+serves it on torch SDPA (flash-attn does not read a latent).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from kvrelay.engine.models.arch import ModelArch, rope_parameters
 from kvrelay.engine.models.deepseek_moe import DeepseekMoE
 from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
-from kvrelay.engine.models.mla import MLAttention, RopeRows, decode_view
+from kvrelay.engine.models.mla import MLAttention, RopeRows, decode_view, rows_as_decodes
 from kvrelay.engine.models.mlp import MLP
 from kvrelay.engine.models.moe import SparseMoE
 from kvrelay.engine.models.rope import rope_inv_freq
@@ -70,6 +72,17 @@ class DeepseekDecoderLayer(DecoderLayer):
             h.add_(m)
             return None
         return next_norm.add_and_norm(h, m)
+
+    def forward_rows(self, h: torch.Tensor, x: torch.Tensor,  # type: ignore[override]
+                     cos: torch.Tensor, sin: torch.Tensor, meta: Any, rows: Any,
+                     last: Any) -> torch.Tensor:
+        """The last layer for the rows ``last.rows`` alone: their residual stream after it
+        (``[R, hidden]``, a new tensor)."""
+        hr = h.index_select(0, last.rows)
+        x = self.post_attn_norm.add_and_norm(hr, self.attn.forward_rows(x, cos, sin, meta, rows,
+                                                                         last))
+        hr.add_(self.mlp(x))
+        return hr
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -119,11 +132,15 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         layers = self.layers
         x = layers[0].input_norm.add_and_norm(h, None)
         cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+        last = meta.last_layer
+        rows = None if last is None else rows_as_decodes(last)
         for i, layer in enumerate(layers):
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
+            if nxt is None and rows is not None:
+                return layer.forward_rows(h, x, cos, sin, meta, rows, last)
             x = layer(h, x, cos, sin, meta, decodes, nxt)
-        # Every row ran the last layer (no pruned path): keep the rows the step reads.
-        last = meta.last_layer
+        # Every row ran the last layer (a backend without the rows' metadata): keep the rows
+        # the step reads.
         return h if last is None else h.index_select(0, last.rows)
 
     def shard_tensor_parallel(self, shard: Any) -> None:

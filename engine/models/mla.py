@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.engine.attention import AttentionFn, AttentionMetadata
+from kvrelay.engine.attention import AttentionFn, AttentionMetadata, LastLayerRows
 from kvrelay.engine.attention.sdpa import stored, widened
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear, empty_param
@@ -86,6 +86,29 @@ def decode_view(meta: AttentionMetadata) -> AttentionMetadata | None:
                                on_kv_written=None, last_layer=None, **drop)
 
 
+def rows_as_decodes(last: LastLayerRows) -> AttentionMetadata | None:
+    """The last layer's rows (``last.meta``: the last row of each sampling prefill span, then
+    the decodes) as decodes of one step: a span's last row sees its whole context, as a decode
+    does, so the absorbed attention serves them all in one call. None where ``last.meta`` is
+    not the native backend's (every row then runs the last layer)."""
+    sub = last.meta
+    if not hasattr(sub, "prefill_spans"):
+        return None
+    lens, tables = [], []
+    if sub.num_prefill_tokens:
+        lens.append(sub.prefill_spans[2])
+        tables.append(sub.prefill_tables)
+    if sub.decode_lens is not None:
+        lens.append(sub.decode_lens)
+        tables.append(sub.decode_tables)
+    width = max(t.shape[1] for t in tables)
+    return dataclasses.replace(
+        sub, num_prefill_tokens=0, prefills=[], prefill_spans=None, prefill_tables=None,
+        decode_lens=torch.cat(lens), decode_tables=torch.cat(
+            [F.pad(t, (0, width - t.shape[1])) for t in tables]), last_layer=None,
+        on_kv_written=None)
+
+
 def span_slots(meta: AttentionMetadata, j: int) -> torch.Tensor:
     """The cache slots of the keys prefill span ``j`` sees (its cached prefix and itself): the
     span's own list where the backend gathered one, else from its block table (the native
@@ -132,17 +155,10 @@ class MLAttention(nn.Module):
                 meta: AttentionMetadata, decodes: AttentionMetadata | None) -> torch.Tensor:
         """``decodes``: :func:`decode_view` of ``meta`` (built once per step)."""
         t, h = x.shape[0], self.num_heads
-        q_in, lat, k_pe = self.in_proj(x).split((self.q_in, self.rank, self.rope_dim), dim=-1)
+        q_in, row = self._latents(x, cos, sin, meta)
         q = q_in if self.q_b is None else self.q_b(self.q_norm(q_in))
         q = q.view(t, h, self.qk_dim)
         q_nope, q_pe = q[..., :self.nope], rope(q[..., self.nope:], cos, sin)
-        k_pe = rope(k_pe.reshape(t, 1, self.rope_dim), cos, sin)
-        row = torch.cat((self.kv_norm(lat), k_pe.view(t, self.rope_dim)), dim=-1)
-        cache = self.cache
-        n = meta.slot_mapping.shape[0]
-        cache.index_copy_(0, meta.slot_mapping, row[:n].to(cache.dtype).unsqueeze(1))
-        if meta.on_kv_written is not None:
-            meta.on_kv_written(self.layer)
         out = x.new_zeros(t, h, self.v_dim)
         p = meta.num_prefill_tokens
         if p:
@@ -151,6 +167,37 @@ class MLAttention(nn.Module):
             e = p + decodes.num_decodes
             out[p:e] = self._decode(q_nope[p:e], q_pe[p:e], decodes)
         return self.o(out.view(t, h * self.v_dim))
+
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     meta: AttentionMetadata, rows: AttentionMetadata,
+                     last: LastLayerRows) -> torch.Tensor:
+        """:meth:`forward` for the rows ``last.rows`` only (``[R, hidden]``): every row's latent
+        still goes to the cache; those rows' queries attend, absorbed, as the decodes ``rows``
+        (:func:`rows_as_decodes`)."""
+        q_in, _ = self._latents(x, cos, sin, meta)
+        q_in = q_in.index_select(0, last.rows)
+        r = q_in.shape[0]
+        q = (q_in if self.q_b is None else self.q_b(self.q_norm(q_in)))
+        q = q.view(r, self.num_heads, self.qk_dim)
+        q_pe = rope(q[..., self.nope:], cos.index_select(0, last.rows),
+                    sin.index_select(0, last.rows))
+        out = self._decode(q[..., :self.nope], q_pe, rows)
+        return self.o(out.reshape(r, self.num_heads * self.v_dim))
+
+    def _latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input projection of every row: its q input (``[T, q_in]``) and its cache row
+        ``[c, rotated k_pe]`` (``[T, rank + rope]``), written to the cache."""
+        t = x.shape[0]
+        q_in, lat, k_pe = self.in_proj(x).split((self.q_in, self.rank, self.rope_dim), dim=-1)
+        k_pe = rope(k_pe.reshape(t, 1, self.rope_dim), cos, sin)
+        row = torch.cat((self.kv_norm(lat), k_pe.view(t, self.rope_dim)), dim=-1)
+        cache = self.cache
+        n = meta.slot_mapping.shape[0]
+        cache.index_copy_(0, meta.slot_mapping, row[:n].to(cache.dtype).unsqueeze(1))
+        if meta.on_kv_written is not None:
+            meta.on_kv_written(self.layer)
+        return q_in, row
 
     def up_project(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache rows ``[n, rank + rope]`` -> per-head keys ``[n, H, qk]`` and values
