@@ -73,12 +73,15 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
         model = model_class(arch).from_config(arch, hf_cfg, attn_fn, max_positions,
                                               compute_dtype=act)
     targets = model.checkpoint_targets()
+    # A family's tensors the engine does not run (DeepSeek-V3's multi-token-prediction layer)
+    unused = getattr(model, "unused_checkpoint_weight", None)
     loaded: set[str] = set()
     ignored = 0
     for name, tensor in iter_checkpoint(model_dir):
         target = targets.get(name)
         if target is None:
-            if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
+            if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq") \
+                    or (unused is not None and unused(name)):
                 ignored += 1  # tied head stored anyway; stale rope buffers of old checkpoints
                 continue
             raise ValueError(f"unexpected weight {name!r} in {model_dir} for {arch.architecture}")

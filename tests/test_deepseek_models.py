@@ -75,7 +75,9 @@ def test_unsupported_deepseek_configs_are_refused_by_name(hf_model_dir, tmp_path
     saved = _config(hf_model_dir("deepseek_v2"))
     for i, (change, match) in enumerate([({"topk_method": "noaux"}, "topk_method 'noaux'"),
                                          ({"kv_lora_rank": 0}, "positive kv_lora_rank"),
-                                         ({"hidden_act": "gelu"}, "hidden_act")]):
+                                         ({"hidden_act": "gelu"}, "hidden_act"),
+                                         ({"quantization_config": {"quant_method": "fp8"}},
+                                          "quantized DeepseekV2ForCausalLM.*bf16")]):
         d = tmp_path / str(i)
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**saved, **change}))
@@ -101,6 +103,25 @@ def test_deinterleaving_the_rope_rows_keeps_the_rest() -> None:
     t = torch.arange(2 * 6).view(12, 1)  # 2 groups of 6 rows, rope rows 2..5 of each
     got = deinterleave_rows(t, 2, 6, 2, 4).view(-1).tolist()
     assert got == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
+
+
+def test_the_multi_token_prediction_layer_is_skipped_at_load(hf_model_dir, tmp_path) -> None:
+    """DeepSeek-V3's checkpoints carry a multi-token-prediction module as one layer past the
+    decoder's (layer 61 of 61): loaded past, not refused; any other stray tensor still is."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = tmp_path / "mtp"
+    shutil.copytree(hf_model_dir("deepseek_v3"), d)
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(4, 4),
+               "model.layers.3.shared_head.norm.weight": torch.ones(4)},
+              str(d / "mtp.safetensors"))
+    core = make_core(str(d))
+    assert len(core.runner.model.layers) == 3
+    save_file({"model.layers.2.stray.weight": torch.zeros(2)}, str(d / "stray.safetensors"))
+    with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.2\.stray"):
+        make_core(str(d))
 
 
 # -- the experts ------------------------------------------------------------------------------

@@ -371,6 +371,11 @@ def _deepseek_fields(cfg: Any) -> dict[str, Any]:
             raise UnsupportedModelError(f"{cfg.architectures[0]} needs a positive {key}")
     if cfg.qk_rope_head_dim % 2:
         raise UnsupportedModelError(f"qk_rope_head_dim {cfg.qk_rope_head_dim} must be even")
+    if getattr(cfg, "quantization_config", None):
+        raise UnsupportedModelError(
+            f"a quantized {cfg.architectures[0]} checkpoint (the Hub's V3/R1 hold FP8 "
+            "block-scaled weights) is not supported; serve a bf16 one (DeepSeek's "
+            "fp8_cast_bf16.py converts it)")
     v3 = SUPPORTED_ARCHITECTURES[supported_architecture(cfg.architectures)] == "deepseek_v3"
     method = "noaux_tc" if v3 else (getattr(cfg, "topk_method", None) or "greedy")
     if method not in ("greedy", "group_limited_greedy", "noaux_tc"):

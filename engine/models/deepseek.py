@@ -116,6 +116,14 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                        else mlp_targets(m, p + "mlp."))
         return out
 
+    def unused_checkpoint_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a layer past the decoder's: DeepSeek-V3's
+        multi-token-prediction module (``num_nextn_predict_layers``, stored as layer 61 of 61),
+        which greedy decoding does not run (the loader skips it)."""
+        parts = name.split(".")
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+            and int(parts[2]) >= self.arch.num_layers
+
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
         """Each layer's view of its latent plane, flat ``[slots, 1, kv_lora_rank + rope]``."""
         assert kv.dim() == 6 and kv.shape[1] == 1, "MLA caches one latent plane per layer"
