@@ -3,15 +3,27 @@ sized for tests (one torch thread, a 64 MiB KV cache)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.client import sampling
 from kvrelay.forking import Forked
 from kvrelay.local_cluster import Cluster as LocalCluster
 from kvrelay.local_cluster import Proc
 
-__all__ = ["WORKER_ARGS", "Cluster", "Forked", "Proc"]
+__all__ = ["WORKER_ARGS", "Cluster", "Forked", "KilledStream", "Proc"]
 
 WORKER_ARGS = ("--num-threads", "1", "--kv-cache-memory", "64MiB")
+
+
+@dataclass
+class KilledStream:
+    """A greedy stream during which the decode worker holding it was killed."""
+
+    tokens: list[int] = field(default_factory=list)
+    killed_at: int | None = None  # tokens received when the kill was sent
+    trace: list[str] = field(default_factory=list)  # the final message's trace event names
+    usage: Any = None  # the final message's usage
 
 
 class Cluster(LocalCluster):
@@ -32,6 +44,28 @@ class Cluster(LocalCluster):
             if p.alive() and p.ready is None:
                 self.wait_ready(p)
         self.wait_registered()
+
+    def stream_killing_its_decode_worker(self, ids: list[int], max_tokens: int,
+                                         after: int = 10) -> KilledStream:
+        """Stream ``max_tokens`` greedy tokens of ``ids``, killing the decode worker that holds
+        the stream once ``after`` tokens arrived; asserts the router migrated it (its trace
+        says ``migrate``)."""
+        decodes = self.live("decode")
+        out = KilledStream()
+        with self.client() as c:
+            for msg in c.stream(ids, sampling(max_tokens, 0.0, ignore_eos=True), timeout=180):
+                out.tokens.extend(msg.token_ids)
+                if out.killed_at is None and len(out.tokens) >= after:
+                    victim = next((p for p in decodes if self.status(p).load.running >= 1),
+                                  None)
+                    assert victim is not None, "no decode worker holds the stream"
+                    self.kill(victim)
+                    out.killed_at = len(out.tokens)
+                if msg.finish_reason:
+                    out.trace = [e.name for e in msg.trace]
+                    out.usage = msg.usage
+        assert out.killed_at is not None and "migrate" in out.trace, out.trace
+        return out
 
     def openai(self, timeout: float = 120.0) -> Any:
         """An OpenAI SDK client of the router's HTTP API (started with ``--http-port``)."""

@@ -88,21 +88,8 @@ def test_bf16_kv_survives_a_decode_worker_migration(cluster, llm) -> None:
                                              logprobs=2))[0]
     ref = alone.token_ids
     gaps = [t.top[0][1] - t.top[1][1] for t in alone.logprobs]
-    decodes = cluster.live("decode")
-    got: list[int] = []
-    trace: list[str] = []
-    killed_at = None
-    with cluster.client() as c:
-        for msg in c.stream(ids, sampling(n, 0.0, ignore_eos=True), timeout=180):
-            got.extend(msg.token_ids)
-            if killed_at is None and len(got) >= 10:
-                victim = next((p for p in decodes if cluster.status(p).load.running >= 1), None)
-                assert victim is not None, "no decode worker holds the stream"
-                cluster.kill(victim)
-                killed_at = len(got)
-            if msg.finish_reason:
-                trace = [e.name for e in msg.trace]
-    assert killed_at is not None and "migrate" in trace, trace
+    killed = cluster.stream_killing_its_decode_worker(ids, n)
+    got, killed_at = killed.tokens, killed.killed_at
     assert len(got) == n and got[:killed_at] == ref[:killed_at]
     tie = next((i for i in range(killed_at, n) if gaps[i] < TIE_NATS), n)
     assert tie - killed_at >= 15, "the reference ties too soon after the kill to test anything"

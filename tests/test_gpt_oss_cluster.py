@@ -72,19 +72,6 @@ def test_gpt_oss_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
     n = 80
     ids = prompt_ids(60, 7)
     ref = engine_alone(llm, ids, n)
-    decodes = cluster.live("decode")
-    got: list[int] = []
-    trace: list[str] = []
-    killed_at = None
-    with cluster.client() as c:
-        for msg in c.stream(ids, sampling(n, 0.0, ignore_eos=True), timeout=180):
-            got.extend(msg.token_ids)
-            if killed_at is None and len(got) >= 10:
-                victim = next((p for p in decodes if cluster.status(p).load.running >= 1), None)
-                assert victim is not None, "no decode worker holds the stream"
-                cluster.kill(victim)
-                killed_at = len(got)
-            if msg.finish_reason:
-                trace = [e.name for e in msg.trace]
-    assert killed_at is not None and "migrate" in trace, trace
+    killed = cluster.stream_killing_its_decode_worker(ids, n)
+    got = killed.tokens
     assert got == ref

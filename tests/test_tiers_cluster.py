@@ -83,22 +83,7 @@ def test_a_tier_hit_survives_a_decode_worker_migration(cluster, llm) -> None:
         c.generate(ids, sampling(4, 0.0, ignore_eos=True))
         evict(c, 4000)
     cluster.ensure_workers(decode=2)
-    decodes = cluster.live("decode")
-    got: list[int] = []
-    trace: list[str] = []
-    killed_at = None
-    usage = None
-    with cluster.client() as c:
-        for msg in c.stream(ids, sampling(n, 0.0, ignore_eos=True), timeout=180):
-            got.extend(msg.token_ids)
-            if killed_at is None and len(got) >= 10:
-                victim = next((p for p in decodes if cluster.status(p).load.running >= 1), None)
-                assert victim is not None, "no decode worker holds the stream"
-                cluster.kill(victim)
-                killed_at = len(got)
-            if msg.finish_reason:
-                trace = [e.name for e in msg.trace]
-                usage = msg.usage
-    assert killed_at is not None and "migrate" in trace, trace
+    killed = cluster.stream_killing_its_decode_worker(ids, n)
+    got, usage = killed.tokens, killed.usage
     assert got == ref
     assert usage is not None and usage.cached_prompt_tokens > 0, usage
