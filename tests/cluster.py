@@ -3,6 +3,7 @@ sized for tests (one torch thread, a 64 MiB KV cache)."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,9 +12,24 @@ from kvrelay.forking import Forked
 from kvrelay.local_cluster import Cluster as LocalCluster
 from kvrelay.local_cluster import Proc
 
-__all__ = ["WORKER_ARGS", "Cluster", "Forked", "KilledStream", "Proc"]
+__all__ = ["WORKER_ARGS", "Cluster", "Forked", "KilledStream", "Proc", "engine_alone",
+           "prompt_ids"]
 
 WORKER_ARGS = ("--num-threads", "1", "--kv-cache-memory", "64MiB")
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """A prompt of ``n`` ids from the tokenizer's ordinary range, the same for a ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(7, 4000) for _ in range(n)]
+
+
+def engine_alone(llm: Any, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of ``ids`` from an offline ``LLM``: what a cluster must stream."""
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    return llm.generate(ids, SamplingParams(max_tokens=n, temperature=0,
+                                            ignore_eos=True))[0].token_ids
 
 
 @dataclass

@@ -13,20 +13,18 @@ cluster for the module: the tests run in order, each leaving it as the next one 
 
 from __future__ import annotations
 
-import random
 import re
 import signal
 import time
 import urllib.request
 
 import pytest
-from cluster import Cluster
+from cluster import Cluster, engine_alone, prompt_ids
 from test_disaggregated_tp import _rank_pids
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.models.arch import load_model_config
-from kvrelay.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +32,6 @@ MODEL = "gemma3"
 BLOCK = 16  # the workers' block size
 LENGTHS = (5, 23, 70, 130)  # within the window (24), then 3 and 5 times it
 GEN = 12
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(7, 4000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +49,6 @@ def cluster(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
     return LLM(model_dir, num_blocks=256)
-
-
-def engine_alone(llm: LLM, ids: list[int], n: int) -> list[int]:
-    return llm.generate(ids, SamplingParams(max_tokens=n, temperature=0,
-                                            ignore_eos=True))[0].token_ids
 
 
 def kv_bytes_sent(cluster: Cluster) -> float:

@@ -8,25 +8,17 @@ module: the tests run in order."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from cluster import Cluster
+from cluster import Cluster, engine_alone, prompt_ids
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
-from kvrelay.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 MODEL = "gpt_oss"
 LENGTHS = (5, 17, 70, 130)  # within the window (16), then past it by 1, 4 and 8 windows
 GEN = 12
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(7, 4000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +35,6 @@ def cluster(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
     return LLM(model_dir, num_blocks=256)
-
-
-def engine_alone(llm: LLM, ids: list[int], n: int) -> list[int]:
-    return llm.generate(ids, SamplingParams(max_tokens=n, temperature=0,
-                                            ignore_eos=True))[0].token_ids
 
 
 def test_gpt_oss_greedy_through_one_prefill_and_one_decode_worker(cluster, llm) -> None:

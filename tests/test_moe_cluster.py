@@ -9,28 +9,21 @@ one needs."""
 
 from __future__ import annotations
 
-import random
 import signal
 import time
 
 import pytest
-from cluster import Cluster
+from cluster import Cluster, engine_alone, prompt_ids
 from test_disaggregated_tp import _rank_pids
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
-from kvrelay.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 MODEL = "mixtral"
 LENGTHS = (5, 17, 130, 300)  # blocks of 16: within one, two, and 9 and 19 of them
 GEN = 12
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(7, 4000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +40,6 @@ def cluster(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
     return LLM(model_dir, num_blocks=256)
-
-
-def engine_alone(llm: LLM, ids: list[int], n: int) -> list[int]:
-    return llm.generate(ids, SamplingParams(max_tokens=n, temperature=0,
-                                            ignore_eos=True))[0].token_ids
 
 
 def check_greedy(cluster: Cluster, llm: LLM, what: str) -> None:
