@@ -20,8 +20,16 @@ import pytest
 import torch
 from hf_models import DEEPSEEK_ARCHS, load_hf_model
 from test_bf16_engine import BF16_KV_TOL, FP32_TOL
-from test_engine_parity import GEN, GREEDY, check_prefix_hit, hf_tokens, make_core, prompts, run
-from test_moe_models import _check_logits
+from test_engine_parity import (
+    GEN,
+    GREEDY,
+    check_logits,
+    check_prefix_hit,
+    hf_tokens,
+    make_core,
+    prompts,
+    run,
+)
 
 from kvrelay.engine.models.arch import UnsupportedModelError, load_model_config
 from kvrelay.engine.models.deepseek import DeepseekForCausalLM
@@ -181,7 +189,7 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str,
     # The last layer on the rows read alone (absorbed, as decodes) where the native prefill
     # kernel's head size lets the backend prune (a latent + rope of 48 here, 576 in V3)
     assert bool(pruned) == core.runner.prune_last == (EXPECTED[name][0] % 16 == 0)
-    _check_logits(core, d, tol=1e-4)
+    check_logits(core, d, tol=1e-4)
 
 
 def test_torch_sdpa_backend_matches_transformers(hf_model_dir) -> None:
@@ -189,7 +197,7 @@ def test_torch_sdpa_backend_matches_transformers(hf_model_dir) -> None:
     d = hf_model_dir("deepseek_v3")
     core = make_core(d, attention_backend="sdpa")
     assert core.runner.attention.name == "sdpa"
-    _check_logits(core, d, tol=1e-4)
+    check_logits(core, d, tol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_lite"])
@@ -217,7 +225,7 @@ def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir) -> None:
         core = make_core(d, kv_cache_dtype=kv)
         assert core.runner.dtype == torch.bfloat16
         assert core.runner.model.layers[0].attn.kv_b.dtype == torch.bfloat16
-        _check_logits(core, d, tol=tol, length=40)
+        check_logits(core, d, tol=tol, length=40)
 
 
 # -- tensor parallelism -----------------------------------------------------------------------
@@ -238,7 +246,7 @@ def test_tp2_splits_the_heads_replicates_the_latent_and_matches_transformers(
         got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
         for i, p in enumerate(ps):
             assert got[f"r{i}"] == hf_tokens(d, tuple(p), GEN), (name, len(p))
-        _check_logits(core, d, tol=1e-4)
+        check_logits(core, d, tol=1e-4)
     finally:
         core.runner.close()
 

@@ -87,29 +87,34 @@ def test_greedy_tokens_match_transformers_in_a_mixed_batch(hf_model_dir, arch: s
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_logits_match_transformers_through_chunks_and_decodes(hf_model_dir, arch: str) -> None:
     model_dir = hf_model_dir(arch)
-    prompt = prompts(2, (70,))[0]
-    ref = hf_greedy(model_dir, prompt, 12)
-    full = prompt + ref.token_ids
+    check_logits(make_core(model_dir), model_dir, tol=1e-4, length=70, decodes=12)
+
+
+def check_logits(core: EngineCore, model_dir: str, tol: float, length: int = 50,
+                 decodes: int = 8) -> None:
+    """One prompt's logits through 24-token chunks (each reading the earlier ones from the paged
+    cache) and ``decodes`` decode steps, against transformers in fp32: the largest difference
+    within ``tol`` of the largest logit, prefill and decode each."""
+    prompt = prompts(2, (length,))[0]
+    ref = hf_greedy(model_dir, prompt, decodes)
     ref_prefill = hf_forward_logits(model_dir, prompt)
-    core = make_core(model_dir)
     runner, bm = core.runner, core.block_manager
-    seq = Sequence("x", full, GREEDY)
+    seq = Sequence("x", prompt + ref.token_ids, GREEDY)
     seq.num_prompt_tokens = len(prompt)
-    assert bm.allocate(seq, len(full))
-    got_prefill = []
-    for start, stop in ((0, 24), (24, 48), (48, 70)):  # chunks over the cached prefix
-        got_prefill.append(runner.logits_for([ScheduledSeq(seq, stop - start)]))
+    assert bm.allocate(seq, seq.num_tokens)
+    chunks = []
+    for start in range(0, length, 24):  # chunks over the cached prefix
+        stop = min(start + 24, length)
+        chunks.append(runner.logits_for([ScheduledSeq(seq, stop - start)]))
         seq.num_computed_tokens = stop
-    got_decode = []
+    dec = []
     for _ in ref.token_ids[:-1]:  # decode steps: one token over the paged cache
-        got_decode.append(runner.logits_for([ScheduledSeq(seq, 1)])[0])
+        dec.append(runner.logits_for([ScheduledSeq(seq, 1)])[0])
         seq.num_computed_tokens += 1
-    got = torch.cat(got_prefill)
-    scale = ref_prefill.abs().max()
-    assert (got - ref_prefill).abs().max() / scale < 1e-4
-    dec = torch.stack(got_decode)
+    err_p = float((torch.cat(chunks) - ref_prefill).abs().max() / ref_prefill.abs().max())
     ref_dec = ref.logits[1:]
-    assert (dec - ref_dec).abs().max() / ref_dec.abs().max() < 1e-4
+    err_d = float((torch.stack(dec) - ref_dec).abs().max() / ref_dec.abs().max())
+    assert err_p < tol and err_d < tol, (model_dir, err_p, err_d)
     bm.free(seq)
 
 

@@ -15,11 +15,19 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import GEMMA3_ARCHS, hf_forward_logits, hf_greedy
+from hf_models import GEMMA3_ARCHS
 from test_bf16_engine import BF16_KV_TOL, FP32_TOL
-from test_engine_parity import GEN, GREEDY, check_prefix_hit, hf_tokens, make_core, prompts, run
+from test_engine_parity import (
+    GEN,
+    GREEDY,
+    check_logits,
+    check_prefix_hit,
+    hf_tokens,
+    make_core,
+    prompts,
+    run,
+)
 
-from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.models.arch import (
     UnsupportedModelError,
     load_hf_config,
@@ -27,9 +35,11 @@ from kvrelay.engine.models.arch import (
     plain_config,
 )
 from kvrelay.engine.models.gemma3 import GLOBAL, LOCAL, Gemma3ForCausalLM, gemma3_ropes
-from kvrelay.engine.sequence import Sequence
 
 GEMMA = sorted(GEMMA3_ARCHS)
+# A prompt longer than every test checkpoint's window: the local layers' masks cut into the
+# cached prefix when check_logits runs it in chunks.
+PAST_WINDOW = 70
 # What each checkpoint's ModelArch says: (windows, kv heads, head dim, query_pre_attn_scalar,
 # final_logit_softcapping, tied).
 EXPECTED = {
@@ -99,34 +109,6 @@ def test_what_is_not_implemented_is_refused_by_name(hf_model_dir, tmp_path) -> N
 
 
 # -- through the engine -----------------------------------------------------------------------
-def check_logits(core: Any, model_dir: str, tol: float, length: int = 70,
-                 decodes: int = 8) -> None:
-    """One prompt's logits through 24-token chunks (each reading the earlier ones from the paged
-    cache) and decodes, against transformers in fp32: the prompt is longer than every test
-    checkpoint's window, so the local layers' masks cut into the cached prefix."""
-    prompt = prompts(2, (length,))[0]
-    ref = hf_greedy(model_dir, prompt, decodes)
-    ref_prefill = hf_forward_logits(model_dir, prompt)
-    runner, bm = core.runner, core.block_manager
-    seq = Sequence("x", prompt + ref.token_ids, GREEDY)
-    seq.num_prompt_tokens = len(prompt)
-    assert bm.allocate(seq, seq.num_tokens)
-    chunks = []
-    for start in range(0, length, 24):
-        stop = min(start + 24, length)
-        chunks.append(runner.logits_for([ScheduledSeq(seq, stop - start)]))
-        seq.num_computed_tokens = stop
-    dec = []
-    for _ in ref.token_ids[:-1]:
-        dec.append(runner.logits_for([ScheduledSeq(seq, 1)])[0])
-        seq.num_computed_tokens += 1
-    err_p = float((torch.cat(chunks) - ref_prefill).abs().max() / ref_prefill.abs().max())
-    ref_dec = ref.logits[1:]
-    err_d = float((torch.stack(dec) - ref_dec).abs().max() / ref_dec.abs().max())
-    assert err_p < tol and err_d < tol, (model_dir, err_p, err_d)
-    bm.free(seq)
-
-
 @pytest.mark.parametrize("name", GEMMA)
 def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str) -> None:
     """A mixed batch's greedy tokens (prompts up to 70 tokens, generations of 24: past every
@@ -146,7 +128,7 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str) ->
         assert got[f"r{i}"] == ref, f"{name} prompt of {len(p)} tokens"
     assert len(seen) >= 10, "degenerate reference model"
     assert core.block_manager.num_free_blocks == free0
-    check_logits(core, model_dir, tol=1e-4)
+    check_logits(core, model_dir, tol=1e-4, length=PAST_WINDOW)
 
 
 def test_torch_sdpa_backend_too(hf_model_dir) -> None:
@@ -154,7 +136,7 @@ def test_torch_sdpa_backend_too(hf_model_dir) -> None:
     model_dir = hf_model_dir("gemma3_mqa_scaled")
     core = make_core(model_dir, attention_backend="sdpa")
     assert core.runner.backend == "sdpa"
-    check_logits(core, model_dir, tol=1e-4)
+    check_logits(core, model_dir, tol=1e-4, length=PAST_WINDOW)
 
 
 def test_chunked_prefill_with_a_prefix_cache_hit(hf_model_dir) -> None:
@@ -201,6 +183,6 @@ def test_tp2_matches_transformers(hf_model_dir) -> None:
         got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
         for i, p in enumerate(ps):
             assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN), len(p)
-        check_logits(core, model_dir, tol=1e-4)
+        check_logits(core, model_dir, tol=1e-4, length=PAST_WINDOW)
     finally:
         core.runner.close()

@@ -17,11 +17,19 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import MOE_ARCHS, hf_forward_logits, hf_greedy
+from hf_models import MOE_ARCHS
 from test_bf16_engine import BF16_KV_TOL, FP32_TOL
-from test_engine_parity import GEN, GREEDY, check_prefix_hit, hf_tokens, make_core, prompts, run
+from test_engine_parity import (
+    GEN,
+    GREEDY,
+    check_logits,
+    check_prefix_hit,
+    hf_tokens,
+    make_core,
+    prompts,
+    run,
+)
 
-from kvrelay.engine.kv_connector import ScheduledSeq
 from kvrelay.engine.models.arch import (
     UnsupportedModelError,
     arch_from_hf_config,
@@ -29,7 +37,6 @@ from kvrelay.engine.models.arch import (
     plain_config,
 )
 from kvrelay.engine.models.moe import SparseMoE, enable_grouped_mm, grouped_mm_available
-from kvrelay.engine.sequence import Sequence
 
 MOE = sorted(MOE_ARCHS)
 # What each test checkpoint's ModelArch says of its experts:
@@ -238,32 +245,7 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model_dir, name: str) ->
         assert got[f"r{i}"] == ref, f"{name} prompt of {len(p)} tokens"
     assert len(seen) >= 10, "degenerate reference model"
     assert core.block_manager.num_free_blocks == free0
-    _check_logits(core, model_dir, tol=1e-4)
-
-
-def _check_logits(core: Any, model_dir: str, tol: float, length: int = 50,
-                  decodes: int = 8) -> None:
-    prompt = prompts(2, (length,))[0]
-    ref = hf_greedy(model_dir, prompt, decodes)
-    ref_prefill = hf_forward_logits(model_dir, prompt)
-    runner, bm = core.runner, core.block_manager
-    seq = Sequence("x", prompt + ref.token_ids, GREEDY)
-    seq.num_prompt_tokens = len(prompt)
-    assert bm.allocate(seq, seq.num_tokens)
-    chunks = []
-    for start in range(0, length, 24):
-        stop = min(start + 24, length)
-        chunks.append(runner.logits_for([ScheduledSeq(seq, stop - start)]))
-        seq.num_computed_tokens = stop
-    dec = []
-    for _ in ref.token_ids[:-1]:
-        dec.append(runner.logits_for([ScheduledSeq(seq, 1)])[0])
-        seq.num_computed_tokens += 1
-    err_p = float((torch.cat(chunks) - ref_prefill).abs().max() / ref_prefill.abs().max())
-    ref_dec = ref.logits[1:]
-    err_d = float((torch.stack(dec) - ref_dec).abs().max() / ref_dec.abs().max())
-    assert err_p < tol and err_d < tol, (model_dir, err_p, err_d)
-    bm.free(seq)
+    check_logits(core, model_dir, tol=1e-4)
 
 
 def test_grouped_gemm_through_the_engine_matches_transformers(hf_model_dir, monkeypatch) -> None:
@@ -281,7 +263,7 @@ def test_grouped_gemm_through_the_engine_matches_transformers(hf_model_dir, monk
     got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
     for i, p in enumerate(ps):
         assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN)
-    _check_logits(core, model_dir, tol=1e-4)
+    check_logits(core, model_dir, tol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_norm", "qwen2_moe"])
@@ -318,7 +300,7 @@ def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir, name: str) ->
                     held = [lin.weight] if k is None else [getattr(k, "panels", None),
                                                            getattr(k, "onednn", None)]
                     assert all(t is None or t.dtype == torch.bfloat16 for t in held)
-        _check_logits(core, d, tol=tol, length=40)
+        check_logits(core, d, tol=tol, length=40)
 
 
 # -- tensor parallelism -----------------------------------------------------------------------
@@ -341,6 +323,6 @@ def test_tp2_shards_every_expert_and_matches_transformers(hf_model_dir, name: st
         got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
         for i, p in enumerate(ps):
             assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN), (name, len(p))
-        _check_logits(core, model_dir, tol=1e-4)
+        check_logits(core, model_dir, tol=1e-4)
     finally:
         core.runner.close()
