@@ -193,15 +193,29 @@ def write_demo_model(out_dir: str, size: str = "tiny", seed: int = 0,
     Its weights are written in ``dtype``: bf16 by default, as real checkpoints are (the
     weights are drawn in fp32 and rounded once, so the fp32 and bf16 demo models of a seed
     differ only by that rounding)."""
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if dtype not in DEMO_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DEMO_DTYPES)}, got {dtype!r}")
     config = demo_config(size)
+    n_params = save_random_checkpoint(LlamaForCausalLM, config, out_dir, seed, dtype)
+    logger.info("wrote the %s demo model (%.1fM parameters, %s, seed %d) to %s",
+                size, n_params / 1e6, dtype, seed, out_dir)
+    return out_dir
+
+
+def save_random_checkpoint(model_class: Any, config: Any, out_dir: str, seed: int,
+                           dtype: str) -> int:
+    """Build ``model_class(config)`` (a transformers causal LM), give it the demo's random
+    weights of ``seed`` (drawn in fp32, rounded once to ``dtype``), and save it to ``out_dir`` as
+    a checkpoint directory with the demo tokenizer; returns its parameter count. The config
+    carries the special token ids."""
+    from transformers import GenerationConfig
+
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     init_random_weights(model, seed, gain=1.5, norm_jitter=0.2, used_vocab=TOKENIZER_VOCAB_SIZE)
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
                                                eos_token_id=config.eos_token_id,
@@ -211,10 +225,7 @@ def write_demo_model(out_dir: str, size: str = "tiny", seed: int = 0,
     with quiet_transformers():
         model.save_pretrained(out_dir, safe_serialization=True)
     write_demo_tokenizer(out_dir)
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("wrote the %s demo model (%.1fM parameters, %s, seed %d) to %s",
-                size, n_params / 1e6, dtype, seed, out_dir)
-    return out_dir
+    return sum(p.numel() for p in model.parameters())
 
 
 def _write_json(path: str, obj: Any) -> None:

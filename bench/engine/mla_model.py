@@ -9,17 +9,8 @@ layer dense, hidden 512, 8 layers, 8 heads), written by transformers' own classe
 from __future__ import annotations
 
 import logging
-import os
 
-import torch
-
-from kvrelay.engine.demo_model import (
-    SPECIAL_TOKENS,
-    TOKENIZER_VOCAB_SIZE,
-    init_random_weights,
-    quiet_transformers,
-    write_demo_tokenizer,
-)
+from kvrelay.engine.demo_model import SPECIAL_TOKENS, save_random_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +24,12 @@ MLA_SHAPE = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_att
 
 def write_mla_model(out_dir: str, dtype: str = "bfloat16", seed: int = 0) -> str:
     """Write the bench's DeepSeek-V2 (``MLA_SHAPE``) to ``out_dir`` in ``dtype``; returns it."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, GenerationConfig
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
     config = DeepseekV2Config(**MLA_SHAPE, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     config.architectures = ["DeepseekV2ForCausalLM"]
-    with torch.random.fork_rng(devices=[]):
-        model = DeepseekV2ForCausalLM(config)
-    init_random_weights(model, seed, gain=1.5, norm_jitter=0.2, used_vocab=TOKENIZER_VOCAB_SIZE)
-    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos,
-                                               pad_token_id=pad)
-    model.to(getattr(torch, dtype))
-    os.makedirs(out_dir, exist_ok=True)
-    with quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
-    write_demo_tokenizer(out_dir)
-    logger.info("wrote the bench MLA model (%.1fM parameters, %s) to %s",
-                sum(p.numel() for p in model.parameters()) / 1e6, dtype, out_dir)
+    n_params = save_random_checkpoint(DeepseekV2ForCausalLM, config, out_dir, seed, dtype)
+    logger.info("wrote the bench MLA model (%.1fM parameters, %s) to %s", n_params / 1e6, dtype,
+                out_dir)
     return out_dir

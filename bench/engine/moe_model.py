@@ -9,17 +9,10 @@ experts a batch touches, counted as their expected number under uniform routing.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from kvrelay.engine.demo_model import (
-    SPECIAL_TOKENS,
-    TOKENIZER_VOCAB_SIZE,
-    init_random_weights,
-    quiet_transformers,
-    write_demo_tokenizer,
-)
+from kvrelay.engine.demo_model import SPECIAL_TOKENS, save_random_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -33,23 +26,14 @@ MOE_SHAPE = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_att
 
 def write_moe_model(out_dir: str, dtype: str = "bfloat16", seed: int = 0) -> str:
     """Write the bench's Qwen3-MoE (``MOE_SHAPE``) to ``out_dir`` in ``dtype``; returns it."""
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
     config = Qwen3MoeConfig(**MOE_SHAPE, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     config.architectures = ["Qwen3MoeForCausalLM"]
-    with torch.random.fork_rng(devices=[]):
-        model = Qwen3MoeForCausalLM(config)
-    init_random_weights(model, seed, gain=1.5, norm_jitter=0.2, used_vocab=TOKENIZER_VOCAB_SIZE)
-    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos,
-                                               pad_token_id=pad)
-    model.to(getattr(torch, dtype))
-    os.makedirs(out_dir, exist_ok=True)
-    with quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
-    write_demo_tokenizer(out_dir)
-    logger.info("wrote the bench MoE (%.1fM parameters, %s) to %s",
-                sum(p.numel() for p in model.parameters()) / 1e6, dtype, out_dir)
+    n_params = save_random_checkpoint(Qwen3MoeForCausalLM, config, out_dir, seed, dtype)
+    logger.info("wrote the bench MoE (%.1fM parameters, %s) to %s", n_params / 1e6, dtype,
+                out_dir)
     return out_dir
 
 
