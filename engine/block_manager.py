@@ -205,13 +205,13 @@ class BlockManager:
         self.num_cache_hits += seq.num_computed_tokens
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq.block_table`` to cover ``num_tokens`` tokens; False (and no change) when
         there are not enough free blocks."""
         need = self.blocks_needed(seq, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
             seq.block_table.append(self._take_free())
@@ -221,7 +221,7 @@ class BlockManager:
         """``allocate`` plus copy-on-write: every block ``seq`` will write to compute up to
         ``num_tokens`` tokens is its own afterwards. False (and no change) without the room."""
         shared = self.shared_in_range(seq, num_tokens)
-        if self.blocks_needed(seq, num_tokens) + len(shared) > len(self._free):
+        if self.blocks_needed(seq, num_tokens) + len(shared) > self.num_free_blocks:
             return False
         for i in shared:
             src = seq.block_table[i]
@@ -255,8 +255,15 @@ class BlockManager:
         block = self.blocks[bid]
         if bid in self._to_store:  # its store was deferred: it goes now, before the reuse
             self._store([(bid, self._to_store.pop(bid))])
-        if block.hash is not None:  # evict the cached prefix this block held
-            if self._cached.get(block.hash) == bid:
+        self._forget(block)
+        block.partial = False
+        block.ref_count = 1
+        return bid
+
+    def _forget(self, block: Block) -> None:
+        """Evict the cached prefix ``block`` held (it is about to hold other KV)."""
+        if block.hash is not None:
+            if self._cached.get(block.hash) == block.block_id:
                 del self._cached[block.hash]
                 self.cache_version += 1
                 if self.events is not None and not block.partial:
@@ -264,9 +271,6 @@ class BlockManager:
             block.hash = None
             block.token_ids = ()
             block.parent_hash = None
-        block.partial = False
-        block.ref_count = 1
-        return bid
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""

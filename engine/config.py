@@ -30,6 +30,7 @@ def parse_bytes(value: str | int) -> int:
 THREAD_BINDINGS = ("auto", "on", "off")  # where the engine threads run: engine.cpu.thread_pinning
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the weights' (ModelConfig.dtype)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+HYBRID_KV = ("auto", "off")  # CacheConfig.hybrid_kv
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,18 @@ class CacheConfig:
     kv_offload_disk: int = 4 * 2**30
     # Keep the disk tier's files across restarts (``engine/tiers/disk_files.py``).
     kv_offload_keep: bool = False
+    # Per-layer-group pages for a model whose layers differ in window (engine/hybrid_kv.py):
+    # auto: for such a model (Gemma 3, gpt-oss) the windowed layers' pages of the blocks behind
+    # the window go back to the pool; off: one block table for every layer (each block held
+    # while any layer reads it). Off by default until P/D, the tiers and prefix pulls carry it.
+    hybrid_kv: str = "off"
 
     def __post_init__(self) -> None:
         if self.kv_head_groups < 1:
             raise ValueError(f"kv_head_groups must be positive, got {self.kv_head_groups}")
+        if self.hybrid_kv not in HYBRID_KV:
+            raise ValueError(f"hybrid_kv must be one of {'|'.join(HYBRID_KV)}, got "
+                             f"{self.hybrid_kv!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {'|'.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
@@ -189,6 +198,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.cache.hybrid_kv != "off" and self.role != "both":
+            raise ValueError(f"--hybrid-kv {self.cache.hybrid_kv} serves role both only: the KV "
+                             f"transfer of a {self.role} worker addresses one block table for "
+                             f"every layer (use --hybrid-kv off)")
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike[str], **kwargs: Any) -> EngineConfig:

@@ -26,6 +26,7 @@ from kvrelay.engine.engine_types import (  # the workers import these from here 
     Reservation,
 )
 from kvrelay.engine.heap import HeapTrimmer
+from kvrelay.engine.hybrid_blocks import HybridBlockManager
 from kvrelay.engine.kv_connector import KVConnector
 from kvrelay.engine.kv_events import KVEventSink
 from kvrelay.engine.kv_window import LayerWindows
@@ -68,9 +69,22 @@ class EngineCore:
             config = replace(config, cache=replace(config.cache,
                                                    block_size=self.runner.block_size))
         self.config = config
+        plan = self.runner.kv_plan  # the hybrid KV layout's layer groups (None: one table)
+        if plan is not None and (config.cache.kv_offload_memory or connector is not None):
+            if hasattr(self.runner, "close"):  # tensor-parallel ranks
+                self.runner.close()
+            raise ValueError("--hybrid-kv auto: KV offload tiers and KV transfer address one "
+                             "block table for every layer; serve this model with --hybrid-kv "
+                             "off for them")
         self.tiers = self._build_tiers(config)
-        self.block_manager = BlockManager(self.runner.num_usable_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching, self.tiers)
+        if plan is None:
+            self.block_manager = BlockManager(self.runner.num_usable_blocks,
+                                              config.cache.block_size,
+                                              config.cache.enable_prefix_caching, self.tiers)
+        else:
+            self.block_manager = HybridBlockManager(self.runner.num_usable_blocks,
+                                                    config.cache.block_size, plan,
+                                                    config.cache.enable_prefix_caching)
         sc = config.scheduler
         # Fitted on every step (its coefficients are exported as metrics); it caps a step's
         # prefill tokens only when a TPOT target or an ITL cap is set.
@@ -378,6 +392,9 @@ class EngineCore:
         """Hold the blocks of ``token_ids``' longest prefix held here (pool or host tier) for
         a peer to read: their ids and the tokens they cover (``([], 0)``: none held)."""
         self.validate_prompt(token_ids)
+        if self.runner.kv_plan is not None:
+            logger.info("prefix pull: not served under --hybrid-kv auto (pages per layer group)")
+            return [], 0
         self._sync_tiers()
         self.shares.expire()
         return self.shares.export(share_id, token_ids, cache_salt, ttl_s)
@@ -393,6 +410,9 @@ class EngineCore:
         that fit beside what admitted requests still need: a pull may be partial), and how
         many leading blocks are held here already (not returned: no read needed)."""
         self.validate_prompt(token_ids)
+        if self.runner.kv_plan is not None:
+            logger.info("prefix pull: not taken under --hybrid-kv auto (pages per layer group)")
+            return [], 0
         self._sync_tiers()
         self.shares.expire()
         return self.shares.begin_import(share_id, token_ids, cache_salt, ttl_s,

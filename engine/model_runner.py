@@ -16,6 +16,7 @@ from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.cuda.graphs import DecodeGraphRunner
 from kvrelay.engine.device import resolve_device
 from kvrelay.engine.grammar_mask import MaskFiller, StepMasks
+from kvrelay.engine.hybrid_kv import KVGroups, plan_groups
 from kvrelay.engine.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -96,14 +97,22 @@ class ModelRunner:
         # --num-kv-blocks counts blocks of the configured size: keep the tokens it meant.
         exact = None if cc.num_blocks is None else max(1, cc.num_blocks * cc.block_size
                                                          // block_size)
-        num_blocks = exact or blocks_for_budget(
+        # The hybrid KV layout (engine/hybrid_kv.py): a page is k layers of one block of one
+        # layer group, the tensor [k, planes, pages, ...]; its "blocks" below are pages.
+        self.kv_plan = plan_groups(arch.layer_windows) if cc.hybrid_kv == "auto" else None
+        if self.kv_plan is not None and cc.kv_head_groups > 1:
+            raise ValueError("--kv-head-groups lays KV out for a P/D peer: it does not combine "
+                             "with --hybrid-kv auto")
+        slots = arch.num_layers if self.kv_plan is None else self.kv_plan.k
+        per_block = 1 if self.kv_plan is None else self.kv_plan.num_groups
+        num_blocks = per_block * exact if exact else blocks_for_budget(
             self.platform.kv_budget(cc.kv_cache_memory, cc.gpu_memory_utilization),
-            num_layers=arch.num_layers, num_kv_heads=kv_heads,
+            num_layers=slots, num_kv_heads=kv_heads,
             head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.kv_dtype),
             planes=arch.kv_planes)
         self.kv_groups = groups = cc.kv_head_groups
         check_kv_head_groups(groups, kv_heads)
-        self.kv_spec = KVCacheSpec(arch.num_layers, kv_heads // groups, arch.head_dim,
+        self.kv_spec = KVCacheSpec(slots, kv_heads // groups, arch.head_dim,
                                    block_size, num_blocks, dtype_name(self.kv_dtype),
                                    layer_windows=arch.layer_windows, planes=arch.kv_planes)
         if shard is not None and shard.kv_shm:
@@ -111,7 +120,13 @@ class ModelRunner:
                                       self.kv_spec.torch_dtype)
         else:
             self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
-        self.model.bind_kv_cache(self.kv)
+        if self.kv_plan is None:
+            self.model.bind_kv_cache(self.kv)
+        else:
+            bind_hybrid(self.model, self.kv, self.kv_plan)
+            if getattr(self.model, "fused_decode", None) is not None:
+                logger.info("hybrid KV: the fused decode layers read one block table; op by op")
+                self.model.fused_decode = None
         self.attention.bind_cache(self.kv_spec.num_kv_heads, arch.head_dim, self.kv_dtype,
                                   self.device)
         # What a KV transport registers: the tensor, or group 0 and the others as its ranks
@@ -129,9 +144,11 @@ class ModelRunner:
             enforce_eager=mc.enforce_eager, max_batch=mc.cuda_graph_max_batch,
             paged_flash=self.attention.paged, tensor_parallel=shard is not None,
             num_blocks=num_blocks, kv_head_groups=groups)
+        if self.kv_plan is not None and off is None:
+            off = "the hybrid KV layout"  # a graph's static block tables are one per step
         self.num_usable_blocks = num_blocks if off is not None else num_blocks - 1
-        # A sequence can never hold more tokens than the cache has slots.
-        self.max_model_len = min(max_len, self.num_usable_blocks * block_size)
+        # A sequence can never hold more tokens than the cache has slots (a page per group).
+        self.max_model_len = min(max_len, self.num_usable_blocks // per_block * block_size)
         self.block_size = block_size
         self.decode_graphs: DecodeGraphRunner | None = None
         if off is None:  # no step holds more sequences than the scheduler runs at once
@@ -152,8 +169,10 @@ class ModelRunner:
         self.masks = MaskFiller(self.arch.vocab_size, overlap=overlap,
                                 threads=1 if overlap else torch.get_num_threads())
         self.generator.manual_seed(mc.seed)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), backend %s, max_model_len %d",
-                    num_blocks, block_size, self.kv.numel() * self.kv.element_size() / 2**20,
+        logger.info("KV cache: %d %s x %d tokens (%.1f MiB), backend %s, max_model_len %d",
+                    num_blocks, "blocks" if self.kv_plan is None else
+                    f"pages of {self.kv_plan.k} layers in {self.kv_plan.num_groups} layer groups",
+                    block_size, self.kv.numel() * self.kv.element_size() / 2**20,
                     self.backend, self.max_model_len)
 
     def static_decode(self, max_batch: int, scratch_block: int | None = None) \
@@ -197,6 +216,10 @@ class ModelRunner:
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
+        hybrid = self.kv_plan is not None
+        # per layer group (hybrid KV): its pages' slots and tables
+        gslots: list[list[int]] = [[] for _ in range(self.kv_plan.num_groups)] if hybrid else []
+        gtables: list[list[list[int]]] = [[] for _ in gslots]
         logits_rows: list[int] = []
         sampled_order: list[int] = []
         sampling: list[int] = []  # the prefill chunks that sample (their index among them)
@@ -205,20 +228,36 @@ class ModelRunner:
             c = seq.num_computed_tokens
             ids.extend(seq.token_ids[c:c + n])
             pos.extend(range(c, c + n))
-            bt = seq.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
             q_lens.append(n)
             ctx_lens.append(c + n)
-            tables.append(bt)
+            if hybrid:
+                for gs, gt, pt in zip(gslots, gtables, seq.page_tables, strict=True):
+                    gs.extend(pt[p // bs] * bs + p % bs for p in range(c, c + n))
+                    gt.append(pt)
+            else:
+                bt = seq.block_table
+                slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
+                tables.append(bt)
             if c + n == seq.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampled_order.append(i)
                 sampling += [j] if n > 1 else []
-        meta = self.attention.metadata(StepLayout(
-            bs, torch.tensor(slots, dtype=torch.long), q_lens, ctx_lens, tables, len(prefill)))
+        if hybrid:
+            metas = [self.attention.metadata(StepLayout(
+                bs, torch.tensor(gs, dtype=torch.long), q_lens, ctx_lens, gt, len(prefill)))
+                for gs, gt in zip(gslots, gtables, strict=True)]
+            meta = metas[0]
+            meta.groups = metas
+        else:
+            meta = self.attention.metadata(StepLayout(
+                bs, torch.tensor(slots, dtype=torch.long), q_lens, ctx_lens, tables,
+                len(prefill)))
         if self.prune_last and not all_rows and not any(
                 scheduled[i].seq.sampling.prompt_logprobs is not None for i in prefill):
-            index = self.attention.last_layer_rows(meta, sampling)
+            # the last layer's rows, over its own layer group's pages (hybrid KV)
+            last = meta if not hybrid else metas[self.kv_plan.group_of[-1]]
+            index = self.attention.last_layer_rows(last, sampling)
+            meta.last_layer = last.last_layer
             logits_rows = logits_rows if index is None else [index[r] for r in logits_rows]
         if self.pad_above is not None and len(ids) > self.pad_above:
             extra = padded_rows(len(ids)) - len(ids)  # token 0 at position 0: no KV, no attention
@@ -313,3 +352,15 @@ class ModelRunner:
         with forward_context(inputs.meta):
             hidden = self.model(self._h2d(inputs.input_ids), self._h2d(inputs.positions))
         return self.model.compute_logits(hidden[:inputs.meta.slot_mapping.shape[0]])
+
+
+def bind_hybrid(model: torch.nn.Module, kv: torch.Tensor, plan: KVGroups) -> None:
+    """Give each layer flat views of its slot's K and V planes of the hybrid KV tensor
+    ``[k, 2, pages, block_size, H, D]`` and its layer group (whose pages its metadata names)."""
+    _, _, pages, bs, kvh, hd = kv.shape
+    for i, layer in enumerate(model.layers):
+        s = plan.slot_of[i]
+        views = (kv[s, 0].view(pages * bs, kvh, hd), kv[s, 1].view(pages * bs, kvh, hd))
+        layer.attn.k_cache, layer.attn.v_cache = views
+        layer.attn.kv_groups = [views]
+        layer.attn.kv_group = plan.group_of[i]

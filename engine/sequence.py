@@ -44,6 +44,7 @@ class Sequence:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "page_tables",
         "prompt_logprobs",
         "request_id",
         "sampling",
@@ -70,6 +71,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.block_table: list[int] = []
+        # Under the hybrid KV layout (``engine/hybrid_blocks.py``): per layer group, the page of
+        # each of ``block_table``'s blocks (0 where a windowed group gave it back); else None.
+        self.page_tables: list[list[int]] | None = None
         self.finish_reason: FinishReason | None = None
         self.kv_transfer_params = kv_transfer_params
         self.kv_ready = False

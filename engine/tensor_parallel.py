@@ -78,24 +78,31 @@ class _RemoteSeq:
     num_tokens: int
     token_ids: _Window
     block_table: list[int]
+    page_tables: list[list[int]] | None = None  # the hybrid KV layout's, per layer group
 
 
 def pack_step(scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
-    """``[count, then per sequence: computed, new, total, table length, new tokens, table]``."""
-    out = [len(scheduled)]
+    """``[count, layer groups (0: one table), then per sequence: computed, new, total, table
+    length, new tokens, table, and under the hybrid KV layout each layer group's page table (of
+    the table's length)]``."""
+    groups = next((len(s.page_tables) for s, _ in scheduled if s.page_tables is not None), 0)
+    out = [len(scheduled), groups]
     for seq, n in scheduled:
         c = seq.num_computed_tokens
         bt = seq.block_table
         out += [c, n, seq.num_tokens, len(bt)]
         out += seq.token_ids[c:c + n]
         out += bt
+        for table in seq.page_tables or ():
+            out += table
     return torch.tensor(out, dtype=torch.long)
 
 
 def unpack_step(packed: torch.Tensor) -> list[ScheduledSeq]:
     v = packed.tolist()
     out: list[ScheduledSeq] = []
-    i = 1
+    groups = v[1]
+    i = 2
     for _ in range(v[0]):
         c, n, total, nbt = v[i:i + 4]
         i += 4
@@ -103,7 +110,11 @@ def unpack_step(packed: torch.Tensor) -> list[ScheduledSeq]:
         i += n
         bt = v[i:i + nbt]
         i += nbt
-        out.append(ScheduledSeq(_RemoteSeq(c, total, _Window(c, toks), bt), n))  # type: ignore
+        pts = None
+        if groups:
+            pts = [v[i + g * nbt:i + (g + 1) * nbt] for g in range(groups)]
+            i += groups * nbt
+        out.append(ScheduledSeq(_RemoteSeq(c, total, _Window(c, toks), bt, pts), n))  # type: ignore
     return out
 
 

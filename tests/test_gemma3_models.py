@@ -28,6 +28,7 @@ from test_engine_parity import (
     run,
 )
 
+from kvrelay.engine.hybrid_blocks import HybridBlockManager
 from kvrelay.engine.models.arch import (
     UnsupportedModelError,
     load_hf_config,
@@ -171,11 +172,13 @@ def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir, name: str) ->
 
 # -- tensor parallelism -----------------------------------------------------------------------
 @pytest.mark.slow
-def test_tp2_matches_transformers(hf_model_dir) -> None:
+@pytest.mark.parametrize("hybrid", ["off", "auto"])
+def test_tp2_matches_transformers(hf_model_dir, hybrid: str) -> None:
     """TP=2 on CPU (gloo): each rank holds half the heads (of the one KV head: a copy) and half
-    the GeGLU; greedy tokens identical and logits within 1e-4, as at TP=1."""
+    the GeGLU; greedy tokens identical and logits within 1e-4, as at TP=1 (with the hybrid KV
+    layout too: every rank gets each layer group's page tables)."""
     model_dir = hf_model_dir("gemma3")
-    core = make_core(model_dir, tensor_parallel_size=2, tp_timeout_s=20.0)
+    core = make_core(model_dir, tensor_parallel_size=2, tp_timeout_s=20.0, hybrid_kv=hybrid)
     try:
         layer = core.runner.model.layers[0]
         assert layer.attn.num_heads == 2 and layer.mlp.inter == 48
@@ -186,3 +189,115 @@ def test_tp2_matches_transformers(hf_model_dir) -> None:
         check_logits(core, model_dir, tol=1e-4, length=PAST_WINDOW)
     finally:
         core.runner.close()
+
+
+# -- the hybrid KV layout (engine/hybrid_kv.py) -------------------------------------------------
+def window_pages_bound(core: Any, seq: Any) -> int:
+    """The most pages ``seq`` may hold under the hybrid layout: a page per block in each full
+    group, ``ceil(w / bs) + 1`` in each group of window ``w``."""
+    bm = core.block_manager
+    bs = bm.block_size
+    return sum(len(seq.block_table) if w is None else -(-w // bs) + 1
+               for w in bm.groups.windows)
+
+
+def check_hybrid_decode(core: Any, model_dir: str, length: int = PAST_WINDOW) -> None:
+    """One prompt past the window under ``hybrid_kv="auto"``: greedy tokens equal to
+    transformers', and after every step its windowed groups hold no more than their window's
+    pages (its full groups every block)."""
+    bm = core.block_manager
+    assert isinstance(bm, HybridBlockManager)
+    prompt = prompts(5, (length,))[0]
+    free = bm.num_free_pages
+    core.add_request("h", prompt, GREEDY)
+    seq = core.seqs["h"]
+    toks: list[int] = []
+    while core.has_unfinished():
+        for o in core.step():
+            toks += o.new_token_ids
+        if not seq.is_finished and seq.block_table:
+            assert bm.held_pages(seq) <= window_pages_bound(core, seq)
+    assert toks == hf_tokens(model_dir, tuple(prompt), GEN)
+    assert bm.num_released_pages > 0
+    assert bm.num_free_pages == free  # every page back (cached ones count as free)
+
+
+def check_follow_up_turn(core: Any, model_dir: str) -> None:
+    """A follow-up turn (the prompt, the answer, new tokens) under the hybrid layout finds the
+    whole conversation cached: the answer's last decode still held its windows' pages. A
+    prompt that branches off inside the first prompt gets a shorter hit (the windowed pages
+    there went back) and the same tokens."""
+    base = prompts(3, (41,))[0]
+    answer = run(core, {"a": (base, GREEDY)})["a"]
+    bs = core.block_manager.block_size
+    for name, ids, least in (("turn", base + answer + prompts(4, (9,))[0],
+                              (len(base) + len(answer) - 1) // bs * bs),
+                             ("branch", base + prompts(4, (9,))[0], 0)):
+        core.add_request(name, ids, GREEDY)
+        toks: list[int] = []
+        cached = 0
+        while core.has_unfinished():
+            for o in core.step():
+                toks += o.new_token_ids
+                cached = max(cached, o.num_cached_tokens)
+        assert cached >= least, name
+        assert toks == hf_tokens(model_dir, tuple(ids), GEN), name
+
+
+@pytest.mark.parametrize("name", GEMMA)
+def test_hybrid_kv_matches_transformers_holding_the_windows(hf_model_dir, name: str) -> None:
+    """``--hybrid-kv auto``: a page table per layer group; a mixed batch's greedy tokens, one
+    prompt's logits through chunks and decodes, and a decode past the window that holds only
+    the window in its local layers."""
+    model_dir = hf_model_dir(name)
+    core = make_core(model_dir, hybrid_kv="auto")
+    plan = core.runner.kv_plan
+    assert plan is not None and plan.num_groups > 1
+    assert core.runner.kv.shape[:3] == (plan.k, 2, 256 * plan.num_groups)
+    ps = prompts(1)
+    got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN), f"{name} {len(p)}"
+    check_logits(core, model_dir, tol=1e-4, length=PAST_WINDOW)
+    check_hybrid_decode(core, model_dir)
+
+
+def test_hybrid_kv_chunked_prefill_prefix_hits_and_sdpa(hf_model_dir) -> None:
+    model_dir = hf_model_dir("gemma3_mqa_scaled")  # window 8 over blocks of 8
+    for backend in ("auto", "sdpa"):
+        core = make_core(model_dir, hybrid_kv="auto", attention_backend=backend)
+        check_follow_up_turn(core, model_dir)
+        check_hybrid_decode(core, model_dir)
+
+
+def test_hybrid_kv_preemption_keeps_tokens_identical(hf_model_dir) -> None:
+    """A pool too small for the batch: sequences are preempted (every group's pages back) and
+    recomputed, and the tokens are still transformers'."""
+    model_dir = hf_model_dir("gemma3")
+    ps = prompts(5, (30, 25, 35, 20))
+    core = make_core(model_dir, num_blocks=9, max_num_batched_tokens=64, hybrid_kv="auto")
+    free = core.block_manager.num_free_pages
+    got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
+    assert core.num_preemptions > 0
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_tokens(model_dir, tuple(p), GEN)
+    assert core.block_manager.num_free_pages == free
+
+
+def test_hybrid_kv_bf16_within_the_stated_tolerance(hf_model_dir) -> None:
+    d = hf_model_dir("gemma3_mqa_scaled", dtype=torch.bfloat16)
+    core = make_core(d, hybrid_kv="auto")
+    check_logits(core, d, tol=BF16_KV_TOL, length=40)
+    check_hybrid_decode(core, d)
+
+
+def test_hybrid_kv_is_refused_where_it_cannot_serve(hf_model_dir) -> None:
+    from kvrelay.engine.config import EngineConfig
+
+    model_dir = hf_model_dir("gemma3")
+    with pytest.raises(ValueError, match="role both only"):
+        EngineConfig.from_kwargs(model_dir, hybrid_kv="auto", role="decode")
+    with pytest.raises(ValueError, match="tiers"):
+        make_core(model_dir, hybrid_kv="auto", kv_offload_memory="1MiB")
+    core = make_core(model_dir, hybrid_kv="auto")
+    assert core.export_prefix("s", prompts(1, (20,))[0]) == ([], 0)

@@ -124,6 +124,10 @@ class AttentionMetadata:
     # Where set, the model's last layer runs only these rows past its K/V (its output then
     # holds them alone, in this order).
     last_layer: LastLayerRows | None = field(default=None, kw_only=True)
+    # Under the hybrid KV layout (engine/hybrid_kv.py): each layer group's metadata of the step
+    # (this one among them), its slots and block tables naming that group's pages; a layer
+    # attends with its group's. None: one table serves every layer.
+    groups: list[AttentionMetadata] | None = field(default=None, kw_only=True)
 
     @property
     def num_decodes(self) -> int:
@@ -132,6 +136,9 @@ class AttentionMetadata:
     def to_device(self, h2d: Callable[[torch.Tensor], torch.Tensor]) -> AttentionMetadata:
         """Its tensors through ``h2d`` (onto the device), in place; returns itself."""
         self.slot_mapping = h2d(self.slot_mapping)
+        for meta in self.groups or ():
+            if meta is not self:
+                meta.to_device(h2d)
         return self
 
 

@@ -96,11 +96,14 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         # Under KV head groups, every group's (K, V) views (k_cache/v_cache: group 0's).
         self.kv_groups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Under the hybrid KV layout (engine/hybrid_kv.py): this layer's layer group, whose
+        # metadata (``AttentionMetadata.groups``) addresses its pages.
+        self.kv_group = 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: Rotary) -> torch.Tensor:
         q, k, v = self._project(x, cos, sin, rotary, None)
-        return self._attend(q, k, v, current_metadata(), None)
+        return self._attend(q, k, v, self._step_meta(), None)
 
     def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      rotary: Rotary, last: LastLayerRows) -> torch.Tensor:
@@ -108,7 +111,13 @@ class Attention(nn.Module):
         still go to the cache; only those rows' queries attend and reach the output projection.
         ``cos``/``sin`` are every row's."""
         q, k, v = self._project(x, cos, sin, rotary, last.rows)
-        return self._attend(q, k, v, current_metadata(), last.meta)
+        return self._attend(q, k, v, self._step_meta(), last.meta)
+
+    def _step_meta(self) -> AttentionMetadata:
+        """The step's metadata as this layer reads it (its layer group's, under the hybrid KV
+        layout)."""
+        meta = current_metadata()
+        return meta if meta.groups is None else meta.groups[self.kv_group]
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary,
                  rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,274 @@
+"""The block manager of the hybrid KV layout (``hybrid_kv.py``): logical blocks over one pool of
+pages, a page per layer group, windowed groups' pages given back as the window moves past them.
+
+A *logical block* is what :class:`~kvrelay.engine.block_manager.BlockManager` manages: its
+reference counts, its prefix hash, its place in the LRU of cached free blocks and in
+``seq.block_table`` are unchanged. Here it also holds one page per layer group
+(``pages[bid][g]``; -1: none). The real resource is the pages: a new logical block takes one
+free page per group, and evicting a cached free block gives its pages back. So:
+
+- ``num_free_blocks`` counts *logical blocks a fresh allocation can still take*: (free pages +
+  the pages of cached free blocks, which eviction frees) // groups. Admission, the watermark,
+  ``can_allocate`` and preemption all keep counting blocks as before; a block of a windowed
+  group's tail is counted whole (a chunk's new blocks need a page in every group before its
+  step runs) and its out-of-window pages come back after the step.
+- ``num_pages`` / ``num_free_pages`` / ``held_pages(seq)`` count pages (what memory is held).
+
+Windowed pages: for each window ``w``, a sequence holds the ``w``-groups' pages of its blocks
+from ``held[w]`` on; ``wrefs[bid][w]`` counts the sequences that do. Once a sequence's next
+query is at position ``c`` (after each step of its prefill chunks and decodes) it reads no key
+before ``c - w + 1``, so it lets go of the blocks wholly before (``release_out_of_window``); a
+block no holder reads in group ``w`` any more gives its ``w``-pages back and becomes *partial*
+(the same state as a windowed handoff's holes: ``match_prefix`` only ends a prefix where the
+continuation's windowed layers read no partial block). A cached free block keeps its pages
+until evicted (a later prompt may continue from it); a block taken again by a prefix hit keeps
+only the windowed pages the new holder reads. The sequence's page tables name page 0 where it
+holds no page (``NULL_PAGE``): attention masks every key before the window (torch SDPA's masks;
+the native decode kernel does not load them) and page 0 is always a real page, so a gather never
+indexes out of range.
+
+Not here (refused by the engine under the hybrid layout): tiers below the pool, a KV
+connector (P/D roles) and prefix shares with peers, which address blocks of the one-table
+layout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvrelay.engine.block_manager import BlockManager, PrefixMatch
+from kvrelay.engine.hybrid_kv import KVGroups
+from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.tiers.media import DEVICE
+
+logger = logging.getLogger(__name__)
+
+NULL_PAGE = 0  # what a page table names where the sequence holds no page
+
+
+class HybridBlockManager(BlockManager):
+    def __init__(self, num_pages: int, block_size: int, groups: KVGroups,
+                 enable_prefix_caching: bool = True):
+        # At most one logical block per page: each holds at least its full groups' pages.
+        super().__init__(num_pages, block_size, enable_prefix_caching, None)
+        assert None in groups.windows and num_pages >= groups.num_groups
+        self.groups = groups
+        self.num_groups = groups.num_groups
+        self._windows = groups.window_values
+        self._wgroups = {w: groups.groups_of_window(w) for w in self._windows}
+        self._free.clear()  # the base's free list: cached free blocks (holding pages) only
+        self._unused = list(range(num_pages - 1, -1, -1))  # ids holding no page (a stack)
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self._cached_pages = 0  # pages held by the blocks in ``_free``
+        self.pages: list[list[int]] = [[] for _ in range(num_pages)]
+        self.wrefs: list[dict[int, int]] = [{} for _ in range(num_pages)]
+        self._held: dict[str, dict[int, int]] = {}
+        self.num_released_pages = 0
+
+    # -- counts --------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no sequence holds (free, or kept by a cached free block until evicted)."""
+        return len(self._free_pages) + self._cached_pages
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_free_pages // self.num_groups
+
+    def held_pages(self, seq: Sequence) -> int:
+        return self.groups.pages_held(len(seq.block_table), self._held.get(seq.request_id, {}))
+
+    def held_blocks(self, seq: Sequence) -> int:
+        """Blocks' worth of pages ``seq`` holds (``held_pages / groups``, rounded up)."""
+        return -(-self.held_pages(seq) // self.num_groups)
+
+    # -- the pool ------------------------------------------------------------------------------
+    def _present(self, bid: int) -> int:
+        return sum(p >= 0 for p in self.pages[bid])
+
+    def _take_free(self) -> int:
+        """A fresh logical block with a page in every group, one reference and each window's
+        pages held by its taker."""
+        n = self.num_groups
+        while len(self._free_pages) < n:
+            assert self._free, "no page to take: callers check num_free_blocks first"
+            bid, _ = self._free.popitem(last=False)  # least recently freed first
+            self._cached_pages -= self._present(bid)
+            self._forget(self.blocks[bid])
+            self._release_all(bid)
+        bid = self._unused.pop()
+        block = self.blocks[bid]
+        block.partial = False
+        block.ref_count = 1
+        self.pages[bid] = [self._free_pages.pop() for _ in range(n)]
+        self.wrefs[bid] = dict.fromkeys(self._windows, 1)
+        return bid
+
+    def _release_all(self, bid: int) -> None:
+        self._free_pages.extend(p for p in self.pages[bid] if p >= 0)
+        self.pages[bid] = []
+        self.wrefs[bid] = {}
+        self._unused.append(bid)
+
+    def _ref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self._free[bid]
+            self._cached_pages -= self._present(bid)
+        block.ref_count += 1
+
+    def _unref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        assert block.ref_count > 0, f"double free of block {bid}"
+        block.ref_count -= 1
+        if block.ref_count:
+            return
+        if block.hash is None:  # nothing to serve later: its pages go at once
+            self._release_all(bid)
+        else:
+            self._free[bid] = None
+            self._cached_pages += self._present(bid)
+
+    def _wunref(self, bid: int, w: int) -> None:
+        self.wrefs[bid][w] -= 1
+        self._settle(bid)
+
+    def _settle(self, bid: int) -> None:
+        """Give back the windowed pages of a held block that none of its holders reads."""
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            return
+        pages = self.pages[bid]
+        for w in self._windows:
+            if self.wrefs[bid].get(w, 0) > 0:
+                continue
+            for g in self._wgroups[w]:
+                if pages[g] >= 0:
+                    self._free_pages.append(pages[g])
+                    pages[g] = -1
+                    self.num_released_pages += 1
+                    if not block.partial and block.hash is not None and self.events is not None:
+                        self.events.removed(DEVICE, [block.hash])  # no peer may take it whole
+                    block.partial = True
+
+    # -- sequences -----------------------------------------------------------------------------
+    def _table_entry(self, bid: int, g: int, index: int, held: dict[int, int]) -> int:
+        w = self.groups.windows[g]
+        if w is not None and index < held[w]:
+            return NULL_PAGE
+        page = self.pages[bid][g]
+        assert page >= 0, (bid, g, index)
+        return page
+
+    def _build_tables(self, seq: Sequence) -> None:
+        held = self._held[seq.request_id]
+        seq.page_tables = [[self._table_entry(bid, g, i, held)
+                            for i, bid in enumerate(seq.block_table)]
+                           for g in range(self.num_groups)]
+
+    def allocate_prefix(self, seq: Sequence, match: PrefixMatch) -> None:
+        super().allocate_prefix(seq, match)
+        c, bt = seq.num_computed_tokens, seq.block_table
+        held = {}
+        for w in self._windows:
+            first = min(max(0, c - w + 1) // self.block_size, len(bt))
+            for bid in bt[first:]:
+                self.wrefs[bid][w] = self.wrefs[bid].get(w, 0) + 1
+            held[w] = first
+        self._held[seq.request_id] = held
+        for bid in bt:
+            self._settle(bid)
+        self._build_tables(seq)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        have = len(seq.block_table)
+        if not super().allocate(seq, num_tokens):
+            return False
+        held = self._held.setdefault(seq.request_id, dict.fromkeys(self._windows, 0))
+        if seq.page_tables is None:
+            seq.page_tables = [[] for _ in range(self.num_groups)]
+        for i in range(have, len(seq.block_table)):
+            bid = seq.block_table[i]
+            for g, table in enumerate(seq.page_tables):
+                table.append(self._table_entry(bid, g, i, held))
+        return True
+
+    def prepare_write(self, seq: Sequence, num_tokens: int) -> bool:
+        shared = self.shared_in_range(seq, num_tokens)
+        if self.blocks_needed(seq, num_tokens) + len(shared) > self.num_free_blocks:
+            return False
+        held = self._held.setdefault(seq.request_id, dict.fromkeys(self._windows, 0))
+        for i in shared:
+            src = seq.block_table[i]
+            dst = self._take_free()
+            for g, w in enumerate(self.groups.windows):
+                assert w is None or i >= held[w], "a written block lies in every window"
+                self.pending_copies.append((self.pages[src][g], self.pages[dst][g]))
+            self.blocks[src].ref_count -= 1  # > 0: another sequence still holds it
+            for w in self._windows:
+                self._wunref(src, w)
+            seq.block_table[i] = dst
+            assert seq.page_tables is not None
+            for g, table in enumerate(seq.page_tables):
+                table[i] = self.pages[dst][g]
+        assert self.allocate(seq, num_tokens)
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        assert not child.block_table
+        held = dict(self._held.get(parent.request_id, dict.fromkeys(self._windows, 0)))
+        for i, bid in enumerate(parent.block_table):
+            self._ref(bid)
+            for w in self._windows:
+                if i >= held[w]:
+                    self.wrefs[bid][w] += 1
+        child.block_table = list(parent.block_table)
+        self._held[child.request_id] = held
+        child.page_tables = None if parent.page_tables is None else \
+            [list(t) for t in parent.page_tables]
+        hashes = self._seq_hashes.get(parent.request_id)
+        if hashes is not None:
+            self._seq_hashes[child.request_id] = list(hashes)
+
+    def free(self, seq: Sequence) -> None:
+        held = self._held.pop(seq.request_id, dict.fromkeys(self._windows, 0))
+        for i in range(len(seq.block_table) - 1, -1, -1):  # the tail first: evicted first
+            bid = seq.block_table[i]
+            for w in self._windows:
+                if i >= held[w]:
+                    self.wrefs[bid][w] -= 1
+            self._unref(bid)
+            self._settle(bid)
+        seq.block_table = []
+        seq.page_tables = None
+        self._seq_hashes.pop(seq.request_id, None)
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Give back ``seq``'s windowed pages that its next query no longer reads (prefill
+        chunks and decodes alike: every step starts at ``num_computed_tokens``). Returns how
+        many pages it let go of (fewer go back to the pool where another sequence still reads
+        them)."""
+        held = self._held.get(seq.request_id)
+        if held is None or seq.page_tables is None:
+            return 0
+        c, bt, bs = seq.num_computed_tokens, seq.block_table, self.block_size
+        out = 0
+        for w in self._windows:
+            first = min(max(0, c - w + 1) // bs, len(bt))
+            done = held[w]
+            if first <= done:
+                continue
+            for i in range(done, first):
+                self._wunref(bt[i], w)
+                for g in self._wgroups[w]:
+                    seq.page_tables[g][i] = NULL_PAGE
+            held[w] = first
+            out += (first - done) * len(self._wgroups[w])
+        return out
+
+    def mark_holes(self, seq: Sequence, first: int, end: int) -> None:
+        raise NotImplementedError("the hybrid KV layout takes no windowed handoff")
