@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from hf_models import GPT_OSS_ARCHS, load_hf_model
 from test_bf16_engine import BF16_KV_TOL, FP32_TOL
 from test_engine_parity import GEN, GREEDY, check_prefix_hit, hf_tokens, make_core, prompts, run
+from test_gemma3_models import check_follow_up_turn, check_hybrid_decode
 from test_phi3_models import check_logits
 
 from kvrelay.engine.attention import SdpaBackend, StepLayout
@@ -273,14 +274,32 @@ def test_bf16_checkpoint_within_the_stated_tolerance(hf_model_dir) -> None:
         check_logits(core, d, tol=tol, length=40)
 
 
+@pytest.mark.parametrize("name,backend", [("gpt_oss", "auto"), ("gpt_oss_top1_mqa", "sdpa")])
+def test_hybrid_kv_matches_transformers_holding_the_windows(hf_model_dir, name: str,
+                                                             backend: str) -> None:
+    """``--hybrid-kv auto`` (a page table per layer group: the windowed layers give back the
+    pages behind their window): logits through chunks and decodes, a decode past the window
+    that holds only the window in its windowed layers, a follow-up turn that finds the whole
+    conversation cached and a branching prompt with a shorter hit; tokens transformers'."""
+    model_dir = hf_model_dir(name)
+    core = make_core(model_dir, hybrid_kv="auto", attention_backend=backend)
+    assert core.runner.kv_plan is not None
+    check_logits(core, model_dir, tol=FP32_TOL)
+    check_hybrid_decode(core, model_dir, length=50)
+    if backend == "auto":  # (the follow-up turn on SDPA: test_gemma3_models)
+        check_follow_up_turn(core, model_dir)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mha_tied"])
-def test_tp2_shards_experts_and_sinks_and_matches_transformers(hf_model_dir, name: str) -> None:
+@pytest.mark.parametrize("name,hybrid", [("gpt_oss", "off"), ("gpt_oss_mha_tied", "off"),
+                                         ("gpt_oss", "auto")])
+def test_tp2_shards_experts_and_sinks_and_matches_transformers(hf_model_dir, name: str,
+                                                               hybrid: str) -> None:
     """TP=2 on CPU (gloo): each rank half of every expert's FFN (the down bias on rank 0 only),
     the router whole, half the heads with their sinks; greedy tokens identical and logits within
-    1e-4, as at TP=1."""
+    1e-4, as at TP=1 (and with the hybrid KV layout's page tables per layer group)."""
     model_dir = hf_model_dir(name)
-    core = make_core(model_dir, tensor_parallel_size=2, tp_timeout_s=20.0)
+    core = make_core(model_dir, tensor_parallel_size=2, tp_timeout_s=20.0, hybrid_kv=hybrid)
     try:
         layer = core.runner.model.layers[0]
         moe, attn = layer.mlp, layer.attn
