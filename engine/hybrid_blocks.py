@@ -68,12 +68,17 @@ class HybridBlockManager(BlockManager):
     # -- counts --------------------------------------------------------------------------------
     @property
     def num_pages(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks)  # one logical block id per page: ids never run out
 
     @property
     def num_free_pages(self) -> int:
         """Pages no sequence holds (free, or kept by a cached free block until evicted)."""
         return len(self._free_pages) + self._cached_pages
+
+    @property
+    def num_blocks(self) -> int:
+        """The pool in blocks' worth (pages // groups): what usage and the watermark count."""
+        return self.num_pages // self.num_groups
 
     @property
     def num_free_blocks(self) -> int:

@@ -20,18 +20,19 @@ holds them only if it ends where its windowed layers read none of them (the full
 layers' KV is in every block), so a follow-up turn still finds the conversation's head at the
 decode worker; a partial block is never copied to a peer or a tier.
 
-Blocks held: one block table serves every layer (a block id is the same slot of every layer's
-K and V planes), so a block can go back to the pool only when no layer reads it any more. A
-model whose every layer is windowed gives back, as it decodes, the blocks wholly before its
+Blocks held: with one block table for every layer (a block id is the same slot of every
+layer's K and V planes), a block can go back to the pool only when no layer reads it any more.
+A model whose every layer is windowed gives back, as it decodes, the blocks wholly before its
 widest window (``common_window``, ``BlockManager.release_out_of_window``): a long decode holds
 ``ceil(w / bs) + 1`` blocks per sequence instead of its whole context. A hybrid (Gemma 3, 5
-local : 1 global; gpt-oss) holds every block: its global layers read them all, and the local
-layers' bytes of a block are the same allocation as the global layers'. Freeing those would
-take per-layer-group block tables (vLLM's hybrid allocator): a KV tensor, a block pool and a
-block table per group of layers of one window, a slot mapping per group in every backend's
-metadata, a descriptor layout per group in the KV transfer handshake, the tiers and the prefix
-hashes per group, and admission counting blocks per group; a hybrid's saving is the handoff's
-(the global layers' blocks, and the local layers' last window).
+local : 1 global; gpt-oss) holds every block that way: its global layers read them all. With
+``--hybrid-kv auto`` it gets a page table per group of layers of one window instead
+(``hybrid_kv.py``, ``hybrid_blocks.py``: one pool of pages, a page per layer group per block),
+and its local layers' pages behind the window go back as it prefills and decodes: a long
+decode holds its global layers' share of the context plus each local group's window (measured:
+``bench.engine.swa_blocks``). That layout serves role both (TP too); a P/D handoff, the tiers and
+prefix pulls address the one-table layout, so they refuse it and a hybrid's saving there is the
+handoff's (the global layers' blocks, and the local layers' last window).
 """
 
 from __future__ import annotations

@@ -98,6 +98,7 @@ def decode(bm: HybridBlockManager, s: Sequence, tokens: int) -> None:
 
 def test_a_long_decode_holds_the_window_of_its_windowed_groups() -> None:
     bm = manager()
+    assert (bm.num_pages, bm.num_blocks, bm.num_free_blocks) == (60, 20, 20)  # 3 groups
     free = bm.num_free_pages
     s = seq("a", list(range(10)))
     bm.allocate_prefix(s, bm.match_prefix(s.token_ids, 9))
