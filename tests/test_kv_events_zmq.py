@@ -274,7 +274,7 @@ def test_batches_merge_chains_and_start_with_a_reset(ctx, publishers) -> None:
     pub.removed(HOST, [2])
     pub.removed(DEVICE, [3])
     pub.start()
-    got = replay(ctx, pub.replay_endpoint, 0)
+    got = replay_until(ctx, pub.replay_endpoint, 0, batches=2)
     assert [seq for _, seq, _ in got] == [0, 1]
     assert got[0][2].events == [AllBlocksCleared()]
     assert got[1][2].events == [
@@ -293,7 +293,7 @@ def test_a_full_buffer_drops_counts_and_resets_consumers(ctx, publishers) -> Non
         pub.stored(DEVICE, [h], None, [h] * 4, 4)
     assert pub.dropped_events == 2
     pub.start()
-    got = replay(ctx, pub.replay_endpoint, 0)
+    got = replay_until(ctx, pub.replay_endpoint, 0, batches=2)
     assert [seq for _, seq, _ in got] == [0, 1]
     assert per_block(got[1][2].events) == [
         ("stored", "GPU", 1, None, (1,) * 4), ("stored", "GPU", 2, None, (2,) * 4),
@@ -305,14 +305,17 @@ def test_a_full_buffer_drops_counts_and_resets_consumers(ctx, publishers) -> Non
     assert pub.dropped_events == 2
 
 
-def replay_until(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[bytes, int, Any]]:
-    """``replay`` once the publisher has sent batch ``start`` (a bounded wait)."""
+def replay_until(ctx: zmq.Context, endpoint: str, start: int,
+                 batches: int = 1) -> list[tuple[bytes, int, Any]]:
+    """``replay`` once the publisher's thread has sent ``batches`` batches from ``start`` on (a
+    bounded wait: it sends them after ``start()`` returns)."""
+    got: list[tuple[bytes, int, Any]] = []
     for _ in range(200):
         got = replay(ctx, endpoint, start)
-        if got:
+        if len(got) >= batches:
             return got
         threading.Event().wait(0.05)
-    raise AssertionError(f"batch {start} was never sent")
+    raise AssertionError(f"{batches} batches from {start} were never sent: {got}")
 
 
 def test_replay_from_a_sequence_number(ctx, publishers) -> None:
