@@ -22,6 +22,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # The tests' Ray is always embedded and loopback-only; Ray reads this when it is first imported,
 # which may be a module that only builds a deployment spec, before any test starts a Ray.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# One intra-op thread per test process (torch reads this when first imported, which is after
+# this file): `make test` runs two test processes beside the clusters' workers on a 2-core host,
+# and two-thread OpenMP regions that spin at their barriers while the other process holds a core
+# ran the engine modules ~1.5-2.8x slower than one thread each (test_moe_models, test_bf16_engine
+# and test_engine_parity under -n 2: 128-234 s with two threads each, 82 s with one). A test
+# that needs two threads says so (the ``two_threads`` fixture); the cluster harness's workers
+# already run one (``kvrelay.forking.BASE_ENV``).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The GPU smoke suite runs by itself (`make test-gpu`), never inside the normal suite.
 collect_ignore = [] if os.environ.get("KVRELAY_GPU_TESTS") == "1" else ["gpu"]
