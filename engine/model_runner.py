@@ -220,6 +220,8 @@ class ModelRunner:
         # per layer group (hybrid KV): its pages' slots and tables
         gslots: list[list[int]] = [[] for _ in range(self.kv_plan.num_groups)] if hybrid else []
         gtables: list[list[list[int]]] = [[] for _ in gslots]
+        gctx: list[list[int]] = [[] for _ in gslots]
+        windows = self.kv_plan.windows if hybrid else ()
         logits_rows: list[int] = []
         sampled_order: list[int] = []
         sampling: list[int] = []  # the prefill chunks that sample (their index among them)
@@ -231,9 +233,15 @@ class ModelRunner:
             q_lens.append(n)
             ctx_lens.append(c + n)
             if hybrid:
-                for gs, gt, pt in zip(gslots, gtables, seq.page_tables, strict=True):
+                # A windowed group's table starts at the first block its first query reads
+                # (keys and lengths relative to it: every mask is relative), so no backend
+                # gathers, or even indexes, the pages given back behind the window.
+                for gs, gt, gc, pt, w in zip(gslots, gtables, gctx, seq.page_tables, windows,
+                                             strict=True):
                     gs.extend(pt[p // bs] * bs + p % bs for p in range(c, c + n))
-                    gt.append(pt)
+                    skip = 0 if w is None else max(0, c - w + 1) // bs
+                    gt.append(pt[skip:] if skip else pt)
+                    gc.append(c + n - skip * bs)
             else:
                 bt = seq.block_table
                 slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
@@ -244,8 +252,8 @@ class ModelRunner:
                 sampling += [j] if n > 1 else []
         if hybrid:
             metas = [self.attention.metadata(StepLayout(
-                bs, torch.tensor(gs, dtype=torch.long), q_lens, ctx_lens, gt, len(prefill)))
-                for gs, gt in zip(gslots, gtables, strict=True)]
+                bs, torch.tensor(gs, dtype=torch.long), q_lens, gc, gt, len(prefill)))
+                for gs, gt, gc in zip(gslots, gtables, gctx, strict=True)]
             meta = metas[0]
             meta.groups = metas
         else:

@@ -245,14 +245,15 @@ class SdpaBackend(AttentionBackend):
 
 
 def decode_groups(step: StepLayout) -> list[DecodeGroup]:
-    """The step's decodes (ascending context lengths) in groups of similar length, each with
-    its block tables padded to the group's longest."""
+    """The step's decodes (ascending context lengths, mostly: a hybrid KV layout's windowed
+    group sees each cut to its window) in groups of similar length, each with its block tables
+    padded to the group's longest."""
     p, bs = step.num_prefills, step.block_size
     lens = step.ctx_lens[p:]
     groups, start = [], 0
     for count in group_by_length(lens, bs):
         run = lens[start:start + count]
-        tables = padded_tables(step.block_tables[p + start:p + start + count], -(-run[-1] // bs))
+        tables = padded_tables(step.block_tables[p + start:p + start + count], -(-max(run) // bs))
         groups.append(DecodeGroup(start, count, torch.tensor(run, dtype=torch.long), tables))
         start += count
     return groups

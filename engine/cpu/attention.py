@@ -210,7 +210,7 @@ class NativeBackend(SdpaBackend):
         lens = step.ctx_lens[p:]
         if lens:  # one kernel call over every decode
             meta.decode_lens = torch.tensor(lens, dtype=torch.int32)
-            meta.decode_tables = padded_tables(step.block_tables[p:], -(-lens[-1] // bs),
+            meta.decode_tables = padded_tables(step.block_tables[p:], -(-max(lens) // bs),
                                                torch.int32)
         meta.workspace = self.workspace(meta.gather_rows())
         return meta
