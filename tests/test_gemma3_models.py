@@ -147,12 +147,14 @@ def test_chunked_prefill_with_a_prefix_cache_hit(hf_model_dir) -> None:
     assert core.stats().prefix_cache_hits >= 40
 
 
-def test_the_offline_llm_serves_gemma3(hf_model_dir) -> None:
+@pytest.mark.parametrize("hybrid", ["off", "auto"])
+def test_the_offline_llm_serves_gemma3(hf_model_dir, hybrid: str) -> None:
     from kvrelay.engine.llm import LLM
 
     model_dir = hf_model_dir("gemma3")
     ids = prompts(1)[-1]  # the mixed batch's longest (its reference is computed once)
-    out = LLM(model_dir, num_blocks=64, block_size=8).generate([ids], GREEDY)[0]
+    out = LLM(model_dir, num_blocks=64, block_size=8, hybrid_kv=hybrid).generate([ids],
+                                                                                GREEDY)[0]
     assert out.token_ids == hf_tokens(model_dir, tuple(ids), GEN)
 
 
