@@ -1,6 +1,7 @@
 """Engine throughput beside the machine's roofline and beside transformers, measured in one run.
 
     .venv/bin/python -m bench.engine.throughput [--model DIR] [--threads 2] [--reps 3]
+    .venv/bin/python -m bench.engine.throughput --quick  # every row, small: does it run?
     .venv/bin/python -m bench.engine.throughput --tp 2   # TP=2 (1 thread/rank) vs TP=1 (1, 2 \\
         threads)
 
@@ -301,6 +302,10 @@ def main() -> int:
     ap.add_argument("--unpacked", action="store_true",
                     help="the decode rows again with the linears left unpacked (F.linear: a "
                          "CPU without the native GEMM or oneDNN's packing), in the same run")
+    ap.add_argument("--quick", action="store_true",
+                    help="every row at a size a test can afford (decode rows time 4 steps, "
+                         "the mixed rows hold 64-256-token contexts): shows the benchmark runs, "
+                         "measures nothing worth keeping")
     ap.add_argument("--tp", type=int, default=1,
                     help="only the tensor-parallel prefill comparison (2048 tokens) at this TP")
     args = ap.parse_args()
@@ -329,7 +334,9 @@ def main() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(model_dir)
-    blocks = 64 * MIXED_CTX[1] // 16 + 512
+    steps, mixed_steps, mixed_ctx = (4, 4, (64, 256)) if args.quick else \
+        (DECODE_STEPS, 16, MIXED_CTX)
+    blocks = 64 * mixed_ctx[1] // 16 + 512
     core = make_core(model_dir, args.threads, num_blocks=blocks,
                      attention_backend=args.attention_backend, dtype=args.dtype)
     runner = core.runner
@@ -431,7 +438,7 @@ def main() -> int:
     for b in decode_batches:
         distinct[b] = [] if model.experts else None
         t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model,
-                                   distinct=distinct[b])
+                                   steps=steps, distinct=distinct[b])
         row = f"{b:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}"
         if hf is not None:
             th = hf_decode_step(hf, b, max(1, args.reps - 1), vocab)
@@ -442,9 +449,9 @@ def main() -> int:
             f"B={b} {statistics.mean(d):.1f}" for b, d in distinct.items()) + ")", flush=True)
     rng = random.Random(0)
     for b in MIXED_BATCHES if not args.short else ():
-        lengths = [rng.randint(*MIXED_CTX) for _ in range(b)]
-        t, ratio, rr = ours_decode(core, lengths, 1, vocab, ceil, model, steps=16)
-        label = f"{b} ctx {MIXED_CTX[0]}-{MIXED_CTX[1]}"
+        lengths = [rng.randint(*mixed_ctx) for _ in range(b)]
+        t, ratio, rr = ours_decode(core, lengths, 1, vocab, ceil, model, steps=mixed_steps)
+        label = f"{b} ctx {mixed_ctx[0]}-{mixed_ctx[1]}"
         print(f"{label:>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}", flush=True)
     if (note := prefetch_note(core.runner)) is not None:
         print(f"{'':>18} ({note})", flush=True)
@@ -455,7 +462,8 @@ def main() -> int:
             fused.tuner.skip()  # the CPU's fixed prefetch choice, not the last step's arm
         core.runner.model.fused_decode = None
         for b in decode_batches:
-            t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
+            t, ratio, rr = ours_decode(core, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model,
+                                       steps=steps)
             print(f"{f'{b} per-op':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}   "
                   "(fused decode layers off)", flush=True)
         core.runner.model.fused_decode = fused
@@ -470,7 +478,8 @@ def main() -> int:
         alt = make_core(model_dir, args.threads, num_blocks=blocks, linear_kernel=other,
                         attention_backend=args.attention_backend, dtype=args.dtype)
         for b in decode_batches:
-            t, ratio, rr = ours_decode(alt, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model)
+            t, ratio, rr = ours_decode(alt, [DECODE_PROMPT] * b, args.reps, vocab, ceil, model,
+                                       steps=steps)
             print(f"{f'{b} {other}':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} {rr:>8.0%}   "
                   f"(--linear-kernel {other}; auto picked {picked})", flush=True)
         del alt
@@ -481,7 +490,7 @@ def main() -> int:
         assert kernel_choice.linear_kernel(plain.runner.model) == "dense"
         for b in decode_batches:
             t, ratio, rr = ours_decode(plain, [DECODE_PROMPT] * b, args.reps, vocab, ceil,
-                                       model)
+                                       model, steps=steps)
             print(f"{f'{b} unpacked':>18} {b / t:>11.1f} {t * 1e3:>8.1f} {ratio:>8.0%} "
                   f"{rr:>8.0%}   (linears unpacked: F.linear)", flush=True)
         del plain
