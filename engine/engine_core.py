@@ -70,12 +70,11 @@ class EngineCore:
                                                    block_size=self.runner.block_size))
         self.config = config
         plan = self.runner.kv_plan  # the hybrid KV layout's layer groups (None: one table)
-        if plan is not None and (config.cache.kv_offload_memory or connector is not None):
+        if plan is not None and connector is not None:
             if hasattr(self.runner, "close"):  # tensor-parallel ranks
                 self.runner.close()
-            raise ValueError("--hybrid-kv auto: KV offload tiers and KV transfer address one "
-                             "block table for every layer; serve this model with --hybrid-kv "
-                             "off for them")
+            raise ValueError("--hybrid-kv auto: KV transfer addresses one block table for "
+                             "every layer; serve this model with --hybrid-kv off on P/D workers")
         self.tiers = self._build_tiers(config)
         if plan is None:
             self.block_manager = BlockManager(self.runner.num_usable_blocks,
@@ -84,7 +83,8 @@ class EngineCore:
         else:
             self.block_manager = HybridBlockManager(self.runner.num_usable_blocks,
                                                     config.cache.block_size, plan,
-                                                    config.cache.enable_prefix_caching)
+                                                    config.cache.enable_prefix_caching,
+                                                    self.tiers)
         sc = config.scheduler
         # Fitted on every step (its coefficients are exported as metrics); it caps a step's
         # prefill tokens only when a TPOT target or an ITL cap is set.
@@ -132,7 +132,9 @@ class EngineCore:
         if config.model.tensor_parallel_size > 1:
             raise ValueError("KV offload tiers are not yet supported under tensor parallelism")
         kv = self.runner.kv
-        slot_bytes = kv.select(-4, 0).numel() * kv.element_size()
+        plan = self.runner.kv_plan  # hybrid KV: a block is a page per layer group
+        per_block = 1 if plan is None else plan.num_groups
+        slot_bytes = per_block * kv.select(-4, 0).numel() * kv.element_size()
         host_slots = cc.kv_offload_memory // slot_bytes
         disk_slots = cc.kv_offload_disk // slot_bytes if cc.kv_offload_dir else 0
         if host_slots < 1:
@@ -142,6 +144,8 @@ class EngineCore:
         layout = (f"{self.runner.arch.identity}|{spec.num_layers}x{spec.num_kv_heads}x"
                   f"{spec.head_dim}|groups={cc.kv_head_groups}|bs={spec.block_size}|"
                   f"{spec.dtype}|{HASH_SCHEME}")
+        if plan is not None:  # slots of another layout (pages per group) are other bytes
+            layout += f"|hybrid={plan.k}x{plan.windows}/{plan.group_of}"
         step_blocks = config.scheduler.max_num_batched_tokens // cc.block_size
         if host_slots < 4 * step_blocks:
             logger.warning("the host tier (%d blocks) holds under 4 steps' worth of new blocks "
@@ -150,7 +154,10 @@ class EngineCore:
                            step_blocks)
         tiers = KVTiers(kv, cc.block_size, TierConfig(host_slots, cc.kv_offload_dir, disk_slots,
                                                       keep_disk=cc.kv_offload_keep),
-                        layout_fingerprint(layout))
+                        layout_fingerprint(layout),
+                        pages_of=None if plan is None else
+                        lambda bid: self.block_manager.pages_of(bid),  # type: ignore[attr-defined]
+                        pages_per_block=per_block)
         logger.info("KV tiers: host %d blocks (%.0f MiB)%s", host_slots,
                     host_slots * slot_bytes / 2**20,
                     f", disk {disk_slots} blocks in {cc.kv_offload_dir}" if disk_slots else "")

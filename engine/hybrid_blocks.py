@@ -27,9 +27,13 @@ holds no page (``NULL_PAGE``): attention masks every key before the window (torc
 the native decode kernel does not load them) and page 0 is always a real page, so a gather never
 indexes out of range.
 
-Not here (refused by the engine under the hybrid layout): tiers below the pool, a KV
-connector (P/D roles) and prefix shares with peers, which address blocks of the one-table
-layout.
+The tiers below the pool (``engine/tiers``) keep whole blocks: a tier slot is a block's page
+of every group (``KVTiers.pages_of``). A published block is copied down before it loses a page
+(``_settle`` stores it first), a partial one never; a promoted block comes back into fresh
+pages of every group.
+
+Not here (refused by the engine under the hybrid layout): a KV connector (P/D roles) and
+prefix shares with peers, which address blocks of the one-table layout.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import logging
 from kvrelay.engine.block_manager import BlockManager, PrefixMatch
 from kvrelay.engine.hybrid_kv import KVGroups
 from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.tiers.kv_tiers import BlockRef, KVTiers
 from kvrelay.engine.tiers.media import DEVICE
 
 logger = logging.getLogger(__name__)
@@ -48,9 +53,9 @@ NULL_PAGE = 0  # what a page table names where the sequence holds no page
 
 class HybridBlockManager(BlockManager):
     def __init__(self, num_pages: int, block_size: int, groups: KVGroups,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, tiers: KVTiers | None = None):
         # At most one logical block per page: each holds at least its full groups' pages.
-        super().__init__(num_pages, block_size, enable_prefix_caching, None)
+        super().__init__(num_pages, block_size, enable_prefix_caching, tiers)
         assert None in groups.windows and num_pages >= groups.num_groups
         self.groups = groups
         self.num_groups = groups.num_groups
@@ -102,6 +107,8 @@ class HybridBlockManager(BlockManager):
         while len(self._free_pages) < n:
             assert self._free, "no page to take: callers check num_free_blocks first"
             bid, _ = self._free.popitem(last=False)  # least recently freed first
+            if bid in self._to_store:  # its store was deferred: it goes now, before the reuse
+                self._store([(bid, self._to_store.pop(bid))])
             self._cached_pages -= self._present(bid)
             self._forget(self.blocks[bid])
             self._release_all(bid)
@@ -148,6 +155,9 @@ class HybridBlockManager(BlockManager):
         if block.ref_count == 0:
             return
         pages = self.pages[bid]
+        if bid in self._to_store and any(self.wrefs[bid].get(w, 0) <= 0
+                                         for w in self._windows):
+            self._store([(bid, self._to_store.pop(bid))])  # whole, before it loses a page
         for w in self._windows:
             if self.wrefs[bid].get(w, 0) > 0:
                 continue
@@ -273,6 +283,27 @@ class HybridBlockManager(BlockManager):
                     seq.page_tables[g][i] = NULL_PAGE
             held[w] = first
             out += (first - done) * len(self._wgroups[w])
+        return out
+
+    def pages_of(self, bid: int) -> list[int]:
+        """Block ``bid``'s page in every group (a whole block's: what a tier copies)."""
+        pages = self.pages[bid]
+        assert len(pages) == self.num_groups and min(pages) >= 0, (bid, pages)
+        return pages
+
+    def _store(self, blocks: list[tuple[int, BlockRef]]) -> None:
+        super()._store([(bid, ref) for bid, ref in blocks if not self.blocks[bid].partial])
+
+    def promote(self, seq: Sequence, max_tokens: int, reserve: int = 0) -> int | None:
+        have = len(seq.block_table)
+        out = super().promote(seq, max_tokens, reserve)
+        if len(seq.block_table) > have:  # fresh whole blocks, each window's pages held
+            held = self._held.setdefault(seq.request_id, dict.fromkeys(self._windows, 0))
+            if seq.page_tables is None:
+                seq.page_tables = [[] for _ in range(self.num_groups)]
+            for i in range(have, len(seq.block_table)):
+                for g, table in enumerate(seq.page_tables):
+                    table.append(self._table_entry(seq.block_table[i], g, i, held))
         return out
 
     def mark_holes(self, seq: Sequence, first: int, end: int) -> None:

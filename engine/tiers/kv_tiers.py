@@ -73,13 +73,21 @@ class TierConfig:
 
 class KVTiers:
     def __init__(self, kv: torch.Tensor, block_size: int, config: TierConfig,
-                 fingerprint: bytes, events: KVEventSink | None = None):
+                 fingerprint: bytes, events: KVEventSink | None = None,
+                 pages_of: Callable[[int], Sequence[int]] | None = None,
+                 pages_per_block: int = 1):
         self.kv = kv
         self.block_size = block_size
         self.events = events
         # One slot: one block of every layer, K and V (every head group): the pool tensor's
-        # block dimension is -4 ([..., num_blocks, block_size, kv_heads, head_dim]).
+        # block dimension is -4 ([..., num_blocks, block_size, kv_heads, head_dim]). Under the
+        # hybrid KV layout (engine/hybrid_kv.py) a block is a page per layer group: ``pages_of``
+        # names them, and a slot holds them in group order.
+        self.pages_of = pages_of
+        self.pages_per_block = pages_per_block
         slot_shape = kv.select(-4, 0).shape
+        if pages_of is not None:
+            slot_shape = (pages_per_block, *slot_shape)
         self.cuda = kv.device.type == "cuda"
         # Not zero-filled: a slot is read only once a store or a load has written it, so the
         # tier's memory is committed as it fills, not all at start.
@@ -148,6 +156,14 @@ class KVTiers:
         return self.disk_index is not None and self.disk_index.lookup(
             ref.hash, ref.parent_hash, ref.token_ids) is not None
 
+    def _pages(self, bid: int) -> Sequence[int]:
+        """The pool pages of block ``bid`` (itself, but under the hybrid KV layout)."""
+        return (bid,) if self.pages_of is None else self.pages_of(bid)
+
+    def _slot_parts(self, slot: int) -> Sequence[torch.Tensor]:
+        """Host slot ``slot`` as one view per page of a block."""
+        return (self.host[slot],) if self.pages_of is None else self.host[slot].unbind(0)
+
     # -- pool -> host ----------------------------------------------------------------------------
     def store(self, blocks: Sequence[tuple[int, BlockRef]]) -> None:
         """Copy newly published pool blocks ``(block id, ref)`` into the host tier (a block it
@@ -170,11 +186,12 @@ class KVTiers:
             return
         if self.cuda:
             assert self._side is not None
-            src = torch.tensor(bids, device=self.kv.device)
+            src = torch.tensor([p for b in bids for p in self._pages(b)], device=self.kv.device)
             dst = torch.tensor(slots)
             self._side.wait_stream(torch.cuda.current_stream(self.kv.device))
             with torch.cuda.stream(self._side):
                 staged = self.kv.index_select(-4, src).movedim(-4, 0)
+                staged = staged.reshape(len(slots), *self.host.shape[1:])
                 self.host.index_copy_(0, dst, staged.to("cpu", non_blocking=True))
                 ev = torch.cuda.Event()
                 ev.record(self._side)
@@ -182,7 +199,9 @@ class KVTiers:
         else:  # one strided copy per block, no staging, on this thread alone
             with _one_thread():
                 for bid, slot in zip(bids, slots, strict=True):
-                    self.host[slot].copy_(self.kv.select(-4, bid))
+                    for part, page in zip(self._slot_parts(slot), self._pages(bid),
+                                          strict=True):
+                        part.copy_(self.kv.select(-4, page))
             for slot in slots:
                 self._host_ready(slot)
         st = self.stats[HOST]
@@ -197,7 +216,8 @@ class KVTiers:
         with contextlib.nullcontext() if self.cuda else _one_thread():
             for slot, bid in zip(slots, bids, strict=True):
                 # On a GPU: from pinned memory, ordered before the step that reads it.
-                self.kv.select(-4, bid).copy_(self.host[slot], non_blocking=self.cuda)
+                for part, page in zip(self._slot_parts(slot), self._pages(bid), strict=True):
+                    self.kv.select(-4, page).copy_(part, non_blocking=self.cuda)
         for slot in slots:
             self.host_index.touch(slot)
         st = self.stats[HOST]
