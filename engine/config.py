@@ -110,7 +110,7 @@ class CacheConfig:
     # Per-layer-group pages for a model whose layers differ in window (engine/hybrid_kv.py):
     # auto: for such a model (Gemma 3, gpt-oss) the windowed layers' pages of the blocks behind
     # the window go back to the pool; off: one block table for every layer (each block held
-    # while any layer reads it). Off by default until P/D, the tiers and prefix pulls carry it.
+    # while any layer reads it). Off by default until P/D and prefix pulls carry it.
     hybrid_kv: str = "off"
 
     def __post_init__(self) -> None:

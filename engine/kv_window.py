@@ -30,9 +30,9 @@ local : 1 global; gpt-oss) holds every block that way: its global layers read th
 (``hybrid_kv.py``, ``hybrid_blocks.py``: one pool of pages, a page per layer group per block),
 and its local layers' pages behind the window go back as it prefills and decodes: a long
 decode holds its global layers' share of the context plus each local group's window (measured:
-``bench.engine.swa_blocks``). That layout serves role both (TP too); a P/D handoff, the tiers and
-prefix pulls address the one-table layout, so they refuse it and a hybrid's saving there is the
-handoff's (the global layers' blocks, and the local layers' last window).
+``bench.engine.swa_blocks``). That layout serves role both (TP and the tiers too); a P/D handoff
+and prefix pulls address the one-table layout, so they refuse it and a hybrid's saving there is
+the handoff's (the global layers' blocks, and the local layers' last window).
 """
 
 from __future__ import annotations
