@@ -104,6 +104,13 @@ class Profile:
         a, b, c = self.decode_coef
         return a + b * batch + c * batch * context
 
+    def decode_line(self, batch: int, context_sum: int) -> tuple[float, float]:
+        """A batch's decode steps as a line: the first step's time, at ``context_sum`` tokens
+        of context over the batch, and what each later step adds (the context grows by
+        ``batch`` a step): ``itl_s(batch, (context_sum + batch * m) / batch)`` for step m."""
+        a, b, c = self.decode_coef
+        return a + b * batch + c * context_sum, c * batch
+
     # -- fitting -------------------------------------------------------------------------------
     @staticmethod
     def fit_prefill(points: list[PrefillPoint], budget: int) -> tuple[float, float, float]:

@@ -22,7 +22,6 @@ from a replica's start request to its removal.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 from collections import deque
@@ -34,7 +33,13 @@ import numpy as np
 from kvrelay.deploy.planner.contention import SharedCores
 from kvrelay.deploy.planner.profile import Profile
 from kvrelay.deploy.planner.signals import Observation, PlanDecision, ScalingPolicy
-from kvrelay.deploy.planner.sim_state import DecodeReplica, PrefillReplica, Replica, SimRequest
+from kvrelay.deploy.planner.sim_state import (
+    DecodeReplica,
+    PrefillReplica,
+    Replica,
+    SimRequest,
+    StepPlan,
+)
 from kvrelay.deploy.planner.trace import HASH_BLOCK, TraceRequest
 
 
@@ -208,11 +213,11 @@ class Simulator:
         d.pending.append(r)
         if not d.busy:
             self._decode_step(d)
-        elif d.plan:  # it joins after the step under way: end the planned steps there
-            j = bisect.bisect_right(d.plan, self.now, key=lambda e: e[0])
+        elif d.plan is not None:  # it joins after the step under way: end the plan there
+            j = d.plan.ended_by(self.now)
             if j < d.cut:
                 d.cut, d.epoch = j, d.epoch + 1
-                self._at(d.plan[j][0], self._planned_done, d, d.epoch)
+                self._at(d.plan.end(j)[0], self._planned_done, d, d.epoch)
 
     def _decode_step(self, d: DecodeReplica) -> None:
         # A step costs O(requests joining or finishing), not O(batch) (~1M steps a replay), and
@@ -230,14 +235,11 @@ class Simulator:
         n = len(d.running)
         if self._cores is None:
             # The batch stays as it is until its next finish: those steps' times are known.
-            t, s, plan = self.now, d.step_s, []
-            for step in range(d.steps, d.running[0][0]):
-                work = self.p.itl_s(n, (d.ctx + n * step) / n)
-                t += work
-                s += work
-                plan.append((t, s))
-            d.plan, d.cut, d.epoch = plan, len(plan) - 1, d.epoch + 1
-            self._at(t, self._planned_done, d, d.epoch)
+            first, growth = self.p.decode_line(n, d.ctx + n * d.steps)
+            count = d.running[0][0] - d.steps
+            d.plan = StepPlan(self.now, d.step_s, first, growth, count)
+            d.cut, d.epoch = count - 1, d.epoch + 1
+            self._at(d.plan.end(count - 1)[0], self._planned_done, d, d.epoch)
             return
         # One step at a time on shared cores: its ITL is the time it took at the speeds it met.
         work, t0 = self.p.itl_s(n, (d.ctx + n * d.steps) / n), self.now
@@ -248,9 +250,10 @@ class Simulator:
         """The planned steps up to ``d.cut`` have ended (unless a join moved the cut since)."""
         if epoch != d.epoch:
             return
+        assert d.plan is not None
         d.steps += d.cut + 1
-        d.step_s = d.plan[d.cut][1]
-        d.plan = []
+        d.step_s = d.plan.end(d.cut)[1]
+        d.plan = None
         self._steps_ended(d)
 
     def _decode_done(self, d: DecodeReplica, dt: float) -> None:
