@@ -10,6 +10,7 @@ run never and do not count."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -31,6 +32,14 @@ def _folders() -> dict[str, str]:
     return {name: folder for name, folder in dirs.items() if name.count(".") <= 1}
 
 
+@functools.cache
+def _tree(path: Path) -> ast.AST:
+    """A file's syntax tree, parsed once for the module's tests (~400 files: parsing them for
+    each graph was most of this module's 14 s)."""
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """folder -> the other folders its modules import."""
     folders = _folders()
@@ -40,7 +49,7 @@ def import_graph() -> dict[str, set[str]]:
         for path in (ROOT / folder).rglob("*.py"):
             if name == "kvrelay" and path.parent != ROOT / folder:
                 continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for node in ast.walk(_tree(path)):
                 if isinstance(node, ast.Import):
                     targets = [a.name for a in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -111,6 +120,7 @@ def _runtime_imports(tree: ast.AST) -> list[ast.AST]:
             if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
 
 
+@functools.cache
 def file_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports (at any depth of its code)."""
     mods = _modules()
@@ -123,7 +133,7 @@ def file_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_imports(_tree(path)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -154,7 +164,7 @@ def test_file_graph_sees_lazy_and_relative_imports() -> None:
     lazy = [m for m, path in _modules().items()
             if any(isinstance(n, ast.FunctionDef) and any(
                 isinstance(i, ast.ImportFrom) and (i.module or "").startswith("kvrelay.")
-                for i in ast.walk(n)) for n in ast.walk(ast.parse(path.read_text())))]
+                for i in ast.walk(n)) for n in ast.walk(_tree(path)))]
     assert lazy and all(graph[m] for m in lazy)
 
 
