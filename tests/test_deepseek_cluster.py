@@ -4,7 +4,9 @@ through one prefill and two decode workers (real router, worker processes, NIXL 
 the latent layout: one plane of ``kv_lora_rank + qk_rope_head_dim`` per token per layer), with
 the engine alone's greedy tokens (``kvrelay.engine.llm.LLM``, itself held to transformers in
 tests/test_deepseek_models.py) and exactly the latent bytes moved; a decode worker killed
-mid-stream, the stream resumes on the other with the same tokens; then a TP=2 decode worker
+mid-stream, the stream resumes on the other with the same tokens; a conversation's second turn
+pulls its history's latents from the decode worker that generated it (P<-D, NIXL READ of the
+one-plane layout) instead of recomputing them; then a TP=2 decode worker
 (half the query heads per rank, the whole latent on each) receives the TP=1 prefill worker's
 latents, each rank all of them. One cluster for the module: the tests run in order."""
 
@@ -18,6 +20,7 @@ import urllib.request
 import pytest
 from cluster import Cluster, engine_alone, prompt_ids
 from test_disaggregated_tp import _rank_pids
+from test_prefix_pull_cluster import BEATS_S, computed, metrics, total
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
@@ -39,7 +42,7 @@ def model_dir(hf_model_dir) -> str:
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     with Cluster(model_dir, tmp_path_factory.mktemp("deepseek"), prefill=1, decode=2,
-                 router_args=("--http-port", "0")) as c:
+                 router_args=("--http-port", "0", "--prefix-pull", "always")) as c:
         yield c
 
 
@@ -82,6 +85,34 @@ def check_greedy(cluster: Cluster, llm: LLM, model_dir: str, lengths: tuple[int,
 
 def test_deepseek_greedy_through_1p1d_moving_only_the_latent(cluster, llm, model_dir) -> None:
     check_greedy(cluster, llm, model_dir, LENGTHS, 0)
+
+
+def test_deepseek_turn_two_pulls_the_latent_history_from_the_decode_worker(cluster,
+                                                                           llm) -> None:
+    """The second turn (the first's prompt, its answer, a new question) finds the history's
+    latents on the decode worker that generated the answer, and the prefill worker reads them
+    (P<-D) rather than recomputing: it computes only what nobody held, and the tokens are the
+    engine alone's (a latent read to the wrong place, or the second plane a K/V layout would
+    expect, would change them)."""
+    baseline = cluster.free_blocks()
+    turn1 = prompt_ids(150, 30)
+    with cluster.client() as c:
+        answer = c.generate(turn1, sampling(40, 0.0, ignore_eos=True)).token_ids
+        assert answer == engine_alone(llm, turn1, 40)
+        time.sleep(BEATS_S)  # the router has seen what the decode worker holds
+        turn2 = turn1 + answer + prompt_ids(20, 31)
+        before = metrics(cluster)
+        got = c.generate(turn2, sampling(8, 0.0, ignore_eos=True))
+    after = metrics(cluster)
+    assert got.token_ids == engine_alone(llm, turn2, 8)
+    held = (len(turn1) + len(answer) - 1) // BLOCK * BLOCK  # the decode worker's history
+    for name, labels in (("kvrelay:router_pull_decisions_total",
+                          {"decision": "pull", "source_pool": "decode"}),
+                         ("kvrelay:router_pull_outcomes_total", {"outcome": "PULL_DONE"})):
+        assert total(after, name, **labels) == total(before, name, **labels) + 1, name
+    assert computed(after) - computed(before) == len(turn2) - held
+    assert got.usage.cached_prompt_tokens == held
+    assert cluster.wait_free_blocks(baseline) == baseline
 
 
 def test_deepseek_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
