@@ -357,3 +357,34 @@ def test_offload_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="prefix caching"):
         CacheConfig(kv_offload_memory=2**20, enable_prefix_caching=False)
     assert CacheConfig(kv_offload_memory="1GiB").kv_offload_memory == 2**30
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "gemma3", "gpt_oss"])
+def test_other_layouts_demote_spill_and_load_back_their_own_kv(arch, hf_model_dir,
+                                                             tmp_path: Path) -> None:
+    """A tier slot is a pool block across every layer and plane, whatever the model caches:
+    DeepSeek-V3's one latent plane per layer (multi-head latent attention), an MoE model's K
+    and V, a sliding-window hybrid's (Gemma 3, gpt-oss with its sinks). Evicted to the host
+    tier, spilled to disk and loaded back, the prompts' tokens are the ones recomputing them
+    gives."""
+    model = hf_model_dir(arch)
+    plain = make_core(model)
+    refs = {s: run(plain, f"r{s}", prompt(s))[0] for s in range(4)}
+    slot = plain.runner.kv_spec.bytes_per_block_all_layers
+    plain.close()
+    core = make_core(model, kv_offload_memory=40 * slot, kv_offload_dir=str(tmp_path),
+                     kv_offload_disk=200 * slot)
+    try:
+        for s in range(4):
+            assert run(core, f"a{s}", prompt(s)) == (refs[s], 0)
+        settle(core)
+        sets = core.cached_hash_sets()
+        h0 = block_hashes(prompt(0), BLOCK)
+        assert set(h0) <= sets[DISK] and not set(h0) & (sets[DEVICE] | sets[HOST])
+        for s in (0, 1):  # prompt 0 from disk, prompt 1 from wherever it went
+            assert run(core, f"b{s}", prompt(s)) == (refs[s], (160 - 1) // BLOCK * BLOCK)
+        st = core.stats().kv_tiers
+        assert st[DISK].hit_blocks >= 159 // BLOCK
+        assert st[DISK].load_failures == st[HOST].load_failures == 0
+    finally:
+        core.close()
