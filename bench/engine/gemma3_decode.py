@@ -41,13 +41,15 @@ _GEMMA = dict(sliding_window=512, query_pre_attn_scalar=64,
                            for i in range(12)])
 
 
-def write_model(out_dir: str, kind: str) -> str:
+def write_model(out_dir: str, kind: str, window: int | None = None) -> str:
+    """``window``: Gemma's sliding window (default 512)."""
     import transformers
 
     bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
     ids = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     if kind == "gemma3":
-        config: Any = transformers.Gemma3TextConfig(**_SHAPE, **_GEMMA, **ids)
+        gemma = _GEMMA if window is None else {**_GEMMA, "sliding_window": window}
+        config: Any = transformers.Gemma3TextConfig(**_SHAPE, **gemma, **ids)
         cls = transformers.Gemma3ForCausalLM
     else:
         config = transformers.LlamaConfig(**_SHAPE, **ids)
@@ -77,11 +79,12 @@ def fused(on: bool) -> Iterator[None]:
 
 
 def decoding_core(model_dir: str, batch: int, ctx: int, steps: int, threads: int,
-                  use_fused: bool) -> Any:
+                  use_fused: bool, **kw: Any) -> Any:
     """A core whose ``batch`` requests are prefilled (``ctx`` tokens each) and can decode
-    ``steps`` more steps."""
+    ``steps`` more steps (``kw``: more engine options)."""
     with fused(use_fused):
-        core = make_core(model_dir, threads, num_blocks=batch * (ctx + steps + 32) // 16 + 16)
+        core = make_core(model_dir, threads, num_blocks=batch * (ctx + steps + 32) // 16 + 16,
+                         **kw)
     sp = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"r{i}", prompt(ctx, i, 4000), sp)

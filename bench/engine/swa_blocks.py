@@ -1,13 +1,22 @@
-"""KV blocks a long decode holds, windowed vs not: tiny random checkpoints (transformers' own
-classes) of a Mistral without a window (dense), a Gemma 3 hybrid (5 local : 1 global, window
-256) and a Mistral with ``sliding_window`` 256 (every layer windowed), each decoding ``--gen``
-tokens after a ``--prompt``-token prompt in the offline engine, ``--batch`` requests at once.
-Where every layer is windowed the engine gives back the blocks wholly before the window as the
-decode goes (``BlockManager.release_out_of_window``); a hybrid's global layers read every
-block, so it holds them all (its saving is in the handoff: ``bench.transfer.kv_transfer
---swa``).
+"""KV blocks a long decode holds, windowed vs not, and with the hybrid KV layout: tiny random
+checkpoints (transformers' own classes) of a Mistral without a window (dense), a Gemma 3 hybrid
+(5 local : 1 global, window 256), a gpt-oss (alternating window-256 and full layers) and a
+Mistral with ``sliding_window`` 256 (every layer windowed), each decoding ``--gen`` tokens after
+a ``--prompt``-token prompt in the offline engine, ``--batch`` requests at once.
 
-    .venv/bin/python -m bench.engine.swa_blocks [--prompt 512 --gen 1536 --batch 4]
+Where every layer is windowed the engine gives back the blocks wholly before the window as the
+decode goes (``BlockManager.release_out_of_window``). A hybrid with one block table for every
+layer (``--hybrid-kv off``) holds every block: its full layers read them all. With
+``--hybrid-kv auto`` (``engine/hybrid_kv.py``) each layer group has its own pages and the
+windowed groups give back theirs behind the window: a hybrid's rows count pages, shown as
+blocks' worth (pages / layer groups).
+
+``--time``: the decode step time of the hybrid layout against one table, the two engines in one
+process taking turns (this host's bandwidth swings 2x), on a Gemma 3 of the demo "base" shape
+(hidden 768, 12 layers, 2 global : 10 local, bf16) at ``--time-ctx`` tokens of context, 4x-8x
+its ``--time-window``.
+
+    .venv/bin/python -m bench.engine.swa_blocks [--prompt 512 --gen 1536 --batch 4] [--time]
 """
 
 from __future__ import annotations
@@ -31,11 +40,18 @@ WINDOW, BLOCK = 256, 16
 _SHAPE = dict(vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
               num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "dense (Mistral, no window)": ("MistralConfig", dict(sliding_window=None)),
-    "Gemma 3 hybrid 5:1": ("Gemma3TextConfig", dict(
-        sliding_window=WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"])),
-    "all windowed (Mistral)": ("MistralConfig", dict(sliding_window=WINDOW)),
+_GEMMA = ("Gemma3TextConfig", dict(
+    sliding_window=WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"]))
+_GPT_OSS = ("GptOssConfig", dict(sliding_window=WINDOW, num_local_experts=4,
+                                 num_experts_per_tok=2))
+# label -> (config class, its fields, --hybrid-kv)
+MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "dense (Mistral, no window)": ("MistralConfig", dict(sliding_window=None), "off"),
+    "Gemma 3 5:1, one table": (*_GEMMA, "off"),
+    "Gemma 3 5:1, hybrid KV": (*_GEMMA, "auto"),
+    "gpt-oss 1:1, one table": (*_GPT_OSS, "off"),
+    "gpt-oss 1:1, hybrid KV": (*_GPT_OSS, "auto"),
+    "all windowed (Mistral)": ("MistralConfig", dict(sliding_window=WINDOW), "off"),
 }
 
 
@@ -57,28 +73,72 @@ def write_model(out_dir: str, config_class: str, extra: dict[str, Any]) -> str:
     return out_dir
 
 
-def held_over_a_decode(model_dir: str, prompt: int, gen: int, batch: int) -> dict[str, float]:
-    """Blocks the batch held at its peak and at its end, and blocks given back on the way."""
+def held_over_a_decode(model_dir: str, prompt: int, gen: int, batch: int,
+                       hybrid: str = "off") -> dict[str, float]:
+    """Blocks (a hybrid layout's pages / layer groups) the batch held at its peak and at its
+    end, and those given back on the way."""
     from kvrelay.engine.config import EngineConfig
     from kvrelay.engine.engine_core import EngineCore
+    from kvrelay.engine.hybrid_blocks import HybridBlockManager
     from kvrelay.engine.sampling_params import SamplingParams
 
     need = batch * -(-(prompt + gen) // BLOCK)
     core = EngineCore(EngineConfig.from_kwargs(model_dir, block_size=BLOCK, num_blocks=need + 8,
-                                               max_num_batched_tokens=prompt * batch, seed=0))
+                                               max_num_batched_tokens=prompt * batch, seed=0,
+                                               hybrid_kv=hybrid))
     bm = core.block_manager
     sp = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"r{i}", [(7 + 13 * i + j) % 4000 for j in range(prompt)], sp)
-    peak = last = 0
+    peak = last = per_seq = 0.0
+    groups = bm.num_groups if isinstance(bm, HybridBlockManager) else 1
     while core.has_unfinished():
         core.step()
-        used = bm.num_blocks - bm.num_free_blocks
+        held = [bm.held_blocks(s) for s in core.seqs.values() if s.block_table]
+        if held:
+            per_seq = max(held)  # the longest sequence's, at its last step
+        if isinstance(bm, HybridBlockManager):
+            used = (bm.num_pages - bm.num_free_pages) / groups
+        else:
+            used = bm.num_blocks - bm.num_free_blocks
         peak = max(peak, used)
         if core.has_unfinished():
             last = used
-    return {"peak": peak, "end": last, "released": bm.num_released_blocks,
-            "dense": need, "preempted": core.stats().num_preemptions}
+    released = bm.num_released_pages / groups if isinstance(bm, HybridBlockManager) else \
+        bm.num_released_blocks
+    return {"peak": peak, "end": last, "released": released, "dense": need, "per_seq": per_seq,
+            "preempted": core.stats().num_preemptions}
+
+
+def step_times(ctx: int, window: int, batch: int, rounds: int, steps: int,
+               threads: int, backend: str = "auto") -> dict[str, float]:
+    """Median decode step (s) of a base-shaped Gemma 3 with one table and with the hybrid
+    layout, ``batch`` requests at ``ctx`` tokens of context, the two engines taking turns."""
+    import statistics
+    import time
+
+    from bench.engine.gemma3_decode import decoding_core, write_model
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = write_model(os.path.join(tmp, "gemma3"), "gemma3", window)
+        n = rounds * steps
+        cores = {mode: decoding_core(d, batch, ctx, n, threads, True, hybrid_kv=mode,
+                                     attention_backend=backend)
+                 for mode in ("off", "auto")}
+        times: dict[str, list[float]] = {mode: [] for mode in cores}
+        for _ in range(rounds):
+            for mode, core in cores.items():
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    core.step()
+                    times[mode].append(time.perf_counter() - t)
+        for mode, core in cores.items():
+            out[mode] = statistics.median(times[mode])
+            bm = core.block_manager
+            seq = next(iter(core.seqs.values()))
+            out[f"{mode} blocks/seq"] = bm.held_blocks(seq)
+    return out
 
 
 def main() -> None:
@@ -86,20 +146,54 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=1536)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--time", action="store_true", help="also the decode step time A/B")
+    ap.add_argument("--only-time", action="store_true", help="the step time A/B alone")
+    ap.add_argument("--time-backend", default="auto", choices=["auto", "sdpa"])
+    ap.add_argument("--time-ctx", type=int, default=1024)
+    ap.add_argument("--time-window", type=int, default=128)
+    ap.add_argument("--time-batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per engine per round")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if not args.only_time:
+        blocks_held(args)
+    if args.time or args.only_time:
+        time_steps(args)
+
+
+def blocks_held(args: argparse.Namespace) -> None:
     print(f"blocks held ({BLOCK} tokens each) over a decode: {args.batch} requests x "
           f"({args.prompt} prompt + {args.gen} generated), window {WINDOW}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'model':<30}{'peak held':>10}{'at end':>8}{'given back':>12}{'all blocks':>12}"
-          f"{'peak/all':>10}")
+    print(f"{'model':<30}{'peak held':>10}{'at end':>8}{'1 seq':>9}{'given back':>12}"
+          f"{'all blocks':>12}{'peak/all':>10}")
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, (cls, extra)) in enumerate(MODELS.items()):
-            d = write_model(os.path.join(tmp, str(i)), cls, extra)
-            r = held_over_a_decode(d, args.prompt, args.gen, args.batch)
+        dirs: dict[tuple[str, str], str] = {}
+        for label, (cls, extra, hybrid) in MODELS.items():
+            key = (cls, repr(extra))
+            if key not in dirs:
+                dirs[key] = write_model(os.path.join(tmp, str(len(dirs))), cls, extra)
+            r = held_over_a_decode(dirs[key], args.prompt, args.gen, args.batch, hybrid)
             assert r["preempted"] == 0
-            print(f"{label:<30}{r['peak']:>10.0f}{r['end']:>8.0f}{r['released']:>12.0f}"
-                  f"{r['dense']:>12.0f}{r['peak'] / r['dense']:>10.1%}")
+            print(f"{label:<30}{r['peak']:>10.0f}{r['end']:>8.0f}{r['per_seq']:>9.0f}"
+                  f"{r['released']:>12.0f}{r['dense']:>12.0f}{r['peak'] / r['dense']:>10.1%}")
+
+
+def time_steps(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    t = step_times(args.time_ctx, args.time_window, args.time_batch, args.rounds, args.steps,
+                   args.threads, args.time_backend)
+    print(f"\ndecode step, Gemma 3 base shape (12 layers, 2 global : 10 local, window "
+          f"{args.time_window}), bf16, attention {args.time_backend}, B={args.time_batch} at "
+          f"~{args.time_ctx} tokens, {args.threads} threads, {args.rounds} rounds x "
+          f"{args.steps} steps per engine taking turns; median; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'KV layout':<16}{'ms/step':>9}{'blocks/seq':>12}")
+    for mode, label in (("off", "one table"), ("auto", "hybrid KV")):
+        print(f"{label:<16}{t[mode] * 1e3:>9.2f}{t[mode + ' blocks/seq']:>12.0f}")
+    print(f"hybrid / one table: {t['auto'] / t['off']:.3f}")
 
 
 if __name__ == "__main__":
