@@ -2,7 +2,9 @@
 the page bookkeeping of ``HybridBlockManager`` (windowed pages given back behind the window,
 shared blocks, prefix hits over given-back pages, copy-on-write, every page accounted for).
 The engine paths (Gemma 3 and gpt-oss against transformers with ``hybrid_kv="auto"``) are in
-``test_gemma3_models.py`` and ``test_gpt_oss_models.py``."""
+``test_gemma3_models.py`` and ``test_gpt_oss_models.py``; here only a Llama-family model with
+per-layer windows (Qwen2's ``layer_types``), whose one-table path takes the fused decode
+layers."""
 
 from __future__ import annotations
 
@@ -229,3 +231,20 @@ def test_random_traffic_never_leaks_a_page() -> None:
     check_pages(bm, [])
     assert bm.num_free_pages == bm.num_pages
     assert bm.num_released_pages > 100 and bm.num_cache_hits > 100  # both paths taken
+
+
+def test_a_llama_family_hybrid_runs_op_by_op_and_matches_transformers(hf_model_dir) -> None:
+    """Qwen2 with a full and a windowed layer: the hybrid layout turns the fused decode layers
+    (which read one block table) off; tokens and logits still transformers'."""
+    from test_engine_parity import GEN, GREEDY, check_logits, hf_tokens, make_core, prompts, run
+
+    d = hf_model_dir("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                     layer_types=["full_attention", "sliding_attention"])
+    core = make_core(d, hybrid_kv="auto")
+    assert core.runner.kv_plan is not None and core.runner.model.fused_decode is None
+    ps = prompts(1, (33,))
+    got = run(core, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_tokens(d, tuple(p), GEN)
+    assert core.block_manager.num_released_pages > 0
+    check_logits(core, d, tol=1e-4, length=70)
