@@ -57,9 +57,11 @@ class Client:
 
     def stream(self, prompt: str | list[int], params: pb.SamplingParams | None = None, *,
                request_id: str = "", timeout: float | None = None,
-               timeout_ms: int = 0) -> Iterator[pb.GenerateResponse]:
+               timeout_ms: int = 0, cache_salt: str = "") -> Iterator[pb.GenerateResponse]:
+        """``cache_salt``: the prefix-cache namespace (requests share cached blocks only with
+        requests of the same salt)."""
         req = pb.GenerateRequest(request_id=request_id, sampling=params or sampling(),
-                                 timeout_ms=timeout_ms)
+                                 timeout_ms=timeout_ms, cache_salt=cache_salt)
         if isinstance(prompt, str):
             req.text = prompt
         else:
