@@ -110,6 +110,32 @@ def held_over_a_decode(model_dir: str, prompt: int, gen: int, batch: int,
             "preempted": core.stats().num_preemptions}
 
 
+def on_a_small_pool(model_dir: str, prompt: int, gen: int, batch: int, pool: int,
+                    hybrid: str) -> dict[str, float]:
+    """``batch`` requests on a pool of ``pool`` blocks (of the layer-group pages under the
+    hybrid layout: the same bytes): the most running at once, preemptions, steps to finish."""
+    import time
+
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.engine_core import EngineCore
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig.from_kwargs(model_dir, block_size=BLOCK, num_blocks=pool,
+                                               max_num_batched_tokens=prompt, seed=0,
+                                               hybrid_kv=hybrid))
+    sp = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        core.add_request(f"r{i}", [(7 + 13 * i + j) % 4000 for j in range(prompt)], sp)
+    most = steps = 0
+    t = time.perf_counter()
+    while core.has_unfinished():
+        core.step()
+        steps += 1
+        most = max(most, core.stats().num_running)
+    return {"running": most, "preempted": core.stats().num_preemptions, "steps": steps,
+            "s": time.perf_counter() - t}
+
+
 def step_times(ctx: int, window: int, batch: int, rounds: int, steps: int,
                threads: int, backend: str = "auto") -> dict[str, float]:
     """Median decode step (s) of a base-shaped Gemma 3 with one table and with the hybrid
@@ -148,6 +174,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--time", action="store_true", help="also the decode step time A/B")
     ap.add_argument("--only-time", action="store_true", help="the step time A/B alone")
+    ap.add_argument("--pool", type=int, default=0,
+                    help="also: --batch requests of Gemma 3 on a pool this many whole sequences "
+                         "fill, one table vs hybrid (0: skip)")
+    ap.add_argument("--no-blocks", action="store_true", help="skip the blocks-held table")
     ap.add_argument("--time-backend", default="auto", choices=["auto", "sdpa"])
     ap.add_argument("--time-ctx", type=int, default=1024)
     ap.add_argument("--time-window", type=int, default=128)
@@ -157,10 +187,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if not args.only_time:
+    if not args.only_time and not args.no_blocks:
         blocks_held(args)
+    if args.pool:
+        small_pool(args)
     if args.time or args.only_time:
         time_steps(args)
+
+
+def small_pool(args: argparse.Namespace) -> None:
+    need = -(-(args.prompt + args.gen) // BLOCK)
+    pool = args.pool * need
+    print(f"\n{args.batch} requests x ({args.prompt} + {args.gen}) on a pool of {pool} blocks "
+          f"(room for {args.pool} whole sequences of {need} blocks), window {WINDOW}")
+    print(f"{'model':<30}{'most running':>14}{'preempted':>11}{'steps':>8}{'seconds':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs: dict[tuple[str, str], str] = {}
+        for label, (cls, extra, hybrid) in MODELS.items():
+            if cls != "Gemma3TextConfig":
+                continue
+            key = (cls, repr(extra))
+            if key not in dirs:
+                dirs[key] = write_model(os.path.join(tmp, str(len(dirs))), cls, extra)
+            r = on_a_small_pool(dirs[key], args.prompt, args.gen, args.batch, pool, hybrid)
+            print(f"{label:<30}{r['running']:>14.0f}{r['preempted']:>11.0f}{r['steps']:>8.0f}"
+                  f"{r['s']:>9.1f}")
 
 
 def blocks_held(args: argparse.Namespace) -> None:
