@@ -144,9 +144,8 @@ class ModelRunner:
             enforce_eager=mc.enforce_eager, max_batch=mc.cuda_graph_max_batch,
             paged_flash=self.attention.paged, tensor_parallel=shard is not None,
             num_blocks=num_blocks, kv_head_groups=groups)
-        if self.kv_plan is not None and off is None:
-            off = "the hybrid KV layout"  # a graph's static block tables are one per step
-        self.num_usable_blocks = num_blocks if off is not None else num_blocks - 1
+        # (the hybrid KV layout: a scratch page per layer group, the last ones)
+        self.num_usable_blocks = num_blocks if off is not None else num_blocks - per_block
         # A sequence can never hold more tokens than the cache has slots (a page per group).
         self.max_model_len = min(max_len, self.num_usable_blocks // per_block * block_size)
         self.block_size = block_size
@@ -179,12 +178,20 @@ class ModelRunner:
             -> DecodeGraphRunner:
         """Decode steps from static buffers over this runner's model and cache (captured as
         CUDA graphs by the caller on CUDA; run eagerly by tests on the CPU). ``scratch_block``
-        (default: the last) must be a block the block manager never hands out."""
+        (default: the last) must be a block the block manager never hands out; under the hybrid
+        KV layout, the first of as many pages as layer groups (default: the last ones)."""
+        width = -(-self.max_model_len // self.block_size)
+        plan = self.kv_plan
+        n = 1 if plan is None else plan.num_groups
+        first = self.kv_spec.num_blocks - n if scratch_block is None else scratch_block
+        groups: tuple[tuple[int | None, int, int], ...] = ()
+        if plan is not None:  # a windowed group's tables hold its window at most
+            groups = tuple((w, width if w is None else min(width, -(-w // self.block_size) + 1),
+                            first + g) for g, w in enumerate(plan.windows))
         return DecodeGraphRunner(
             model=self.model, attention=self.attention, device=self.device,
-            block_size=self.block_size, width=-(-self.max_model_len // self.block_size),
-            scratch_block=self.kv_spec.num_blocks - 1 if scratch_block is None else scratch_block,
-            max_batch=max_batch)
+            block_size=self.block_size, width=width, scratch_block=first, max_batch=max_batch,
+            groups=groups)
 
     @staticmethod
     def device_for(config: EngineConfig, rank: int) -> torch.device:

@@ -379,3 +379,59 @@ def test_hybrid_kv_host_tier_keeps_and_promotes_whole_blocks(hf_model_dir) -> No
         assert core.stats().kv_tiers[HOST].hit_blocks == 5
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_hybrid_kv_static_decode_matches_eager(hf_model_dir, backend: str) -> None:
+    """The CUDA-graph decode path under the hybrid layout (static buffers per layer group, a
+    windowed group's tables cut to its window, padding rows writing a scratch page per group),
+    run eagerly on the CPU as ``test_cuda_graphs`` runs it: the eager step's logits, over
+    sequences that gave pages back behind the window."""
+    import random
+
+    from kvrelay.engine.cuda.graphs import DecodeGraphRunner
+    from kvrelay.engine.kv_connector import ScheduledSeq
+    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.engine.sequence import Sequence
+
+    model_dir = hf_model_dir("gemma3_mqa_scaled")  # window 8
+    core = make_core(model_dir, hybrid_kv="auto", attention_backend=backend, num_blocks=64)
+    runner = core.runner
+    plan = runner.kv_plan
+    bs = runner.block_size
+    pages = runner.kv_spec.num_blocks
+    # As a graphed runner does: the block manager never hands out the scratch pages.
+    bm = HybridBlockManager(pages - plan.num_groups, bs, plan, False)
+    static = runner.static_decode(8)
+    assert isinstance(static, DecodeGraphRunner)
+    assert [s for _, _, s in static.groups] == list(range(pages - plan.num_groups, pages))
+    assert [w for _, w, _ in static.groups] == [-(-runner.max_model_len // bs), 8 // bs + 1]
+    rng = random.Random(0)
+    seqs = []
+    for i, n in enumerate((3, 17, 40, 16, 33, 5, 1)):
+        s = Sequence(f"s{i}", [rng.randrange(3, 250) for _ in range(n + 12)], SamplingParams())
+        assert bm.allocate(s, s.num_tokens)
+        if n > 1:
+            runner.logits_for([ScheduledSeq(s, n)])
+        s.num_computed_tokens = n
+        bm.release_out_of_window(s)
+        seqs.append(s)
+    kv = runner.kv
+    padded = False
+    for _ in range(8):
+        batch = rng.sample(seqs, rng.randrange(1, 8))
+        sched = [ScheduledSeq(s, 1) for s in batch]
+        kv[:, :, pages - plan.num_groups:] = 0
+        got = static.logits(sched).clone()
+        if len(batch) not in static.sizes:  # the padding rows wrote their scratch pages only
+            padded = True
+            assert kv[:, :, pages - plan.num_groups:].abs().sum() > 0
+        eager = runner.logits_for(sched)
+        order = sorted(range(len(batch)), key=lambda j: batch[j].num_computed_tokens)
+        want = torch.empty_like(eager)
+        want[torch.tensor(order)] = eager
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for s in batch:
+            s.num_computed_tokens += 1
+            bm.release_out_of_window(s)
+    assert padded and bm.num_released_pages > 0

@@ -121,10 +121,15 @@ class DecodeBuffers:
 
 
 def host_inputs(scheduled: Seq[ScheduledSeq], rows: int, block_size: int, width: int,
-                scratch_block: int) -> DecodeBuffers:
+                scratch_block: int, group: int | None = None,
+                window: int | None = None) -> DecodeBuffers:
     """One decode step's inputs for ``rows >= len(scheduled)`` rows, in scheduled order. Padding
     rows read token 0 at position 0, write their K/V to the first slot of ``scratch_block`` and
-    attend to that slot alone (its table is the scratch block throughout)."""
+    attend to that slot alone (its table is the scratch block throughout).
+
+    Under the hybrid KV layout, the inputs of layer group ``group`` (its page tables; its
+    scratch page) of window ``window``: a windowed group's tables start at the first block the
+    row reads, its lengths counted from there (as ``ModelRunner.prepare`` lays them out)."""
     n = len(scheduled)
     if rows < n:
         raise ValueError(f"{n} decodes do not fit {rows} rows")
@@ -138,15 +143,16 @@ def host_inputs(scheduled: Seq[ScheduledSeq], rows: int, block_size: int, width:
     for seq, num_new in scheduled:
         assert num_new == 1, "a decode step computes one token per sequence"
         c = seq.num_computed_tokens
-        if c + 1 > width * block_size:
+        skip = 0 if window is None else max(0, c - window + 1) // block_size
+        if c + 1 - skip * block_size > width * block_size:
             raise ValueError(f"a context of {c + 1} tokens exceeds the static tables' "
                              f"{width} blocks")
-        bt = seq.block_table
+        bt = seq.block_table if group is None else seq.page_tables[group]
         ids.append(seq.token_ids[c])
         pos.append(c)
         slots.append(bt[c // block_size] * block_size + c % block_size)
-        lens.append(c + 1)
-        row = bt[:width]
+        lens.append(c + 1 - skip * block_size)
+        row = bt[skip:skip + width]
         tables.append(row + [0] * (width - len(row)))
     ids += [0] * pad
     pos += [0] * pad
@@ -187,8 +193,12 @@ class DecodeGraphRunner:
     width: int  # block table columns: enough for the longest sequence the runner allows
     scratch_block: int  # KV block the padding rows write; the block manager never hands it out
     max_batch: int
+    # Under the hybrid KV layout: per layer group, (its window, its tables' width, its scratch
+    # page); each group has buffers of its own (``group_buffers``), ``buffers`` is group 0's.
+    groups: tuple[tuple[int | None, int, int], ...] = ()
     sizes: list[int] = field(init=False)
     buffers: DecodeBuffers = field(init=False)
+    group_buffers: list[DecodeBuffers] = field(init=False, default_factory=list)
     captured: dict[int, _Captured] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -196,6 +206,11 @@ class DecodeGraphRunner:
         if not self.sizes:
             raise ValueError(f"cuda_graph_max_batch must be positive, got {self.max_batch}")
         self.buffers = DecodeBuffers.allocate(self.sizes[-1], self.width, self.device)
+        self.group_buffers = [DecodeBuffers.allocate(self.sizes[-1], width, self.device)
+                              for _, width, _ in self.groups[1:]]
+        if self.groups:
+            self.group_buffers.insert(0, self.buffers)
+            assert self.groups[0][1:] == (self.width, self.scratch_block)
 
     def handles(self, scheduled: Seq[ScheduledSeq]) -> bool:
         return graph_batch(scheduled, self.sizes) is not None
@@ -203,22 +218,39 @@ class DecodeGraphRunner:
     # -- the static path -----------------------------------------------------------------------
     def fill(self, scheduled: Seq[ScheduledSeq], rows: int) -> None:
         """Write the step's inputs into the first ``rows`` rows of the static buffers."""
-        host = host_inputs(scheduled, rows, self.block_size, self.width, self.scratch_block)
+        if not self.groups:
+            self._copy(self.buffers, host_inputs(scheduled, rows, self.block_size, self.width,
+                                                 self.scratch_block))
+            return
+        for g, ((window, width, scratch), buffers) in enumerate(
+                zip(self.groups, self.group_buffers, strict=True)):
+            self._copy(buffers, host_inputs(scheduled, rows, self.block_size, width, scratch,
+                                            g, window))
+
+    def _copy(self, buffers: DecodeBuffers, host: DecodeBuffers) -> None:
         cuda = self.device.type == "cuda"
-        for dst, src in zip(self.buffers.tensors(), host.tensors(), strict=True):
+        for dst, src in zip(buffers.tensors(), host.tensors(), strict=True):
             if cuda:  # from pinned memory the copy is asynchronous, ordered before the replay
                 src = src.pin_memory()
             dst[:src.shape[0]].copy_(src, non_blocking=cuda)
 
     def metadata(self, rows: int) -> AttentionMetadata:
         """The attention metadata of a ``rows``-row decode step, as views of the static
-        buffers (a graph captured with it reads whatever :meth:`fill` last wrote)."""
-        b = self.buffers
+        buffers (a graph captured with it reads whatever :meth:`fill` last wrote); under the
+        hybrid KV layout each layer group's, in ``groups``."""
+        if not self.groups:
+            return self._metadata(self.buffers, self.width, rows)
+        metas = [self._metadata(b, width, rows)
+                 for (_, width, _), b in zip(self.groups, self.group_buffers, strict=True)]
+        metas[0].groups = metas
+        return metas[0]
+
+    def _metadata(self, b: DecodeBuffers, width: int, rows: int) -> AttentionMetadata:
         return self.attention.decode_metadata(DecodeRows(
             self.block_size, b.slot_mapping[:rows], b.seq_lens[:rows], b.block_tables[:rows],
             b.cu_seqlens_q[:rows + 1], b.cu_seqlens_k[:rows + 1],
             # A bound, not this step's longest: the captured kernel must suit every later step.
-            self.width * self.block_size))
+            width * self.block_size))
 
     def forward(self, rows: int) -> torch.Tensor:
         """The model over the first ``rows`` rows of the static buffers: ``[rows, vocab]``
