@@ -18,6 +18,15 @@ smaller ``k`` that does not (at worst 1: a group per layer, one block table each
 Gemma 3 1B (4 global, 22 local): k=4, 7 groups, 2 padded slots; gpt-oss (12 + 12): k=12, 2
 groups; a 6-layer Gemma (1 : 5): k=1, 6 groups.
 
+A step (``ModelRunner.prepare``) gives each backend one ``StepLayout`` per group, whose slots
+and tables name that group's pages, and the metadata it builds per group rides in
+``AttentionMetadata.groups``: each layer attends with its group's (``Attention._step_meta``). A
+windowed group's tables start at the first block its queries read, lengths counted from there
+(every mask is relative), so no backend gathers or indexes a page given back. CUDA graphs keep
+static buffers per group (``cuda/graphs.py``), a windowed group's as wide as its window, and a
+scratch page per group for the padding rows. The fused CPU decode layers read one table: the
+runner turns them off under this layout.
+
 A model with no window, or one window on every layer, is not a hybrid (:func:`plan_groups`
 returns None): it keeps the one-table layout (``kv_cache.py``), byte for byte.
 """
