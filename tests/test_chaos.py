@@ -96,7 +96,11 @@ def _stall(proc: Proc, seconds: float) -> None:
 
 @pytest.fixture(scope="module")
 def llm(demo_model_dir):
-    return LLM(demo_model_dir, num_blocks=2048, num_threads=2)  # references: the cluster is idle
+    # One thread: the references run while the cluster idles, but under `make test` the other
+    # test process holds a core, and two threads spinning at OpenMP barriers beside it were
+    # ~3x slower than one (143 references of this module's mix: 45 s on two threads, 15 s on
+    # one, on the 2-core host under load; 7.5 s and 14 s with it idle).
+    return LLM(demo_model_dir, num_blocks=2048, num_threads=1)
 
 
 @pytest.fixture(scope="module")
