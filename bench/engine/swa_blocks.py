@@ -137,17 +137,23 @@ def on_a_small_pool(model_dir: str, prompt: int, gen: int, batch: int, pool: int
 
 
 def step_times(ctx: int, window: int, batch: int, rounds: int, steps: int,
-               threads: int, backend: str = "auto") -> dict[str, float]:
-    """Median decode step (s) of a base-shaped Gemma 3 with one table and with the hybrid
-    layout, ``batch`` requests at ``ctx`` tokens of context, the two engines taking turns."""
+               threads: int, backend: str = "auto", model: str = "gemma3") -> dict[str, float]:
+    """Median decode step (s) with one table and with the hybrid layout, ``batch`` requests at
+    ``ctx`` tokens of context, the two engines taking turns: of a base-shaped Gemma 3, or of
+    the tiny gpt-oss of the blocks table (``model="gpt-oss"``: its window ``window`` too)."""
     import statistics
     import time
 
-    from bench.engine.gemma3_decode import decoding_core, write_model
+    from bench.engine.gemma3_decode import decoding_core
+    from bench.engine.gemma3_decode import write_model as write_gemma
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        d = write_model(os.path.join(tmp, "gemma3"), "gemma3", window)
+        if model == "gemma3":
+            d = write_gemma(os.path.join(tmp, "gemma3"), "gemma3", window)
+        else:
+            cls, extra = _GPT_OSS
+            d = write_model(os.path.join(tmp, "gpt-oss"), cls, {**extra, "sliding_window": window})
         n = rounds * steps
         cores = {mode: decoding_core(d, batch, ctx, n, threads, True, hybrid_kv=mode,
                                      attention_backend=backend)
@@ -179,6 +185,7 @@ def main() -> None:
                          "fill, one table vs hybrid (0: skip)")
     ap.add_argument("--no-blocks", action="store_true", help="skip the blocks-held table")
     ap.add_argument("--time-backend", default="auto", choices=["auto", "sdpa"])
+    ap.add_argument("--time-model", default="gemma3", choices=["gemma3", "gpt-oss"])
     ap.add_argument("--time-ctx", type=int, default=1024)
     ap.add_argument("--time-window", type=int, default=128)
     ap.add_argument("--time-batch", type=int, default=8)
@@ -235,9 +242,11 @@ def blocks_held(args: argparse.Namespace) -> None:
 def time_steps(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     t = step_times(args.time_ctx, args.time_window, args.time_batch, args.rounds, args.steps,
-                   args.threads, args.time_backend)
-    print(f"\ndecode step, Gemma 3 base shape (12 layers, 2 global : 10 local, window "
-          f"{args.time_window}), bf16, attention {args.time_backend}, B={args.time_batch} at "
+                   args.threads, args.time_backend, args.time_model)
+    what = ("Gemma 3 base shape (12 layers, 2 global : 10 local), bf16" if
+            args.time_model == "gemma3" else "tiny gpt-oss (6 layers, 3 : 3, 4 experts), fp32")
+    print(f"\ndecode step, {what}, window {args.time_window}, attention {args.time_backend}, "
+          f"B={args.time_batch} at "
           f"~{args.time_ctx} tokens, {args.threads} threads, {args.rounds} rounds x "
           f"{args.steps} steps per engine taking turns; median; load average "
           f"{os.getloadavg()[0]:.1f}")
