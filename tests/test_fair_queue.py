@@ -288,9 +288,10 @@ FLOOD = textwrap.dedent('''
                                   headers={"authorization": "Bearer " + key},
                                   json={"model": "demo", "prompt": [5, 6, 7], "stream": True,
                                         "max_tokens": 20, "ignore_eos": True}) as r:
-                        for _ in r.iter_lines():
-                            pass
                         status = r.status_code
+                        for _ in r.iter_lines():
+                            if not running.is_set():
+                                break  # paused: hang up, the slot comes back at once
                 except httpx.HTTPError as e:
                     status = type(e).__name__
                 with lock:
@@ -384,7 +385,8 @@ def p99(xs: list[float]) -> float:
 class Flood:
     """Key A's flooding client, in a process of its own: ``threads`` connections, each sending
     20-token streams back to back, 5 per second after a 429 (which asks for a second's
-    pause); ``run()`` and ``pause()`` it."""
+    pause); ``run()`` and ``pause()`` it (a pause hangs up the streams in flight, so that the
+    idle samples need not wait a whole stream's length for key A's slots)."""
 
     def __init__(self, url: str, threads: int, cpus: set[int]):
         self.proc = subprocess.Popen([sys.executable, "-c", FLOOD, url, "key-a", str(threads)],
@@ -411,7 +413,7 @@ class Flood:
 
 
 def flood_vs_idle(url: str, *, rounds: int, samples: int, threads: int,
-                  flooding: Callable[[], bool], quiet: Callable[[], bool]
+                  flooding: Callable[[], bool], quiet: Callable[[], bool], poll_s: float = 0.01
                   ) -> tuple[float, float, dict[str, int]]:
     """(p99 TTFT of key-b idle, p99 TTFT of key-b while key-a floods, key-a's answers), idle
     and flooded samples taken in alternating rounds, so that whatever else the host runs
@@ -428,10 +430,10 @@ def flood_vs_idle(url: str, *, rounds: int, samples: int, threads: int,
     loaded: list[float] = []
     try:
         for _ in range(rounds):
-            wait_for(quiet, 30, "key-a's requests ending", every=0.01)
+            wait_for(quiet, 30, "key-a's requests ending", every=poll_s)
             idle += probe.sample(samples)
             flood.run()
-            wait_for(flooding, 30, "key-a's flood filling its share", every=0.01)
+            wait_for(flooding, 30, "key-a's flood filling its share", every=poll_s)
             loaded += probe.sample(samples)
             flood.pause()
     finally:
@@ -532,7 +534,7 @@ def keyed_cluster(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory)
 
     c = Cluster(demo_model_dir, tmp_path_factory.mktemp("fair"), prefill=1, decode=1,
                 router_args=("--http-port", "0", "--served-model-name", "demo",
-                             "--max-inflight", "4"),
+                             "--max-inflight", "4", "--metrics-port", "0"),
                 env={"KVRELAY_API_KEYS": ",".join(KEYS)})
     with c:
         yield c
@@ -547,11 +549,17 @@ def test_on_a_cluster_a_flooding_key_is_held_to_its_share(keyed_cluster) -> None
     measured at 4-6x, where the router-only test above holds 2x), which is no matter of the
     router's slots."""
     url = keyed_cluster.http_url
+    scrape = f"http://127.0.0.1:{keyed_cluster.router.ready['metrics_port']}/metrics"
+
+    def in_flight() -> float:  # requests holding a slot (key B's client idles meanwhile)
+        text = httpx.get(scrape, timeout=10).raise_for_status().text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvrelay:router_requests_in_flight"))
     ratios = []
     for _ in range(3):
         idle, loaded, counts = flood_vs_idle(url, rounds=3, samples=20, threads=16,
-                                             flooding=lambda: time.sleep(1.0) or True,
-                                             quiet=lambda: time.sleep(1.5) or True)
+                                             flooding=lambda: in_flight() >= 2,
+                                             quiet=lambda: in_flight() == 0, poll_s=0.02)
         ratios.append(loaded / idle)
         print(f"cluster: key-b TTFT p99: idle {idle * 1e3:.1f} ms, beside key-a's flood "
               f"{loaded * 1e3:.1f} ms ({loaded / idle:.2f}x); key-a answered {counts}")
