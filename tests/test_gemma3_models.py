@@ -300,7 +300,11 @@ def test_hybrid_kv_is_refused_where_it_cannot_serve(hf_model_dir) -> None:
     with pytest.raises(ValueError, match="role both only"):
         EngineConfig.from_kwargs(model_dir, hybrid_kv="auto", role="decode")
     core = make_core(model_dir, hybrid_kv="auto")
-    assert core.export_prefix("s", prompts(1, (20,))[0]) == ([], 0)
+    ids = prompts(1, (20,))[0]
+    run(core, {"a": (ids, GREEDY)})
+    # prefix pulls address one block table: none lent, none taken (a peer recomputes)
+    assert core.export_prefix("s", ids) == ([], 0)
+    assert core.begin_import("t", ids) == ([], 0)
 
 
 def test_hybrid_kv_under_random_traffic_matches_one_table(hf_model_dir) -> None:
