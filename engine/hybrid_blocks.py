@@ -51,6 +51,38 @@ logger = logging.getLogger(__name__)
 NULL_PAGE = 0  # what a page table names where the sequence holds no page
 
 
+class PagePool:
+    """The free pages, each at home in one layer group's region (pages ``[g * r, (g + 1) * r)``,
+    ``r`` = pages / groups): a group takes a page of its own region while it has one, else one
+    of the fullest other region's, and a page goes back to its home region. One pool still (no
+    region is reserved to its group), but a sequence's pages of one group tend to lie together
+    in the order it took them: the CPU's paged kernels stream a table's pages, and pages of a
+    few KiB taken round-robin by every group (a stride of the group count) ran a tiny model's
+    full-attention decode 1.5x slower than one table's contiguous blocks."""
+
+    def __init__(self, num_pages: int, groups: int):
+        self.region = -(-num_pages // groups)
+        self.free = [list(range(min(num_pages, (g + 1) * self.region) - 1, g * self.region - 1,
+                                -1)) for g in range(groups)]  # stacks: lowest page on top
+        self.count = num_pages
+
+    def __len__(self) -> int:
+        return self.count
+
+    def take(self, group: int) -> int:
+        own = self.free[group]
+        stack = own if own else max(self.free, key=len)
+        self.count -= 1
+        return stack.pop()
+
+    def give(self, page: int) -> None:
+        self.free[page // self.region].append(page)
+        self.count += 1
+
+    def pages(self) -> list[int]:
+        return [p for stack in self.free for p in stack]
+
+
 class HybridBlockManager(BlockManager):
     def __init__(self, num_pages: int, block_size: int, groups: KVGroups,
                  enable_prefix_caching: bool = True, tiers: KVTiers | None = None):
@@ -63,7 +95,7 @@ class HybridBlockManager(BlockManager):
         self._wgroups = {w: groups.groups_of_window(w) for w in self._windows}
         self._free.clear()  # the base's free list: cached free blocks (holding pages) only
         self._unused = list(range(num_pages - 1, -1, -1))  # ids holding no page (a stack)
-        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self._free_pages = PagePool(num_pages, groups.num_groups)
         self._cached_pages = 0  # pages held by the blocks in ``_free``
         self.pages: list[list[int]] = [[] for _ in range(num_pages)]
         self.wrefs: list[dict[int, int]] = [{} for _ in range(num_pages)]
@@ -116,12 +148,14 @@ class HybridBlockManager(BlockManager):
         block = self.blocks[bid]
         block.partial = False
         block.ref_count = 1
-        self.pages[bid] = [self._free_pages.pop() for _ in range(n)]
+        self.pages[bid] = [self._free_pages.take(g) for g in range(n)]
         self.wrefs[bid] = dict.fromkeys(self._windows, 1)
         return bid
 
     def _release_all(self, bid: int) -> None:
-        self._free_pages.extend(p for p in self.pages[bid] if p >= 0)
+        for p in self.pages[bid]:
+            if p >= 0:
+                self._free_pages.give(p)
         self.pages[bid] = []
         self.wrefs[bid] = {}
         self._unused.append(bid)
@@ -163,7 +197,7 @@ class HybridBlockManager(BlockManager):
                 continue
             for g in self._wgroups[w]:
                 if pages[g] >= 0:
-                    self._free_pages.append(pages[g])
+                    self._free_pages.give(pages[g])
                     pages[g] = -1
                     self.num_released_pages += 1
                     if not block.partial and block.hash is not None and self.events is not None:

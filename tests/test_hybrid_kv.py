@@ -70,7 +70,8 @@ def check_pages(bm: HybridBlockManager, seqs: list[Sequence]) -> None:
     """Every page is free, held by exactly one block, once; each sequence's page tables name
     its blocks' pages, and NULL_PAGE exactly where it gave a windowed page back."""
     owned = [p for pages in bm.pages for p in pages if p >= 0]
-    assert sorted(owned + bm._free_pages) == list(range(bm.num_pages))
+    assert sorted(owned + bm._free_pages.pages()) == list(range(bm.num_pages))
+    assert len(bm._free_pages) == len(bm._free_pages.pages())
     assert bm._cached_pages == sum(bm._present(b) for b in bm._free)
     for s in seqs:
         held = bm._held[s.request_id]
