@@ -203,13 +203,23 @@ def autoscale_config(model: str) -> Any:
     return cfg
 
 
-def run_until_scaled(served: Served, load: Load, pool: str, other: str,
-                     timeout: float = 150.0) -> None:
-    """Wait (bounded) for ``pool`` to reach 2 replicas; ``other`` must stay at 1 meanwhile."""
+def run_until_decided(served: Served, load: Load, pool: str, other: str, since: float,
+                      timeout: float = 150.0) -> None:
+    """Wait (bounded) under ``load`` for the autoscaler's decision to grow ``pool`` to 2;
+    ``other`` must stay at 1 meanwhile. (The test then stops the load: the replica that starts
+    need not share the cores with it, and the decision is what the load was for.)"""
+    def decided() -> bool:
+        assert served.counts()[other] == 1, f"{other} moved under {pool} load"
+        assert not load.errors, load.errors[:3]
+        return any(d["pool"] == pool and d["to"] == 2 for d in decisions(served, since))
+    wait_for(decided, timeout, f"{pool} scaling up", every=0.5)
+
+
+def wait_scaled(served: Served, pool: str, other: str, timeout: float = 150.0) -> None:
+    """Wait (bounded) for ``pool`` at 2 replicas; ``other`` must stay at 1 meanwhile."""
     def grown() -> bool:
         c = served.counts()
-        assert c[other] == 1, f"{other} moved under {pool} load: {c}"
-        assert not load.errors, load.errors[:3]
+        assert c[other] == 1, f"{other} moved while {pool} grew: {c}"
         return c[pool] == 2
     wait_for(grown, timeout, f"{pool} scaled up", every=0.5)
 
@@ -244,8 +254,9 @@ def test_autoscaler_grows_each_pool_on_its_own_signal_and_shrinks_when_idle(
         def long_prompt(k: int, i: int) -> tuple[int, list[int], int]:
             return -1, prompt_ids(1200, random.Random(k * 1000 + i)), 1
         with Load(served.target, long_prompt, clients=5) as load:
-            run_until_scaled(served, load, "prefill", "decode")
+            run_until_decided(served, load, "prefill", "decode", t0)
         load.check(None)
+        wait_scaled(served, "prefill", "decode")
         wait_idle_shrink(served, "prefill", t0)
         made = decisions(served, t0)
         assert [(d["pool"], d["from"], d["to"]) for d in made] == [
@@ -260,8 +271,9 @@ def test_autoscaler_grows_each_pool_on_its_own_signal_and_shrinks_when_idle(
         def long_generation(k: int, i: int) -> tuple[int, list[int], int]:
             return -1, prompt_ids(8, random.Random(50_000 + k * 1000 + i)), 128
         with Load(served.target, long_generation, clients=CLIENTS) as load:
-            run_until_scaled(served, load, "decode", "prefill")
+            run_until_decided(served, load, "decode", "prefill", t1)
         load.check(None)
+        wait_scaled(served, "decode", "prefill")
         wait_idle_shrink(served, "decode", t1)
         made = decisions(served, t1)
         assert [(d["pool"], d["from"], d["to"]) for d in made] == [
