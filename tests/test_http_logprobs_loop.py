@@ -209,10 +209,11 @@ def _beside_the_stream(url: str, small: Small) -> tuple[list[float], list[float]
 
 def test_a_large_logprobs_stream_does_not_stall_a_small_request(server) -> None:
     """n=4, 4096 tokens each, top_logprobs=20, streamed: 344,064 token strings in 256 events
-    of ~45 KB, 10 ms apart (2.6 s: hundreds of small requests beside it). Small requests sent one after another meanwhile are answered within
-    2x of idle (before and after the stream), median and p99 alike, in the best of up to three
-    runs (a shared host's noise). Before: each event held the loop ~16 ms (1,344 ids decoded one
-    by one), longer than the events' spacing, so the loop never rested while the stream ran."""
+    of ~45 KB, 10 ms apart (2.6 s: hundreds of small requests beside it). Small requests sent
+    one after another meanwhile are answered within 2x of idle (before and after the stream),
+    median and p99 alike, in the best of up to three runs (a shared host's noise). Before: each
+    event held the loop ~16 ms (1,344 ids decoded one by one), longer than the events' spacing,
+    so the loop never rested while the stream ran."""
     url, _ = server
     small = Small(url)
 
