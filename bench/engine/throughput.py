@@ -303,7 +303,7 @@ def main() -> int:
                     help="the decode rows again with the linears left unpacked (F.linear: a "
                          "CPU without the native GEMM or oneDNN's packing), in the same run")
     ap.add_argument("--quick", action="store_true",
-                    help="every row at a size a test can afford (decode rows time 4 steps, "
+                    help="every row at a size a test can afford (decode rows time 6 steps, "
                          "the mixed rows hold 64-256-token contexts): shows the benchmark runs, "
                          "measures nothing worth keeping")
     ap.add_argument("--tp", type=int, default=1,
@@ -334,7 +334,7 @@ def main() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(model_dir)
-    steps, mixed_steps, mixed_ctx = (4, 4, (64, 256)) if args.quick else \
+    steps, mixed_steps, mixed_ctx = (6, 4, (64, 256)) if args.quick else \
         (DECODE_STEPS, 16, MIXED_CTX)
     blocks = 64 * mixed_ctx[1] // 16 + 512
     core = make_core(model_dir, args.threads, num_blocks=blocks,
