@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from engine_runs import run_one
 from hf_models import ARCHS, hf_forward_logits, hf_greedy
 
 from kvrelay.engine.config import EngineConfig
@@ -124,13 +125,7 @@ def check_prefix_hit(core: EngineCore, model_dir: str) -> None:
     base = prompts(3, (41,))[0]
     longer = base + prompts(4, (9,))[0]
     run(core, {"a": (base, GREEDY)})
-    core.add_request("b", longer, GREEDY)
-    toks: list[int] = []
-    cached = 0
-    while core.has_unfinished():
-        for o in core.step():
-            toks += o.new_token_ids
-            cached = max(cached, o.num_cached_tokens)
+    toks, cached = run_one(core, "b", longer, GREEDY)
     assert cached == 40  # five full blocks of the shared prefix
     assert toks == hf_tokens(model_dir, tuple(longer), GEN)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_runs import run_one
 from hf_models import GEMMA3_ARCHS
 from test_bf16_engine import BF16_KV_TOL, FP32_TOL
 from test_engine_parity import (
@@ -235,13 +236,7 @@ def check_follow_up_turn(core: Any, model_dir: str) -> None:
     for name, ids, least in (("turn", base + answer + prompts(4, (9,))[0],
                               (len(base) + len(answer) - 1) // bs * bs),
                              ("branch", base + prompts(4, (9,))[0], 0)):
-        core.add_request(name, ids, GREEDY)
-        toks: list[int] = []
-        cached = 0
-        while core.has_unfinished():
-            for o in core.step():
-                toks += o.new_token_ids
-                cached = max(cached, o.num_cached_tokens)
+        toks, cached = run_one(core, name, ids, GREEDY)
         assert cached >= least, name
         assert toks == hf_tokens(model_dir, tuple(ids), GEN), name
 
@@ -372,13 +367,7 @@ def test_hybrid_kv_host_tier_keeps_and_promotes_whole_blocks(hf_model_dir) -> No
         for i, p in enumerate(prompts(6, (60, 60, 60))):
             run(core, {f"o{i}": (p, GREEDY)})
         assert not core.block_manager.match_prefix(a, 40).num_blocks  # evicted from the pool
-        core.add_request("again", a, GREEDY)
-        toks: list[int] = []
-        cached = 0
-        while core.has_unfinished():
-            for o in core.step():
-                toks += o.new_token_ids
-                cached = max(cached, o.num_cached_tokens)
+        toks, cached = run_one(core, "again", a, GREEDY)
         assert toks == want and cached == 40
         assert core.stats().kv_tiers[HOST].hit_blocks == 5
     finally:
