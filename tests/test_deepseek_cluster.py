@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 from cluster import Cluster, engine_alone, prompt_ids
 from test_disaggregated_tp import _rank_pids
-from test_prefix_pull_cluster import BEATS_S, computed, metrics, total
+from test_prefix_pull_cluster import BS, second_turn_pulls_from_the_decode_worker
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
@@ -94,25 +94,10 @@ def test_deepseek_turn_two_pulls_the_latent_history_from_the_decode_worker(clust
     (P<-D) rather than recomputing: it computes only what nobody held, and the tokens are the
     engine alone's (a latent read to the wrong place, or the second plane a K/V layout would
     expect, would change them)."""
-    baseline = cluster.free_blocks()
-    turn1 = prompt_ids(150, 30)
-    with cluster.client() as c:
-        answer = c.generate(turn1, sampling(40, 0.0, ignore_eos=True)).token_ids
-        assert answer == engine_alone(llm, turn1, 40)
-        time.sleep(BEATS_S)  # the router has seen what the decode worker holds
-        turn2 = turn1 + answer + prompt_ids(20, 31)
-        before = metrics(cluster)
-        got = c.generate(turn2, sampling(8, 0.0, ignore_eos=True))
-    after = metrics(cluster)
-    assert got.token_ids == engine_alone(llm, turn2, 8)
-    held = (len(turn1) + len(answer) - 1) // BLOCK * BLOCK  # the decode worker's history
-    for name, labels in (("kvrelay:router_pull_decisions_total",
-                          {"decision": "pull", "source_pool": "decode"}),
-                         ("kvrelay:router_pull_outcomes_total", {"outcome": "PULL_DONE"})):
-        assert total(after, name, **labels) == total(before, name, **labels) + 1, name
-    assert computed(after) - computed(before) == len(turn2) - held
-    assert got.usage.cached_prompt_tokens == held
-    assert cluster.wait_free_blocks(baseline) == baseline
+    assert BLOCK == BS  # the pull module's arithmetic of what the decode worker holds
+    second_turn_pulls_from_the_decode_worker(
+        cluster, lambda ids, n: engine_alone(llm, ids, n), prompt_ids(150, 30),
+        prompt_ids(20, 31))
 
 
 def test_deepseek_stream_survives_a_decode_worker_kill(cluster, llm) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import grpc
 import httpx
@@ -83,18 +84,23 @@ def computed(m: dict) -> float:
     return total(m, "kvrelay:router_prompt_tokens_computed_total", pool="prefill")
 
 
-def test_turn_two_pulls_the_history_from_the_decode_worker(cluster, llm) -> None:
+def second_turn_pulls_from_the_decode_worker(cluster: Cluster,
+                                             greedy: Callable[[list[int], int], list[int]],
+                                             turn1: list[int], question: list[int]) -> None:
+    """Turn one (``turn1``, 40 greedy tokens), then turn two (``turn1``, the answer,
+    ``question``): its prefill worker pulls the history from the decode worker that generated
+    it (P<-D) and computes only what nobody held; both turns' tokens are ``greedy``'s (the
+    engine alone), and every block comes back."""
     baseline = cluster.free_blocks()
-    turn1 = prompt_ids(1)
     with cluster.client() as c:
         answer = c.generate(turn1, sampling(40, 0.0, ignore_eos=True)).token_ids
-        assert answer == alone(llm, turn1, 40)
-        time.sleep(BEATS_S)
-        turn2 = turn1 + answer + prompt_ids(2, 20)
+        assert answer == greedy(turn1, 40)
+        time.sleep(BEATS_S)  # the router has seen what the decode worker holds
+        turn2 = turn1 + answer + question
         before = metrics(cluster)
         got = c.generate(turn2, sampling(8, 0.0, ignore_eos=True))
     after = metrics(cluster)
-    assert got.token_ids == alone(llm, turn2, 8)
+    assert got.token_ids == greedy(turn2, 8)
     held = (len(turn1) + len(answer) - 1) // BS * BS  # the decode worker's history
     assert total(after, "kvrelay:router_pull_decisions_total", decision="pull",
                  source_pool="decode") == \
@@ -110,6 +116,11 @@ def test_turn_two_pulls_the_history_from_the_decode_worker(cluster, llm) -> None
     assert computed(after) - computed(before) == len(turn2) - held
     assert got.usage.cached_prompt_tokens == held
     assert cluster.wait_free_blocks(baseline) == baseline
+
+
+def test_turn_two_pulls_the_history_from_the_decode_worker(cluster, llm) -> None:
+    second_turn_pulls_from_the_decode_worker(
+        cluster, lambda ids, n: alone(llm, ids, n), prompt_ids(1), prompt_ids(2, 20))
 
 
 def test_a_prefill_worker_pulls_a_prompt_the_other_one_computed(cluster, llm) -> None:
