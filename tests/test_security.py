@@ -42,6 +42,7 @@ pytestmark = pytest.mark.slow
 MODEL = "demo"
 DRAIN_S = 45.0  # the workers' --drain-timeout
 MAX_INFLIGHT = 4
+HELD = 1000  # tokens each of the streams holding every slot generates
 ENV_KEY = "sk-env-" + secrets.token_hex(12)
 FILE_KEY = "sk-file-" + secrets.token_hex(12)
 WRONG_KEY = "sk-wrong-" + secrets.token_hex(12)
@@ -282,9 +283,11 @@ def test_worker_with_a_wrong_token_never_joins(cluster) -> None:
 # -- overload -------------------------------------------------------------------------------------
 def test_bounded_admission_refuses_with_a_retry_hint(cluster, ca, base_url, https) -> None:
     # MAX_INFLIGHT long streams hold every slot, half of them each key's (its share: with two
-    # keys one alone leaves a slot for the other); each has produced a token.
+    # keys one alone leaves a slot for the other); each has produced a token. Long enough to
+    # outlast the refusals below: the tiny model decoded 250 tokens a stream before the third
+    # refusal once (a slot came free, and the request was rightly admitted).
     holders = [client(cluster, ca, FILE_KEY if k % 2 else ENV_KEY) for k in range(MAX_INFLIGHT)]
-    streams = [c.stream(list(range(10 + k, 60 + k)), sampling(250, 0.0, ignore_eos=True),
+    streams = [c.stream(list(range(10 + k, 60 + k)), sampling(HELD, 0.0, ignore_eos=True),
                         timeout=120) for k, c in enumerate(holders)]
     firsts = [next(s) for s in streams]
     assert all(m.token_ids for m in firsts)
@@ -307,7 +310,7 @@ def test_bounded_admission_refuses_with_a_retry_hint(cluster, ca, base_url, http
         for first, s in zip(firsts, streams, strict=True):
             msgs = [first, *s]
             assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
-            assert sum(len(m.token_ids) for m in msgs) == 250
+            assert sum(len(m.token_ids) for m in msgs) == HELD
     finally:
         for s in streams:
             s.cancel()
