@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, *ROLE_TOKENS)  # ids 0..6, in this order
+# The special token ids a config of a checkpoint with the demo tokenizer carries.
+SPECIAL_IDS = {"bos_token_id": SPECIAL_TOKENS.index(BOS),
+               "eos_token_id": SPECIAL_TOKENS.index(EOS),
+               "pad_token_id": SPECIAL_TOKENS.index(PAD)}
 TOKENIZER_VOCAB_SIZE = 4096
 
 # <s><|user|>\n{content}</s>\n ... <|assistant|>\n ; an assistant turn ends with </s> (= EOS).
@@ -172,14 +176,12 @@ def demo_config(size: str = "tiny") -> Any:
     if size not in DEMO_SIZES:
         raise ValueError(f"unknown demo model size {size!r}; choose one of {sorted(DEMO_SIZES)}")
     s = DEMO_SIZES[size]
-    bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in (BOS, EOS, PAD))
     config = LlamaConfig(
         vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
         num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
         num_key_value_heads=s.num_kv_heads, head_dim=s.hidden_size // s.num_heads,
         max_position_embeddings=s.max_position_embeddings, rms_norm_eps=1e-5,
-        rope_theta=s.rope_theta, tie_word_embeddings=False, bos_token_id=bos,
-        eos_token_id=eos, pad_token_id=pad)
+        rope_theta=s.rope_theta, tie_word_embeddings=False, **SPECIAL_IDS)
     config.architectures = ["LlamaForCausalLM"]
     return config
 
@@ -207,16 +209,18 @@ def write_demo_model(out_dir: str, size: str = "tiny", seed: int = 0,
 
 
 def save_random_checkpoint(model_class: Any, config: Any, out_dir: str, seed: int,
-                           dtype: str) -> int:
+                           dtype: str, used_vocab: int | None = TOKENIZER_VOCAB_SIZE) -> int:
     """Build ``model_class(config)`` (a transformers causal LM), give it the demo's random
-    weights of ``seed`` (drawn in fp32, rounded once to ``dtype``), and save it to ``out_dir`` as
-    a checkpoint directory with the demo tokenizer; returns its parameter count. The config
-    carries the special token ids."""
+    weights of ``seed`` (drawn in fp32, rounded once to ``dtype``; embedding rows from
+    ``used_vocab`` on zeroed, None: none), and save it to ``out_dir`` as a checkpoint directory
+    with the demo tokenizer, its ``architectures`` the class's; returns its parameter count. The
+    config carries the special token ids (``SPECIAL_IDS``)."""
     from transformers import GenerationConfig
 
+    config.architectures = [model_class.__name__]
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
         model = model_class(config)
-    init_random_weights(model, seed, gain=1.5, norm_jitter=0.2, used_vocab=TOKENIZER_VOCAB_SIZE)
+    init_random_weights(model, seed, gain=1.5, norm_jitter=0.2, used_vocab=used_vocab)
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
                                                eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)

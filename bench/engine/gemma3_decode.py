@@ -21,16 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from bench.engine.core_runs import make_core, prompt
-from kvrelay.engine.demo_model import (
-    SPECIAL_TOKENS,
-    TOKENIZER_VOCAB_SIZE,
-    init_random_weights,
-    quiet_transformers,
-    write_demo_tokenizer,
-)
+from kvrelay.engine.demo_model import SPECIAL_IDS, save_random_checkpoint
 from kvrelay.engine.sampling_params import SamplingParams
 
 _SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
@@ -45,23 +37,14 @@ def write_model(out_dir: str, kind: str, window: int | None = None) -> str:
     """``window``: Gemma's sliding window (default 512)."""
     import transformers
 
-    bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    ids = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     if kind == "gemma3":
         gemma = _GEMMA if window is None else {**_GEMMA, "sliding_window": window}
-        config: Any = transformers.Gemma3TextConfig(**_SHAPE, **gemma, **ids)
+        config: Any = transformers.Gemma3TextConfig(**_SHAPE, **gemma, **SPECIAL_IDS)
         cls = transformers.Gemma3ForCausalLM
     else:
-        config = transformers.LlamaConfig(**_SHAPE, **ids)
+        config = transformers.LlamaConfig(**_SHAPE, **SPECIAL_IDS)
         cls = transformers.LlamaForCausalLM
-    config.architectures = [cls.__name__]
-    with torch.random.fork_rng(devices=[]):
-        model = cls(config)
-    init_random_weights(model, 0, gain=1.5, norm_jitter=0.2, used_vocab=TOKENIZER_VOCAB_SIZE)
-    model.to(torch.bfloat16)
-    with quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
-    write_demo_tokenizer(out_dir)
+    save_random_checkpoint(cls, config, out_dir, 0, "bfloat16")
     return out_dir
 
 

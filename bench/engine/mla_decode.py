@@ -22,17 +22,9 @@ import tempfile
 import time
 from typing import Any
 
-import torch
-
 from bench.engine.gemma3_decode import decoding_core, fused
 from bench.engine.gemma3_decode import write_model as write_llama
-from kvrelay.engine.demo_model import (
-    SPECIAL_TOKENS,
-    TOKENIZER_VOCAB_SIZE,
-    init_random_weights,
-    quiet_transformers,
-    write_demo_tokenizer,
-)
+from kvrelay.engine.demo_model import SPECIAL_IDS, save_random_checkpoint
 
 _SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
               num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=4096,
@@ -45,17 +37,8 @@ _MLA = dict(q_lora_rank=None, kv_lora_rank=256, qk_rope_head_dim=32, head_dim=32
 def write_deepseek(out_dir: str) -> str:
     import transformers
 
-    bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    config: Any = transformers.DeepseekV2Config(**_SHAPE, **_MLA, bos_token_id=bos,
-                                                eos_token_id=eos, pad_token_id=pad)
-    config.architectures = ["DeepseekV2ForCausalLM"]
-    with torch.random.fork_rng(devices=[]):
-        model = transformers.DeepseekV2ForCausalLM(config)
-    init_random_weights(model, 0, gain=1.5, norm_jitter=0.2, used_vocab=TOKENIZER_VOCAB_SIZE)
-    model.to(torch.bfloat16)
-    with quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
-    write_demo_tokenizer(out_dir)
+    config: Any = transformers.DeepseekV2Config(**_SHAPE, **_MLA, **SPECIAL_IDS)
+    save_random_checkpoint(transformers.DeepseekV2ForCausalLM, config, out_dir, 0, "bfloat16")
     return out_dir
 
 

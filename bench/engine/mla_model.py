@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from kvrelay.engine.demo_model import SPECIAL_TOKENS, save_random_checkpoint
+from kvrelay.engine.demo_model import SPECIAL_IDS, save_random_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,7 @@ def write_mla_model(out_dir: str, dtype: str = "bfloat16", seed: int = 0) -> str
     """Write the bench's DeepSeek-V2 (``MLA_SHAPE``) to ``out_dir`` in ``dtype``; returns it."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    config = DeepseekV2Config(**MLA_SHAPE, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
-    config.architectures = ["DeepseekV2ForCausalLM"]
+    config = DeepseekV2Config(**MLA_SHAPE, **SPECIAL_IDS)
     n_params = save_random_checkpoint(DeepseekV2ForCausalLM, config, out_dir, seed, dtype)
     logger.info("wrote the bench MLA model (%.1fM parameters, %s) to %s", n_params / 1e6, dtype,
                 out_dir)

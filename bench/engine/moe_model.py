@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from kvrelay.engine.demo_model import SPECIAL_TOKENS, save_random_checkpoint
+from kvrelay.engine.demo_model import SPECIAL_IDS, save_random_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +28,7 @@ def write_moe_model(out_dir: str, dtype: str = "bfloat16", seed: int = 0) -> str
     """Write the bench's Qwen3-MoE (``MOE_SHAPE``) to ``out_dir`` in ``dtype``; returns it."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    config = Qwen3MoeConfig(**MOE_SHAPE, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
-    config.architectures = ["Qwen3MoeForCausalLM"]
+    config = Qwen3MoeConfig(**MOE_SHAPE, **SPECIAL_IDS)
     n_params = save_random_checkpoint(Qwen3MoeForCausalLM, config, out_dir, seed, dtype)
     logger.info("wrote the bench MoE (%.1fM parameters, %s) to %s", n_params / 1e6, dtype,
                 out_dir)

@@ -25,13 +25,7 @@ import torch
 
 from kvrelay.engine.attention import SdpaBackend, StepLayout
 from kvrelay.engine.cpu import attention as native
-from kvrelay.engine.demo_model import (
-    SPECIAL_TOKENS,
-    TOKENIZER_VOCAB_SIZE,
-    init_random_weights,
-    quiet_transformers,
-    write_demo_tokenizer,
-)
+from kvrelay.engine.demo_model import SPECIAL_IDS, TOKENIZER_VOCAB_SIZE, save_random_checkpoint
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 2, 64, 16
 # A dense model of gpt-oss's attention shape (gpt-oss-20b: 64 query heads, 8 KV heads of 64),
@@ -47,16 +41,8 @@ def write_model(out_dir: str) -> str:
 
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
-    bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    config = LlamaConfig(**SHAPE, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
-    config.architectures = ["LlamaForCausalLM"]
-    with torch.random.fork_rng(devices=[]):
-        model = LlamaForCausalLM(config)
-    init_random_weights(model, 0, gain=1.5, norm_jitter=0.2)
-    os.makedirs(out_dir, exist_ok=True)
-    with quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
-    write_demo_tokenizer(out_dir)
+    config = LlamaConfig(**SHAPE, **SPECIAL_IDS)
+    save_random_checkpoint(LlamaForCausalLM, config, out_dir, 0, "float32", used_vocab=None)
     return out_dir
 
 

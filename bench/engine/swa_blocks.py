@@ -28,13 +28,7 @@ from typing import Any
 
 import torch
 
-from kvrelay.engine.demo_model import (
-    SPECIAL_TOKENS,
-    TOKENIZER_VOCAB_SIZE,
-    init_random_weights,
-    quiet_transformers,
-    write_demo_tokenizer,
-)
+from kvrelay.engine.demo_model import SPECIAL_IDS, TOKENIZER_VOCAB_SIZE, save_random_checkpoint
 
 WINDOW, BLOCK = 256, 16
 _SHAPE = dict(vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
@@ -58,18 +52,11 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
 def write_model(out_dir: str, config_class: str, extra: dict[str, Any]) -> str:
     import transformers
 
-    bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    config = getattr(transformers, config_class)(**_SHAPE, **extra, bos_token_id=bos,
-                                                 eos_token_id=eos, pad_token_id=pad)
+    config = getattr(transformers, config_class)(**_SHAPE, **extra, **SPECIAL_IDS)
     name = "Gemma3ForCausalLM" if config_class == "Gemma3TextConfig" else \
         config_class.replace("Config", "ForCausalLM")
-    config.architectures = [name]
-    with torch.random.fork_rng(devices=[]):
-        model = getattr(transformers, name)(config)
-    init_random_weights(model, 0, gain=1.5, norm_jitter=0.2)
-    with quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
-    write_demo_tokenizer(out_dir)
+    save_random_checkpoint(getattr(transformers, name), config, out_dir, 0, "float32",
+                           used_vocab=None)
     return out_dir
 
 
