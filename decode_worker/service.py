@@ -44,6 +44,7 @@ class Reserved(NamedTuple):
     agent_name: str
     incarnation: str
     ttl_s: float
+    page_ids: tuple[int, ...] = ()  # the hybrid KV layout's pages (``Reservation.page_ids``)
 
 
 class DecodeItem(NamedTuple):
@@ -176,7 +177,7 @@ class DecodeService:
         logger.debug("reserved %d blocks (%d tokens cached) lease %s", len(res.block_ids),
                      res.num_cached_tokens, lease.lease_id)
         return Reserved(lease.lease_id, res.block_ids, res.num_cached_tokens, kv.agent_name,
-                        kv.incarnation, ttl)
+                        kv.incarnation, ttl, res.page_ids)
 
     def abandon(self, rid: str, lease_id: str) -> None:
         """A Reserve its caller gave up on (the client left) answered into the void: free the

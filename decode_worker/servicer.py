@@ -89,7 +89,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return wpb.ReserveResponse(
             lease_id=res.lease_id, block_ids=res.block_ids,
             cached_prefix_tokens=res.cached_prefix_tokens, agent_name=res.agent_name,
-            incarnation=res.incarnation, ttl_ms=int(res.ttl_s * 1000))
+            incarnation=res.incarnation, ttl_ms=int(res.ttl_s * 1000), page_ids=res.page_ids)
 
     async def RenewLease(self, request: wpb.LeaseRequest,
                          context: grpc.aio.ServicerContext) -> wpb.LeaseResponse:

@@ -110,7 +110,8 @@ class CacheConfig:
     # Per-layer-group pages for a model whose layers differ in window (engine/hybrid_kv.py):
     # auto: for such a model (Gemma 3, gpt-oss) the windowed layers' pages of the blocks behind
     # the window go back to the pool; off: one block table for every layer (each block held
-    # while any layer reads it). Off by default until P/D and prefix pulls carry it.
+    # while any layer reads it). P/D handoffs address pages (both pools must agree); prefix
+    # pulls still read whole blocks of one table, so a hybrid neither lends nor takes one.
     hybrid_kv: str = "off"
 
     def __post_init__(self) -> None:
@@ -198,10 +199,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.cache.hybrid_kv != "off" and self.role != "both":
-            raise ValueError(f"--hybrid-kv {self.cache.hybrid_kv} serves role both only: the KV "
-                             f"transfer of a {self.role} worker addresses one block table for "
-                             f"every layer (use --hybrid-kv off)")
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike[str], **kwargs: Any) -> EngineConfig:

@@ -70,11 +70,6 @@ class EngineCore:
                                                    block_size=self.runner.block_size))
         self.config = config
         plan = self.runner.kv_plan  # the hybrid KV layout's layer groups (None: one table)
-        if plan is not None and connector is not None:
-            if hasattr(self.runner, "close"):  # tensor-parallel ranks
-                self.runner.close()
-            raise ValueError("--hybrid-kv auto: KV transfer addresses one block table for "
-                             "every layer; serve this model with --hybrid-kv off on P/D workers")
         self.tiers = self._build_tiers(config)
         if plan is None:
             self.block_manager = BlockManager(self.runner.num_usable_blocks,
@@ -314,13 +309,19 @@ class EngineCore:
             raise EngineOverloaded(f"no KV room for {n} tokens: {need} more blocks needed, "
                                    f"{bm.num_free_blocks} free")
         seq.num_cached_tokens = seq.num_computed_tokens
+        page_ids: tuple[int, ...] = ()
+        if isinstance(bm, HybridBlockManager):
+            # A windowed layer group's pages of blocks the first decode (at position n) reads
+            # no key of: never written, they go back now.
+            bm.release_out_of_window(seq, upto=n)
+            page_ids = bm.page_ids(seq)
         self.seqs[request_id] = seq
         if seq.num_computed_tokens == n:
             self._kv_arrived(seq)  # every prompt block was cached here already
         self.scheduler.add_waiting_for_kv(seq)
         if self.connector is not None and not seq.kv_ready:
             self.connector.request_waiting_for_kv(seq)
-        return Reservation(list(seq.block_table), seq.num_computed_tokens)
+        return Reservation(list(seq.block_table), seq.num_computed_tokens, page_ids)
 
     def start_decode(self, request_id: str, first_token_id: int,
                      sampling: SamplingParams,
@@ -558,7 +559,11 @@ class EngineCore:
     def _mark_holes(self, seq: Sequence) -> None:
         """Arrived KV of a windowed model lacks its windowed layers' blocks before their window
         (``kv_window.py``): those blocks are partial (``BlockManager.mark_holes``). The blocks
-        the reservation matched in this engine's own cache were not written."""
+        the reservation matched in this engine's own cache were not written. (Under the
+        hybrid KV layout the reservation held no page of those: its blocks are partial
+        already, ``hybrid_blocks.py``.)"""
+        if self.runner.kv_plan is not None:
+            return
         bs = self.block_manager.block_size
         end = self._windows.holes_end(seq.num_prompt_tokens, bs)
         first = seq.num_cached_tokens // bs

@@ -56,6 +56,10 @@ class Reservation(NamedTuple):
 
     block_ids: list[int]
     num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds
+    # Under the hybrid KV layout (``engine/hybrid_kv.py``): each block's page per layer group,
+    # block after block, -1 where no layer of the group reads the block from the handoff on
+    # (those pages were never taken, or went back at once). What the sender writes.
+    page_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,12 @@ of every group (``KVTiers.pages_of``). A published block is copied down before i
 (``_settle`` stores it first), a partial one never; a promoted block comes back into fresh
 pages of every group.
 
-Not here (refused by the engine under the hybrid layout): a KV connector (P/D roles) and
-prefix shares with peers, which address blocks of the one-table layout.
+A P/D handoff addresses pages: a decode worker's reservation holds, of each windowed group,
+only the pages of blocks its first decode reads (``release_out_of_window(seq, upto=prompt
+length)``) and names them to the prefill worker (``page_ids``), whose sender writes each layer
+group's pages of the blocks that group reads (``kv_window.PageWrites``). Not here (refused by
+the engine under the hybrid layout): prefix shares with peers, which read whole blocks of the
+one-table layout.
 """
 
 from __future__ import annotations
@@ -296,15 +300,17 @@ class HybridBlockManager(BlockManager):
         seq.page_tables = None
         self._seq_hashes.pop(seq.request_id, None)
 
-    def release_out_of_window(self, seq: Sequence) -> int:
+    def release_out_of_window(self, seq: Sequence, upto: int | None = None) -> int:
         """Give back ``seq``'s windowed pages that its next query no longer reads (prefill
-        chunks and decodes alike: every step starts at ``num_computed_tokens``). Returns how
-        many pages it let go of (fewer go back to the pool where another sequence still reads
-        them)."""
+        chunks and decodes alike: every step starts at ``num_computed_tokens``; ``upto``: a
+        query at that position instead, such as a reservation's first decode, at the end of a
+        prompt whose KV a peer writes). Returns how many pages it let go of (fewer go back to
+        the pool where another sequence still reads them)."""
         held = self._held.get(seq.request_id)
         if held is None or seq.page_tables is None:
             return 0
-        c, bt, bs = seq.num_computed_tokens, seq.block_table, self.block_size
+        c = seq.num_computed_tokens if upto is None else upto
+        bt, bs = seq.block_table, self.block_size
         out = 0
         for w in self._windows:
             first = min(max(0, c - w + 1) // bs, len(bt))
@@ -318,6 +324,15 @@ class HybridBlockManager(BlockManager):
             held[w] = first
             out += (first - done) * len(self._wgroups[w])
         return out
+
+    def page_ids(self, seq: Sequence) -> tuple[int, ...]:
+        """``seq``'s page of each layer group per block, block after block, -1 where it holds
+        none (a windowed group's blocks before its window): where a peer writes its KV
+        (``Reservation.page_ids``)."""
+        held = self._held.get(seq.request_id, {})
+        return tuple(-1 if w is not None and i < held.get(w, 0) else self.pages[bid][g]
+                     for i, bid in enumerate(seq.block_table)
+                     for g, w in enumerate(self.groups.windows))
 
     def pages_of(self, bid: int) -> list[int]:
         """Block ``bid``'s page in every group (a whole block's: what a tier copies)."""

@@ -66,6 +66,14 @@ class KVGroups:
     def padded_slots(self) -> int:
         return self.k * self.num_groups - len(self.group_of)
 
+    @property
+    def signature(self) -> str:
+        """The plan in words, for a KV layout handshake: peers address pages alike only when
+        their plans are equal (``kv_transfer/layout.py``)."""
+        windows = ",".join("full" if w is None else str(w) for w in self.windows)
+        layers = "/".join(",".join(map(str, g)) for g in self.layers)
+        return f"k={self.k};windows={windows};layers={layers}"
+
     def pages_held(self, num_blocks: int, first_held: dict[int, int]) -> int:
         """Pages a sequence of ``num_blocks`` logical blocks references when it holds each
         window ``w``'s pages from block ``first_held[w]`` on."""

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.engine.hybrid_kv import KVGroups
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,6 +54,10 @@ class KVCacheSpec:
     layer_windows: tuple[int | None, ...] = ()
     # Planes per layer: 2 (K and V per head) or 1 (a latent per token: MLA). Part of the layout.
     planes: int = 2
+    # The hybrid KV layout's layer groups (``hybrid_kv.py``): ``num_layers`` then counts the
+    # groups' k slots and ``num_blocks`` their pages, and layer l of block i lives in slot
+    # ``groups.slot_of[l]`` of block i's page of group ``groups.group_of[l]``. Part of the layout.
+    groups: KVGroups | None = None
 
     def __post_init__(self) -> None:
         if self.planes not in (1, 2):
@@ -61,6 +67,11 @@ class KVCacheSpec:
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
         dtype_from_name(self.dtype)
+
+    @property
+    def model_layers(self) -> int:
+        """The model's layers (``num_layers`` counts slots under the hybrid layout)."""
+        return self.num_layers if self.groups is None else len(self.groups.group_of)
 
     @property
     def torch_dtype(self) -> torch.dtype:

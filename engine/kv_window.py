@@ -30,15 +30,18 @@ local : 1 global; gpt-oss) holds every block that way: its global layers read th
 (``hybrid_kv.py``, ``hybrid_blocks.py``: one pool of pages, a page per layer group per block),
 and its local layers' pages behind the window go back as it prefills and decodes: a long
 decode holds its global layers' share of the context plus each local group's window (measured:
-``bench.engine.swa_blocks``). That layout serves role both (TP and the tiers too); a P/D handoff
-and prefix pulls address the one-table layout, so they refuse it and a hybrid's saving there is
-the handoff's (the global layers' blocks, and the local layers' last window).
+``bench.engine.swa_blocks``). A P/D handoff under it writes each layer group's pages of the
+blocks that group reads (:class:`PageWrites`) into the pages the receiver's reservation holds
+(none of a windowed group's blocks before its window: ``HybridBlockManager.page_ids``). Prefix
+pulls still read whole blocks of the one-table layout: a hybrid neither lends nor takes one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from kvrelay.engine.hybrid_kv import KVGroups
 
 
 def block_needs(first: int, count: int, num_prompt_tokens: int, block_size: int) -> list[int]:
@@ -115,7 +118,51 @@ class LayerWindows:
         needs = block_needs(first, count, num_prompt_tokens, block_size)
         return sum(count if w is None else sum(n <= w for n in needs) for w in self.windows)
 
+    def missing_pages(self, groups: KVGroups, pages: Sequence[Sequence[int]], first: int,
+                      num_prompt_tokens: int, block_size: int) -> list[tuple[int, int]]:
+        """Under the hybrid layout, ``(block, group)`` of a handoff's blocks ``first ..`` that
+        some layer of the group reads but ``pages[block][group]`` names no page (-1): a
+        destination must hold a page for every pair the handoff writes."""
+        needs = block_needs(first, len(pages) - first, num_prompt_tokens, block_size)
+        return [(first + i, g) for i, n in enumerate(needs)
+                for g, w in enumerate(groups.windows)
+                if (w is None or n <= w) and pages[first + i][g] < 0]
+
     def has_holes(self, num_prompt_tokens: int, block_size: int) -> bool:
         """Whether a windowed handoff of a prompt this long leaves some layer's block unwritten
         (then the receiver must never serve the blocks as a cached prefix)."""
         return self.holes_end(num_prompt_tokens, block_size) > 0
+
+
+class PageWrites:
+    """The writes of a hybrid KV layout (``hybrid_kv.py``): a block is a page per layer group,
+    so a block pair is ``local[i][g] -> remote[i][g]`` (-1: that side holds no page of group
+    ``g``), and layer ``l`` is slot ``slot_of[l]`` of its group's pages. ``split`` has the
+    interface of :meth:`LayerWindows.split` over such pairs, and returns writes whose
+    ``layers`` are slots and whose blocks are pages: what a transport addresses in a tensor of
+    ``[k slots, planes, pages, ...]``, a one-table layout's arithmetic unchanged."""
+
+    def __init__(self, groups: KVGroups):
+        self.groups = groups
+
+    def split(self, layers: Sequence[int], local: Sequence[Sequence[int]],
+              remote: Sequence[Sequence[int]], needs: Sequence[int] | None) -> list[LayerWrite]:
+        """One write per layer group that has some of ``layers``: its pages of the pairs its
+        layers read (``needs`` as in ``LayerWindows.split``). Both sides hold a page of each
+        such pair (the destination was checked: ``LayerWindows.missing_pages``; the sender
+        holds its windowed pages from the prompt's window on)."""
+        wanted = set(layers)
+        out = []
+        g = self.groups
+        for group, (w, members) in enumerate(zip(g.windows, g.layers, strict=True)):
+            slots = tuple(g.slot_of[x] for x in members if x in wanted)
+            if not slots:
+                continue
+            keep = range(len(local)) if w is None or needs is None else \
+                [i for i, n in enumerate(needs) if n <= w]
+            loc = [local[i][group] for i in keep]
+            rem = [remote[i][group] for i in keep]
+            assert min(loc + rem, default=0) >= 0, ("a written pair without a page", group)
+            if loc:
+                out.append(LayerWrite(slots, loc, rem))
+        return out

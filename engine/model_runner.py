@@ -114,7 +114,8 @@ class ModelRunner:
         check_kv_head_groups(groups, kv_heads)
         self.kv_spec = KVCacheSpec(slots, kv_heads // groups, arch.head_dim,
                                    block_size, num_blocks, dtype_name(self.kv_dtype),
-                                   layer_windows=arch.layer_windows, planes=arch.kv_planes)
+                                   layer_windows=arch.layer_windows, planes=arch.kv_planes,
+                                   groups=self.kv_plan)
         if shard is not None and shard.kv_shm:
             self.kv = shared_kv_cache(shard.kv_shm, shard.rank, kv_shape(self.kv_spec, groups),
                                       self.kv_spec.torch_dtype)

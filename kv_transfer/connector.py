@@ -235,13 +235,43 @@ class NixlConnector(KVConnector):
                              sender or None, sender_address or None)
 
     def destination(self, request_id: str, agent_name: str, block_ids: list[int],
-                    skip_blocks: int, lease_id: str, incarnation: str) -> KVDestination:
-        """A sending request's ``kv_transfer_params``: write into the lease's blocks. The
-        incarnation binds the writes to the process that granted the lease: if the decode
-        worker restarted under the same name since, the transfer fails instead of writing
-        into a stranger's blocks."""
+                    skip_blocks: int, lease_id: str, incarnation: str,
+                    pages: Seq[Seq[int]] = ()) -> KVDestination:
+        """A sending request's ``kv_transfer_params``: write into the lease's blocks (under the
+        hybrid KV layout, their ``pages``: ``destination_pages``). The incarnation binds the
+        writes to the process that granted the lease: if the decode worker restarted under
+        the same name since, the transfer fails instead of writing into a stranger's blocks."""
         return KVDestination(agent_name, block_ids, skip_blocks,
-                             lease_key(request_id, lease_id), incarnation=incarnation or None)
+                             lease_key(request_id, lease_id), incarnation=incarnation or None,
+                             remote_pages=pages)
+
+    def destination_pages(self, page_ids: Seq[int], num_blocks: int, skip_blocks: int,
+                          num_prompt_tokens: int) -> tuple[tuple[int, ...], ...]:
+        """A destination's pages per layer group of each of its ``num_blocks`` blocks, from the
+        flat list a lease carries (a block's groups in order, -1: none), checked to hold every
+        page the handoff writes; ``()`` under the one-table layout. Raises ValueError."""
+        if self._spec is None:
+            raise RuntimeError("register_kv_cache() first")
+        spec = self._spec
+        if spec.groups is None:
+            if page_ids:
+                raise ValueError("the destination names pages per layer group, but this worker "
+                                 "keeps one block table for every layer (--hybrid-kv off)")
+            return ()
+        n = spec.groups.num_groups
+        if len(page_ids) != n * num_blocks:
+            raise ValueError(f"the destination names {len(page_ids)} pages for {num_blocks} "
+                             f"blocks of {n} layer groups (--hybrid-kv auto): want "
+                             f"{n * num_blocks}")
+        pages = tuple(tuple(int(p) for p in page_ids[i * n:(i + 1) * n])
+                      for i in range(num_blocks))
+        missing = LayerWindows(spec.layer_windows).missing_pages(
+            spec.groups, pages, skip_blocks, num_prompt_tokens, spec.block_size)
+        if missing:
+            block, group = missing[0]
+            raise ValueError(f"the destination holds no page of layer group {group} for block "
+                             f"{block} ({len(missing)} such), which the handoff writes")
+        return pages
 
     def block_bytes(self) -> int:
         """Bytes one block costs across all layers, K and V."""

@@ -61,6 +61,10 @@ class KVLayout:
     head_ranges: tuple[tuple[int, int], ...] = ()  # per rank; () means one rank with them all
     model_kv_heads: int = 0  # 0 means num_kv_heads (no tensor parallelism)
     planes: int = 2  # per layer: K and V, or 1: a latent per token (multi-head latent attention)
+    # The hybrid KV layout's plan (``KVGroups.signature``; "": one block table for every
+    # layer). Under it ``num_layers`` counts the groups' slots and ``num_blocks`` their pages,
+    # and a destination names a page per group of each block (``KVDestination.remote_pages``).
+    kv_groups: str = ""
 
     def __post_init__(self) -> None:
         self.spec  # noqa: B018 - validates the shape fields and the dtype
@@ -88,7 +92,8 @@ class KVLayout:
         return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                    spec.num_blocks, spec.dtype, model_id, device_kind,
                    tp_size=max(1, len(head_ranges)), head_ranges=head_ranges,
-                   model_kv_heads=model_kv_heads, planes=spec.planes)
+                   model_kv_heads=model_kv_heads, planes=spec.planes,
+                   kv_groups="" if spec.groups is None else spec.groups.signature)
 
     @property
     def spec(self) -> KVCacheSpec:
@@ -100,6 +105,12 @@ class KVLayout:
         """What a token's KV is in this layout, in words (what a mismatch names)."""
         return "K and V per head (2 planes)" if self.planes == 2 else \
             "a latent per token (1 plane, multi-head latent attention)"
+
+    @property
+    def pages(self) -> str:
+        """How blocks are addressed, in words (what a mismatch names)."""
+        return f"pages per layer group ({self.kv_groups})" if self.kv_groups else \
+            "one block table for every layer"
 
     @property
     def block_bytes(self) -> int:
@@ -139,6 +150,7 @@ class KVLayout:
 _CHECKS: tuple[tuple[str, str, str], ...] = (
     ("kind", "caches", "--model (the same checkpoint)"),
     ("model_id", "serves model", "--model (the same checkpoint)"),
+    ("pages", "addresses KV blocks as", "--hybrid-kv (auto on both, or off on both)"),
     ("num_layers", "has num_layers", "--model (the same checkpoint)"),
     ("model_kv_heads", "has num_kv_heads", "--model (the same checkpoint)"),
     ("head_dim", "has head_dim", "--model (the same checkpoint)"),
@@ -155,6 +167,8 @@ def layout_differences(local: KVLayout, remote: KVLayout) -> list[str]:
                 "run the same kvrelay version in both pools"]
     out = []
     for name, what, flag in _CHECKS:
+        if name == "num_layers" and local.kv_groups != remote.kv_groups:
+            continue  # slots, not layers, under the hybrid layout: ``pages`` says it
         theirs, ours = getattr(remote, name), getattr(local, name)
         if theirs != ours:
             out.append(f"peer {what} {theirs}, we have {ours}: start both pools with the "

@@ -29,6 +29,10 @@ class KVDestination:
     ``incarnation`` is the peer's ``PeerInfo.incarnation`` when it reserved the blocks: writes
     are refused if the peer restarted since (its blocks now belong to someone else). When None,
     the request binds to the incarnation known at its first step.
+
+    ``remote_pages`` (a peer under the hybrid KV layout, ``engine/hybrid_kv.py``): per block,
+    the peer's page of each layer group (-1: none, where no layer of the group reads the block
+    from the handoff on); the writes address these, not the block ids.
     """
 
     peer: str
@@ -36,9 +40,17 @@ class KVDestination:
     skip_blocks: int = 0
     notif: bytes = b""
     incarnation: str | None = None
+    remote_pages: Sequence[Sequence[int]] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remote_block_ids", tuple(int(b) for b in self.remote_block_ids))
+        object.__setattr__(self, "remote_pages",
+                           tuple(tuple(int(p) for p in b) for b in self.remote_pages))
+        if self.remote_pages and (len(self.remote_pages) != len(self.remote_block_ids) or
+                                  len({len(b) for b in self.remote_pages}) != 1):
+            raise ValueError(f"KVDestination.remote_pages must name as many pages for each of "
+                             f"the {len(self.remote_block_ids)} blocks, got "
+                             f"{[len(b) for b in self.remote_pages]}")
         if not self.peer:
             raise ValueError("KVDestination.peer must name the receiving NIXL agent")
         if any(b < 0 for b in self.remote_block_ids):
@@ -87,6 +99,12 @@ class PendingDestination:
         with self._lock:
             self._closed = True
             return self._dest is None
+
+
+def remote_table(dest: KVDestination) -> Sequence[int] | Sequence[Sequence[int]]:
+    """What the sender's plan pairs with its own blocks: the peer's pages per group of each
+    block under the hybrid layout, else its block ids."""
+    return dest.remote_pages or dest.remote_block_ids
 
 
 def destination_of(params: object) -> KVDestination | None:

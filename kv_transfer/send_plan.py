@@ -1,6 +1,8 @@
 """Which blocks of a sequence to send in a step: pure arithmetic, no I/O, no NIXL.
 
-A sequence's i-th block is ``seq.block_table[i]`` here and ``remote_block_ids[i]`` at the peer.
+A sequence's i-th block is ``seq.block_table[i]`` here and ``remote_block_ids[i]`` at the peer
+(under the hybrid KV layout, each side's pages per layer group of that block: the plan only
+slices the two tables in step).
 The sender keeps, per request, ``covered``: blocks ``[0, covered)`` are full and already sent
 (or were in the peer's prefix cache: ``covered`` starts at ``skip_blocks``). A step computing
 tokens ``[start, start + n)`` sends blocks ``[first, end)`` where ``first`` reaches back to
@@ -26,8 +28,8 @@ class BlockRange(NamedTuple):
 class BlockMap(NamedTuple):
     """Parallel lists: local block ``local[i]`` goes to the peer's block ``remote[i]``."""
 
-    local: list[int]
-    remote: list[int]
+    local: list
+    remote: list
 
 
 class PlanError(ValueError):
@@ -47,7 +49,7 @@ def blocks_to_send(start_token: int, num_new_tokens: int, num_prompt_tokens: int
     return BlockRange(first, end, max(covered, end_token // block_size, skip_blocks))
 
 
-def map_blocks(block_table: Sequence[int], remote_block_ids: Sequence[int],
+def map_blocks(block_table: Sequence, remote_block_ids: Sequence,
                rng: BlockRange) -> BlockMap:
     if rng.start >= rng.end:
         # Nothing to send: a chunk wholly inside what the peer holds already (its prefix cache

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvrelay.kv_transfer.messages import KVDestination, PendingDestination
+from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, remote_table
 from kvrelay.kv_transfer.notice import NoticeKind, encode
 from kvrelay.kv_transfer.send_plan import PlanError, blocks_to_send, map_blocks
 
@@ -34,10 +34,11 @@ class NotifJob(NamedTuple):
 
 
 class PlannedWrite(NamedTuple):
-    """A request's blocks for this step, bound to one incarnation of its peer."""
+    """A request's blocks for this step, bound to one incarnation of its peer (under the hybrid
+    KV layout each block is its pages per layer group: ``Sending.local_table``)."""
 
-    local: list[int]
-    remote: list[int]
+    local: list
+    remote: list
     incarnation: str | None
     first: int = 0  # the sequence's index of the block ``local[0]``
 
@@ -73,7 +74,7 @@ class SendTracker:
                                                 dest.incarnation or incarnation)
         return st
 
-    def plan(self, request_id: str, dest: KVDestination, block_table: list[int],
+    def plan(self, request_id: str, dest: KVDestination, block_table: list,
              start_token: int, num_new_tokens: int, num_prompt_tokens: int, block_size: int,
              peer_incarnation: str | None = None) -> PlannedWrite | None:
         """The blocks this step must send for the request (None: nothing, or it failed).
@@ -84,7 +85,7 @@ class SendTracker:
         rng = blocks_to_send(start_token, num_new_tokens, num_prompt_tokens, block_size,
                              st.covered, dest.skip_blocks)
         try:
-            bm = map_blocks(block_table, dest.remote_block_ids, rng)
+            bm = map_blocks(block_table, remote_table(dest), rng)
         except PlanError as e:
             st.failure = str(e)
             return None
@@ -92,7 +93,7 @@ class SendTracker:
         st.sent_tokens = max(st.sent_tokens, min(start_token + num_new_tokens, num_prompt_tokens))
         return PlannedWrite(bm.local, bm.remote, st.incarnation, rng.start) if bm.local else None
 
-    def catch_up(self, request_id: str, dest: KVDestination, block_table: list[int],
+    def catch_up(self, request_id: str, dest: KVDestination, block_table: list,
                  num_prompt_tokens: int, block_size: int,
                  peer_incarnation: str | None = None) -> PlannedWrite | None:
         """The prompt blocks computed but not yet planned (their destination came late), all
@@ -190,7 +191,7 @@ class Awaiting:
     """A prefill that finished before its destination was named: its blocks, kept."""
 
     params: PendingDestination
-    block_table: list[int]
+    block_table: list  # ``Sending.local_table``
     num_prompt_tokens: int
 
 
@@ -199,8 +200,8 @@ class PeerWrites:
     """This step's blocks for one peer incarnation, all requests together: one write per
     layer."""
 
-    local: list[int] = field(default_factory=list)
-    remote: list[int] = field(default_factory=list)
+    local: list = field(default_factory=list)  # block ids, or pages per group (hybrid KV)
+    remote: list = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
     needs: list[int] = field(default_factory=list)  # each pair's ``kv_window.block_needs``
 

@@ -5,7 +5,9 @@
 hands layer L's writes to the I/O thread (``transfer_thread``) while layer L+1 computes,
 ``end_step`` posts any layer the model did not report (every layer, where the config's
 ``layerwise`` resolves to off: ``streams_layerwise``). A sliding-window layer is written only
-the blocks its receiver will still read (``engine/kv_window.py``). ``finished`` (the engine is
+the blocks its receiver will still read (``engine/kv_window.py``). Under the hybrid KV layout
+(``engine/hybrid_kv.py``) both sides address a block as its page per layer group, and a write
+is one group's slots of those pages (``kv_window.PageWrites``). ``finished`` (the engine is
 done with the request: its blocks are still being read) sends what is left, and once every
 write is done the notification goes out exactly once; then ``take`` names the request in
 ``sent``. Aborted or failed requests are never notified: ``failed`` names them, then ``sent``.
@@ -34,7 +36,7 @@ import torch
 
 from kvrelay.common.timeline import mark
 from kvrelay.engine.kv_connector import ScheduledSeq
-from kvrelay.engine.kv_window import LayerWindows, block_needs
+from kvrelay.engine.kv_window import LayerWindows, PageWrites, block_needs
 from kvrelay.engine.sequence import FinishReason
 from kvrelay.kv_transfer.config import NixlConnectorConfig
 from kvrelay.kv_transfer.cuda_sync import record_ready_event
@@ -109,14 +111,16 @@ class Sending:
         self.proof = SelfFence(config.self_fence_s)  # may we still write (``self_fence``)
         self._epoch_of: OrderedDict[str, int] = OrderedDict()  # request -> epoch it arrived in
         self._step_epoch: int | None = None  # the epoch this step's writes were planned in
-        # Each layer's window: a windowed layer gets only the blocks its receiver still reads.
-        self._windows = LayerWindows(())
+        # Each layer's window: a windowed layer gets only the blocks its receiver still reads
+        # (and under the hybrid KV layout, each layer group its own pages).
+        self._windows: LayerWindows | PageWrites = LayerWindows(())
 
     def attach(self, transport: NixlTransport, spec: KVCacheSpec, device: torch.device) -> None:
         """The registered KV cache's transport: nothing is planned or sent before."""
         self._transport = transport
         self._spec = spec
-        self._windows = LayerWindows(spec.layer_windows)
+        self._windows = LayerWindows(spec.layer_windows) if spec.groups is None \
+            else PageWrites(spec.groups)
         self._cuda = device.type == "cuda"
         self._device = device
         self._layerwise = streams_layerwise(self.config.layerwise, device)
@@ -156,7 +160,8 @@ class Sending:
         epoch = self._current(seq.request_id)
         if epoch is None:
             self._send.refuse(seq.request_id, dest, _LAPSED)
-        pw = self._send.plan(seq.request_id, dest, seq.block_table, seq.num_computed_tokens, n,
+        pw = self._send.plan(seq.request_id, dest, self.local_table(seq),
+                             seq.num_computed_tokens, n,
                              seq.num_prompt_tokens, self._spec.block_size,
                              self.transport.peer_incarnation(dest.peer))
         if pw is None:
@@ -168,6 +173,16 @@ class Sending:
         w.needs += self._needs(seq.num_prompt_tokens, pw)
         w.request_ids.append(seq.request_id)
         return pw
+
+    def local_table(self, seq: Sequence) -> list:
+        """What a plan pairs with the destination's: the sequence's blocks, or under the hybrid
+        KV layout its page of each layer group per block (``seq.page_tables`` name a page
+        wherever the handoff reads one: its windowed groups hold theirs from the window on)."""
+        assert self._spec is not None
+        if self._spec.groups is None:
+            return list(seq.block_table)
+        assert seq.page_tables is not None
+        return list(zip(*seq.page_tables, strict=True))
 
     def _needs(self, num_prompt_tokens: int, pw: PlannedWrite) -> list[int]:
         """Each of ``pw``'s block pairs' smallest window that reads it (``engine/kv_window.py``)."""
@@ -226,7 +241,7 @@ class Sending:
             self._adopt_named()
         if self._step:
             assert self._spec is not None
-            rest = tuple(x for x in range(self._spec.num_layers) if x not in self._saved)
+            rest = tuple(x for x in range(self._spec.model_layers) if x not in self._saved)
             if rest:  # the model did not report these layers: send them now
                 self._submit(rest)
         self._step, self._saved, self._unnamed = {}, set(), []
@@ -333,14 +348,14 @@ class Sending:
                 if params.closed:  # given up (its caller went away) before it finished
                     return False
                 if params.dest is None:
-                    self._awaiting[rid] = Awaiting(params, list(seq.block_table),
+                    self._awaiting[rid] = Awaiting(params, self.local_table(seq),
                                                    seq.num_prompt_tokens)
                     return True
             dest = params.dest
-        self._finish_send(rid, dest, list(seq.block_table), seq.num_prompt_tokens, aborted)
+        self._finish_send(rid, dest, self.local_table(seq), seq.num_prompt_tokens, aborted)
         return True
 
-    def _finish_send(self, request_id: str, dest: KVDestination, block_table: list[int],
+    def _finish_send(self, request_id: str, dest: KVDestination, block_table: list,
                      num_prompt_tokens: int, aborted: bool) -> None:
         """The engine is done with a sending request: blocks its destination was named too late
         for go now (all layers), then the notification once every write has ended."""
@@ -355,7 +370,7 @@ class Sending:
             writes = [] if late is None else [
                 WriteJob(dest.peer, lw.layers, lw.local, lw.remote, (request_id,),
                          late.incarnation, epoch=epoch)
-                for lw in self._windows.split(range(self._spec.num_layers), late.local,
+                for lw in self._windows.split(range(self._spec.model_layers), late.local,
                                               late.remote, self._needs(num_prompt_tokens, late))]
             for _ in writes:
                 self._send.posted([request_id])

@@ -42,6 +42,8 @@ class DecodeTarget(NamedTuple):
     block_ids: list[int]
     skip_prefix_tokens: int
     lease_id: str
+    # Under the hybrid KV layout, each block's page per layer group (-1: none), block-major.
+    page_ids: tuple[int, ...] = ()
 
 
 class DecodePeers:

@@ -123,13 +123,20 @@ class PrefillService:
                              f"of the block size {bs} and at most the prompt length")
         return dest.skip_prefix_tokens // bs
 
-    async def _bind(self, rid: str, dest: DecodeTarget, skip: int) -> KVDestination:
-        """Connect to ``dest``'s decode worker; the engine's destination of the request."""
+    async def _bind(self, rid: str, dest: DecodeTarget, skip: int,
+                    num_tokens: int) -> KVDestination:
+        """Connect to ``dest``'s decode worker; the engine's destination of the request (a
+        prompt of ``num_tokens``)."""
         if self.kv.is_fenced(rid, dest.lease_id):  # its receiver gave the blocks up
             raise _lease_given_up(rid)
-        await self.peers.connect(dest)
+        await self.peers.connect(dest)  # the handshake: both lay KV out alike from here on
+        try:
+            pages = self.kv.destination_pages(dest.page_ids, len(dest.block_ids), skip,
+                                              num_tokens)
+        except ValueError as e:
+            raise _invalid(e) from e
         return self.kv.destination(rid, dest.agent_name, list(dest.block_ids), skip,
-                                   dest.lease_id, dest.incarnation)
+                                   dest.lease_id, dest.incarnation, pages)
 
     # -- calls ---------------------------------------------------------------------------------
     async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams,
@@ -156,7 +163,7 @@ class PrefillService:
             return done._replace(pull=pulled)
         await self.peers.evict_idle()
         with self.peers.using(dest.agent_name):
-            params = await self._bind(rid, dest, skip)
+            params = await self._bind(rid, dest, skip, len(prompt))
             done = await self._run(rid, prompt, sampling, cache_salt, params, span)
             return done._replace(pull=pulled)
 
@@ -202,7 +209,7 @@ class PrefillService:
         if pending.peer is None:  # its -1 comes when the prefill ends
             pending.peer = dest.agent_name
             self.peers.use(dest.agent_name, +1)
-        params = await self._bind(rid, dest, skip)
+        params = await self._bind(rid, dest, skip, pending.num_tokens)
         if not pending.holder.resolve(params):
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION,
                               f"the prefill of {rid} has ended or has a destination",

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 def target_of(dest: wpb.KVDestination) -> DecodeTarget:
     return DecodeTarget(dest.agent_name, dest.decode_address, dest.incarnation,
-                        list(dest.block_ids), dest.skip_prefix_tokens, dest.lease_id)
+                        list(dest.block_ids), dest.skip_prefix_tokens, dest.lease_id,
+                        tuple(dest.page_ids))
 
 
 def pull_of(request: wpb.PrefillRequest) -> PullSource | None:

@@ -356,20 +356,22 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ..., sender_agent: _Optional[str] = ..., sender_address: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "block_ids", "cached_prefix_tokens", "agent_name", "incarnation", "ttl_ms")
+    __slots__ = ("lease_id", "block_ids", "cached_prefix_tokens", "agent_name", "incarnation", "ttl_ms", "page_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_prefix_tokens: int
     agent_name: str
     incarnation: str
     ttl_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_prefix_tokens: _Optional[int] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_prefix_tokens: _Optional[int] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "sender_agent", "sender_address", "writes_settled")
@@ -454,20 +456,22 @@ class FenceResponse(_message.Message):
     def __init__(self, done: _Optional[bool] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("decode_address", "agent_name", "incarnation", "block_ids", "skip_prefix_tokens", "lease_id")
+    __slots__ = ("decode_address", "agent_name", "incarnation", "block_ids", "skip_prefix_tokens", "lease_id", "page_ids")
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     decode_address: str
     agent_name: str
     incarnation: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_prefix_tokens: int
     lease_id: str
-    def __init__(self, decode_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_prefix_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, decode_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_prefix_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest", "cache_salt", "destination_follows", "pull")

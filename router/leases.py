@@ -53,7 +53,18 @@ class Lease:
         return wpb.KVDestination(decode_address=d.identity.address, agent_name=r.agent_name,
                                  incarnation=r.incarnation, block_ids=r.block_ids,
                                  skip_prefix_tokens=r.cached_prefix_tokens,
-                                 lease_id=r.lease_id)
+                                 lease_id=r.lease_id, page_ids=r.page_ids)
+
+
+def held_blocks(resp: wpb.ReserveResponse) -> int:
+    """Blocks' worth of KV a reservation holds: its blocks, or under the hybrid KV layout its
+    pages (a windowed layer group holds none of a long prompt's blocks before its window) over
+    the layer groups, as the worker counts its free blocks."""
+    n = len(resp.block_ids)
+    if not resp.page_ids or not n:
+        return n
+    groups = len(resp.page_ids) // n
+    return -(-sum(p >= 0 for p in resp.page_ids) // groups)
 
 
 class Leases:
@@ -110,7 +121,7 @@ class Leases:
                 charge.undo()
                 exhausted += self._reserve_failed(e, spec, d)
                 continue
-            d.accounting.pending_blocks += len(resp.block_ids)
+            d.accounting.pending_blocks += held_blocks(resp)
             trace.reserve_ms = (time.monotonic() - t_rpc) * 1000.0
             if ctx.record:
                 d.perf.reserve_rpc_s.observe(time.monotonic() - t_rpc)

@@ -288,12 +288,10 @@ def test_hybrid_kv_bf16_within_the_stated_tolerance(hf_model_dir) -> None:
     check_hybrid_decode(core, d)
 
 
-def test_hybrid_kv_is_refused_where_it_cannot_serve(hf_model_dir) -> None:
-    from kvrelay.engine.config import EngineConfig
-
+def test_hybrid_kv_lends_and_takes_no_prefix_pull(hf_model_dir) -> None:
+    """P/D handoffs address pages (tests/test_hybrid_handoff.py); prefix pulls still read whole
+    blocks of the one-table layout."""
     model_dir = hf_model_dir("gemma3")
-    with pytest.raises(ValueError, match="role both only"):
-        EngineConfig.from_kwargs(model_dir, hybrid_kv="auto", role="decode")
     core = make_core(model_dir, hybrid_kv="auto")
     ids = prompts(1, (20,))[0]
     run(core, {"a": (ids, GREEDY)})
