@@ -80,6 +80,20 @@ def check_greedy(cluster: Cluster, llm: LLM, prompts: list[list[int]], what: str
     assert cluster.wait_free_blocks(baseline) == baseline
 
 
+def replace_decode_workers_with_tp2(cluster: Cluster) -> None:
+    """Stop every decode worker and start one of TP=2; return once the router lists only it."""
+    for p in cluster.live("decode"):
+        cluster.kill(p, signal.SIGTERM)
+        assert cluster.wait_exit(p, 60) is not None
+    tp = cluster.add_worker("decode", extra=("--tensor-parallel-size", "2"))
+    assert len(_rank_pids(tp.popen.pid)) == 1  # rank 1 (rank 0 is the worker itself)
+    deadline = time.monotonic() + 30
+    while {w.info.worker_id for w in cluster.registered()
+           if w.info.worker_id.startswith("decode")} != {tp.name}:
+        assert time.monotonic() < deadline, "the stopped decode workers stay registered"
+        time.sleep(0.1)
+
+
 def test_gemma3_greedy_through_1p1d_moving_only_the_windows(cluster, llm, model_dir) -> None:
     _, arch = load_model_config(model_dir)
     block_bytes = BLOCK * arch.num_kv_heads * arch.head_dim * 4  # one plane of one block, fp32
@@ -121,15 +135,6 @@ def test_gemma3_windowed_kv_from_a_tp1_prefill_worker_to_a_tp2_decode_worker(clu
                                                                             llm) -> None:
     """The surviving decode worker stopped and a TP=2 one started: each rank receives its KV
     head's blocks, each layer only those it reads."""
-    for p in cluster.live("decode"):
-        cluster.kill(p, signal.SIGTERM)
-        assert cluster.wait_exit(p, 60) is not None
-    tp = cluster.add_worker("decode", extra=("--tensor-parallel-size", "2"))
-    assert len(_rank_pids(tp.popen.pid)) == 1  # rank 1 (rank 0 is the worker itself)
-    deadline = time.monotonic() + 30
-    while {w.info.worker_id for w in cluster.registered()
-           if w.info.worker_id.startswith("decode")} != {tp.name}:
-        assert time.monotonic() < deadline, "the stopped decode workers stay registered"
-        time.sleep(0.1)
+    replace_decode_workers_with_tp2(cluster)
     prompts = [prompt_ids(n, 20 + i) for i, n in enumerate((23, 130))]
     check_greedy(cluster, llm, prompts, "TP=1 prefill -> TP=2 decode")

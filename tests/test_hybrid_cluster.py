@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import pytest
 from cluster import Cluster, engine_alone, prompt_ids
-from test_gemma3_cluster import LENGTHS, MODEL, check_greedy, kv_bytes_sent, windowed_bytes
+from test_gemma3_cluster import (
+    LENGTHS,
+    MODEL,
+    check_greedy,
+    kv_bytes_sent,
+    replace_decode_workers_with_tp2,
+    windowed_bytes,
+)
 
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.models.arch import load_model_config
@@ -68,3 +75,12 @@ def test_hybrid_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
     n = 80
     ids = prompt_ids(90, 57)
     assert cluster.stream_killing_its_decode_worker(ids, n).tokens == engine_alone(llm, ids, n)
+
+
+def test_hybrid_kv_from_a_tp1_prefill_worker_to_a_tp2_decode_worker(cluster, llm) -> None:
+    """The decode workers stopped and a TP=2 one started (one KV head per rank, each rank's
+    hybrid tensor registered by rank 0's agent): each rank receives its head of each group's
+    pages."""
+    replace_decode_workers_with_tp2(cluster)
+    prompts = [prompt_ids(n, 60 + i) for i, n in enumerate((23, 130))]
+    check_greedy(cluster, llm, prompts, "TP=1 prefill -> TP=2 decode, hybrid KV")
