@@ -70,7 +70,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--hybrid-kv", default="off", choices=list(HYBRID_KV),
         help="auto: a model whose layers differ in window (Gemma 3, gpt-oss) keeps a page table "
              "per layer group and gives its windowed layers' pages behind the window back as "
-             "it decodes (both pools of a P/D deployment must agree; no prefix pulls)")
+             "it decodes (both pools of a P/D deployment must agree)")
     opt(g, "--kv-offload-memory", default="0",
         help="a host tier below the KV pool of this size (e.g. 8GiB; 0: none): blocks the pool "
              "evicts stay here and come back on a prefix hit instead of being recomputed "

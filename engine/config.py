@@ -110,8 +110,8 @@ class CacheConfig:
     # Per-layer-group pages for a model whose layers differ in window (engine/hybrid_kv.py):
     # auto: for such a model (Gemma 3, gpt-oss) the windowed layers' pages of the blocks behind
     # the window go back to the pool; off: one block table for every layer (each block held
-    # while any layer reads it). P/D handoffs address pages (both pools must agree); prefix
-    # pulls still read whole blocks of one table, so a hybrid neither lends nor takes one.
+    # while any layer reads it). P/D handoffs and prefix pulls address pages (both pools of a
+    # deployment must agree).
     hybrid_kv: str = "off"
 
     def __post_init__(self) -> None:

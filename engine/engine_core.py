@@ -312,7 +312,9 @@ class EngineCore:
         page_ids: tuple[int, ...] = ()
         if isinstance(bm, HybridBlockManager):
             # A windowed layer group's pages of blocks the first decode (at position n) reads
-            # no key of: never written, they go back now.
+            # no key of: never written, they go back now; but the cached prefix's last window
+            # stays whole while the prompt's prefill may still pull it from here.
+            bm.keep_prefix_window(seq)
             bm.release_out_of_window(seq, upto=n)
             page_ids = bm.page_ids(seq)
         self.seqs[request_id] = seq
@@ -400,12 +402,14 @@ class EngineCore:
         """Hold the blocks of ``token_ids``' longest prefix held here (pool or host tier) for
         a peer to read: their ids and the tokens they cover (``([], 0)``: none held)."""
         self.validate_prompt(token_ids)
-        if self.runner.kv_plan is not None:
-            logger.info("prefix pull: not served under --hybrid-kv auto (pages per layer group)")
-            return [], 0
         self._sync_tiers()
         self.shares.expire()
         return self.shares.export(share_id, token_ids, cache_salt, ttl_s)
+
+    def share_pages(self, share_id: str, first: int = 0) -> tuple[int, ...]:
+        """Under the hybrid KV layout, an open export's or import's pages per layer group of its
+        blocks from ``first`` on (what a prefix pull reads from and into); ``()`` otherwise."""
+        return self.shares.pages(share_id, first)
 
     def end_export(self, share_id: str) -> bool:
         """Release an export; True if it was held until now (what the peer read is valid)."""
@@ -418,9 +422,6 @@ class EngineCore:
         that fit beside what admitted requests still need: a pull may be partial), and how
         many leading blocks are held here already (not returned: no read needed)."""
         self.validate_prompt(token_ids)
-        if self.runner.kv_plan is not None:
-            logger.info("prefix pull: not taken under --hybrid-kv auto (pages per layer group)")
-            return [], 0
         self._sync_tiers()
         self.shares.expire()
         return self.shares.begin_import(share_id, token_ids, cache_salt, ttl_s,
@@ -571,6 +572,8 @@ class EngineCore:
             self.block_manager.mark_holes(seq, first, end)
 
     def _kv_arrived(self, seq: Sequence) -> None:
+        if isinstance(self.block_manager, HybridBlockManager):
+            self.block_manager.let_go_prefix_window(seq)  # the prefill is done with it
         seq.kv_ready = True
         seq.num_computed_tokens = seq.num_prompt_tokens
         self._mark_holes(seq)

@@ -35,9 +35,13 @@ pages of every group.
 A P/D handoff addresses pages: a decode worker's reservation holds, of each windowed group,
 only the pages of blocks its first decode reads (``release_out_of_window(seq, upto=prompt
 length)``) and names them to the prefill worker (``page_ids``), whose sender writes each layer
-group's pages of the blocks that group reads (``kv_window.PageWrites``). Not here (refused by
-the engine under the hybrid layout): prefix shares with peers, which read whole blocks of the
-one-table layout.
+group's pages of the blocks that group reads (``kv_window.PageWrites``). While it waits, the
+reservation keeps its cached prefix's last window whole (``keep_prefix_window``): the prefill
+worker continues from there and may pull it from here. A prefix pull reads pages too
+(``prefix_shares.py``): both sides hold, of each windowed group, the pages from the window of
+the prefix's end on. A decoding sequence keeps the window of its last full block's start
+(``release_out_of_window``), at most a block per windowed group more than its next query
+reads: the prefix a follow-up turn continues from, here or pulled by a peer.
 """
 
 from __future__ import annotations
@@ -104,6 +108,9 @@ class HybridBlockManager(BlockManager):
         self.pages: list[list[int]] = [[] for _ in range(num_pages)]
         self.wrefs: list[dict[int, int]] = [{} for _ in range(num_pages)]
         self._held: dict[str, dict[int, int]] = {}
+        # Reservations' cached prefixes' last windows, kept whole until their KV arrives
+        # (``keep_prefix_window``): request id -> (block, window) references.
+        self._kept: dict[str, list[tuple[int, int]]] = {}
         self.num_released_pages = 0
 
     # -- counts --------------------------------------------------------------------------------
@@ -287,7 +294,32 @@ class HybridBlockManager(BlockManager):
         if hashes is not None:
             self._seq_hashes[child.request_id] = list(hashes)
 
+    def keep_prefix_window(self, seq: Sequence) -> None:
+        """Keep the windowed pages of the last window of ``seq``'s cached prefix (its
+        ``num_computed_tokens``) whole until ``let_go_prefix_window``, though ``seq`` itself will
+        not read them. For a reservation: its prefill worker continues the prompt from that
+        prefix and may pull those very pages from here (P<-D) while the reservation waits, and
+        a block whose pages went back is no prefix a continuation may take."""
+        held = self._held.get(seq.request_id)
+        if held is None:
+            return
+        c, bt, bs = seq.num_computed_tokens, seq.block_table, self.block_size
+        kept = []
+        for w in self._windows:
+            for i in range(min(max(0, c - w + 1) // bs, len(bt)), min(c // bs, len(bt))):
+                if i >= held[w]:
+                    self.wrefs[bt[i]][w] += 1
+                    kept.append((bt[i], w))
+        if kept:
+            self._kept[seq.request_id] = kept
+
+    def let_go_prefix_window(self, seq: Sequence) -> None:
+        """End ``keep_prefix_window`` (the KV arrived, or the request ended)."""
+        for bid, w in self._kept.pop(seq.request_id, ()):
+            self._wunref(bid, w)
+
     def free(self, seq: Sequence) -> None:
+        self.let_go_prefix_window(seq)
         held = self._held.pop(seq.request_id, dict.fromkeys(self._windows, 0))
         for i in range(len(seq.block_table) - 1, -1, -1):  # the tail first: evicted first
             bid = seq.block_table[i]
@@ -301,16 +333,21 @@ class HybridBlockManager(BlockManager):
         self._seq_hashes.pop(seq.request_id, None)
 
     def release_out_of_window(self, seq: Sequence, upto: int | None = None) -> int:
-        """Give back ``seq``'s windowed pages that its next query no longer reads (prefill
-        chunks and decodes alike: every step starts at ``num_computed_tokens``; ``upto``: a
-        query at that position instead, such as a reservation's first decode, at the end of a
-        prompt whose KV a peer writes). Returns how many pages it let go of (fewer go back to
-        the pool where another sequence still reads them)."""
+        """Give back ``seq``'s windowed pages that no query from the start of its last full
+        block on reads (prefill chunks and decodes alike: every step starts at
+        ``num_computed_tokens``). That keeps, past what its next query reads, at most one
+        block's pages per windowed group: what a later prompt continuing from that block
+        boundary reads (a follow-up turn, here or pulled by a peer: ``match_prefix`` takes a
+        prefix only where its windows read whole pages), without which a conversation's next
+        turn would find no prefix to continue from. ``upto``: exactly what a query at that
+        position reads instead (a reservation's first decode, whose earlier pages a peer never
+        writes). Returns how many pages it let go of (fewer go back to the pool where another
+        sequence still reads them)."""
         held = self._held.get(seq.request_id)
         if held is None or seq.page_tables is None:
             return 0
-        c = seq.num_computed_tokens if upto is None else upto
         bt, bs = seq.block_table, self.block_size
+        c = seq.num_computed_tokens // bs * bs if upto is None else upto
         out = 0
         for w in self._windows:
             first = min(max(0, c - w + 1) // bs, len(bt))

@@ -32,8 +32,8 @@ and its local layers' pages behind the window go back as it prefills and decodes
 decode holds its global layers' share of the context plus each local group's window (measured:
 ``bench.engine.swa_blocks``). A P/D handoff under it writes each layer group's pages of the
 blocks that group reads (:class:`PageWrites`) into the pages the receiver's reservation holds
-(none of a windowed group's blocks before its window: ``HybridBlockManager.page_ids``). Prefix
-pulls still read whole blocks of the one-table layout: a hybrid neither lends nor takes one.
+(none of a windowed group's blocks before its window: ``HybridBlockManager.page_ids``), and a
+prefix pull reads the pages a continuation reads (``prefix_shares.py``).
 """
 
 from __future__ import annotations

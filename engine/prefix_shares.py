@@ -11,6 +11,14 @@ back unpublished, so a failed or partial pull can never be served (the request r
 Both hold their blocks under a placeholder sequence in the block manager, so every block comes
 back through the one ``free`` path, whatever happens (the engine's ``abort_shares`` on
 shutdown, the caller's end call, or its timeout).
+
+Under the hybrid KV layout (``hybrid_blocks.py``) a block is a page per layer group, and a
+windowed group's pages before the window of the prefix's end are not needed by whoever
+continues it (nor, often, still held: a decode gave them back). Both sides then hold, of each
+windowed group, only the pages from that window on, and name them (``pages``): the exporter
+offers the longest prefix a continuation may take (``match_prefix`` without ``complete``: every
+page its windows read is there), and the importer's blocks are partial where it holds no page,
+as they were at the exporter.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import time
 from collections.abc import Sequence as Seq
 
 from kvrelay.engine.block_manager import BlockManager
+from kvrelay.engine.hybrid_blocks import HybridBlockManager
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import Sequence
 
@@ -28,6 +37,7 @@ MAX_SHARES = 1024  # exports and imports held at once (each from a peer's call)
 class PrefixShares:
     def __init__(self, bm: BlockManager, max_shares: int = MAX_SHARES):
         self.bm = bm
+        self._hybrid = bm if isinstance(bm, HybridBlockManager) else None
         self.max_shares = max_shares
         self._exports: dict[str, tuple[Sequence, float]] = {}  # id -> (holder, deadline)
         self._imports: dict[str, tuple[Sequence, int, float]] = {}  # + blocks to publish
@@ -51,12 +61,15 @@ class PrefixShares:
         export is opened."""
         seq = self._holder(share_id, token_ids, cache_salt)
         n = len(token_ids) // self.bm.block_size * self.bm.block_size
-        # whole blocks only: the reader takes every block it reads as whole
+        # One table: whole blocks only (the reader takes every block it reads as whole). Hybrid:
+        # the pages a continuation reads (the reader holds only those).
         self.bm.allocate_prefix(seq, self.bm.match_prefix(seq.token_ids, n, seq.hash_root,
-                                                          complete=True))
+                                                          complete=self._hybrid is None))
         self.bm.promote(seq, n)
         if not seq.block_table:
             return [], 0
+        if self._hybrid is not None:
+            self._hybrid.release_out_of_window(seq, upto=seq.num_computed_tokens)
         self._exports[share_id] = (seq, time.monotonic() + ttl_s)
         self.num_exported_blocks += len(seq.block_table)
         return list(seq.block_table), seq.num_computed_tokens
@@ -92,8 +105,19 @@ class PrefixShares:
             self.bm.free(seq)
             raise MemoryError(f"no KV room to import {len(token_ids) // bs - have} blocks "
                               f"({self.bm.num_free_blocks} free, {reserve} promised)")
+        if self._hybrid is not None:  # the pages a continuation from ``n`` reads, no others
+            self._hybrid.release_out_of_window(seq, upto=n)
         self._imports[share_id] = (seq, n, time.monotonic() + ttl_s)
         return list(seq.block_table[have:]), have
+
+    def pages(self, share_id: str, first: int = 0) -> tuple[int, ...]:
+        """Under the hybrid KV layout, an open share's page of each layer group for its blocks
+        from ``first`` on, block after block (-1: none held; ``HybridBlockManager.page_ids``);
+        ``()`` under one table or for no such share."""
+        held = self._exports.get(share_id) or self._imports.get(share_id)
+        if self._hybrid is None or held is None:
+            return ()
+        return self._hybrid.page_ids(held[0])[first * self._hybrid.num_groups:]
 
     def end_import(self, share_id: str, complete: bool) -> int:
         """Publish the imported blocks into the prefix cache when ``complete`` (every byte read

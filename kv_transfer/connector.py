@@ -43,6 +43,7 @@ from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq, Trans
 from kvrelay.engine.kv_window import LayerWindows
 from kvrelay.kv_transfer.config import NixlConnectorConfig
 from kvrelay.kv_transfer.cuda_sync import bind_thread_to
+from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import KVLayout, device_kind_of
 from kvrelay.kv_transfer.messages import (
     KVDestination,
@@ -157,17 +158,57 @@ class NixlConnector(KVConnector):
 
     # -- prefix pull: reading a peer's blocks, lending ours ------------------------------------
     def read_blocks(self, peer: str, remote_block_ids: Seq[int], local_block_ids: Seq[int], *,
-                    timeout_s: float, incarnation: str | None = None) -> int:
+                    timeout_s: float, incarnation: str | None = None,
+                    remote_pages: Seq[int] = (), local_pages: Seq[int] = ()) -> int:
         """Read every layer's K and V of ``peer``'s blocks into ours (a prefix pulled instead
-        of recomputed) and wait for it, at most ``timeout_s``; returns the bytes read. Blocks:
-        call it from a thread of its own, never the engine's or an event loop. Raises
+        of recomputed) and wait for it, at most ``timeout_s``; returns the bytes read. Under
+        the hybrid KV layout the blocks' pages per layer group are read instead (each side's
+        ``share_pages``, block after block): each group's pages that we hold (``read_parts``).
+        Blocks: call it from a thread of its own, never the engine's or an event loop. Raises
         ``KVTransferError`` (the read released: the caller drops what it read)."""
         bind_thread_to(self._device)
         tr = self.transport
-        handle = tr.read(peer, remote_block_ids, local_block_ids, incarnation=incarnation,
-                         timeout_s=timeout_s)
-        tr.wait(handle, timeout=timeout_s)
-        return handle.nbytes
+        parts = self.read_parts(len(local_block_ids), remote_pages, local_pages) \
+            if local_pages else [(None, remote_block_ids, local_block_ids)]
+        handles, err = [], None
+        try:
+            for slots, remote, local in parts:
+                handles.append(tr.read(peer, remote, local, incarnation=incarnation,
+                                       timeout_s=timeout_s, layers=slots))
+        except KVTransferError as e:
+            err = e
+        for handle in handles:  # every posted read ends before our blocks may be dropped
+            try:
+                tr.wait(handle, timeout=timeout_s)
+            except KVTransferError as e:
+                err = err or e
+        if err is not None:
+            raise err
+        return sum(h.nbytes for h in handles)
+
+    def read_parts(self, num_blocks: int, remote_pages: Seq[int], local_pages: Seq[int]
+                   ) -> list[tuple[tuple[int, ...], list[int], list[int]]]:
+        """The hybrid layout's reads of ``num_blocks`` blocks: per layer group, (its slots, the
+        peer's pages, ours) of the blocks where we hold a page of the group. Raises
+        ``KVTransferError`` where the peer holds none there (it cannot serve that prefix)."""
+        assert self._spec is not None and self._spec.groups is not None
+        groups = self._spec.groups
+        n = groups.num_groups
+        if len(remote_pages) != n * num_blocks or len(local_pages) != n * num_blocks:
+            raise KVTransferError(f"a pull of {num_blocks} blocks of {n} layer groups names "
+                                  f"{len(remote_pages)} pages there and {len(local_pages)} here",
+                                  retriable=False)
+        parts = []
+        for g, members in enumerate(groups.layers):
+            keep = [i for i in range(num_blocks) if local_pages[i * n + g] >= 0]
+            remote = [remote_pages[i * n + g] for i in keep]
+            if min(remote, default=0) < 0:
+                raise KVTransferError(f"the holder lacks layer group {g}'s page of a block we "
+                                      "read: it cannot serve this prefix", retriable=False)
+            if keep:
+                parts.append((tuple(range(len(members))), remote,
+                              [local_pages[i * n + g] for i in keep]))
+        return parts
 
     def lend(self, delta: int) -> None:
         """An export opened (+1) or ended (-1): while any is open a peer may read our blocks,

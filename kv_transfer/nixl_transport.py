@@ -268,9 +268,11 @@ class NixlTransport:
 
     # -- reads (prefix pull) ----------------------------------------------------------------------
     def read(self, peer: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             *, incarnation: str | None = None, timeout_s: float | None = None) -> WriteHandle:
-        """Post a READ of every layer's K and V of ``peer``'s blocks ``remote_block_ids[i]``
-        into our ``local_block_ids[i]`` (a prefix the peer holds, pulled instead of recomputed);
+             *, incarnation: str | None = None, timeout_s: float | None = None,
+             layers: Sequence[int] | None = None) -> WriteHandle:
+        """Post a READ of every layer's K and V (``layers``: only those; under the hybrid KV
+        layout, slots of pages) of ``peer``'s blocks ``remote_block_ids[i]`` into our
+        ``local_block_ids[i]`` (a prefix the peer holds, pulled instead of recomputed);
         ``poll``/``wait`` the handle as a write's. With ``incarnation``, refuse if the peer
         restarted since it named those blocks. ``timeout_s``: the handle's deadline (default the
         write timeout). Only between engines of one head split each side (TP 1 to TP 1, or equal
@@ -281,7 +283,8 @@ class NixlTransport:
                                   retriable=False)
         if timeout_s is not None and timeout_s <= 0:
             raise KVTransferError(f"no time left to read from {peer}", retriable=True, peer=peer)
-        planes = range(self.layout.num_layers * self.layout.planes)
+        planes = range(self.layout.num_layers * self.layout.planes) if layers is None \
+            else layer_planes(layers, self.layout.planes)
         with self._lock:
             p = self._peer(peer, incarnation)
             if p.runs is not None or len(self._rank_kvs) > 1:

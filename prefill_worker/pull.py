@@ -162,10 +162,16 @@ class PrefixPull:
             if not dst:
                 raise _Fallback(wpb.PULL_NOT_NEEDED if have * bs >= covered
                                 else wpb.PULL_SOURCE_SHORT, "we hold as much already")
+            # The hybrid KV layout: each side's pages per layer group of the blocks read (a
+            # block's windowed pages only where a continuation reads them: ``prefix_shares``).
+            pages = await self.engine.call(core.share_pages, share, have)
+            per_block = len(pages) // len(dst)
+            src_pages = list(exp.page_ids)[have * per_block:(have + len(dst)) * per_block]
             try:
                 nbytes = await _unabandoned(asyncio.to_thread(
                     self.kv.read_blocks, exp.agent_name, src_ids[have:have + len(dst)], dst,
-                    timeout_s=_left(deadline), incarnation=exp.incarnation))
+                    timeout_s=_left(deadline), incarnation=exp.incarnation,
+                    remote_pages=src_pages, local_pages=pages))
             except KVTransferError as e:
                 raise _Fallback(wpb.PULL_READ_FAILED, str(e)) from e
             held = await self._end_export(stub, share, deadline)

@@ -230,18 +230,20 @@ class ExportPrefixRequest(_message.Message):
     def __init__(self, share_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ExportPrefixResponse(_message.Message):
-    __slots__ = ("block_ids", "tokens_covered", "peer_info", "agent_name", "incarnation")
+    __slots__ = ("block_ids", "tokens_covered", "peer_info", "agent_name", "incarnation", "page_ids")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COVERED_FIELD_NUMBER: _ClassVar[int]
     PEER_INFO_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens_covered: int
     peer_info: bytes
     agent_name: str
     incarnation: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., tokens_covered: _Optional[int] = ..., peer_info: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., tokens_covered: _Optional[int] = ..., peer_info: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EndExportRequest(_message.Message):
     __slots__ = ("share_id",)

@@ -288,18 +288,6 @@ def test_hybrid_kv_bf16_within_the_stated_tolerance(hf_model_dir) -> None:
     check_hybrid_decode(core, d)
 
 
-def test_hybrid_kv_lends_and_takes_no_prefix_pull(hf_model_dir) -> None:
-    """P/D handoffs address pages (tests/test_hybrid_handoff.py); prefix pulls still read whole
-    blocks of the one-table layout."""
-    model_dir = hf_model_dir("gemma3")
-    core = make_core(model_dir, hybrid_kv="auto")
-    ids = prompts(1, (20,))[0]
-    run(core, {"a": (ids, GREEDY)})
-    # prefix pulls address one block table: none lent, none taken (a peer recomputes)
-    assert core.export_prefix("s", ids) == ([], 0)
-    assert core.begin_import("t", ids) == ([], 0)
-
-
 def test_hybrid_kv_under_random_traffic_matches_one_table(hf_model_dir) -> None:
     """Requests arriving over time on a small pool (preemptions), follow-up turns over cached
     conversations (prefix hits across given-back pages), aborts: each request's greedy tokens

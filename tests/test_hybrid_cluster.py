@@ -6,8 +6,10 @@ only the pages its first decode reads and names them; the prefill worker writes 
 pages (``kv_window.PageWrites``). Greedy tokens are the engine alone's for prompts within the
 window and well past it; the bytes moved are exactly those of the one-table layout's windowed
 handoff (each layer, the blocks it reads); a follow-up turn reuses the decode worker's partial
-blocks only where no window reads a page they lack; a decode worker killed mid-stream, the
-stream goes on, same tokens, on the other; every page comes back."""
+blocks only where no window reads a page they lack; the next turn's prefill worker pulls the
+history from the decode worker that generated it (P<-D, the pages a continuation reads); a
+decode worker killed mid-stream, the stream goes on, same tokens, on the other; a TP=2 decode
+worker receives from the TP=1 prefill worker; every page comes back."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from test_gemma3_cluster import (
     replace_decode_workers_with_tp2,
     windowed_bytes,
 )
+from test_prefix_pull_cluster import BS, second_turn_pulls_from_the_decode_worker
 
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.models.arch import load_model_config
@@ -39,7 +42,7 @@ def model_dir(hf_model_dir) -> str:
 def cluster(model_dir, tmp_path_factory):
     with Cluster(model_dir, tmp_path_factory.mktemp("hybrid"), prefill=1, decode=2,
                  worker_args=("--hybrid-kv", "auto"),
-                 router_args=("--http-port", "0")) as c:
+                 router_args=("--http-port", "0", "--prefix-pull", "always")) as c:
         yield c
 
 
@@ -69,6 +72,18 @@ def test_a_follow_up_reuses_the_partial_handoff_only_where_no_window_reads_a_mis
     second = first[:96] + prompt_ids(5, 52)
     third = first + prompt_ids(30, 53)
     check_greedy(cluster, llm, [first, second, third], "a prefix of a hybrid handoff")
+
+
+def test_turn_two_pulls_the_pages_its_continuation_reads_from_the_decode_worker(
+        cluster, llm) -> None:
+    """P<-D under the hybrid layout (the router runs ``--prefix-pull always``): the decode
+    worker that generated the answer kept each windowed group's pages of its last full block's
+    window, exports that prefix with its pages, and the prefill worker reads the pages a
+    continuation reads and computes only the rest; the engine alone's tokens."""
+    assert BLOCK == BS
+    second_turn_pulls_from_the_decode_worker(
+        cluster, lambda ids, n: engine_alone(llm, ids, n), prompt_ids(150, 70),
+        prompt_ids(20, 71))
 
 
 def test_hybrid_stream_survives_a_decode_worker_kill(cluster, llm) -> None:

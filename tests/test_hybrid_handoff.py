@@ -10,7 +10,11 @@ decode reads, and names them (``Reservation.page_ids``). What must hold:
 - every page comes back on both sides, and the decode side's blocks before the window are partial
   (served as a cached prefix only where no window reads them: ``match_prefix``);
 - a destination that lacks a page the handoff writes is refused with a clear error, and so is a
-  peer whose layout differs (``--hybrid-kv`` on one side only), naming both sides.
+  peer whose layout differs (``--hybrid-kv`` on one side only), naming both sides;
+- a prefix pull (``prefix_shares.py``): the holder of a finished conversation exports the
+  longest prefix a continuation may take, the reader holds and reads only the pages that
+  continuation reads (``NixlConnector.read_parts``, applied as copies), and the next turn
+  continues from it with transformers' tokens.
 """
 
 from __future__ import annotations
@@ -117,7 +121,8 @@ def core(model_dir: str, connector: KVConnector | None, **kw: object) -> EngineC
 def drain(engine: EngineCore) -> dict[str, list[int]]:
     got: dict[str, list[int]] = {}
     for _ in range(1000):
-        if not engine.has_unfinished() and not engine.connector.has_pending():  # type: ignore
+        if not engine.has_unfinished() and not (engine.connector is not None
+                                                and engine.connector.has_pending()):
             break
         for o in engine.step():
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -233,3 +238,91 @@ def test_a_peer_of_the_other_layout_is_refused_naming_the_flag(hf_model_dir) -> 
     assert "--hybrid-kv" in msg and "one block table for every layer" in msg \
         and "pages per layer group" in msg and "num_layers" not in msg, msg
     check_compatible(a, KVLayout.from_bytes(a.to_bytes()))  # round trip, compatible
+
+
+def test_a_pull_reads_the_pages_a_continuation_reads_and_the_next_turn_continues(
+        hf_model_dir) -> None:
+    from kvrelay.kv_transfer.connector import NixlConnector
+
+    model_dir = hf_model_dir("gemma3")
+    holder, reader = core(model_dir, None), core(model_dir, None)
+    reader.runner.kv.fill_(POISON)
+    turn1 = prompts(7, (70,))[0]
+    holder.add_request("a", turn1, SamplingParams(max_tokens=20, temperature=0.0,
+                                                  ignore_eos=True))
+    answer = drain(holder)["a"]
+    turn2 = turn1 + answer + prompts(8, (10,))[0]
+    want = hf_tokens(model_dir, tuple(turn2), GEN)
+    held = (len(turn1) + len(answer) - 1) // BS * BS  # the holder's full blocks: 88 tokens
+    ids, tokens = holder.export_prefix("s", turn2[:held])
+    assert tokens == held and len(ids) == held // BS  # the window of its end kept whole
+    dst, have = reader.begin_import("t", turn2[:tokens])
+    assert have == 0 and len(dst) == len(ids)
+    kv = NixlConnector(NixlConnectorConfig("prefill", "model"))
+    kv._spec = reader.runner.kv_spec  # what register_kv_cache keeps: no agent needed here
+    parts = kv.read_parts(len(dst), holder.share_pages("s"), reader.share_pages("t", have))
+    g = reader.runner.kv_plan.num_groups
+    assert sum(len(local) for _, _, local in parts) < g * len(dst)  # early windows not read
+    for slots, remote, local in parts:
+        for slot in slots:
+            reader.runner.kv[slot][:, local] = holder.runner.kv[slot][:, remote]
+    assert reader.end_import("t", True) == tokens and holder.end_export("s")
+    reader.add_request("b", turn2, SamplingParams(max_tokens=GEN, temperature=0.0,
+                                                  ignore_eos=True))
+    out = []
+    for _ in range(1000):
+        if not reader.has_unfinished():
+            break
+        out += reader.step()
+    assert [t for o in out for t in o.new_token_ids] == want
+    assert out[-1].num_cached_tokens == tokens  # continued from the pulled prefix
+    for e in (holder, reader):
+        assert e.block_manager.num_free_pages == e.block_manager.num_pages
+
+
+def test_a_pull_from_a_holder_lacking_a_page_is_refused_before_any_read(hf_model_dir) -> None:
+    from kvrelay.kv_transfer.connector import NixlConnector
+    from kvrelay.kv_transfer.errors import KVTransferError
+
+    model_dir = hf_model_dir("gemma3")
+    reader = core(model_dir, None)
+    prompt = prompts(9, (48,))[0]
+    dst, _ = reader.begin_import("t", prompt)
+    local = reader.share_pages("t")
+    kv = NixlConnector(NixlConnectorConfig("prefill", "model"))
+    kv._spec = reader.runner.kv_spec
+    remote = list(local)
+    remote[-1] = -1  # the holder gave that page back
+    with pytest.raises(KVTransferError, match="lacks layer group"):
+        kv.read_parts(len(dst), remote, local)
+    reader.end_import("t", False)
+    assert reader.block_manager.num_free_pages == reader.block_manager.num_pages
+
+
+def test_a_reservation_keeps_its_cached_prefixs_window_whole_until_the_kv_arrives(
+        hf_model_dir) -> None:
+    """Turn two's reservation on the decode worker that generated turn one matches the history
+    as its cached prefix; the prefill worker continues from there and may pull that prefix from
+    here meanwhile (P<-D), so the reservation keeps its last window's pages (which it will not
+    read itself) until the KV arrives; then they go back."""
+    model_dir = hf_model_dir("gemma3")
+    dst = core(model_dir, Arrivals(), block_size=16)
+    bm = dst.block_manager
+    turn1 = prompts(10, (150,))[0]
+    dst.reserve("r", turn1)
+    dst.connector.received.append("r")  # type: ignore[attr-defined]
+    dst.step()
+    dst.start_decode("r", 5, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    history = turn1 + [5] + drain(dst)["r"]
+    held = (len(history) - 1) // 16 * 16  # the full blocks of the context computed: 176
+    turn2 = history + prompts(11, (20,))[0]
+    res = dst.reserve("r2", turn2)
+    assert res.num_cached_tokens == held
+    assert dst.export_prefix("s", turn2[:held]) == (res.block_ids[:held // 16], held)
+    assert dst.end_export("s")
+    dst.connector.received.append("r2")  # type: ignore[attr-defined]
+    dst.step()  # arrived: the reservation lets the prefix's window go
+    assert dst.export_prefix("s2", turn2[:held]) == ([], 0)
+    dst.abort("r2")
+    drain(dst)
+    assert bm.num_free_pages == bm.num_pages

@@ -37,6 +37,7 @@ class Export(NamedTuple):
     peer_info: bytes  # our NIXL endpoint (``PeerInfo.to_bytes``)
     agent_name: str
     incarnation: str
+    page_ids: tuple[int, ...] = ()  # the hybrid KV layout's (``EngineCore.share_pages``)
 
 
 class PrefixExports:
@@ -63,6 +64,8 @@ class PrefixExports:
                 raise ValueError(f"share {share_id!r} is already open")
             block_ids, tokens = await self.engine.call(
                 self.engine.core.export_prefix, share_id, token_ids, cache_salt=salt, ttl_s=ttl)
+            pages = await self.engine.call(self.engine.core.share_pages, share_id) \
+                if block_ids else ()
         except OverflowError as e:  # too many exports open at once
             raise CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
                               FailureKind.FAILURE_OVERLOADED) from e
@@ -78,7 +81,7 @@ class PrefixExports:
         if info is None:
             info = self._peer_info = self.kv.peer_info_bytes()
         return Export(block_ids, tokens, info, self.kv.agent_name,
-                      self.kv.transport.incarnation)
+                      self.kv.transport.incarnation, pages)
 
     async def end(self, share_id: str) -> bool:
         """Release an export; True if its blocks were held until now (the read is valid)."""

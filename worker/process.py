@@ -75,7 +75,7 @@ class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
                 request.ttl_ms / 1000.0)
         return wpb.ExportPrefixResponse(block_ids=e.block_ids, tokens_covered=e.tokens,
                                         peer_info=e.peer_info, agent_name=e.agent_name,
-                                        incarnation=e.incarnation)
+                                        incarnation=e.incarnation, page_ids=e.page_ids)
 
     async def EndExport(self, request: wpb.EndExportRequest,
                         context: grpc.aio.ServicerContext) -> wpb.EndExportResponse:
