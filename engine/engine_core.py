@@ -312,10 +312,12 @@ class EngineCore:
         page_ids: tuple[int, ...] = ()
         if isinstance(bm, HybridBlockManager):
             # A windowed layer group's pages of blocks the first decode (at position n) reads
-            # no key of: never written, they go back now; but the cached prefix's last window
-            # stays whole while the prompt's prefill may still pull it from here.
+            # no key of go: a fresh block's at once (never written), a cached one's idle; but
+            # the cached prefix's last window stays held while the prompt's prefill may still
+            # pull it from here.
             bm.keep_prefix_window(seq)
-            bm.release_out_of_window(seq, upto=n)
+            bm.release_out_of_window(seq, upto=n,
+                                     valid_blocks=seq.num_cached_tokens // bm.block_size)
             page_ids = bm.page_ids(seq)
         self.seqs[request_id] = seq
         if seq.num_computed_tokens == n:

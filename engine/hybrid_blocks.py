@@ -47,8 +47,9 @@ reads: the prefix a follow-up turn continues from, here or pulled by a peer.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
-from kvrelay.engine.block_manager import BlockManager, PrefixMatch
+from kvrelay.engine.block_manager import Block, BlockManager, PrefixMatch
 from kvrelay.engine.hybrid_kv import KVGroups
 from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.tiers.kv_tiers import BlockRef, KVTiers
@@ -105,13 +106,18 @@ class HybridBlockManager(BlockManager):
         self._unused = list(range(num_pages - 1, -1, -1))  # ids holding no page (a stack)
         self._free_pages = PagePool(num_pages, groups.num_groups)
         self._cached_pages = 0  # pages held by the blocks in ``_free``
+        # Idle pages: a held block's windowed pages no holder reads any more, their KV kept
+        # (the block stays whole: a later prompt may continue from it) until the pool needs the
+        # page, least recently idle first (``_take_free``). (block, group) -> None.
+        self._idle: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.pages: list[list[int]] = [[] for _ in range(num_pages)]
         self.wrefs: list[dict[int, int]] = [{} for _ in range(num_pages)]
         self._held: dict[str, dict[int, int]] = {}
         # Reservations' cached prefixes' last windows, kept whole until their KV arrives
         # (``keep_prefix_window``): request id -> (block, window) references.
         self._kept: dict[str, list[tuple[int, int]]] = {}
-        self.num_released_pages = 0
+        self.num_released_pages = 0  # let go of by their holders (idle, or back at once)
+        self.num_evicted_pages = 0  # idle pages the pool took back
 
     # -- counts --------------------------------------------------------------------------------
     @property
@@ -120,8 +126,13 @@ class HybridBlockManager(BlockManager):
 
     @property
     def num_free_pages(self) -> int:
-        """Pages no sequence holds (free, or kept by a cached free block until evicted)."""
-        return len(self._free_pages) + self._cached_pages
+        """Pages no sequence holds (free; or kept, until evicted, by a cached free block or
+        idle in a held block)."""
+        return len(self._free_pages) + self._cached_pages + len(self._idle)
+
+    @property
+    def num_idle_pages(self) -> int:
+        return len(self._idle)
 
     @property
     def num_blocks(self) -> int:
@@ -148,6 +159,9 @@ class HybridBlockManager(BlockManager):
         pages held by its taker."""
         n = self.num_groups
         while len(self._free_pages) < n:
+            if self._idle:  # a page only a continuation from its block would read: first
+                self._evict_idle()
+                continue
             assert self._free, "no page to take: callers check num_free_blocks first"
             bid, _ = self._free.popitem(last=False)  # least recently freed first
             if bid in self._to_store:  # its store was deferred: it goes now, before the reuse
@@ -163,7 +177,36 @@ class HybridBlockManager(BlockManager):
         self.wrefs[bid] = dict.fromkeys(self._windows, 1)
         return bid
 
+    def _evict_idle(self) -> None:
+        """Give the least recently idle page back: its block becomes partial."""
+        (bid, g), _ = self._idle.popitem(last=False)
+        block = self.blocks[bid]
+        if bid in self._to_store:  # whole until now: a tier copy is taken first
+            self._store([(bid, self._to_store.pop(bid))])
+        self._free_pages.give(self.pages[bid][g])
+        self.pages[bid][g] = -1
+        self.num_evicted_pages += 1
+        self._mark_partial(block)
+
+    def _mark_partial(self, block: Block) -> None:
+        if not block.partial and block.hash is not None and self.events is not None:
+            self.events.removed(DEVICE, [block.hash])  # no peer may take it whole
+        block.partial = True
+
+    def _unidle(self, bid: int) -> None:
+        """Block ``bid``'s idle pages are idle no more (it is freed, or cached free)."""
+        for w in self._windows:
+            for g in self._wgroups[w]:
+                self._idle.pop((bid, g), None)
+
+    def _wref(self, bid: int, w: int) -> None:
+        """One more holder reads block ``bid``'s pages of window ``w``: none of them is idle."""
+        self.wrefs[bid][w] = self.wrefs[bid].get(w, 0) + 1
+        for g in self._wgroups[w]:
+            self._idle.pop((bid, g), None)
+
     def _release_all(self, bid: int) -> None:
+        self._unidle(bid)
         for p in self.pages[bid]:
             if p >= 0:
                 self._free_pages.give(p)
@@ -187,33 +230,35 @@ class HybridBlockManager(BlockManager):
         if block.hash is None:  # nothing to serve later: its pages go at once
             self._release_all(bid)
         else:
+            self._unidle(bid)  # counted with the cached free block's pages from now on
             self._free[bid] = None
             self._cached_pages += self._present(bid)
 
-    def _wunref(self, bid: int, w: int) -> None:
+    def _wunref(self, bid: int, w: int, valid: bool = True) -> None:
         self.wrefs[bid][w] -= 1
-        self._settle(bid)
+        self._settle(bid, valid)
 
-    def _settle(self, bid: int) -> None:
-        """Give back the windowed pages of a held block that none of its holders reads."""
+    def _settle(self, bid: int, valid: bool = True) -> None:
+        """Let go of the windowed pages of a held block that none of its holders reads: idle
+        (kept until the pool needs them), or, where they hold no KV (``valid`` False: a
+        reservation's or an import's block never written there), back at once."""
         block = self.blocks[bid]
         if block.ref_count == 0:
             return
         pages = self.pages[bid]
-        if bid in self._to_store and any(self.wrefs[bid].get(w, 0) <= 0
-                                         for w in self._windows):
-            self._store([(bid, self._to_store.pop(bid))])  # whole, before it loses a page
         for w in self._windows:
             if self.wrefs[bid].get(w, 0) > 0:
                 continue
             for g in self._wgroups[w]:
-                if pages[g] >= 0:
+                if pages[g] < 0 or (bid, g) in self._idle:
+                    continue
+                self.num_released_pages += 1
+                if valid:
+                    self._idle[(bid, g)] = None
+                else:
                     self._free_pages.give(pages[g])
                     pages[g] = -1
-                    self.num_released_pages += 1
-                    if not block.partial and block.hash is not None and self.events is not None:
-                        self.events.removed(DEVICE, [block.hash])  # no peer may take it whole
-                    block.partial = True
+                    self._mark_partial(block)
 
     # -- sequences -----------------------------------------------------------------------------
     def _table_entry(self, bid: int, g: int, index: int, held: dict[int, int]) -> int:
@@ -237,7 +282,7 @@ class HybridBlockManager(BlockManager):
         for w in self._windows:
             first = min(max(0, c - w + 1) // self.block_size, len(bt))
             for bid in bt[first:]:
-                self.wrefs[bid][w] = self.wrefs[bid].get(w, 0) + 1
+                self._wref(bid, w)
             held[w] = first
         self._held[seq.request_id] = held
         for bid in bt:
@@ -285,7 +330,7 @@ class HybridBlockManager(BlockManager):
             self._ref(bid)
             for w in self._windows:
                 if i >= held[w]:
-                    self.wrefs[bid][w] += 1
+                    self._wref(bid, w)
         child.block_table = list(parent.block_table)
         self._held[child.request_id] = held
         child.page_tables = None if parent.page_tables is None else \
@@ -308,7 +353,7 @@ class HybridBlockManager(BlockManager):
         for w in self._windows:
             for i in range(min(max(0, c - w + 1) // bs, len(bt)), min(c // bs, len(bt))):
                 if i >= held[w]:
-                    self.wrefs[bt[i]][w] += 1
+                    self._wref(bt[i], w)
                     kept.append((bt[i], w))
         if kept:
             self._kept[seq.request_id] = kept
@@ -332,7 +377,8 @@ class HybridBlockManager(BlockManager):
         seq.page_tables = None
         self._seq_hashes.pop(seq.request_id, None)
 
-    def release_out_of_window(self, seq: Sequence, upto: int | None = None) -> int:
+    def release_out_of_window(self, seq: Sequence, upto: int | None = None,
+                              valid_blocks: int | None = None) -> int:
         """Give back ``seq``'s windowed pages that no query from the start of its last full
         block on reads (prefill chunks and decodes alike: every step starts at
         ``num_computed_tokens``). That keeps, past what its next query reads, at most one
@@ -341,8 +387,10 @@ class HybridBlockManager(BlockManager):
         prefix only where its windows read whole pages), without which a conversation's next
         turn would find no prefix to continue from. ``upto``: exactly what a query at that
         position reads instead (a reservation's first decode, whose earlier pages a peer never
-        writes). Returns how many pages it let go of (fewer go back to the pool where another
-        sequence still reads them)."""
+        writes). The pages let go of stay idle, their KV kept until the pool needs them, except
+        those of blocks from ``valid_blocks`` on (fresh blocks nobody wrote there: back at
+        once). Returns how many pages it let go of (fewer go idle where another sequence still
+        reads them)."""
         held = self._held.get(seq.request_id)
         if held is None or seq.page_tables is None:
             return 0
@@ -355,7 +403,7 @@ class HybridBlockManager(BlockManager):
             if first <= done:
                 continue
             for i in range(done, first):
-                self._wunref(bt[i], w)
+                self._wunref(bt[i], w, valid_blocks is None or i < valid_blocks)
                 for g in self._wgroups[w]:
                     seq.page_tables[g][i] = NULL_PAGE
             held[w] = first

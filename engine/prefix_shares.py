@@ -106,7 +106,7 @@ class PrefixShares:
             raise MemoryError(f"no KV room to import {len(token_ids) // bs - have} blocks "
                               f"({self.bm.num_free_blocks} free, {reserve} promised)")
         if self._hybrid is not None:  # the pages a continuation from ``n`` reads, no others
-            self._hybrid.release_out_of_window(seq, upto=n)
+            self._hybrid.release_out_of_window(seq, upto=n, valid_blocks=have)
         self._imports[share_id] = (seq, n, time.monotonic() + ttl_s)
         return list(seq.block_table[have:]), have
 

@@ -10,6 +10,7 @@ collection imports nothing heavy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,9 +37,14 @@ collect_ignore = [] if os.environ.get("KVRELAY_GPU_TESTS") == "1" else ["gpu"]
 
 
 # The modules on Ray share one embedded Ray (``ray_session``) and one cluster on it
-# (``ray_served``): they run last, in this order (test_ray starts from the fresh cluster), so
-# that both are started once and stopped with the session, idle under no other test.
+# (``ray_served``), in this order (test_ray starts from the fresh cluster). In one process they
+# run last; under pytest-xdist they are one unit of work that starts first (below), and both are
+# stopped as soon as the last of them ends, so that no idle Ray runs beside the other tests.
 ON_RAY = ("test_ray.py", "test_planner_live.py")
+_ray_stops = contextlib.ExitStack()  # what the Ray fixtures started, stopped once, last first
+# Each test file's seconds in the last run that ran it (pytest's cache, where it is on): under
+# pytest-xdist the longest files are handed out first, so the two processes end together.
+FILE_SECONDS = "kvrelay/file_seconds"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -46,6 +52,65 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = it.path.name
         return ON_RAY.index(name) + 1 if name in ON_RAY else 0
     items.sort(key=rank)  # stable: modules stay whole, in order
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        if item.path.name in ON_RAY and (nextitem is None or nextitem.path.name not in ON_RAY):
+            _ray_stops.close()
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may be off (-p no:xdist)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with the modules on Ray as one unit, handed out first, and then the
+    longest files first (by their seconds in the last run; without them, the files of most tests
+    first, as pytest-xdist orders them). pytest-xdist's own order (most tests first) had split
+    the Ray modules over both processes, each starting a Ray and a cluster (24 s of setup), left
+    the first Ray idle under the rest of the suite (an idle 1P1D on Ray: 12 % of a core), and ran
+    the 1-test planner module last, beside an idle process (2026-11-29: 50 s, 64 s after the
+    other process ran out of files)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    seconds: dict[str, float] = cache.get(FILE_SECONDS, {}) if cache else {}
+
+    class LongestFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "on Ray" if path.rsplit("/", 1)[-1] in ON_RAY else path
+
+        def _cost(self, scope: str) -> tuple[bool, float, int]:
+            tests = self.workqueue[scope]
+            return (scope == "on Ray", sum(seconds.get(t.split("::", 1)[0], 0.0) for t in tests),
+                    len(tests))
+
+        def _assign_work_unit(self, node: Any) -> None:
+            self.workqueue.move_to_end(max(self.workqueue, key=self._cost), last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    cache = getattr(session.config, "cache", None)
+    if cache is None or hasattr(session.config, "workerinput") or not _file_seconds:
+        return  # (each xdist process reports its tests to the controller, which keeps them)
+    kept = cache.get(FILE_SECONDS, {})
+    kept.update({k: round(v, 2) for k, v in _file_seconds.items()})
+    cache.set(FILE_SECONDS, kept)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -124,16 +189,19 @@ def api_cluster(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[Any]:
-    """The embedded Ray (``ray_harness.embedded_ray``), one for the modules that run on Ray."""
+    """The embedded Ray (``ray_harness.embedded_ray``), one for the modules that run on Ray;
+    stopped when the last of them ends (``pytest_runtest_teardown``) or with the session."""
     from ray_harness import embedded_ray
 
-    yield from embedded_ray()
+    yield _ray_stops.enter_context(contextlib.contextmanager(embedded_ray)())
+    _ray_stops.close()
 
 
 @pytest.fixture(scope="session")
 def ray_served(ray_session: Any, demo_model_dir: str) -> Iterator[Any]:
     """One ``kvrelay serve`` (1P1D of the demo model, started as the CLI starts it) on the
-    session's Ray, shared by its modules: each leaves it at 1P1D with no policy on."""
+    session's Ray, shared by its modules: each leaves it at 1P1D with no policy on. Stopped
+    before the Ray under it (``_ray_stops``)."""
     from ray_harness import Served, serve_args
 
     from kvrelay.deploy.launcher import start
@@ -142,8 +210,7 @@ def ray_served(ray_session: Any, demo_model_dir: str) -> Iterator[Any]:
     spec = build_spec(serve_args(demo_model_dir), loopback=True)
     assert spec.worker.cluster_token  # generated: no --cluster-token was given
     handle, info = start(spec)
-    try:
-        yield Served(handle, info, ray_session.get_runtime_context().gcs_address,
-                     spec.worker.cluster_token)
-    finally:
-        handle.shutdown()
+    _ray_stops.callback(handle.shutdown)
+    yield Served(handle, info, ray_session.get_runtime_context().gcs_address,
+                 spec.worker.cluster_token)
+    _ray_stops.close()

@@ -1,6 +1,8 @@
 """Gemma 3 served disaggregated: a tiny Gemma 3 (``hf_models.GEMMA3_ARCHS``' ``gemma3``: two
 local layers of window 24 and a global one) through one prefill and two decode workers (real
-router, worker processes, NIXL KV transfer), with the engine alone's greedy tokens
+router, worker processes, NIXL KV transfer), on one block table for every layer (``--hybrid-kv
+off``; the default hybrid layout is tests/test_hybrid_cluster.py), with the engine alone's greedy
+tokens
 (``kvrelay.engine.llm.LLM``, itself held to transformers in tests/test_gemma3_models.py) for
 prompts within the window and well past it. The handoff is windowed (``engine/kv_window.py``):
 the bytes the router counts are exactly the blocks each layer reads from the handoff on, well
@@ -41,8 +43,9 @@ def model_dir(hf_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
+    # one block table for every layer (the default hybrid layout: test_hybrid_cluster)
     with Cluster(model_dir, tmp_path_factory.mktemp("gemma3"), prefill=1, decode=2,
-                 router_args=("--http-port", "0")) as c:
+                 worker_args=("--hybrid-kv", "off"), router_args=("--http-port", "0")) as c:
         yield c
 
 

@@ -1,6 +1,7 @@
 """gpt-oss served disaggregated: a tiny gpt-oss (``hf_models.GPT_OSS_ARCHS``' ``gpt_oss``: 4
 experts top-2, a sliding layer of window 16 and a full one, attention sinks) through one prefill
-and two decode workers (real router, worker processes, NIXL KV transfer), with the engine
+and two decode workers (real router, worker processes, NIXL KV transfer; the default hybrid KV
+layout: a page table per layer group, ``engine/hybrid_kv.py``), with the engine
 alone's greedy tokens (``kvrelay.engine.llm.LLM``, itself held to transformers in
 tests/test_gpt_oss_models.py) for prompts within the window and well past it; a decode worker
 killed mid-stream, the stream resumes on the other with the same tokens. One cluster for the

@@ -299,12 +299,12 @@ def test_a_pull_from_a_holder_lacking_a_page_is_refused_before_any_read(hf_model
     assert reader.block_manager.num_free_pages == reader.block_manager.num_pages
 
 
-def test_a_reservation_keeps_its_cached_prefixs_window_whole_until_the_kv_arrives(
+def test_a_reservation_keeps_its_cached_prefixs_window_from_eviction_until_the_kv_arrives(
         hf_model_dir) -> None:
     """Turn two's reservation on the decode worker that generated turn one matches the history
     as its cached prefix; the prefill worker continues from there and may pull that prefix from
     here meanwhile (P<-D), so the reservation keeps its last window's pages (which it will not
-    read itself) until the KV arrives; then they go back."""
+    read itself) from eviction until the KV arrives; then they are idle, the pool's to take."""
     model_dir = hf_model_dir("gemma3")
     dst = core(model_dir, Arrivals(), block_size=16)
     bm = dst.block_manager
@@ -318,11 +318,21 @@ def test_a_reservation_keeps_its_cached_prefixs_window_whole_until_the_kv_arrive
     turn2 = history + prompts(11, (20,))[0]
     res = dst.reserve("r2", turn2)
     assert res.num_cached_tokens == held
+    fill(dst, "f1")  # the pool needs every page: idle ones go, the kept window does not
     assert dst.export_prefix("s", turn2[:held]) == (res.block_ids[:held // 16], held)
     assert dst.end_export("s")
+    dst.abort("f1")
     dst.connector.received.append("r2")  # type: ignore[attr-defined]
-    dst.step()  # arrived: the reservation lets the prefix's window go
+    dst.step()  # arrived: the reservation lets the prefix's window go (idle)
+    fill(dst, "f2")
     assert dst.export_prefix("s2", turn2[:held]) == ([], 0)
-    dst.abort("r2")
+    for rid in ("r2", "f2"):
+        dst.abort(rid)
     drain(dst)
     assert bm.num_free_pages == bm.num_pages
+
+
+def fill(engine: EngineCore, rid: str) -> None:
+    """Reserve a fresh prompt of every block the pool can give (evicting idle pages)."""
+    n = engine.block_manager.num_free_blocks * engine.block_manager.block_size
+    engine.reserve(rid, [(7 + i) % 400 + 3 for i in range(n)])

@@ -73,6 +73,9 @@ def check_pages(bm: HybridBlockManager, seqs: list[Sequence]) -> None:
     assert sorted(owned + bm._free_pages.pages()) == list(range(bm.num_pages))
     assert len(bm._free_pages) == len(bm._free_pages.pages())
     assert bm._cached_pages == sum(bm._present(b) for b in bm._free)
+    for bid, g in bm._idle:  # a held block's page nobody reads, kept
+        assert bm.blocks[bid].ref_count > 0 and bm.pages[bid][g] >= 0
+        assert bm.wrefs[bid][bm.groups.windows[g]] == 0
     for s in seqs:
         held = bm._held[s.request_id]
         assert s.page_tables is not None
@@ -91,6 +94,15 @@ def step(bm: HybridBlockManager, s: Sequence, n: int) -> None:
     s.num_computed_tokens += n
     bm.publish(s)
     bm.release_out_of_window(s)
+
+
+def take_every_page(bm: HybridBlockManager) -> Sequence:
+    """A sequence holding every block's worth of pages the pool can give: idle pages are
+    evicted for it (first), then cached free blocks."""
+    fill = seq("fill", list(range(1000, 1000 + bm.num_free_blocks * BS)))
+    bm.allocate_prefix(fill, bm.match_prefix(fill.token_ids, 0))
+    assert bm.allocate(fill, len(fill.token_ids))
+    return fill
 
 
 def decode(bm: HybridBlockManager, s: Sequence, tokens: int) -> None:
@@ -145,22 +157,32 @@ def test_a_shared_block_keeps_the_windowed_pages_a_holder_still_reads() -> None:
     assert a.page_tables[1][2] == NULL_PAGE and b.page_tables[1][2] != NULL_PAGE
     check_pages(bm, [a, b])
     bm.free(b)
-    assert bm.pages[shared][1] < 0 and bm.blocks[shared].partial  # nobody reads it now
+    # nobody reads it now: idle, its KV kept (the block whole) until the pool needs the page
+    assert (shared, 1) in bm._idle and not bm.blocks[shared].partial
     check_pages(bm, [a])
+    fill = take_every_page(bm)
+    assert bm.pages[shared][1] < 0 and bm.blocks[shared].partial and not bm._idle
+    assert bm.num_evicted_pages > 0
+    check_pages(bm, [a, fill])
 
 
-def test_a_prefix_hit_stops_where_its_window_would_read_a_given_back_page() -> None:
+def test_a_prefix_hit_stops_where_its_window_would_read_an_evicted_page() -> None:
     bm = manager()
     a = seq("a", list(range(40)))
     bm.allocate_prefix(a, bm.match_prefix(a.token_ids, 39))
     for _ in range(5):
-        step(bm, a, 8)  # chunks: the early blocks' windowed pages go
+        step(bm, a, 8)  # chunks: the early blocks' windowed pages go idle
+    # idle pages keep their KV: every block is still whole, a copy may take them all
+    assert bm.num_idle_pages > 0
+    assert bm.match_prefix(list(range(40)), 40, complete=True).num_blocks == 10
+    bm.free(take_every_page(bm))  # the pool needed them: evicted (least recently idle first)
+    assert bm.num_idle_pages < bm.num_groups and bm.blocks[a.block_table[0]].partial
     bm.free(a)
     # block 0 is partial: no whole copy for a peer
     assert bm.match_prefix(list(range(40)), 40, complete=True).num_blocks == 0
     b = seq("b", list(range(40)) + [5])
     m = bm.match_prefix(b.token_ids, 40)
-    # blocks 0..7 given back their windowed pages up to a's last chunk start (32 - 8 + 1) // 4
+    # blocks 0..7 lost their windowed pages up to a's last chunk start (32 - 8 + 1) // 4
     assert m.num_blocks == 10  # at 40 tokens the windows read blocks 8 and 9 only: whole
     bm.allocate_prefix(b, m)  # the match's windowed reads are whole (asserts in the tables)
     check_pages(bm, [b])

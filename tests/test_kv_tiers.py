@@ -359,28 +359,36 @@ def test_offload_flags_are_checked() -> None:
     assert CacheConfig(kv_offload_memory="1GiB").kv_offload_memory == 2**30
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "gemma3", "gpt_oss"])
-def test_other_layouts_demote_spill_and_load_back_their_own_kv(arch, hf_model_dir,
+@pytest.mark.parametrize(("arch", "hybrid"), [
+    ("deepseek_v3", "off"), ("qwen3_moe", "off"), ("gemma3", "off"), ("gpt_oss", "off"),
+    ("gemma3", "auto")])
+def test_other_layouts_demote_spill_and_load_back_their_own_kv(arch, hybrid, hf_model_dir,
                                                              tmp_path: Path) -> None:
     """A tier slot is a pool block across every layer and plane, whatever the model caches:
     DeepSeek-V3's one latent plane per layer (multi-head latent attention), an MoE model's K
-    and V, a sliding-window hybrid's (Gemma 3, gpt-oss with its sinks). Evicted to the host
-    tier, spilled to disk and loaded back, the prompts' tokens are the ones recomputing them
-    gives."""
+    and V, a sliding-window hybrid's (Gemma 3, gpt-oss with its sinks; under the hybrid KV
+    layout a page of every layer group). Evicted to the host tier, spilled to disk and loaded
+    back, the prompts' tokens are the ones recomputing them gives. (Under the hybrid layout
+    the pool first evicts idle windowed pages, copying their block down whole first, and the
+    partial block stays indexed in the pool for a continuation its windows allow.)"""
     model = hf_model_dir(arch)
-    plain = make_core(model)
+    plain = make_core(model, hybrid_kv=hybrid)
     refs = {s: run(plain, f"r{s}", prompt(s))[0] for s in range(4)}
     slot = plain.runner.kv_spec.bytes_per_block_all_layers
+    if plain.runner.kv_plan is not None:
+        slot *= plain.runner.kv_plan.num_groups  # k layers a page, a page per group
     plain.close()
     core = make_core(model, kv_offload_memory=40 * slot, kv_offload_dir=str(tmp_path),
-                     kv_offload_disk=200 * slot)
+                     kv_offload_disk=200 * slot, hybrid_kv=hybrid)
     try:
         for s in range(4):
             assert run(core, f"a{s}", prompt(s)) == (refs[s], 0)
         settle(core)
         sets = core.cached_hash_sets()
         h0 = block_hashes(prompt(0), BLOCK)
-        assert set(h0) <= sets[DISK] and not set(h0) & (sets[DEVICE] | sets[HOST])
+        assert set(h0) <= sets[DISK]
+        if hybrid == "off":
+            assert not set(h0) & (sets[DEVICE] | sets[HOST])
         for s in (0, 1):  # prompt 0 from disk, prompt 1 from wherever it went
             assert run(core, f"b{s}", prompt(s)) == (refs[s], (160 - 1) // BLOCK * BLOCK)
         st = core.stats().kv_tiers

@@ -196,8 +196,8 @@ def _handoff_decode(hf_model_dir, name: str, backend: str, poison: float) -> Non
     model_dir = hf_model_dir(name)
     prompt = prompts(2, (70,))[0]
     ref = _reference(model_dir, tuple(prompt))
-    src, dst = make_core(model_dir, attention_backend=backend), \
-        make_core(model_dir, attention_backend=backend)
+    src, dst = make_core(model_dir, attention_backend=backend, hybrid_kv="off"), \
+        make_core(model_dir, attention_backend=backend, hybrid_kv="off")
     windows = LayerWindows(dst.runner.kv_spec.layer_windows)
     assert windows.has_holes(len(prompt), BS)
     tokens = prompt + ref.token_ids
@@ -322,7 +322,9 @@ def test_a_windowed_arrival_marks_its_holes_and_its_head_is_found_again(hf_model
     position 41 on); a prompt that diverges at 48 finds none (its local layers would read
     blocks 3 and 4); a copy for a peer takes none. Within the window (20 tokens) nothing was
     skipped."""
-    core = make_core(hf_model_dir("gemma3"))  # windows (24, 24, None), blocks of 8
+    # windows (24, 24, None), blocks of 8; one block table (the hybrid layout's handoff:
+    # tests/test_hybrid_handoff.py)
+    core = make_core(hf_model_dir("gemma3"), hybrid_kv="off")
     bm = core.block_manager
     ids = prompts(6, (prompt,))[0]
     core.reserve("a", ids)
