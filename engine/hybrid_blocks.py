@@ -7,10 +7,10 @@ reference counts, its prefix hash, its place in the LRU of cached free blocks an
 (``pages[bid][g]``; -1: none). The real resource is the pages: a new logical block takes one
 free page per group, and evicting a cached free block gives its pages back. So:
 
-- ``num_free_blocks`` counts *logical blocks a fresh allocation can still take*: (free pages +
-  the pages of cached free blocks, which eviction frees) // groups. Admission, the watermark,
-  ``can_allocate`` and preemption all keep counting blocks as before; a block of a windowed
-  group's tail is counted whole (a chunk's new blocks need a page in every group before its
+- ``num_free_blocks`` counts *logical blocks a fresh allocation can still take*: (free pages + idle
+  pages + the pages of cached free blocks, which eviction frees) // groups. Admission, the
+  watermark, ``can_allocate`` and preemption all keep counting blocks as before; a block of a
+  windowed group's tail is counted whole (a chunk's new blocks need a page in every group before its
   step runs) and its out-of-window pages come back after the step.
 - ``num_pages`` / ``num_free_pages`` / ``held_pages(seq)`` count pages (what memory is held).
 
@@ -18,30 +18,34 @@ Windowed pages: for each window ``w``, a sequence holds the ``w``-groups' pages 
 from ``held[w]`` on; ``wrefs[bid][w]`` counts the sequences that do. Once a sequence's next
 query is at position ``c`` (after each step of its prefill chunks and decodes) it reads no key
 before ``c - w + 1``, so it lets go of the blocks wholly before (``release_out_of_window``); a
-block no holder reads in group ``w`` any more gives its ``w``-pages back and becomes *partial*
-(the same state as a windowed handoff's holes: ``match_prefix`` only ends a prefix where the
-continuation's windowed layers read no partial block). A cached free block keeps its pages
-until evicted (a later prompt may continue from it); a block taken again by a prefix hit keeps
-only the windowed pages the new holder reads. The sequence's page tables name page 0 where it
+block no holder reads in group ``w`` any more has its ``w``-pages *idle*: their KV stays (the
+block is whole: a later prompt sharing it, such as a common system prompt, may still continue
+from it) while the pool counts them free, and a fresh block takes idle pages first, least
+recently idle first, before it evicts a cached free block. An idle page taken back leaves its
+block *partial* (the same state as a windowed handoff's holes: ``match_prefix`` only ends a
+prefix where the continuation's windowed layers read no partial block). So a hybrid holds only
+its windows under memory pressure and loses no prefix hit without it. A cached free block
+keeps its pages until evicted; a block taken again by a prefix hit reads (and un-idles) only
+the windowed pages the new holder reads. The sequence's page tables name page 0 where it
 holds no page (``NULL_PAGE``): attention masks every key before the window (torch SDPA's masks;
 the native decode kernel does not load them) and page 0 is always a real page, so a gather never
 indexes out of range.
 
 The tiers below the pool (``engine/tiers``) keep whole blocks: a tier slot is a block's page
 of every group (``KVTiers.pages_of``). A published block is copied down before it loses a page
-(``_settle`` stores it first), a partial one never; a promoted block comes back into fresh
+(``_evict_idle`` stores it first), a partial one never; a promoted block comes back into fresh
 pages of every group.
 
-A P/D handoff addresses pages: a decode worker's reservation holds, of each windowed group,
-only the pages of blocks its first decode reads (``release_out_of_window(seq, upto=prompt
-length)``) and names them to the prefill worker (``page_ids``), whose sender writes each layer
-group's pages of the blocks that group reads (``kv_window.PageWrites``). While it waits, the
-reservation keeps its cached prefix's last window whole (``keep_prefix_window``): the prefill
-worker continues from there and may pull it from here. A prefix pull reads pages too
-(``prefix_shares.py``): both sides hold, of each windowed group, the pages from the window of
-the prefix's end on. A decoding sequence keeps the window of its last full block's start
-(``release_out_of_window``), at most a block per windowed group more than its next query
-reads: the prefix a follow-up turn continues from, here or pulled by a peer.
+A P/D handoff addresses pages: a decode worker's reservation holds, of each windowed group, only the
+pages of blocks its first decode reads (``release_out_of_window(seq, upto=prompt length)``: a fresh
+block's other pages, never written, go back at once) and names them to the prefill worker
+(``page_ids``), whose sender writes each layer group's pages of the blocks that group reads
+(``kv_window.PageWrites``). While it waits, the reservation keeps its cached prefix's last window
+from eviction (``keep_prefix_window``): the prefill worker continues from there and may pull it from
+here. A prefix pull reads pages too (``prefix_shares.py``): both sides hold, of each windowed group,
+the pages from the window of the prefix's end on. A decoding sequence keeps the window of its last
+full block's start (``release_out_of_window``), at most a block per windowed group more than its
+next query reads: the prefix a follow-up turn continues from, here or pulled by a peer.
 """
 
 from __future__ import annotations
