@@ -67,10 +67,11 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
         help="what the KV cache stores and KV transfer moves; auto: the weights' dtype (both "
              "pools of a deployment must agree)")
     opt(g, "--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    opt(g, "--hybrid-kv", default="off", choices=list(HYBRID_KV),
+    opt(g, "--hybrid-kv", default="auto", choices=list(HYBRID_KV),
         help="auto: a model whose layers differ in window (Gemma 3, gpt-oss) keeps a page table "
-             "per layer group and gives its windowed layers' pages behind the window back as "
-             "it decodes (both pools of a P/D deployment must agree)")
+             "per layer group and lets its windowed layers' pages behind the window go as it "
+             "decodes (kept until the pool needs them); off: one block table for every layer. "
+             "Both pools of a P/D deployment must agree")
     opt(g, "--kv-offload-memory", default="0",
         help="a host tier below the KV pool of this size (e.g. 8GiB; 0: none): blocks the pool "
              "evicts stay here and come back on a prefix hit instead of being recomputed "
@@ -136,7 +137,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         enable_prefix_caching=not args.no_prefix_caching,
         kv_head_groups=int(getattr(args, "kv_head_groups", 1)),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-        hybrid_kv=getattr(args, "hybrid_kv", "off"),
+        hybrid_kv=getattr(args, "hybrid_kv", "auto"),
         kv_offload_memory=getattr(args, "kv_offload_memory", "0"),
         kv_offload_dir=getattr(args, "kv_offload_dir", None),
         kv_offload_disk=getattr(args, "kv_offload_disk", "4GiB"),

@@ -109,10 +109,11 @@ class CacheConfig:
     kv_offload_keep: bool = False
     # Per-layer-group pages for a model whose layers differ in window (engine/hybrid_kv.py):
     # auto: for such a model (Gemma 3, gpt-oss) the windowed layers' pages of the blocks behind
-    # the window go back to the pool; off: one block table for every layer (each block held
-    # while any layer reads it). P/D handoffs and prefix pulls address pages (both pools of a
-    # deployment must agree).
-    hybrid_kv: str = "off"
+    # the window are let go (idle until the pool needs them); off: one block table for every
+    # layer (each block held while any layer reads it). P/D handoffs and prefix pulls address
+    # pages (both pools of a deployment must agree). A model whose layers share one window (or
+    # none) keeps one table either way.
+    hybrid_kv: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_head_groups < 1:
