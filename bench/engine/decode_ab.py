@@ -31,14 +31,15 @@ VARIANTS = {"small-pages/in-place": ("small", 0), "small-pages/k-major": ("small
             "huge-pages/in-place": ("huge", 0), "huge-pages/k-major": ("huge", 1024)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30, help="steps per round (one batch)")
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    args = ap.parse_args(argv)
     # Its probes would run steps of every variant on the other prefetch arm.
     os.environ["KVRELAY_GEMM_AUTOTUNE"] = "0"
     if not gemm.available() or not hugepages.enabled():
@@ -46,7 +47,7 @@ def main() -> None:
     # The k-major choice applies to panels in one K block: weights in K blocks (this CPU's
     # default where gemm.default_kblock() > 0) run block by block whatever it says.
     packed_linear.default_kblock = lambda: 0
-    llm = LLM(args.model, kv_cache_memory="2GiB", num_threads=args.threads,
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
               linear_kernel="panels")
     core, model = llm.engine, llm.engine.runner.model
     fused = model.fused_decode
