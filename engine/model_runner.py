@@ -101,8 +101,9 @@ class ModelRunner:
         # layer group, the tensor [k, planes, pages, ...]; its "blocks" below are pages.
         self.kv_plan = plan_groups(arch.layer_windows) if cc.hybrid_kv == "auto" else None
         if self.kv_plan is not None and cc.kv_head_groups > 1:
-            raise ValueError("--kv-head-groups lays KV out for a P/D peer: it does not combine "
-                             "with --hybrid-kv auto")
+            raise ValueError("--kv-head-groups lays KV out for a P/D peer of one block table: "
+                             "with it, serve this sliding-window hybrid with --hybrid-kv off "
+                             "(on both pools)")
         slots = arch.num_layers if self.kv_plan is None else self.kv_plan.k
         per_block = 1 if self.kv_plan is None else self.kv_plan.num_groups
         num_blocks = per_block * exact if exact else blocks_for_budget(

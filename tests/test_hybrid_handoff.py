@@ -336,3 +336,12 @@ def fill(engine: EngineCore, rid: str) -> None:
     """Reserve a fresh prompt of every block the pool can give (evicting idle pages)."""
     n = engine.block_manager.num_free_blocks * engine.block_manager.block_size
     engine.reserve(rid, [(7 + i) % 400 + 3 for i in range(n)])
+
+
+def test_kv_head_groups_ask_for_one_table(hf_model_dir) -> None:
+    """KV head groups lay a one-table tensor out as a TP peer's ranks: under the default hybrid
+    layout a sliding-window hybrid is refused, naming the flag that serves it."""
+    model_dir = hf_model_dir("gemma3")
+    with pytest.raises(ValueError, match="--hybrid-kv off"):
+        core(model_dir, None, kv_head_groups=2)
+    assert core(model_dir, None, kv_head_groups=2, hybrid_kv="off").runner.kv_groups == 2
