@@ -97,6 +97,23 @@ def held_over_a_decode(model_dir: str, prompt: int, gen: int, batch: int,
             "preempted": core.stats().num_preemptions}
 
 
+def held_by_a_reservation(model_dir: str, prompt: int, hybrid: str) -> float:
+    """Blocks' worth of KV a decode worker's reservation of a ``prompt``-token handoff holds
+    (under the hybrid layout: the pages its first decode reads, the rest never taken)."""
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.engine_core import EngineCore
+
+    need = -(-prompt // BLOCK)
+    core = EngineCore(EngineConfig.from_kwargs(model_dir, block_size=BLOCK, num_blocks=need + 8,
+                                               seed=0, hybrid_kv=hybrid))
+    bm = core.block_manager
+    free = bm.num_free_pages if hasattr(bm, "num_free_pages") else bm.num_free_blocks
+    core.reserve("r", [(7 + j) % 4000 for j in range(prompt)])
+    if hasattr(bm, "num_free_pages"):
+        return (free - bm.num_free_pages) / bm.num_groups
+    return free - bm.num_free_blocks
+
+
 def on_a_small_pool(model_dir: str, prompt: int, gen: int, batch: int, pool: int,
                     hybrid: str) -> dict[str, float]:
     """``batch`` requests on a pool of ``pool`` blocks (of the layer-group pages under the
@@ -225,6 +242,12 @@ def blocks_held(args: argparse.Namespace) -> None:
             assert r["preempted"] == 0
             print(f"{label:<30}{r['peak']:>10.0f}{r['end']:>8.0f}{r['per_seq']:>9.0f}"
                   f"{r['released']:>12.0f}{r['dense']:>12.0f}{r['peak'] / r['dense']:>10.1%}")
+        n = args.prompt + args.gen
+        print(f"\na decode worker's reservation of a {n}-token handoff (P/D), blocks' worth held")
+        print(f"{'model':<30}{'held':>10}{'blocks':>10}{'held/blocks':>13}")
+        for label, (cls, extra, hybrid) in MODELS.items():
+            held = held_by_a_reservation(dirs[(cls, repr(extra))], n, hybrid)
+            print(f"{label:<30}{held:>10.0f}{-(-n // BLOCK):>10}{held / -(-n // BLOCK):>13.1%}")
 
 
 def time_steps(args: argparse.Namespace) -> None:
