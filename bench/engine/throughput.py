@@ -280,7 +280,7 @@ def hf_decode_step(model: torch.nn.Module, batch: int, reps: int, vocab: int) ->
     return best(lambda: (gen(DECODE_STEPS + 1) - gen(1)) / DECODE_STEPS, reps)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: demo base, ~150M)")
     ap.add_argument("--threads", type=int, default=2)
@@ -308,7 +308,7 @@ def main() -> int:
                          "measures nothing worth keeping")
     ap.add_argument("--tp", type=int, default=1,
                     help="only the tensor-parallel prefill comparison (2048 tokens) at this TP")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = args.model
     tmp = None
