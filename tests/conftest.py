@@ -10,7 +10,6 @@ collection imports nothing heavy.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,21 +35,36 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 collect_ignore = [] if os.environ.get("KVRELAY_GPU_TESTS") == "1" else ["gpu"]
 
 
-# The modules on Ray share one embedded Ray (``ray_session``) and one cluster on it
-# (``ray_served``), in this order (test_ray starts from the fresh cluster). In one process they
-# run last; under pytest-xdist they are one unit of work that starts first (below), and both are
-# stopped as soon as the last of them ends, so that no idle Ray runs beside the other tests.
-ON_RAY = ("test_ray.py", "test_planner_live.py")
-_ray_stops = contextlib.ExitStack()  # what the Ray fixtures started, stopped once, last first
+# Session fixtures a few modules share, and those modules (collection checks the lists against
+# the fixtures their tests use). Under pytest-xdist each group is one unit of work, handed out
+# before the other files, so one process starts the fixture once; and in any run the fixture
+# stops when the group's last test ends, not with the session, so that no idle Ray or cluster
+# runs beside the rest of the suite (an idle 1P1D on Ray costs 12 % of a core, the API cluster
+# 5 %). The modules on Ray run in this order (test_ray starts from the fresh cluster); in one
+# process they run last.
+SHARED = {
+    "ray_session": ("test_ray.py", "test_planner_live.py"),  # ray_served stops with it
+    "api_cluster": ("test_coalesce_cluster.py", "test_fuzz_limits.py", "test_maximal_bodies.py",
+                    "test_n_cluster.py", "test_sampling_cluster.py",
+                    "test_structured_cluster.py"),
+}
+ON_RAY = SHARED["ray_session"]
+_GROUP = {module: fixture for fixture, modules in SHARED.items() for module in modules}
 # Each test file's seconds in the last run that ran it (pytest's cache, where it is on): under
-# pytest-xdist the longest files are handed out first, so the two processes end together.
+# pytest-xdist the longest files are handed out first, so that the two processes end together.
 FILE_SECONDS = "kvrelay/file_seconds"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(it: pytest.Item) -> int:
+    for it in items:
+        for fixture in SHARED:
+            if fixture in getattr(it, "fixturenames", ()) and _GROUP.get(it.path.name) != fixture:
+                raise pytest.UsageError(f"{it.path.name} uses the session fixture {fixture}: "
+                                        f"list it in tests/conftest.py's SHARED[{fixture!r}]")
+
+    def rank(it: pytest.Item) -> int:  # each group together, the Ray modules last, in order
         name = it.path.name
-        return ON_RAY.index(name) + 1 if name in ON_RAY else 0
+        return 2 + ON_RAY.index(name) if name in ON_RAY else (1 if name in _GROUP else 0)
     items.sort(key=rank)  # stable: modules stay whole, in order
 
 
@@ -59,34 +73,51 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     try:
         return (yield)
     finally:
-        if item.path.name in ON_RAY and (nextitem is None or nextitem.path.name not in ON_RAY):
-            _ray_stops.close()
+        fixture = _GROUP.get(item.path.name)
+        if fixture and nextitem is not None and _GROUP.get(nextitem.path.name) != fixture:
+            _finish_early(item, fixture)
+
+
+def _finish_early(item: pytest.Item, fixture: str) -> None:
+    """Tear ``fixture`` (session-scoped) down now, as the session's end would (what depends on
+    it first); a later test that asks for it would start it again. This reaches into pytest
+    (its fixture definitions, the item's request): where those changed, the fixture lives to
+    the session's end, as any session fixture does."""
+    try:
+        defs = item.session._fixturemanager.getfixturedefs(fixture, item)
+        request = item._request
+    except AttributeError:
+        return
+    if defs:
+        defs[-1].finish(request)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may be off (-p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile`` with the modules on Ray as one unit, handed out first, and then the
-    longest files first (by their seconds in the last run; without them, the files of most tests
-    first, as pytest-xdist orders them). pytest-xdist's own order (most tests first) had split
-    the Ray modules over both processes, each starting a Ray and a cluster (24 s of setup), left
-    the first Ray idle under the rest of the suite (an idle 1P1D on Ray: 12 % of a core), and ran
-    the 1-test planner module last, beside an idle process (2026-11-29: 50 s, 64 s after the
-    other process ran out of files)."""
+    """``--dist loadfile`` with each group of ``SHARED`` as one unit, handed out first, and then
+    the longest files first (by their seconds in the last run; without them, the files of most
+    tests first, as pytest-xdist orders them). pytest-xdist's own order had split the Ray modules
+    over both processes, each starting a Ray and a cluster (24 s of setup), left the first Ray
+    idle under the rest of the suite, and ran the 1-test planner module last, beside an idle
+    process (2026-11-29: 50 s, 64 s after the other process ran out of files)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
     seconds: dict[str, float] = cache.get(FILE_SECONDS, {}) if cache else {}
+    groups = list(SHARED)
 
     class LongestFirst(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return "on Ray" if path.rsplit("/", 1)[-1] in ON_RAY else path
+            fixture = _GROUP.get(path.rsplit("/", 1)[-1])
+            return f"the modules of {fixture}" if fixture else path
 
-        def _cost(self, scope: str) -> tuple[bool, float, int]:
+        def _cost(self, scope: str) -> tuple[int, float, int]:
             tests = self.workqueue[scope]
-            return (scope == "on Ray", sum(seconds.get(t.split("::", 1)[0], 0.0) for t in tests),
+            first = next((len(groups) - i for i, g in enumerate(groups) if scope.endswith(g)), 0)
+            return (first, sum(seconds.get(t.split("::", 1)[0], 0.0) for t in tests),
                     len(tests))
 
         def _assign_work_unit(self, node: Any) -> None:
@@ -189,19 +220,17 @@ def api_cluster(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[Any]:
-    """The embedded Ray (``ray_harness.embedded_ray``), one for the modules that run on Ray;
-    stopped when the last of them ends (``pytest_runtest_teardown``) or with the session."""
+    """The embedded Ray (``ray_harness.embedded_ray``), one for the modules that run on Ray
+    (``SHARED``: stopped when the last of them ends)."""
     from ray_harness import embedded_ray
 
-    yield _ray_stops.enter_context(contextlib.contextmanager(embedded_ray)())
-    _ray_stops.close()
+    yield from embedded_ray()
 
 
 @pytest.fixture(scope="session")
 def ray_served(ray_session: Any, demo_model_dir: str) -> Iterator[Any]:
     """One ``kvrelay serve`` (1P1D of the demo model, started as the CLI starts it) on the
-    session's Ray, shared by its modules: each leaves it at 1P1D with no policy on. Stopped
-    before the Ray under it (``_ray_stops``)."""
+    session's Ray, shared by its modules: each leaves it at 1P1D with no policy on."""
     from ray_harness import Served, serve_args
 
     from kvrelay.deploy.launcher import start
@@ -210,7 +239,8 @@ def ray_served(ray_session: Any, demo_model_dir: str) -> Iterator[Any]:
     spec = build_spec(serve_args(demo_model_dir), loopback=True)
     assert spec.worker.cluster_token  # generated: no --cluster-token was given
     handle, info = start(spec)
-    _ray_stops.callback(handle.shutdown)
-    yield Served(handle, info, ray_session.get_runtime_context().gcs_address,
-                 spec.worker.cluster_token)
-    _ray_stops.close()
+    try:
+        yield Served(handle, info, ray_session.get_runtime_context().gcs_address,
+                     spec.worker.cluster_token)
+    finally:
+        handle.shutdown()
