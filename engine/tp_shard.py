@@ -209,11 +209,20 @@ def _keep(w: torch.Tensor | None, rows: list[slice], dim: int = 0) -> nn.Paramet
 
 def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
     """Cut a loaded (dense, unpacked) model down to ``shard.rank``'s part, in place: before
-    packing, so the kernels pack only the shard. A model that cuts itself (DeepSeek's latent
-    attention) does it in its ``shard_tensor_parallel``."""
-    own = getattr(model, "shard_tensor_parallel", None)
+    packing, so the kernels pack only the shard. Only the decoder layers are cut (the
+    embedding, the final norm and the head stay whole on every rank)."""
+    for layer in model.layers:
+        shard_layer(model, layer, shard)
+
+
+def shard_layer(model: LlamaForCausalLM, layer: nn.Module, shard: TPShard) -> None:
+    """Cut one loaded decoder layer of ``model`` down to ``shard.rank``'s part, in place: the
+    loader cuts each layer as soon as its tensors are in, so a rank never holds more than its
+    shard and one whole layer. A model that cuts itself (DeepSeek's latent attention) does it
+    in its ``shard_layer_tensor_parallel``."""
+    own = getattr(model, "shard_layer_tensor_parallel", None)
     if own is not None:
-        own(shard)
+        own(layer, shard)
         return
     arch, r, n = model.arch, shard.rank, shard.size
     hd = arch.head_dim
@@ -223,29 +232,28 @@ def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
     q_rows = slice(r * heads * hd, (r + 1) * heads * hd)
     k_rows = slice(q_size + kv.start * hd, q_size + kv.stop * hd)
     v_rows = slice(q_size + kv_size + kv.start * hd, q_size + kv_size + kv.stop * hd)
-    for layer in model.layers:
-        a, m = layer.attn, layer.mlp
-        a.qkv.weight = _keep(a.qkv.weight, [q_rows, k_rows, v_rows])
-        a.qkv.bias = _keep(a.qkv.bias, [q_rows, k_rows, v_rows])
-        a.num_heads, a.num_kv_heads = heads, len(kv)
-        a.q_size, a.kv_size = heads * hd, len(kv) * hd
-        a.qkv.out_features = a.q_size + 2 * a.kv_size
-        a.o.weight = _keep(a.o.weight, [q_rows], dim=1)
-        if getattr(a, "sinks", None) is not None:  # gpt-oss: a sink per query head, with it
-            a.sinks = _keep(a.sinks, [slice(r * heads, (r + 1) * heads)])
-        if r != 0:
-            a.o.bias = None
-        _row_parallel(a.o, shard)
-        if isinstance(m, SparseMoE):
-            # The router stays whole (every rank routes the same rows alike); each expert (and
-            # a shared expert) is cut as a dense MLP is, and its partial outputs are summed once
-            # per layer, after the routing weights (the shared expert's gate) combine them.
-            for expert in m.sharded_mlps():
-                _shard_mlp(expert, r, n)
-            m.reduce = shard.all_reduce
-        else:
-            _shard_mlp(m, r, n)
-            _row_parallel(m.down, shard)
+    a, m = layer.attn, layer.mlp
+    a.qkv.weight = _keep(a.qkv.weight, [q_rows, k_rows, v_rows])
+    a.qkv.bias = _keep(a.qkv.bias, [q_rows, k_rows, v_rows])
+    a.num_heads, a.num_kv_heads = heads, len(kv)
+    a.q_size, a.kv_size = heads * hd, len(kv) * hd
+    a.qkv.out_features = a.q_size + 2 * a.kv_size
+    a.o.weight = _keep(a.o.weight, [q_rows], dim=1)
+    if getattr(a, "sinks", None) is not None:  # gpt-oss: a sink per query head, with it
+        a.sinks = _keep(a.sinks, [slice(r * heads, (r + 1) * heads)])
+    if r != 0:
+        a.o.bias = None
+    _row_parallel(a.o, shard)
+    if isinstance(m, SparseMoE):
+        # The router stays whole (every rank routes the same rows alike); each expert (and
+        # a shared expert) is cut as a dense MLP is, and its partial outputs are summed once
+        # per layer, after the routing weights (the shared expert's gate) combine them.
+        for expert in m.sharded_mlps():
+            _shard_mlp(expert, r, n)
+        m.reduce = shard.all_reduce
+    else:
+        _shard_mlp(m, r, n)
+        _row_parallel(m.down, shard)
 
 
 def _shard_mlp(m: MLP, r: int, n: int) -> None:

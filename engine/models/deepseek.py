@@ -151,42 +151,41 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         # the step reads.
         return h if last is None else h.index_select(0, last.rows)
 
-    def shard_tensor_parallel(self, shard: Any) -> None:
-        """Rank ``shard.rank``'s part (``tp_shard.shard_model`` defers to this): its query heads
-        (q_b_proj's or q_proj's rows, kv_b_proj's rows, o_proj's columns, all-reduced after),
-        the latent projections and the cache replicated (every rank holds the whole latent),
-        each expert and the dense MLPs cut as ``shard_model`` cuts them."""
+    def shard_layer_tensor_parallel(self, layer: torch.nn.Module, shard: Any) -> None:
+        """Rank ``shard.rank``'s part of ``layer`` (``tp_shard.shard_layer`` defers to this):
+        its query heads (q_b_proj's or q_proj's rows, kv_b_proj's rows, o_proj's columns,
+        all-reduced after), the latent projections and the cache replicated (every rank holds
+        the whole latent), each expert and the dense MLPs cut as ``shard_layer`` cuts them."""
         from kvrelay.engine.tp_shard import _keep, _row_parallel, _shard_mlp
 
         r, n = shard.rank, shard.size
-        for layer in self.layers:
-            a, m = layer.attn, layer.mlp
-            heads = a.num_heads // n
-            qs = slice(r * heads * a.qk_dim, (r + 1) * heads * a.qk_dim)
-            if a.q_b is not None:
-                a.q_b.weight = _keep(a.q_b.weight, [qs])
-                a.q_b.out_features = heads * a.qk_dim
-            else:  # q_proj's rows of the fused input projection, the latent's all
-                lat = slice(a.q_in, a.q_in + a.rank + a.rope_dim)
-                a.in_proj.weight = _keep(a.in_proj.weight, [qs, lat])
-                a.in_proj.bias = _keep(a.in_proj.bias, [qs, lat])
-                a.q_in = heads * a.qk_dim
-                a.in_proj.out_features = a.q_in + a.rank + a.rope_dim
-            kv_rows = heads * (a.nope + a.v_dim)
-            a.kv_b = _keep(a.kv_b, [slice(r * kv_rows, (r + 1) * kv_rows)])
-            a.o.weight = _keep(a.o.weight, [slice(r * heads * a.v_dim,
-                                                  (r + 1) * heads * a.v_dim)], dim=1)
-            if r != 0:
-                a.o.bias = None
-            _row_parallel(a.o, shard)
-            a.num_heads = heads
-            if isinstance(m, SparseMoE):
-                for mlp in m.sharded_mlps():
-                    _shard_mlp(mlp, r, n)
-                m.reduce = shard.all_reduce
-            else:
-                _shard_mlp(m, r, n)
-                _row_parallel(m.down, shard)
+        a, m = layer.attn, layer.mlp
+        heads = a.num_heads // n
+        qs = slice(r * heads * a.qk_dim, (r + 1) * heads * a.qk_dim)
+        if a.q_b is not None:
+            a.q_b.weight = _keep(a.q_b.weight, [qs])
+            a.q_b.out_features = heads * a.qk_dim
+        else:  # q_proj's rows of the fused input projection, the latent's all
+            lat = slice(a.q_in, a.q_in + a.rank + a.rope_dim)
+            a.in_proj.weight = _keep(a.in_proj.weight, [qs, lat])
+            a.in_proj.bias = _keep(a.in_proj.bias, [qs, lat])
+            a.q_in = heads * a.qk_dim
+            a.in_proj.out_features = a.q_in + a.rank + a.rope_dim
+        kv_rows = heads * (a.nope + a.v_dim)
+        a.kv_b = _keep(a.kv_b, [slice(r * kv_rows, (r + 1) * kv_rows)])
+        a.o.weight = _keep(a.o.weight, [slice(r * heads * a.v_dim,
+                                              (r + 1) * heads * a.v_dim)], dim=1)
+        if r != 0:
+            a.o.bias = None
+        _row_parallel(a.o, shard)
+        a.num_heads = heads
+        if isinstance(m, SparseMoE):
+            for mlp in m.sharded_mlps():
+                _shard_mlp(mlp, r, n)
+            m.reduce = shard.all_reduce
+        else:
+            _shard_mlp(m, r, n)
+            _row_parallel(m.down, shard)
 
 
 def _attention_targets(a: MLAttention, p: str, arch: ModelArch) -> dict[str, WeightTarget]:
