@@ -244,10 +244,17 @@ def shard_layer(model: LlamaForCausalLM, layer: nn.Module, shard: TPShard) -> No
     if r != 0:
         a.o.bias = None
     _row_parallel(a.o, shard)
+    shard_ffn(m, shard)
+
+
+def shard_ffn(m: nn.Module, shard: TPShard) -> None:
+    """Rank ``shard.rank``'s part of a layer's feed-forward block: a dense SwiGLU's columns,
+    or every expert's. A mixture of experts keeps its router whole (every rank routes the same
+    rows alike); each expert (and a shared expert) is cut as a dense MLP is, and its partial
+    outputs are summed once per layer, after the routing weights (the shared expert's gate)
+    combine them."""
+    r, n = shard.rank, shard.size
     if isinstance(m, SparseMoE):
-        # The router stays whole (every rank routes the same rows alike); each expert (and
-        # a shared expert) is cut as a dense MLP is, and its partial outputs are summed once
-        # per layer, after the routing weights (the shared expert's gate) combine them.
         for expert in m.sharded_mlps():
             _shard_mlp(expert, r, n)
         m.reduce = shard.all_reduce

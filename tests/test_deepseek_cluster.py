@@ -13,13 +13,11 @@ latents, each rank all of them. One cluster for the module: the tests run in ord
 from __future__ import annotations
 
 import re
-import signal
-import time
 import urllib.request
 
 import pytest
 from cluster import Cluster, engine_alone, prompt_ids
-from test_disaggregated_tp import _rank_pids
+from test_gemma3_cluster import replace_decode_workers_with_tp2
 from test_prefix_pull_cluster import BS, second_turn_pulls_from_the_decode_worker
 
 from kvrelay.client import sampling
@@ -116,14 +114,5 @@ def test_deepseek_latent_from_a_tp1_prefill_worker_to_a_tp2_decode_worker(cluste
     """The surviving decode worker stopped and a TP=2 one started: each rank (half the query
     heads) receives every latent block, the whole latent being every rank's: rank 1's half of
     the heads reads its own copy, so the tokens hold only if it arrived."""
-    for p in cluster.live("decode"):
-        cluster.kill(p, signal.SIGTERM)
-        assert cluster.wait_exit(p, 60) is not None
-    tp = cluster.add_worker("decode", extra=("--tensor-parallel-size", "2"))
-    assert len(_rank_pids(tp.popen.pid)) == 1  # rank 1 (rank 0 is the worker itself)
-    deadline = time.monotonic() + 30
-    while {w.info.worker_id for w in cluster.registered()
-           if w.info.worker_id.startswith("decode")} != {tp.name}:
-        assert time.monotonic() < deadline, "the stopped decode workers stay registered"
-        time.sleep(0.1)
+    replace_decode_workers_with_tp2(cluster)
     check_greedy(cluster, llm, model_dir, (23, 70), 20)

@@ -9,12 +9,9 @@ one needs."""
 
 from __future__ import annotations
 
-import signal
-import time
-
 import pytest
 from cluster import Cluster, engine_alone, prompt_ids
-from test_disaggregated_tp import _rank_pids
+from test_gemma3_cluster import replace_decode_workers_with_tp2
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
@@ -76,14 +73,5 @@ def test_moe_stream_survives_a_decode_worker_kill(cluster, llm) -> None:
 def test_moe_kv_from_a_tp1_prefill_worker_to_a_tp2_decode_worker(cluster, llm) -> None:
     """The surviving TP=1 decode worker stopped and a TP=2 one started: every request's KV goes
     from the TP=1 prefill worker to the two ranks, each of which holds half of every expert."""
-    for p in cluster.live("decode"):
-        cluster.kill(p, signal.SIGTERM)
-        assert cluster.wait_exit(p, 60) is not None
-    tp = cluster.add_worker("decode", extra=("--tensor-parallel-size", "2"))
-    assert len(_rank_pids(tp.popen.pid)) == 1  # rank 1 (rank 0 is the worker itself)
-    deadline = time.monotonic() + 30
-    while {w.info.worker_id for w in cluster.registered()
-           if w.info.worker_id.startswith("decode")} != {tp.name}:
-        assert time.monotonic() < deadline, "the stopped decode workers stay registered"
-        time.sleep(0.1)
+    replace_decode_workers_with_tp2(cluster)
     check_greedy(cluster, llm, "TP=1 prefill -> TP=2 decode")

@@ -155,11 +155,11 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         """Rank ``shard.rank``'s part of ``layer`` (``tp_shard.shard_layer`` defers to this):
         its query heads (q_b_proj's or q_proj's rows, kv_b_proj's rows, o_proj's columns,
         all-reduced after), the latent projections and the cache replicated (every rank holds
-        the whole latent), each expert and the dense MLPs cut as ``shard_layer`` cuts them."""
-        from kvrelay.engine.tp_shard import _keep, _row_parallel, _shard_mlp
+        the whole latent), its feed-forward block cut as every family's (``shard_ffn``)."""
+        from kvrelay.engine.tp_shard import _keep, _row_parallel, shard_ffn
 
         r, n = shard.rank, shard.size
-        a, m = layer.attn, layer.mlp
+        a = layer.attn
         heads = a.num_heads // n
         qs = slice(r * heads * a.qk_dim, (r + 1) * heads * a.qk_dim)
         if a.q_b is not None:
@@ -179,13 +179,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             a.o.bias = None
         _row_parallel(a.o, shard)
         a.num_heads = heads
-        if isinstance(m, SparseMoE):
-            for mlp in m.sharded_mlps():
-                _shard_mlp(mlp, r, n)
-            m.reduce = shard.all_reduce
-        else:
-            _shard_mlp(m, r, n)
-            _row_parallel(m.down, shard)
+        shard_ffn(layer.mlp, shard)
 
 
 def _attention_targets(a: MLAttention, p: str, arch: ModelArch) -> dict[str, WeightTarget]:
