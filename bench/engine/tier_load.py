@@ -110,11 +110,14 @@ def one_length(model: str, n: int, threads: int, disk_dir: str, seed: int) -> di
 
 
 def no_reuse_cost(model: str, threads: int, disk_dir: str, n: int, rounds: int
-                  ) -> tuple[float, float, float, float]:
+                  ) -> dict[str, float]:
     """Fresh prompts only (nothing to load, every block stored): the same prompts through an
-    engine without tiers and one with host and disk tiers, alternating prompt by prompt in one
-    process; returns (seconds without, seconds with, decode seconds without, with) summed over
-    ``rounds`` prompts of ``n`` tokens each followed by 32 decode steps."""
+    engine without tiers and one with host and disk tiers, taking turns prompt by prompt in one
+    process (which goes first alternates); each round ``n`` prompt tokens, then 32 decode steps.
+    Returns the seconds summed over the rounds (``plain``, ``tiered``, ``dplain``,
+    ``dtiered``) and the median and quartiles of each round's own ratios, tiered / plain
+    (``ttft_x``, ``decode_x`` and their ``_q1``/``_q3``): a pair taken back to back sees the
+    same host, and the median of many pairs is what a drifting host lets one bound."""
     probe = EngineCore(EngineConfig.from_kwargs(model, num_blocks=4, num_threads=threads))
     slot_bytes, vocab = probe.runner.kv_spec.bytes_per_block_all_layers, probe.vocab_size
     del probe
@@ -128,11 +131,13 @@ def no_reuse_cost(model: str, threads: int, disk_dir: str, n: int, rounds: int
         kv_offload_disk=16 * room * slot_bytes, **kw), eos_token_ids=frozenset())
     decode = SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)
     totals = [0.0, 0.0, 0.0, 0.0]
+    ratios: dict[str, list[float]] = {"ttft_x": [], "decode_x": []}
     try:
         for core in (plain, tiered):
             ttft(core, "warm", prompt(64, 999, vocab))
         for i in range(rounds):
             p = prompt(n, 5000 + i, vocab)
+            pair = [0.0, 0.0, 0.0, 0.0]
             for core in (plain, tiered) if i % 2 == 0 else (tiered, plain):
                 k = 0 if core is plain else 1
                 t = time.perf_counter()
@@ -142,12 +147,18 @@ def no_reuse_cost(model: str, threads: int, disk_dir: str, n: int, rounds: int
                     if core.step() and first is None:
                         first = time.perf_counter()
                 assert first is not None
-                totals[k] += first - t
-                totals[2 + k] += time.perf_counter() - first
+                pair[k] = first - t
+                pair[2 + k] = time.perf_counter() - first
+            totals = [a + b for a, b in zip(totals, pair, strict=True)]
+            ratios["ttft_x"].append(pair[1] / pair[0])
+            ratios["decode_x"].append(pair[3] / pair[2])
     finally:
         tiered.close()
-    return totals[0], totals[1], totals[2], totals[3]
-
+    out = dict(zip(("plain", "tiered", "dplain", "dtiered"), totals, strict=True))
+    for key, xs in ratios.items():
+        q1, q2, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
+        out[key], out[key + "_q1"], out[key + "_q3"] = q2, q1, q3
+    return out
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -157,6 +168,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-reuse", type=int, default=8,
                     help="fresh prompts for the tiers' cost where nothing is reused (0: skip)")
+    ap.add_argument("--no-reuse-tokens", type=int, default=2048)
+    ap.add_argument("--only-no-reuse", action="store_true", help="skip the load/recompute rows")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvrelay-tier-")
     model = args.model
@@ -173,7 +186,7 @@ def main() -> None:
     print(f"model {model}, {args.threads} threads, median of {args.reps}")
     print(f"{'tokens':>7} {'recompute s':>12} {'host s':>8} {'disk s':>8} {'host x':>7} "
           f"{'disk x':>7} {'host ms/blk':>12} {'disk ms/blk':>12} {'convoy 8/1':>11}")
-    for n in (int(x) for x in args.lengths.split(",")):
+    for n in () if args.only_no_reuse else (int(x) for x in args.lengths.split(",")):
         rows = [one_length(model, n, args.threads, os.path.join(tmp, f"disk-{n}-{k}"), k)
                 for k in range(args.reps)]
         for r in rows:  # each run's own ratios (paired: the machine's speed drifts)
@@ -185,11 +198,16 @@ def main() -> None:
               f"{med['host_ms_per_block']:>12.3f} {med['disk_ms_per_block']:>12.3f} "
               f"{med['convoy_x']:>11.2f}", flush=True)
     if args.no_reuse:
-        plain, tiered, dplain, dtiered = no_reuse_cost(
-            model, args.threads, os.path.join(tmp, "disk-fresh"), 2048, args.no_reuse)
-        print(f"\nno reuse ({args.no_reuse} fresh 2048-token prompts, alternating engines): "
-              f"prefill {plain:.2f} s without tiers, {tiered:.2f} s with ({tiered / plain:.3f}x);"
-              f" 32 decode steps {dplain:.2f} s / {dtiered:.2f} s ({dtiered / dplain:.3f}x)")
+        n = args.no_reuse_tokens
+        r = no_reuse_cost(model, args.threads, os.path.join(tmp, "disk-fresh"), n,
+                          args.no_reuse)
+        print(f"\nno reuse ({args.no_reuse} fresh {n}-token prompts, the engines taking turns): "
+              f"prefill {r['plain']:.2f} s without tiers, {r['tiered']:.2f} s with; 32 decode "
+              f"steps {r['dplain']:.2f} s / {r['dtiered']:.2f} s\n"
+              f"  with / without, median of the rounds' own ratios [quartiles]: time to first "
+              f"token {r['ttft_x']:.3f} [{r['ttft_x_q1']:.3f}, {r['ttft_x_q3']:.3f}], decode "
+              f"{r['decode_x']:.3f} [{r['decode_x_q1']:.3f}, {r['decode_x_q3']:.3f}], load "
+              f"average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
