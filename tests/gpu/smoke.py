@@ -285,12 +285,13 @@ def _greedy_agreement(core: Any, md: str, dev: str, near_tie: float,
 
 def phase_flash_vs_sdpa() -> dict[str, Any]:
     """tests/gpu/test_attention_gpu.py's scenarios: the flash path (paged block_table reads)
-    against SDPA in bf16, four step shapes x three architectures (one with a window)."""
+    against SDPA in bf16, four step shapes x four architectures (one with a window on every
+    layer, one a sliding-window hybrid on the hybrid KV layout: a page table per layer group)."""
     _need_cuda()
     import test_attention_gpu as t
 
     results = {}
-    for arch in ("llama", "qwen3", "mistral_swa"):
+    for arch in ("llama", "qwen3", "mistral_swa", "gemma3"):
         for name in ("fresh_prefill", "chunk_over_cached_prefix", "mixed_prefill_decode",
                      "decode_only"):
             try:

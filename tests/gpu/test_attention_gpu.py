@@ -75,7 +75,9 @@ def assert_close(got: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("name", ["fresh_prefill", "chunk_over_cached_prefix",
                                   "mixed_prefill_decode", "decode_only"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_swa"])  # mistral_swa: window 48
+# mistral_swa: window 48; gemma3: windows and full layers, the hybrid KV layout (a page table
+# per layer group, engine/hybrid_kv.py: flash reads each group's tables)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_swa", "gemma3"])
 def test_flash_matches_sdpa(hf_model_dir, gpu: str, arch: str, name: str) -> None:
     model_dir = hf_model_dir(arch)
     got = scenario(make_core(model_dir, gpu, "flash"), name)
