@@ -74,7 +74,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         fixture = _GROUP.get(item.path.name)
-        if fixture and nextitem is not None and _GROUP.get(nextitem.path.name) != fixture:
+        # (Other pytest-xdist modes interleave a group's tests with other files': there the
+        # fixture lives on, as before, rather than start again after each interruption.)
+        if fixture and nextitem is not None and _GROUP.get(nextitem.path.name) != fixture \
+                and item.config.getoption("dist", "no") in ("no", "loadfile"):
             _finish_early(item, fixture)
 
 
