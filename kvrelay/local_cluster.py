@@ -255,6 +255,19 @@ class Cluster:
         return {p.name: self.status(p).load.free_blocks for p in self.workers
                 if p.popen.poll() is None}
 
+    def idle_free_blocks(self, timeout: float = 30.0) -> dict[str, int]:
+        """Every live worker's free blocks once none holds a block any more (free = its pool;
+        cached blocks count free), or as they are at ``timeout``: a baseline taken after an
+        earlier user of the cluster has truly let go of everything, not while its last request
+        is still returning its blocks."""
+        deadline = time.monotonic() + timeout
+        while True:
+            loads = {p.name: self.status(p).load for p in self.workers if p.popen.poll() is None}
+            if all(x.free_blocks == x.num_blocks for x in loads.values()) \
+                    or time.monotonic() >= deadline:
+                return {k: x.free_blocks for k, x in loads.items()}
+            time.sleep(0.1)
+
     def wait_free_blocks(self, baseline: dict[str, int], timeout: float = 20.0) -> dict[str, int]:
         """Poll until every live worker is back at ``baseline`` free blocks (or time out)."""
         deadline = time.monotonic() + timeout

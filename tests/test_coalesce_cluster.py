@@ -157,7 +157,7 @@ def _wait_freed(cluster, baseline: dict[str, int]) -> None:
 
 
 def test_a_slow_reader_leaving_frees_its_request(cluster) -> None:
-    baseline = cluster.free_blocks()
+    baseline = cluster.idle_free_blocks()
     with grpc.insecure_channel(cluster.address, options=SMALL_WINDOW) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         call = stub.Generate(pb.GenerateRequest(
@@ -173,7 +173,7 @@ def test_a_slow_reader_leaving_frees_its_request(cluster) -> None:
 
 
 def test_a_slow_sse_reader_leaving_frees_its_request(cluster) -> None:
-    baseline = cluster.free_blocks()
+    baseline = cluster.idle_free_blocks()
     host, port = cluster.http_url.removeprefix("http://").split(":")
     data = json.dumps({"model": "demo", "prompt": PROMPT, "max_tokens": 3000, "stream": True,
                        "ignore_eos": True}).encode()

@@ -119,7 +119,11 @@ def cluster(demo_model_dir, tmp_path_factory, tls):
     key_file = work / "api-keys.txt"
     key_file.write_text(f"# one key a line\n{FILE_KEY}\n\n")
     _, cert, key = tls
-    c = Cluster(demo_model_dir, work, prefill=1, decode=2, cluster_token=TOKEN,
+    # Heartbeats every 0.5 s (the harness's 0.3 s drops a worker after 0.9 s silent): under a
+    # full `make test` the DEBUG-logging workers and router of the admission test's four long
+    # streams once went ~1 s between beats on a starved host, and the router dropped both decode
+    # workers twice over, failing the streams it was to keep.
+    c = Cluster(demo_model_dir, work, prefill=1, decode=2, cluster_token=TOKEN, heartbeat_s=0.5,
                 worker_args=("--drain-timeout", str(DRAIN_S)),
                 env={"KVRELAY_API_KEYS": ENV_KEY, "KVRELAY_LOG_LEVEL": "DEBUG"},
                 router_args=("--http-port", "0", "--served-model-name", MODEL,
