@@ -1,22 +1,26 @@
-"""The thread that moves blocks between the host tier and the disk tier.
+"""The threads that move blocks between the host tier and the disk tier.
 
 Two threads, each running its kind of job one at a time in submission order: *urgent* ones
 (loads a request waits for) and *background* ones (spills). No job needs another's order to be
 correct, nor to run alone: a spill reads a staging copy or a pinned host slot and writes a disk
 slot (a file of its own) no load can read until the spill has completed, and a load reads a
-pinned disk slot into a host slot nothing else reads until the load has completed. The
-background thread runs at a lower CPU priority (``BACKGROUND_NICE``): a spill is never on a
-request's path, and on a host whose cores the forward keeps busy it should take the time the
-forward leaves, not a core from it (measured: a decode with every block spilling behind it ran
-~9 % slower on two cores). The engine thread submits jobs and collects their results
-(``poll``) at the start of each step; it never waits on a job on its own path. File IO and the
-CRC release the GIL, so the thread costs the engine little beyond the memory traffic.
+pinned disk slot into a host slot nothing else reads until the load has completed. So a load
+a request waits for never queues behind a spill already running.
+
+Both threads run at the process's priority. A spill thread at the lowest one (nice 19) was
+tried: a decode with every block spilling behind it stayed 8 % slower on two cores (the file
+writes' kernel work and writeback, not the thread), and under a full test suite's load the
+starved spills left the host tier full of blocks it should have moved to disk, so the tier
+chose other blocks to evict (bench/results/kv_tiers.txt).
+
+The engine thread submits jobs and collects their results (``poll``) at the start of each step;
+it never waits on a job on its own path. File IO and the CRC release the GIL, so the threads
+cost the engine little beyond the memory traffic.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections import deque
@@ -24,10 +28,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
-
-# The background (spill) thread's nice value over the process's: 19 is the lowest priority an
-# unprivileged process may give a thread of its own (Linux; elsewhere it stays as it is).
-BACKGROUND_NICE = 19
 
 
 class JobResult(NamedTuple):
@@ -98,8 +98,6 @@ class TierIO:
             return None  # closing, nothing left
 
     def _run(self, urgent: bool) -> None:
-        if not urgent:
-            lower_priority(BACKGROUND_NICE)
         while True:
             item = self._next(urgent)
             if item is None:
@@ -111,12 +109,3 @@ class TierIO:
                 logger.warning("tier IO job %r failed: %s", tag, e)
                 self._done.put(JobResult(tag, None, e))
 
-
-def lower_priority(nice: int) -> None:
-    """Lower the calling thread's CPU priority by ``nice`` (Linux: a thread's nice value is its
-    own); where that is not possible it runs as it is."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except (AttributeError, OSError) as e:  # not Linux, or not allowed
-        logger.debug("tier IO: background thread keeps its priority: %s", e)
