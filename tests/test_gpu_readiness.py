@@ -6,6 +6,7 @@ GPU lives in tests/gpu/ (``make test-gpu``)."""
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import os
 import re
@@ -164,6 +165,34 @@ def test_flash_that_does_not_load_falls_back_to_sdpa(monkeypatch: pytest.MonkeyP
     assert name == "sdpa" and "undefined symbol" in caplog.text
     with pytest.raises(ImportError, match="does not load"):
         attn.select_backend("flash", cuda, torch.bfloat16)
+
+
+def test_flash_absent_on_a_gpu_warns_and_the_worker_exports_its_backend(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No flash-attn on a GPU worker: it still serves through torch SDPA, with a WARNING (issue
+    53: it was silent), and its /metrics say which backend it attends with."""
+    from prometheus_client import generate_latest
+
+    import kvrelay.engine.attention as attn
+    from kvrelay.engine.cpu.prefetch_tuner import PrefetchChoices
+    from kvrelay.engine.engine_types import EngineStats
+    from kvrelay.engine.step_cost import StepCostFit
+    from kvrelay.worker.metrics import WorkerMetrics
+
+    monkeypatch.setattr(attn, "flash_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=attn.__name__):
+        name = attn.select_backend("auto", torch.device("cuda", 0), torch.bfloat16).name
+    assert name == "sdpa" and "flash-attn is not installed" in caplog.text
+    assert "make install-gpu" in caplog.text
+    stats = dataclasses.replace(
+        EngineStats(**{n: {} if str(f.type).startswith("dict") else 1
+                       for n, f in EngineStats.__dataclass_fields__.items()}),
+        step_cost=StepCostFit(1e-3, 1e-5, 1e-9, 1e-4, 1e-7, 32),
+        gemm_prefetch=PrefetchChoices({8: True}, 3))
+    text = generate_latest(WorkerMetrics(lambda: stats, "decode", "d1", attention=name,
+                                         device="cuda").registry).decode()
+    assert ('kvrelay:attention_backend_info{backend="sdpa",device="cuda",pool="decode",'
+            'worker="d1"} 1.0') in text
 
 
 def test_cpu_selection_unchanged() -> None:

@@ -150,8 +150,14 @@ class _EngineCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], pool: str, worker: str):
+    def __init__(self, stats: Callable[[], EngineStats], pool: str, worker: str,
+                 attention: str = "", device: str = ""):
         self.registry = CollectorRegistry()
+        if attention:  # what this engine attends with: alert on a GPU worker's "sdpa"
+            Gauge("kvrelay:attention_backend_info", "1 for the attention backend the engine "
+                  "runs (flash, sdpa or native) on its device kind", ["pool", "worker", "backend",
+                                                                      "device"],
+                  registry=self.registry).labels(pool, worker, attention, device).set(1)
         self.step_time = Histogram("kvrelay:engine_step_seconds", "Engine step duration",
                                    ["pool", "worker"], buckets=STEP_BUCKETS,
                                    registry=self.registry).labels(pool, worker)

@@ -197,7 +197,9 @@ class Worker:
         if st.metrics_port is not None:
             from kvrelay.worker.metrics import WorkerMetrics
 
-            self.metrics = WorkerMetrics(lambda: self.engine.stats, st.role, self.worker_id)
+            runner = self.engine.core.runner
+            self.metrics = WorkerMetrics(lambda: self.engine.stats, st.role, self.worker_id,
+                                         attention=runner.backend, device=runner.device.type)
             self.metrics_port = self.metrics.serve(st.host, st.metrics_port)
         self.kv_events = None
         if st.kv_events_endpoint:  # the KV events in vLLM's format, for external routers

@@ -73,13 +73,19 @@ def select_backend(name: str, device: torch.device,
         if backend is None:
             raise ImportError("attention_backend=flash: flash-attn does not load (see the log)")
         return backend
-    if name == "auto" and device.type == "cuda" and flash_available():
-        if dtype in FLASH_DTYPES:
-            backend = _import_flash()
+    if name == "auto" and device.type == "cuda":
+        if dtype not in FLASH_DTYPES:
+            logger.info("attention: torch SDPA, flash-attn has no %s kernels", dtype)
+        else:
+            backend = _import_flash() if flash_available() else None
             if backend is not None:
                 return backend
-        else:
-            logger.info("attention: torch SDPA, flash-attn has no %s kernels", dtype)
+            # A GPU worker without flash-attn still serves, through torch SDPA, but gathers
+            # every sequence's K/V per layer and runs no CUDA graphs: say so loudly (the
+            # workers also export kvrelay:attention_backend_info{backend="sdpa"}).
+            logger.warning("attention: flash-attn is %s: torch SDPA on %s, slower (no paged "
+                           "reads); install it with `make install-gpu`",
+                           "not loadable" if flash_available() else "not installed", device)
     if name not in ("auto", "sdpa", "native"):
         raise ValueError(f"unknown attention backend {name!r}")
     if name in ("auto", "native") and device.type == "cpu" and dtype == torch.float32:
