@@ -31,6 +31,7 @@ to the side they concern.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -82,6 +83,10 @@ class NixlConnector(KVConnector):
                           ranks: RankKV | None = None) -> None:
         if self._transport is not None:
             raise RuntimeError("register_kv_cache may be called once")
+        if kv.is_cuda:
+            from kvrelay.engine.cuda.memory import refuse_expandable_segments
+
+            refuse_expandable_segments(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
         tp: dict[str, Any] = {}
         if ranks is not None:
             tp = {"head_ranges": ranks.head_ranges, "model_kv_heads": ranks.model_kv_heads}

@@ -195,6 +195,20 @@ def test_flash_absent_on_a_gpu_warns_and_the_worker_exports_its_backend(
             'worker="d1"} 1.0') in text
 
 
+@pytest.mark.parametrize(("conf", "refused"), [
+    (None, False), ("", False), ("max_split_size_mb:128", False),
+    ("expandable_segments:False", False), ("expandable_segments:True", True),
+    ("max_split_size_mb:64, expandable_segments:true", True)])
+def test_expandable_segments_are_refused_for_a_transferred_kv_cache(conf, refused) -> None:
+    from kvrelay.engine.cuda.memory import refuse_expandable_segments
+
+    if refused:
+        with pytest.raises(ValueError, match=r"expandable_segments.*unset it"):
+            refuse_expandable_segments(conf)
+    else:
+        refuse_expandable_segments(conf)
+
+
 def test_cpu_selection_unchanged() -> None:
     from kvrelay.engine.attention import select_backend
 

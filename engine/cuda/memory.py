@@ -45,3 +45,17 @@ def paged_flash_block_size(requested: int) -> int:
     logger.info("KV block size %d -> %d: flash-attn's paged KV needs multiples of %d tokens",
                 requested, PAGED_FLASH_BLOCK, PAGED_FLASH_BLOCK)
     return PAGED_FLASH_BLOCK
+
+
+def refuse_expandable_segments(alloc_conf: str | None) -> None:
+    """Refuse a KV cache that a peer must reach over CUDA IPC when torch's allocator maps it in
+    expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): such memory is
+    not one exportable allocation, and NIXL's transfers to it fail at the first hand-off, far
+    from the cause. Raises ValueError naming the setting."""
+    for part in (alloc_conf or "").split(","):
+        key, _, value = part.partition(":")
+        if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
+            raise ValueError("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: a KV cache "
+                             "moved between processes must be one exportable CUDA allocation "
+                             "(CUDA IPC cannot export expandable segments); unset it for "
+                             "prefill and decode workers")
