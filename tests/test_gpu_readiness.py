@@ -55,13 +55,21 @@ def test_cuda_kv_budget_respects_utilization() -> None:
     from kvrelay.engine.cuda.memory import cuda_kv_budget
 
     gib = 2**30
-    # 80 GiB card, 60 GiB free after weights, 10 % held back: 52 GiB usable.
-    assert cuda_kv_budget(8 * gib, 0.9, 60 * gib, 80 * gib) == 8 * gib
-    assert cuda_kv_budget(100 * gib, 0.9, 60 * gib, 80 * gib) == 52 * gib
+    # 80 GiB card, 18 GiB of this process's (weights, a forward's), 60 GiB free: its 0.9
+    # share less its own, 54 GiB usable.
+    assert cuda_kv_budget(8 * gib, 0.9, 60 * gib, 80 * gib, own=18 * gib) == 8 * gib
+    assert cuda_kv_budget(100 * gib, 0.9, 60 * gib, 80 * gib, own=18 * gib) == 54 * gib
+    # Never past what leaves 2 % of the device free (another process holds most of it).
+    assert cuda_kv_budget(100 * gib, 0.9, 10 * gib, 80 * gib, own=2 * gib) == \
+        10 * gib - round(0.02 * 80 * gib)
     with pytest.raises(RuntimeError, match="no GPU memory left"):
-        cuda_kv_budget(gib, 0.5, 30 * gib, 80 * gib)
+        cuda_kv_budget(gib, 0.5, 30 * gib, 80 * gib, own=45 * gib)
     with pytest.raises(ValueError):
         cuda_kv_budget(gib, 1.5, 30 * gib, 80 * gib)
+    # Two workers started together on one 80 GiB card, 0.45 each, 8 GiB of weights each: both
+    # see 64 GiB free; each takes its share less its own, 28 GiB, not 56 GiB (together 112).
+    both = [cuda_kv_budget(100 * gib, 0.45, 64 * gib, 80 * gib, own=8 * gib) for _ in "pd"]
+    assert both == [28 * gib, 28 * gib] and sum(both) + 2 * 8 * gib <= 0.9 * 80 * gib
 
 
 def test_cache_config_validates_utilization() -> None:
