@@ -89,7 +89,7 @@ def test_a_tp2_rank_holds_its_shard_and_one_layer_never_the_model(model_dir: str
     layers = sum(layer_bytes.values())
     one_layer = max(layer_bytes.values())
     full, tp2 = grown(model_dir, 1), grown(model_dir, 2)
-    slack = 16 * 2**20  # the allocator's arenas, the mapped file's pages being read
+    slack = 40 * 2**20  # the allocator's arenas, a layer cut while the next one is read
     assert full > layers, (full, layers)  # the measure sees the weights at all
     bound = other + layers // 2 + one_layer + slack
     assert tp2 < bound, (tp2 / 2**20, bound / 2**20)
