@@ -102,13 +102,14 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     unused = getattr(model, "unused_checkpoint_weight", None)
     if shard is not None:
         validate_tp(arch, shard.size)
-    # Per decoder layer, its tensors still to come: at 0 the layer is cut (under TP) and its
-    # targets let go of (they hold the whole parameters).
-    to_come: dict[int, set[str]] = {}
+    # Per decoder layer, its tensors (``names_of``) and those still to come: at none the layer
+    # is cut (under TP) and its targets let go of (they hold the whole parameters).
+    names_of: dict[int, list[str]] = {}
     for name in targets:
         layer = layer_of(name)
         if layer is not None and layer < len(model.layers):
-            to_come.setdefault(layer, set()).add(name)
+            names_of.setdefault(layer, []).append(name)
+    to_come = {layer: set(names) for layer, names in names_of.items()}
     loaded: set[str] = set()
     ignored = 0
     for name, tensor in iter_checkpoint(model_dir):
@@ -128,7 +129,7 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
             if not rest and shard is not None:
                 shard_layer(model, model.layers[layer], shard)
                 model.layers[layer].to(device)
-                for n in [n for n in targets if layer_of(n) == layer]:
+                for n in names_of[layer]:
                     del targets[n]
     missing = sorted(expected - loaded)
     if missing:
