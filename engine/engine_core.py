@@ -564,9 +564,7 @@ class EngineCore:
         (``kv_window.py``): those blocks are partial (``BlockManager.mark_holes``). The blocks
         the reservation matched in this engine's own cache were not written. (Under the
         hybrid KV layout the reservation held no page of those: its blocks are partial
-        already, ``hybrid_blocks.py``.)"""
-        if self.runner.kv_plan is not None:
-            return
+        already, and ``HybridBlockManager.mark_holes`` has nothing to mark.)"""
         bs = self.block_manager.block_size
         end = self._windows.holes_end(seq.num_prompt_tokens, bs)
         first = seq.num_cached_tokens // bs

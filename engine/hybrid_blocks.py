@@ -445,4 +445,6 @@ class HybridBlockManager(BlockManager):
         return out
 
     def mark_holes(self, seq: Sequence, first: int, end: int) -> None:
-        raise NotImplementedError("the hybrid KV layout takes no windowed handoff")
+        """Nothing to mark: a reservation's fresh blocks before a windowed group's window never
+        had that group's page (``release_out_of_window(valid_blocks=...)`` gave it back at
+        once, the block partial), and its cached blocks hold every page they had."""
