@@ -91,16 +91,3 @@ class ServeSpec:
         n = other // own
         fits = other % own == 0 and kv_heads >= own and (kv_heads // own) % n == 0
         return n if n > 1 and fits else 1
-
-    def __post_init__(self) -> None:
-        for pool in ("prefill", "decode"):
-            ps = self.pools.get(pool)
-            # KV transfer between TP replicas maps every rank's KV into rank 0's process
-            # through shared memory: CPU KV caches only (see kvrelay.engine.tensor_parallel).
-            gpu = ps is not None and (ps.gpus > 0
-                                      or str(self.engine.model.device).startswith("cuda"))
-            if ps is not None and ps.tp > 1 and gpu:
-                raise ValueError(f"--{pool}-tp {ps.tp}: KV transfer between prefill and decode "
-                                 f"replicas supports tensor parallelism with CPU KV caches "
-                                 f"only; on GPUs use tensor parallelism on aggregated replicas "
-                                 f"(--both N --both-tp {ps.tp})")

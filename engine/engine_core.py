@@ -94,15 +94,16 @@ class EngineCore:
         self.connector = connector
         if connector is not None:
             rank_kv = getattr(self.runner, "rank_kv", None)
-            if config.model.tensor_parallel_size > 1 and rank_kv is None:
-                self.runner.close()  # type: ignore[attr-defined]
-                raise ValueError("KV transfer under tensor parallelism needs CPU KV caches "
-                                 "(every rank's KV shared with rank 0); on GPUs serve TP "
-                                 "replicas with role both")
-            if rank_kv is not None:
-                connector.register_kv_cache(self.runner.transfer_kv, self.runner.kv_spec, rank_kv)
-            else:
-                connector.register_kv_cache(self.runner.transfer_kv, self.runner.kv_spec)
+            try:
+                if rank_kv is not None:
+                    connector.register_kv_cache(self.runner.transfer_kv, self.runner.kv_spec,
+                                                rank_kv)
+                else:
+                    connector.register_kv_cache(self.runner.transfer_kv, self.runner.kv_spec)
+            except BaseException:  # e.g. a rank could not start its NIXL agent: stop the ranks
+                if hasattr(self.runner, "close"):
+                    self.runner.close()
+                raise
         self.seqs: dict[str, Sequence] = {}
         # Each layer's window: arriving KV may lack a windowed layer's blocks out of its window.
         self._windows = LayerWindows(self.runner.kv_spec.layer_windows)

@@ -143,12 +143,18 @@ def kv_shape(spec: KVCacheSpec, groups: int) -> tuple[int, ...]:
     return spec.shape if groups == 1 else (groups, *spec.shape)
 
 
+def group_head_ranges(heads: range, groups: int) -> list[tuple[int, int]]:
+    """The model's KV heads each of ``groups`` head groups holds, of an engine (a rank) holding
+    ``heads``."""
+    n = len(heads) // groups
+    return [(heads.start + g * n, heads.start + (g + 1) * n) for g in range(groups)]
+
+
 def group_views(kv: torch.Tensor, heads: range) -> list[tuple[torch.Tensor, tuple[int, int]]]:
     """Each head group of ``kv``, which holds the model's KV heads ``heads``, with the range of
     them it holds (what a transport registers as a rank's tensor and head range)."""
     groups = kv_groups_of(kv)
-    n = len(heads) // len(groups)
-    return [(t, (heads.start + g * n, heads.start + (g + 1) * n)) for g, t in enumerate(groups)]
+    return list(zip(groups, group_head_ranges(heads, len(groups)), strict=True))
 
 
 def check_kv_head_groups(groups: int, kv_heads: int) -> None:

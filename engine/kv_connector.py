@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -52,13 +52,17 @@ class ScheduledSeq(NamedTuple):
 
 @dataclass(frozen=True)
 class RankKV:
-    """Under tensor parallelism or KV head groups: the KV tensors of the transport's ranks
-    1..N-1 (rank 0's is ``kv``), in rank 0's process, and the model's KV heads each rank holds
-    (``[start, stop)``, rank order)."""
+    """Under tensor parallelism or KV head groups: the KV transport's ranks (one per TP rank, or
+    per KV head group of each) and the model's KV heads each holds (``[start, stop)``, in
+    transport-rank order), of which this process holds ``slots`` (``kv``, then ``others``).
+    Under tensor parallelism ``services`` reaches ranks 1..N-1, which hold the rest in their own
+    processes and register them with their own agents (``kv_transfer/rank_agents.py``)."""
 
     others: list[torch.Tensor]
     head_ranges: tuple[tuple[int, int], ...]
     model_kv_heads: int
+    slots: tuple[int, ...] = ()  # (): all of them
+    services: Any = None  # tensor_parallel.RankServices
 
     @classmethod
     def from_views(cls, views: Seq[tuple[torch.Tensor, tuple[int, int]]],

@@ -26,7 +26,6 @@ from kvrelay.engine.kv_cache import (
     dtype_name,
     group_views,
     kv_groups_of,
-    kv_shape,
 )
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.loader import load_model
@@ -40,7 +39,7 @@ from kvrelay.engine.step_inputs import (  # padded_rows: imported from here by t
     row_order,
     sampled_rows,
 )
-from kvrelay.engine.tp_shard import TPShard, local_kv_heads, shared_kv_cache
+from kvrelay.engine.tp_shard import TPShard, local_kv_heads
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +116,7 @@ class ModelRunner:
                                    block_size, num_blocks, dtype_name(self.kv_dtype),
                                    layer_windows=arch.layer_windows, planes=arch.kv_planes,
                                    groups=self.kv_plan)
-        if shard is not None and shard.kv_shm:
-            self.kv = shared_kv_cache(shard.kv_shm, shard.rank, kv_shape(self.kv_spec, groups),
-                                      self.kv_spec.torch_dtype)
-        else:
-            self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
+        self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
         if self.kv_plan is None:
             self.model.bind_kv_cache(self.kv)
         else:
@@ -132,7 +127,7 @@ class ModelRunner:
         self.attention.bind_cache(self.kv_spec.num_kv_heads, arch.head_dim, self.kv_dtype,
                                   self.device)
         # What a KV transport registers: the tensor, or group 0 and the others as its ranks
-        # (under TP, rank 0 maps every rank's groups: TPModelRunner).
+        # (under TP each rank registers its own groups: TPModelRunner).
         self.transfer_kv = kv_groups_of(self.kv)[0]
         if groups > 1 and shard is None:
             self.rank_kv = RankKV.from_views(group_views(self.kv, range(kv_heads)), kv_heads)

@@ -8,12 +8,14 @@ group is built from a private ``TCPStore`` (no global ``torch.distributed`` stat
 replicas can live in one process), and every collective waits at most ``tp_timeout_s``: a dead or
 stuck rank makes rank 0 raise :class:`TensorParallelError` instead of hanging.
 
-KV transfer (CPU): every rank's KV tensor is a shared-memory file, which rank 0 maps too
-(:attr:`TPModelRunner.rank_kv`), so rank 0's KV connector registers and moves the KV of all
-ranks. Rank 0 learns that a layer's K/V are in *every* rank's cache one layer late: when it
-writes layer L, each other rank has passed the all-reduce after layer L-1 (so wrote L-1's K/V),
-not necessarily L's. So ``save_layer`` hears of layer L-1 then, and ``end_step`` (after the
-last all-reduce) sends the rest.
+KV transfer: every rank registers its own KV with its own NIXL agent (GPU memory cannot be
+registered by another process's agent), which runs in a *service* thread beside the rank's
+forward loop (:class:`RankServices`; the service itself is ``kv_transfer/rank_agents.py``: the
+engine only hands a picklable callable over). Rank 0's connector keeps all the bookkeeping and
+orders each step's writes of every rank. Rank 0 learns that a layer's K/V are in *every* rank's
+cache one layer late: when it writes layer L, each other rank has passed the all-reduce after
+layer L-1 (so wrote L-1's K/V), not necessarily L's. So ``save_layer`` hears of layer L-1 then,
+and ``end_step`` (after the last all-reduce) sends the rest.
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
-import os
-import secrets
 import struct
+import threading
 import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from kvrelay.engine.attention import forward_context
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.kv_cache import group_views
+from kvrelay.engine.kv_cache import group_head_ranges, group_views
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.model_runner import ModelRunner, SampledTokens
 from kvrelay.engine.tp_shard import (
@@ -46,9 +47,7 @@ from kvrelay.engine.tp_shard import (
     TPShard,
     kv_head_range,
     make_groups,
-    shared_kv_cache,
     startup_timeout,
-    unlink_kv_shm,
     validate_tp,
 )
 
@@ -118,16 +117,34 @@ def unpack_step(packed: torch.Tensor) -> list[ScheduledSeq]:
     return out
 
 
+def _serve(conn: Connection, runner: ModelRunner) -> None:
+    """A rank's service thread: idle until rank 0 sends a service (a picklable callable) and its
+    arguments, then runs ``fn(conn, runner, **kwargs)``: the connection is the service's."""
+    try:
+        fn, kwargs = conn.recv()
+    except (EOFError, OSError):  # rank 0 is gone, or never needed one
+        return
+    try:
+        fn(conn, runner, **kwargs)
+    except Exception:
+        logger.exception("tensor-parallel rank %d: service %s failed",
+                         runner.shard.rank if runner.shard else -1, fn)
+    finally:
+        conn.close()
+
+
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
-                 conn: Connection, kv_shm: str = "") -> None:
+                 conn: Connection, service: Connection) -> None:
     timeout = datetime.timedelta(seconds=config.model.tp_timeout_s)
     startup = startup_timeout(config)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=startup)
     cuda = ModelRunner.device_for(config, rank).type == "cuda"
     group, control = make_groups(store, rank, size, startup, cuda)
-    shard = TPShard(rank, size, group, timeout, "" if cuda else kv_shm, control, nccl=cuda)
+    shard = TPShard(rank, size, group, timeout, control, nccl=cuda)
     runner = ModelRunner(config, shard=shard)
     runner.check_blocks(startup)
+    threading.Thread(target=_serve, args=(service, runner), name=f"kvrelay-tp-rank{rank}-service",
+                     daemon=True).start()
     with torch.inference_mode():
         while True:
             try:  # idle for as long as it takes: the step header comes through a pipe
@@ -169,23 +186,25 @@ class Ranks:
         # The step header (op, payload length) goes through a pipe, so an idle replica waits
         # without a collective that would time out; the payload goes by broadcast.
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
+        services = [ctx.Pipe(duplex=True) for _ in range(1, size)]
         cuda = ModelRunner.device_for(config, 0).type == "cuda"
-        self.kv_shm = "" if cuda else f"kvrelay-kv-{os.getpid()}-{secrets.token_hex(6)}"
         self.procs = [ctx.Process(target=_worker_main, name=f"kvrelay-tp-rank{r}", daemon=True,
                                   args=(config, r, size, self.store.port, pipes[r - 1][0],
-                                        self.kv_shm))
+                                        services[r - 1][1]))
                       for r in range(1, size)]
         for p in self.procs:
             p.start()
-        for recv, _ in pipes:
+        for (recv, _), (_, theirs) in zip(pipes, services, strict=True):
             recv.close()
+            theirs.close()
         self.conns = [send for _, send in pipes]
+        self.services = RankServices([ours for ours, _ in services], self.procs)
         try:
             group, control = make_groups(self.store, 0, size, startup, cuda)
         except RuntimeError as e:
             self.close()
             raise self.error("joining the process group", e) from e
-        self.shard = TPShard(0, size, group, self.timeout, self.kv_shm, control, nccl=cuda)
+        self.shard = TPShard(0, size, group, self.timeout, control, nccl=cuda)
         self.closed = False
 
     @property
@@ -220,14 +239,45 @@ class Ranks:
                     c.send_bytes(struct.pack("<qq", _OP_STOP, 0))
         for c in getattr(self, "conns", []):
             c.close()
-        if getattr(self, "kv_shm", ""):
-            unlink_kv_shm(self.kv_shm, self.size)
+        if hasattr(self, "services"):
+            self.services.close()
         for p in self.procs:
             if not self.abandoned:
                 p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+class RankServices:
+    """Rank 0's line to the service thread of each of ranks 1..N-1: what runs there beside the
+    forward loop (the KV transfer's per-rank NIXL agents, ``kv_transfer/rank_agents.py``). A
+    service is a picklable callable ``fn(conn, runner, **kwargs)``; once started, the
+    connections are its own."""
+
+    def __init__(self, conns: list[Connection], procs: list[mp.process.BaseProcess]):
+        self.conns = conns
+        self.procs = procs
+        self.started = False
+
+    def start(self, fn: Callable[..., None], kwargs: Seq[dict[str, Any]]) -> list[Connection]:
+        """Start ``fn`` on every rank 1..N-1 with its ``kwargs`` (rank r's at r - 1); the
+        connections, in the same order."""
+        if self.started:
+            raise RuntimeError("a rank service runs already")
+        if len(kwargs) != len(self.conns):
+            raise ValueError(f"{len(kwargs)} sets of arguments for {len(self.conns)} ranks")
+        self.started = True
+        for c, kw in zip(self.conns, kwargs, strict=True):
+            c.send((fn, kw))
+        return self.conns
+
+    def alive(self, rank: int) -> bool:
+        return self.procs[rank - 1].exitcode is None
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
 
 
 def tp_model_config(config: EngineConfig) -> EngineConfig:
@@ -250,7 +300,7 @@ class TPModelRunner(ModelRunner):
         try:
             super().__init__(config, shard=self.ranks.shard)
             self.check_blocks(startup_timeout(config))
-            self.rank_kv = self._map_rank_kv()
+            self.rank_kv = self._rank_kv()
         except ValueError:
             self.close()
             raise
@@ -276,26 +326,18 @@ class TPModelRunner(ModelRunner):
             self.close()
             raise self._failed from e
 
-    def _map_rank_kv(self) -> RankKV | None:
-        """The other ranks' KV tensors (they exist: ``check_blocks`` ran after every rank
-        allocated), then the files go (the mappings stay). Under KV head groups every rank's
-        groups, rank after rank, are the transport's ranks."""
-        shm = self.ranks.kv_shm
-        if not shm:
-            return None
-        size = self.ranks.size
-        kvs = [self.kv, *(shared_kv_cache(shm, r, tuple(self.kv.shape), self.kv_spec.torch_dtype)
-                          for r in range(1, size))]
-        unlink_kv_shm(shm, size)
-        return RankKV.from_views([v for i, kv in enumerate(kvs)
-                                  for v in group_views(kv, kv_head_range(self.arch, i, size))],
-                                 self.arch.num_kv_heads)
+    def _rank_kv(self) -> RankKV:
+        """The KV transport's ranks: every rank's KV head groups, rank after rank; rank 0
+        holds its own, the others theirs (reached through ``ranks.services``)."""
+        size, groups = self.ranks.size, self.kv_groups
+        ranges = [r for rank in range(size)
+                  for r in group_head_ranges(kv_head_range(self.arch, rank, size), groups)]
+        own = group_views(self.kv, kv_head_range(self.arch, 0, size))
+        return RankKV([t for t, _ in own[1:]], tuple(ranges), self.arch.num_kv_heads,
+                      slots=tuple(range(groups)), services=self.ranks.services)
 
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
-        if connector is not None and self.rank_kv is None:
-            raise NotImplementedError("KV transfer under tensor parallelism needs CPU KV "
-                                      "caches (shared memory between the ranks)")
         return self._guarded(super().run, scheduled, connector)
 
     def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:

@@ -12,10 +12,8 @@ read. Every rank owns the KV cache of its heads with the same block ids, so one 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +51,6 @@ class TPShard:
     size: int
     group: dist.ProcessGroup
     timeout: datetime.timedelta
-    # CPU only: each rank's KV tensor lives in the shared-memory file ``kv_shm_path(kv_shm, r)``
-    # so rank 0's KV connector can register and move every rank's KV ("": private memory).
-    kv_shm: str = ""
     control: dist.ProcessGroup | None = None  # None: ``group`` (a CPU replica's one gloo group)
     nccl: bool = False  # ``group`` is NCCL: activations only, CUDA tensors only
 
@@ -148,38 +143,6 @@ def kv_head_range(arch: ModelArch, rank: int, size: int) -> range:
     n = local_kv_heads(arch, size)
     first = rank * arch.num_kv_heads // size if arch.num_kv_heads < size else rank * n
     return range(first, first + n)
-
-
-def kv_shm_path(prefix: str, rank: int) -> str:
-    return f"/dev/shm/{prefix}-rank{rank}"
-
-
-def shared_kv_cache(prefix: str, rank: int, shape: tuple[int, ...],
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Rank ``rank``'s KV tensor in a shared-memory file (created zero-filled, or mapped when
-    it exists): the same bytes in the rank's process and in rank 0's."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    path = kv_shm_path(prefix, rank)
-    need = numel * torch.empty((), dtype=dtype).element_size()
-    st = os.statvfs(os.path.dirname(path))
-    if not os.path.exists(path) and st.f_bavail * st.f_frsize < need:
-        # Past a tmpfs's size the first touch of a page kills the process (SIGBUS): refuse.
-        raise ValueError(f"tensor-parallel rank {rank} needs {need / 2**20:.0f} MiB of KV cache "
-                         f"in {os.path.dirname(path)}, which has "
-                         f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free: lower "
-                         f"--kv-cache-memory or give /dev/shm more room (k8s: the dshm volume's "
-                         f"sizeLimit)")
-    t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    return t.view(shape)
-
-
-def unlink_kv_shm(prefix: str, size: int) -> None:
-    """Remove the files (the mappings stay valid until every process unmaps them)."""
-    for r in range(size):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(kv_shm_path(prefix, r))
 
 
 class RowParallelLinear(Linear):

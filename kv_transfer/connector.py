@@ -54,6 +54,7 @@ from kvrelay.kv_transfer.messages import (
 )
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
 from kvrelay.kv_transfer.notice import lease_key
+from kvrelay.kv_transfer.rank_agents import RankedTransport
 from kvrelay.kv_transfer.receiver_progress import ReceiverProgress
 from kvrelay.kv_transfer.receiving import OnHold, Receiving
 from kvrelay.kv_transfer.sending import Sending
@@ -70,7 +71,7 @@ class NixlConnector(KVConnector):
         self.config = config
         self._tx = Sending(config)
         self._rx = Receiving(config.sender_gone_grace_s, config.quarantine_backstop_s)
-        self._transport: NixlTransport | None = None
+        self._transport: NixlTransport | RankedTransport | None = None
         self._device: torch.device | None = None
         self._recv_progress: ReceiverProgress | None = None
         self._lend_progress: ReceiverProgress | None = None
@@ -91,9 +92,18 @@ class NixlConnector(KVConnector):
         if ranks is not None:
             tp = {"head_ranges": ranks.head_ranges, "model_kv_heads": ranks.model_kv_heads}
         layout = KVLayout.from_spec(spec, self.config.model_id, device_kind_of(kv.device), **tp)
-        self._transport = NixlTransport(self.config.agent_name, kv, layout,
-                                        write_timeout_s=self.config.write_timeout_s,
-                                        rank_kvs=() if ranks is None else ranks.others)
+        local = NixlTransport(self.config.agent_name, kv, layout,
+                              write_timeout_s=self.config.write_timeout_s,
+                              rank_kvs=() if ranks is None else ranks.others,
+                              slots=None if ranks is None or not ranks.slots else ranks.slots)
+        if ranks is not None and ranks.services is not None:
+            try:  # tensor parallelism: every rank's agent writes its own KV (rank_agents.py)
+                self._transport = RankedTransport(local, ranks.services)
+            except BaseException:
+                local.close()
+                raise
+        else:
+            self._transport = local
         self._tx.attach(self._transport, spec, kv.device)
         self._spec = spec
         self._device = kv.device
@@ -118,7 +128,7 @@ class NixlConnector(KVConnector):
             self._transport.close()
 
     @property
-    def transport(self) -> NixlTransport:
+    def transport(self) -> NixlTransport | RankedTransport:
         if self._transport is None:
             raise RuntimeError("register_kv_cache() first")
         return self._transport

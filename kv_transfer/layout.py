@@ -34,8 +34,10 @@ if TYPE_CHECKING:
 # 2: tp_size, head_ranges, model_kv_heads. 3: a sliding-window layer is written only the blocks
 # its receiver still reads, whose others the receiver must never serve as whole blocks
 # (``engine/kv_window.py``): a v2 receiver would. 4: ``planes`` (1: MLA's latent, one plane per
-# layer), which a v3 peer would take for K and V.
-PROTOCOL_VERSION = 4
+# layer), which a v3 peer would take for K and V. 5: under tensor parallelism each rank's KV is
+# in its own process, written by its own agent (``PeerInfo.rank_agents``), where a v4 peer writes
+# every rank's through rank 0's.
+PROTOCOL_VERSION = 5
 DEVICE_KINDS = ("cpu", "cuda")
 
 
@@ -269,15 +271,18 @@ def device_kind_of(device: Any) -> str:
     return kind
 
 
-def check_kv_tensors(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> None:
-    """Raise ValueError unless ``tensors`` (rank 0's KV tensor, then ranks 1..N-1's) are what
-    ``layout`` describes, and can be registered with NIXL as one region each."""
+def check_kv_tensors(layout: KVLayout, tensors: Sequence[torch.Tensor],
+                     slots: Sequence[int] | None = None) -> None:
+    """Raise ValueError unless ``tensors`` (the KV of transport ranks ``slots``, default all of
+    ``layout``'s, in order) are what ``layout`` describes, and can be registered with NIXL as one
+    region each."""
     spec = layout.spec
-    if len(tensors) != layout.tp_size:
-        raise ValueError(f"{len(tensors)} KV tensors for {layout.tp_size} ranks")
-    if layout.tp_size > 1 and layout.device_kind != "cpu":
-        raise ValueError("KV transfer under tensor parallelism needs CPU KV caches (every "
-                         "rank's KV registered by rank 0's agent through shared memory)")
+    slots = range(layout.tp_size) if slots is None else slots
+    if len(tensors) != len(slots) or not len(slots):
+        raise ValueError(f"{len(tensors)} KV tensors for transport ranks {list(slots)}")
+    if min(slots) < 0 or max(slots) >= layout.tp_size or len(set(slots)) != len(slots):
+        raise ValueError(f"transport ranks {list(slots)} are not distinct ranks of "
+                         f"{layout.tp_size}")
     for t in tensors:
         if tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype:
             raise ValueError(f"KV tensor {tuple(t.shape)} {t.dtype} does not match the "

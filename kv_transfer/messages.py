@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 import threading
@@ -137,14 +138,42 @@ class KVExpectation:
 
 
 _MAGIC = b"KVRP"
-_WIRE_VERSION = 1
+_WIRE_VERSION = 2  # 2: rank_agents
 _HEAD = struct.Struct("!4sBI")  # magic, wire version, length of the JSON part
+
+
+@dataclass(frozen=True)
+class RankAgent:
+    """The NIXL agent of one of an engine's tensor-parallel ranks 1..N-1, in that rank's process
+    (rank 0's is the ``PeerInfo``'s own): its metadata, its device, and the transport ranks
+    (``KVLayout.head_ranges`` indices: KV head groups make several per process) whose KV it
+    holds, at ``PeerInfo.rank_addresses`` in its own address space."""
+
+    name: str
+    metadata: bytes
+    device_id: int
+    slots: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "metadata": base64.b64encode(self.metadata).decode(),
+                "device_id": self.device_id, "slots": list(self.slots)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankAgent:
+        return cls(str(d["name"]), base64.b64decode(d["metadata"]), int(d["device_id"]),
+                   tuple(int(s) for s in d["slots"]))
 
 
 @dataclass(frozen=True)
 class PeerInfo:
     """One engine's KV endpoint. ``incarnation`` changes on every process start, so a restarted
-    peer that kept its agent name is recognised and reconnected."""
+    peer that kept its agent name is recognised and reconnected.
+
+    Under tensor parallelism every rank registers its own KV with its own NIXL agent (GPU memory
+    cannot be registered by another process's agent; vLLM's connector runs one per rank for the
+    same reason): ``rank_agents`` names ranks 1..N-1's, each with the transport ranks it holds;
+    the transport ranks no agent claims are this agent's. A sender writes each of them from the
+    rank of its own that holds the heads (``NixlTransport``), and only this agent notifies."""
 
     agent_name: str
     agent_metadata: bytes  # nixl_agent.get_agent_metadata()
@@ -155,6 +184,7 @@ class PeerInfo:
     # data_ptr() of every tensor-parallel rank's KV tensor (``layout.head_ranges`` order);
     # () means ``(base_address,)``.
     rank_addresses: tuple[int, ...] = ()
+    rank_agents: tuple[RankAgent, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.agent_name:
@@ -174,11 +204,31 @@ class PeerInfo:
         if len(self.rank_addresses) != self.layout.tp_size or min(self.rank_addresses) <= 0:
             raise ValueError(f"PeerInfo has {len(self.rank_addresses)} rank addresses for "
                              f"{self.layout.tp_size} tensor-parallel ranks")
+        claimed = [s for a in self.rank_agents for s in a.slots]
+        if len(set(claimed)) != len(claimed) or any(
+                not 0 <= s < self.layout.tp_size for s in claimed):
+            raise ValueError(f"PeerInfo's rank agents claim transport ranks {claimed} of "
+                             f"{self.layout.tp_size}: each at most once")
+        if any(a.name == self.agent_name or not a.metadata for a in self.rank_agents):
+            raise ValueError("a PeerInfo rank agent needs its own name and metadata")
+
+    def agent_of(self, slot: int) -> tuple[str, int]:
+        """(agent name, device id) holding transport rank ``slot``'s KV."""
+        for a in self.rank_agents:
+            if slot in a.slots:
+                return a.name, a.device_id
+        return self.agent_name, self.device_id
+
+    def agent_metadata_of(self, name: str) -> bytes:
+        if name == self.agent_name:
+            return self.agent_metadata
+        return next(a.metadata for a in self.rank_agents if a.name == name)
 
     def _header(self) -> dict[str, Any]:
         return {"agent_name": self.agent_name, "layout": self.layout.to_dict(),
                 "base_address": self.base_address, "device_id": self.device_id,
-                "incarnation": self.incarnation, "rank_addresses": list(self.rank_addresses)}
+                "incarnation": self.incarnation, "rank_addresses": list(self.rank_addresses),
+                "rank_agents": [a.to_dict() for a in self.rank_agents]}
 
     def to_bytes(self) -> bytes:
         """``KVRP`` + wire version + JSON header length, the JSON header, the NIXL metadata."""
@@ -202,4 +252,5 @@ class PeerInfo:
                    layout=KVLayout.from_dict(head["layout"]),
                    base_address=int(head["base_address"]), device_id=int(head["device_id"]),
                    incarnation=head["incarnation"],
-                   rank_addresses=tuple(head.get("rank_addresses", ())))
+                   rank_addresses=tuple(head.get("rank_addresses", ())),
+                   rank_agents=tuple(RankAgent.from_dict(a) for a in head.get("rank_agents", ())))

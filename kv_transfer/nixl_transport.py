@@ -1,6 +1,9 @@
-"""The KV I/O: one NIXL agent per worker moving (layer, K|V, block) regions between KV tensors.
+"""The KV I/O: one NIXL agent per process moving (layer, K|V, block) regions between KV tensors.
 
-The engine's single KV tensor is registered once (DRAM, or VRAM when it lives on CUDA). Its
+The engine's single KV tensor is registered once (DRAM, or VRAM when it lives on CUDA). Under
+tensor parallelism each rank's process has one of these over its own KV (its *transport ranks*:
+the rank, or its KV head groups), and writes the heads it holds to the peer's agents that hold
+them (``staging``; ``rank_agents`` drives ranks 1..N-1 from rank 0). Its
 descriptor list has one entry per (layer, kv, block) in tensor order, prepared once locally and
 once per peer, so a write is built by index: no per-transfer registration or validation. A
 *read* (``read``: a prefix pulled from a peer that holds it, instead of recomputed) uses the
@@ -46,10 +49,11 @@ from kvrelay.kv_transfer.layout import (
     check_kv_tensors,
     head_runs,
 )
-from kvrelay.kv_transfer.messages import PeerInfo
+from kvrelay.kv_transfer.messages import PeerInfo, RankAgent
 from kvrelay.kv_transfer.staging import Stager, repack_note
 from kvrelay.kv_transfer.transport_types import (  # WriteHandle, Notification: from here too
     Notification,
+    PeerAgent,
     PreparedPeer,
     WriteHandle,
     mem_type,
@@ -88,13 +92,16 @@ def _what(handle: WriteHandle) -> str:
 class NixlTransport:
     def __init__(self, agent_name: str, kv: torch.Tensor, layout: KVLayout, *,
                  write_timeout_s: float = 10.0, num_threads: int = 0,
-                 rank_kvs: Sequence[torch.Tensor] = (), staging_bytes: int = 64 << 20) -> None:
-        """``kv`` is rank 0's tensor; under tensor parallelism ``rank_kvs`` are ranks 1..N-1's
-        (one host, shared memory: this agent registers and addresses every rank's KV).
-        ``staging_bytes``: the buffer writes to a peer of another head split are packed in
-        (allocated on the first such write; see ``staging``)."""
+                 rank_kvs: Sequence[torch.Tensor] = (), slots: Sequence[int] | None = None,
+                 staging_bytes: int = 64 << 20) -> None:
+        """``kv`` and ``rank_kvs`` are the KV of ``slots``, the transport ranks of ``layout`` this
+        process holds (default: all of them; see ``layout.head_ranges``): under tensor
+        parallelism a rank's own, with KV head groups one per group. ``staging_bytes``: the
+        buffer writes to a peer of another head split are packed in (allocated on the first
+        such write; see ``staging``)."""
         tensors = [kv, *rank_kvs]
-        check_kv_tensors(layout, tensors)
+        slots = tuple(range(len(tensors)) if slots is None else slots)
+        check_kv_tensors(layout, tensors, slots)
         if write_timeout_s <= 0:
             raise ValueError(f"write_timeout_s must be positive, got {write_timeout_s}")
         self.name = agent_name
@@ -103,8 +110,8 @@ class NixlTransport:
         self._block_bytes = layout.block_bytes
         self.incarnation = uuid.uuid4().hex
         self._kv = kv
-        self._rank_kvs = tensors
-        self._addrs = tuple(t.data_ptr() for t in tensors)
+        self.slots = slots
+        self._slot_kvs = dict(zip(slots, tensors, strict=True))
         self._lock = threading.RLock()
         self._peers: dict[str, PreparedPeer] = {}
         # Written under the lock, read without it: the engine thread asks for incarnations
@@ -128,13 +135,33 @@ class NixlTransport:
                     agent_name, self._mem, layout.num_blocks, layout.block_bytes,
                     layout.num_layers * layout.planes, self.incarnation[:8])
 
+    @property
+    def metadata(self) -> bytes:
+        with self._lock:
+            self._check_open()
+            return self._agent.get_agent_metadata()
+
+    @property
+    def slot_addresses(self) -> dict[int, int]:
+        """Each of our transport ranks' KV address (in this process)."""
+        return {slot: t.data_ptr() for slot, t in self._slot_kvs.items()}
+
     # -- identity ------------------------------------------------------------------------------
-    def peer_info(self) -> PeerInfo:
+    def peer_info(self, ranks: Sequence[tuple[RankAgent, dict[int, int]]] = ()) -> PeerInfo:
+        """Our endpoint; under tensor parallelism (we are rank 0's agent) with ``ranks``: the
+        other ranks' agents and their transport ranks' KV addresses (``rank_agents``)."""
         with self._lock:
             self._check_open()
             md = self._agent.get_agent_metadata()
+        addrs = dict(self.slot_addresses)
+        for _, theirs in ranks:
+            addrs.update(theirs)
+        if sorted(addrs) != list(range(self.layout.tp_size)):
+            raise KVTransferError(f"agent {self.name}'s endpoint lacks transport ranks: has "
+                                  f"{sorted(addrs)} of {self.layout.tp_size}", retriable=False)
         return PeerInfo(self.name, md, self.layout, self._kv.data_ptr(), self._device_id,
-                        self.incarnation, self._addrs)
+                        self.incarnation, tuple(addrs[s] for s in range(self.layout.tp_size)),
+                        tuple(a for a, _ in ranks))
 
     # -- peers ---------------------------------------------------------------------------------
     def add_peer(self, info: PeerInfo) -> bool:
@@ -170,21 +197,47 @@ class NixlTransport:
             except _NIXL_ERRORS as e:
                 self._agent.remove_remote_agent(info.agent_name)
                 raise self._error(e, info.agent_name, "preparing descriptors of") from e
-            runs, ranks_dlist = None, None
+            runs, agents = None, None
             if self.layout.tp_size > 1 or info.layout.tp_size > 1:
-                runs = head_runs(self.layout, info.layout)
+                runs = [r for r in head_runs(self.layout, info.layout) if r.src in self.slots]
                 try:
-                    ranks_dlist = self._stager.prep_ranks(info)
-                except _NIXL_ERRORS as e:
+                    agents = self._prep_agents(info, {r.dst for r in runs})
+                except (KVTransferError, *_NIXL_ERRORS) as e:
                     dlist.release()  # type: ignore[attr-defined]
                     self._agent.remove_remote_agent(info.agent_name)
+                    if isinstance(e, KVTransferError):
+                        raise
                     raise self._error(e, info.agent_name, "preparing descriptors of") from e
-            self._peers[info.agent_name] = PreparedPeer(info, dlist, runs, ranks_dlist)
+            self._peers[info.agent_name] = PreparedPeer(info, dlist, runs, agents)
             self._incarnations[info.agent_name] = info.incarnation
         note = repack_note(self.layout, info.layout, runs)
         logger.log(logging.WARNING if note else logging.INFO, "added KV peer %s (%d blocks)%s",
                    info.agent_name, info.layout.num_blocks, note)
         return True
+
+    def _prep_agents(self, info: PeerInfo, slots: set[int]) -> dict[str, PeerAgent]:
+        """Load the metadata of each of ``info``'s agents that holds one of ``slots`` (its main
+        one is loaded already) and prepare its ranks' regions."""
+        by_agent: dict[str, tuple[list[int], int]] = {}
+        for slot in sorted(slots):
+            name, device = info.agent_of(slot)
+            by_agent.setdefault(name, ([], device))[0].append(slot)
+        out: dict[str, PeerAgent] = {}
+        try:
+            for name, (held, device) in by_agent.items():
+                if name != info.agent_name:
+                    self._agent.remove_remote_agent(name)  # an earlier incarnation's, if any
+                    self._agent.add_remote_agent(info.agent_metadata_of(name))
+                dl = self._stager.prep_agent(info, name, held, device)
+                out[name] = PeerAgent(name, tuple(held), dl, device)
+        except _NIXL_ERRORS as e:
+            for a in out.values():
+                a.dlist.release()  # type: ignore[attr-defined]
+            for name in by_agent:
+                if name != info.agent_name:
+                    self._agent.remove_remote_agent(name)
+            raise self._error(e, info.agent_name, "loading the rank agents of") from e
+        return out
 
     def _load(self, info: PeerInfo) -> str:
         try:
@@ -213,12 +266,15 @@ class NixlTransport:
         p = self._peers.pop(name, None)
         if p is None:
             return
-        for dl in (p.dlist, p.ranks_dlist):
+        agents = list((p.agents or {}).values())
+        for dl in (p.dlist, *(a.dlist for a in agents)):
             try:
-                if dl is not None:
-                    dl.release()  # type: ignore[attr-defined]
+                dl.release()  # type: ignore[attr-defined]
             except _NIXL_ERRORS as e:
                 logger.debug("releasing descriptors of %s: %s", name, e)
+        for a in agents:
+            if a.name != name:
+                self._agent.remove_remote_agent(a.name)
         self._agent.remove_remote_agent(name)  # returns a status, never raises
 
     # -- writes --------------------------------------------------------------------------------
@@ -254,17 +310,17 @@ class NixlTransport:
                     lidx = plane_block_indices(planes, local_block_ids, nb_local)
                     ridx = plane_block_indices(planes, remote_block_ids, nb_remote)
                     nbytes = len(lidx) * self._block_bytes
-                    xfer = self._agent.make_prepped_xfer("WRITE", self._local, lidx, p.dlist,
-                                                         ridx)
+                    xfers = [self._agent.make_prepped_xfer("WRITE", self._local, lidx, p.dlist,
+                                                           ridx)]
                 else:  # several ranks: rank to rank, staged or per token (``Stager.write``)
-                    xfer, nbytes, staged = self._stager.write(
-                        p, self._rank_kvs, self.layout, self._addrs, planes, local_block_ids,
+                    xfers, nbytes, staged = self._stager.write(
+                        p, self._slot_kvs, self.layout, planes, local_block_ids,
                         remote_block_ids)
             except _NIXL_ERRORS as e:
                 raise self._failed(e, peer, "building a write to") from e
-            handle = WriteHandle(peer, nbytes, xfer, time.monotonic() + self.write_timeout_s,
+            handle = WriteHandle(peer, nbytes, xfers, time.monotonic() + self.write_timeout_s,
                                  staged)
-            return self._post(handle, xfer, "a write to")
+            return self._post(handle, "a write to")
 
     # -- reads (prefix pull) ----------------------------------------------------------------------
     def read(self, peer: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
@@ -287,7 +343,7 @@ class NixlTransport:
             else layer_planes(layers, self.layout.planes)
         with self._lock:
             p = self._peer(peer, incarnation)
-            if p.runs is not None or len(self._rank_kvs) > 1:
+            if p.runs is not None or len(self.slots) > 1:
                 raise KVTransferError(
                     f"reading KV from {peer} needs one KV tensor on each side (tensor-parallel "
                     "ranks split heads): pull is not supported between these pools",
@@ -307,23 +363,30 @@ class NixlTransport:
             except _NIXL_ERRORS as e:
                 raise self._failed(e, peer, "building a read from") from e
             timeout = self.write_timeout_s if timeout_s is None else timeout_s
-            handle = WriteHandle(peer, len(lidx) * self._block_bytes, xfer,
+            handle = WriteHandle(peer, len(lidx) * self._block_bytes, [xfer],
                                  time.monotonic() + timeout, op="read")
-            return self._post(handle, xfer, "a read from")
+            return self._post(handle, "a read from")
 
-    def _post(self, handle: WriteHandle, xfer: object, what: str) -> WriteHandle:
-        """Post ``handle``'s prepared transfer (under the lock); a refusal or a failure to post
-        releases it and raises. ``what``: "a write to" / "a read from", for the messages."""
+    def _post(self, handle: WriteHandle, what: str) -> WriteHandle:
+        """Post ``handle``'s prepared transfers (under the lock); a refusal or a failure to post
+        releases them and raises. ``what``: "a write to" / "a read from", for the messages."""
         peer = handle.peer
-        try:
-            state = self._agent.transfer(xfer)
-        except _NIXL_ERRORS as e:
-            self._finish(handle)
-            raise self._failed(e, peer, f"posting {what}") from e
-        if state == "ERR":
-            self._finish(handle)
-            raise KVTransferError(f"NIXL refused {what} {peer}", retriable=True, peer=peer)
-        if state == "DONE":
+        pending = []
+        for xfer in handle._xfer:
+            try:
+                state = self._agent.transfer(xfer)
+            except _NIXL_ERRORS as e:
+                self._finish(handle)
+                raise self._failed(e, peer, f"posting {what}") from e
+            if state == "ERR":
+                self._finish(handle)
+                raise KVTransferError(f"NIXL refused {what} {peer}", retriable=True, peer=peer)
+            if state == "DONE":
+                self._release(xfer)
+            else:
+                pending.append(xfer)
+        handle._xfer = pending
+        if not pending:
             self._finish(handle)
         return handle
 
@@ -334,17 +397,24 @@ class NixlTransport:
             return True
         what = _what(handle)
         with self._lock:
-            try:
-                state = self._agent.check_xfer_state(handle._xfer)
-            except _NIXL_ERRORS as e:
-                self._finish(handle)
-                raise self._failed(e, handle.peer, f"completing {_verb(handle)}") from e
-            if state == "DONE":
+            pending = []
+            for xfer in handle._xfer:
+                try:
+                    state = self._agent.check_xfer_state(xfer)
+                except _NIXL_ERRORS as e:
+                    self._finish(handle)
+                    raise self._failed(e, handle.peer, f"completing {_verb(handle)}") from e
+                if state == "ERR":
+                    self._finish(handle)
+                    raise KVTransferError(f"{what} failed", retriable=True, peer=handle.peer)
+                if state == "DONE":
+                    self._release(xfer)
+                else:
+                    pending.append(xfer)
+            handle._xfer = pending
+            if not pending:
                 self._finish(handle)
                 return True
-            if state == "ERR":
-                self._finish(handle)
-                raise KVTransferError(f"{what} failed", retriable=True, peer=handle.peer)
             if time.monotonic() >= handle.deadline:
                 self._finish(handle)
                 raise KVTransferError(
@@ -370,9 +440,9 @@ class NixlTransport:
             self._finish(handle)
 
     def _finish(self, handle: WriteHandle) -> None:
-        if handle._xfer is not None:
-            self._release(handle._xfer)
-            handle._xfer = None
+        for xfer in handle._xfer:
+            self._release(xfer)
+        handle._xfer = []
         if handle.staging is not None:
             self._stager.free(handle.staging)
             handle.staging = None

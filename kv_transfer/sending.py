@@ -43,6 +43,7 @@ from kvrelay.kv_transfer.cuda_sync import record_ready_event
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.messages import KVDestination, PendingDestination, destination_of
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
+from kvrelay.kv_transfer.rank_agents import RankedTransport
 from kvrelay.kv_transfer.self_fence import SelfFence
 from kvrelay.kv_transfer.send_tracker import (
     MAX_FENCED,
@@ -95,7 +96,7 @@ class Sending:
         self.config = config
         self._lock = threading.Lock()  # guards the trackers (engine thread vs I/O thread)
         self._send = SendTracker()
-        self._transport: NixlTransport | None = None
+        self._transport: NixlTransport | RankedTransport | None = None
         self._thread: TransferThread | None = None
         self._spec: KVCacheSpec | None = None
         self._cuda = False
@@ -115,7 +116,8 @@ class Sending:
         # (and under the hybrid KV layout, each layer group its own pages).
         self._windows: LayerWindows | PageWrites = LayerWindows(())
 
-    def attach(self, transport: NixlTransport, spec: KVCacheSpec, device: torch.device) -> None:
+    def attach(self, transport: NixlTransport | RankedTransport, spec: KVCacheSpec,
+               device: torch.device) -> None:
         """The registered KV cache's transport: nothing is planned or sent before."""
         self._transport = transport
         self._spec = spec
@@ -132,7 +134,7 @@ class Sending:
             self._thread.close()
 
     @property
-    def transport(self) -> NixlTransport:
+    def transport(self) -> NixlTransport | RankedTransport:
         if self._transport is None:
             raise RuntimeError("register_kv_cache() first")
         return self._transport

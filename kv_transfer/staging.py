@@ -1,6 +1,10 @@
 """Writes between engines with several ranks on a side; staging where the head splits differ.
 
-Equal splits (P=N -> D=N) go rank to rank as whole blocks (``Stager.rank_to_rank``).
+Every rank writes from its own agent (``PeerInfo.rank_agents``): the head runs its transport
+ranks hold, to the agents of the peer's ranks that receive them, one transfer per such agent.
+
+Equal splits (P=N -> D=N, or KV head groups that make them so) go rank to rank as whole blocks
+(``Stager.rank_to_rank``).
 
 Across TP sizes a receiving rank's block holds heads that sit, on the sender, in another layout
 (P=1 -> D=2: half of each token's heads; P=2 -> D=1: each token's heads from two ranks). Written
@@ -9,14 +13,16 @@ in place, that is one descriptor per token of every head run, and UCX's per-desc
 packs, with one local copy per run, the bytes of every receiving rank's blocks exactly as that
 rank lays them out into a registered staging buffer, and writes whole blocks from there: one
 descriptor per (receiving rank, layer, K|V, block), as between equal splits. The receiver is
-unchanged. A write whose staging does not fit in the free space falls back to per-token
-descriptors, so nothing waits for staging.
+unchanged. Staging needs every head of the receiving blocks on the writing process, so it is
+for a sender of one process (P=1 -> D=N); a sender of several ranks writing a split that is not
+theirs (P=2 -> D=1 without head groups) goes token by token, as does a write whose staging does
+not fit in the free space, so nothing waits for staging.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +35,7 @@ from kvrelay.kv_transfer.descriptors import (
     uniform_descs,
 )
 from kvrelay.kv_transfer.layout import HeadRun, KVLayout
-from kvrelay.kv_transfer.transport_types import PreparedPeer, mem_type
+from kvrelay.kv_transfer.transport_types import PeerAgent, PreparedPeer, mem_type
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +98,7 @@ def staged_bytes(remote: KVLayout, planes: int, blocks: int) -> int:
     return remote.tp_size * planes * blocks * remote.block_bytes
 
 
-def stage(area: StagingArea, offset: int, rank_kvs: Sequence[torch.Tensor], local: KVLayout,
+def stage(area: StagingArea, offset: int, rank_kvs: Mapping[int, torch.Tensor], local: KVLayout,
           remote: KVLayout, runs: Sequence[HeadRun], planes: Sequence[int],
           local_block_ids: Sequence[int]) -> None:
     """Copy the blocks of every receiving rank, as it lays them out, to ``offset``: receiving
@@ -127,17 +133,19 @@ def stage(area: StagingArea, offset: int, rank_kvs: Sequence[torch.Tensor], loca
 _MAX_SEGMENTS = 64  # more scattered than this: one indexed copy beats a loop of slices
 
 
-def staged_rows(offset: int, remote: KVLayout, planes: Sequence[int],
+def staged_rows(offset: int, remote: KVLayout, agent: PeerAgent, planes: Sequence[int],
                 remote_block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Row indices of a staged write, paired in :func:`stage`'s order: into the staging
-    buffer's descriptor list (rows of one receiving block, from 0) and into the peer's list of
-    every rank's (layer, K|V, block) regions (rank ``d``'s rows after ranks ``0..d-1``'s)."""
+    """Row indices of a staged write's blocks for one of the peer's agents, paired in
+    :func:`stage`'s order: into the staging buffer's descriptor list (rows of one receiving
+    block, from 0) and into ``agent``'s list of its ranks' (layer, K|V, block) regions."""
     per_rank = remote.num_layers * remote.planes * remote.num_blocks
     ridx = np.asarray(plane_block_indices(planes, remote_block_ids, remote.num_blocks),
                       dtype=np.int64)
-    d = remote.tp_size
-    dst = (np.arange(d, dtype=np.int64)[:, None] * per_rank + ridx[None, :]).ravel()
-    src = offset // remote.block_bytes + np.arange(dst.size, dtype=np.int64)
+    n = ridx.size
+    slots = np.asarray(agent.slots, dtype=np.int64)[:, None]
+    dst = (np.arange(len(agent.slots), dtype=np.int64)[:, None] * per_rank
+           + ridx[None, :]).ravel()
+    src = (offset // remote.block_bytes + slots * n + np.arange(n)[None, :]).ravel()
     return src.astype(np.int32), dst.astype(np.int32)
 
 
@@ -154,67 +162,88 @@ class Stager:
         self._dlists: dict[int, object] = {}
         self._local_ranks: object | None = None  # every local rank's regions (rank to rank)
 
-    def prep_ranks(self, info: Any) -> object:
-        """The peer's every rank's (layer, K|V, block) regions, rank after rank, as one
-        prepared list (what rank-to-rank and staged writes address)."""
-        rows = rank_region_descs(info.rank_addresses, info.layout, info.device_id)
-        return self._agent.prep_xfer_dlist(info.agent_name, rows,
-                                           mem_type(info.layout.device_kind))
+    def prep_agent(self, info: Any, name: str, slots: Sequence[int],
+                   device_id: int) -> object:
+        """Agent ``name``'s transport ranks' (layer, K|V, block) regions, rank after rank, as
+        one prepared list (what rank-to-rank and staged writes to it address)."""
+        rows = rank_region_descs([info.rank_addresses[s] for s in slots], info.layout, device_id)
+        return self._agent.prep_xfer_dlist(name, rows, mem_type(info.layout.device_kind))
 
-    def write(self, p: PreparedPeer, rank_kvs: Sequence[torch.Tensor], local: KVLayout,
-              local_addrs: Sequence[int], planes: Sequence[int], local_block_ids: Sequence[int],
-              remote_block_ids: Sequence[int]) -> tuple[object, int, int | None]:
-        """A write to a peer with several ranks on a side: rank to rank where the head splits
-        are equal; else staged and sent as whole blocks when the buffer has room, else one
-        descriptor per token of each head run. Returns the transfer, its bytes and the staging
-        offset (None: not staged) to free once it is done."""
-        assert p.runs is not None
+    def write(self, p: PreparedPeer, slot_kvs: Mapping[int, torch.Tensor], local: KVLayout,
+              planes: Sequence[int], local_block_ids: Sequence[int],
+              remote_block_ids: Sequence[int]) -> tuple[list[object], int, int | None]:
+        """A write to a peer with several ranks on a side, of the head runs our transport ranks
+        (``slot_kvs``) hold: rank to rank where the splits are equal; else staged and sent as
+        whole blocks when we hold every head and the buffer has room, else one descriptor per
+        token of each run. Returns the transfers (one per peer agent), their bytes and the
+        staging offset (None: not staged) to free once they are done."""
+        assert p.runs is not None and p.agents is not None
         info = p.info
-        if p.ranks_dlist is not None and not needs_staging(local, info.layout, p.runs):
-            return (*self.rank_to_rank(p, local, local_addrs, planes, local_block_ids,
-                                       remote_block_ids), None)
+        if not needs_staging(local, info.layout, p.runs):
+            xfers, nbytes = self.rank_to_rank(p, slot_kvs, local, planes, local_block_ids,
+                                              remote_block_ids)
+            return xfers, nbytes, None
         offset = None
-        if p.ranks_dlist is not None:
-            offset = self.pack(rank_kvs, local, info.layout, p.runs, planes, local_block_ids)
+        if len(slot_kvs) == local.tp_size:  # every head is ours: stage
+            offset = self.pack(slot_kvs, local, info.layout, p.runs, planes, local_block_ids)
         if offset is not None:
+            xfers: list[object] = []
             try:
-                xfer, nbytes = self.xfer(offset, info.layout, p.ranks_dlist, planes,
-                                         remote_block_ids)
+                for agent in p.agents.values():
+                    xfers.append(self.xfer(offset, info.layout, agent, planes,
+                                           remote_block_ids))
             except BaseException:
                 self.free(offset)
+                for x in xfers:
+                    self._agent.release_xfer_handle(x)
                 raise
-            return xfer, nbytes, offset
-        src, dst = split_descs(local, local_addrs, info.layout, info.rank_addresses, p.runs,
-                               planes, local_block_ids, remote_block_ids, self._device_id,
-                               info.device_id)
-        xfer = self._agent.initialize_xfer(
-            "WRITE", self._agent.get_xfer_descs(src, self._mem),
-            self._agent.get_xfer_descs(dst, mem_type(info.layout.device_kind)),
-            info.agent_name)
-        return xfer, int(src[:, 1].sum()), None
+            nbytes = info.layout.tp_size * len(planes) * len(remote_block_ids) \
+                * info.layout.block_bytes
+            return xfers, nbytes, offset
+        addrs = {slot: t.data_ptr() for slot, t in slot_kvs.items()}
+        xfers, nbytes = [], 0
+        for agent in p.agents.values():
+            runs = [r for r in p.runs if r.dst in agent.slots]
+            src, dst = split_descs(local, addrs, info.layout, info.rank_addresses, runs,
+                                   planes, local_block_ids, remote_block_ids, self._device_id,
+                                   agent.device_id)
+            xfers.append(self._agent.initialize_xfer(
+                "WRITE", self._agent.get_xfer_descs(src, self._mem),
+                self._agent.get_xfer_descs(dst, mem_type(info.layout.device_kind)),
+                agent.name))
+            nbytes += int(src[:, 1].sum())
+        return xfers, nbytes, None
 
-    def rank_to_rank(self, p: PreparedPeer, local: KVLayout, local_addrs: Sequence[int],
-                     planes: Sequence[int], local_block_ids: Sequence[int],
-                     remote_block_ids: Sequence[int]) -> tuple[object, int]:
-        """Equal head splits: each of our ranks' whole blocks to its peer rank, through
-        prepared lists of every rank's regions on both sides. Prepared, regions adjacent on
-        both sides (a sequence's consecutive blocks) go as one copy: NIXL merges them, where
-        per-write descriptors (``initialize_xfer``) cost ~3-4 us of CMA set-up each (P=2 -> D=2
-        ran at half the rate of P=1 -> D=1 that way, measured on a 2-vCPU Zen 4)."""
+    def rank_to_rank(self, p: PreparedPeer, slot_kvs: Mapping[int, torch.Tensor],
+                     local: KVLayout, planes: Sequence[int], local_block_ids: Sequence[int],
+                     remote_block_ids: Sequence[int]) -> tuple[list[object], int]:
+        """Equal head splits: each of our transport ranks' whole blocks to its peer rank,
+        through prepared lists of our ranks' and each peer agent's ranks' regions. Prepared,
+        regions adjacent on both sides (a sequence's consecutive blocks) go as one copy: NIXL
+        merges them, where per-write descriptors (``initialize_xfer``) cost ~3-4 us of CMA
+        set-up each (P=2 -> D=2 ran at half the rate of P=1 -> D=1 that way, measured on a
+        2-vCPU Zen 4)."""
+        assert p.runs is not None and p.agents is not None
+        own = tuple(slot_kvs)
         if self._local_ranks is None:
-            rows = rank_region_descs(local_addrs, local, self._device_id)
+            rows = rank_region_descs([t.data_ptr() for t in slot_kvs.values()], local,
+                                     self._device_id)
             self._local_ranks = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
         remote = p.info.layout
         per_l, per_r = (x.num_layers * x.planes * x.num_blocks for x in (local, remote))
         li = np.asarray(plane_block_indices(planes, local_block_ids, local.num_blocks))
         ri = np.asarray(plane_block_indices(planes, remote_block_ids, remote.num_blocks))
-        src = np.concatenate([run.src * per_l + li for run in p.runs]).astype(np.int32)
-        dst = np.concatenate([run.dst * per_r + ri for run in p.runs]).astype(np.int32)
-        xfer = self._agent.make_prepped_xfer("WRITE", self._local_ranks, src, p.ranks_dlist,
-                                             dst)
-        return xfer, len(src) * local.block_bytes
+        xfers, nbytes = [], 0
+        for agent in p.agents.values():
+            runs = [r for r in p.runs if r.dst in agent.slots]
+            src = np.concatenate([own.index(r.src) * per_l + li for r in runs]).astype(np.int32)
+            dst = np.concatenate([agent.row(r.dst, per_r) + ri for r in runs]).astype(np.int32)
+            xfers.append(self._agent.make_prepped_xfer("WRITE", self._local_ranks, src,
+                                                       agent.dlist, dst))
+            nbytes += len(src) * local.block_bytes
+        return xfers, nbytes
 
-    def pack(self, rank_kvs: Sequence[torch.Tensor], local: KVLayout, remote: KVLayout,
+    def pack(self, slot_kvs: Mapping[int, torch.Tensor], local: KVLayout, remote: KVLayout,
              runs: Sequence[HeadRun], planes: Sequence[int],
              local_block_ids: Sequence[int]) -> int | None:
         """Stage a write's blocks; the offset, or None when the buffer has no room (the write
@@ -228,13 +257,13 @@ class Stager:
             logger.debug("KV staging full (%d of %d B in use): a write goes token by token",
                          self.area.in_use, self.area.nbytes)
             return None
-        stage(self.area, offset, rank_kvs, local, remote, runs, planes, local_block_ids)
+        stage(self.area, offset, slot_kvs, local, remote, runs, planes, local_block_ids)
         return offset
 
-    def xfer(self, offset: int, remote: KVLayout, ranks_dlist: object, planes: Sequence[int],
-             remote_block_ids: Sequence[int]) -> tuple[object, int]:
-        """The prepared WRITE of a staged write's whole blocks, and its bytes."""
-        src, dst = staged_rows(offset, remote, planes, remote_block_ids)
+    def xfer(self, offset: int, remote: KVLayout, agent: PeerAgent, planes: Sequence[int],
+             remote_block_ids: Sequence[int]) -> object:
+        """The prepared WRITE of a staged write's whole blocks to one peer agent."""
+        src, dst = staged_rows(offset, remote, agent, planes, remote_block_ids)
         dl = self._dlists.get(remote.block_bytes)
         if dl is None:
             assert self.area is not None
@@ -243,8 +272,7 @@ class Stager:
                                                  self.area.nbytes // remote.block_bytes,
                                                  remote.block_bytes, self._device_id),
                 self._mem)
-        xfer = self._agent.make_prepped_xfer("WRITE", dl, src, ranks_dlist, dst)
-        return xfer, len(src) * remote.block_bytes
+        return self._agent.make_prepped_xfer("WRITE", dl, src, agent.dlist, dst)
 
     def free(self, offset: int) -> None:
         if self.area is not None:

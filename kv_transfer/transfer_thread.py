@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from kvrelay.kv_transfer.cuda_sync import bind_thread_to
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.nixl_transport import NixlTransport, WriteHandle
+from kvrelay.kv_transfer.rank_agents import RankedTransport
 from kvrelay.kv_transfer.send_tracker import NotifJob
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ MayPost = Callable[[WriteJob], bool]
 
 
 class TransferThread:
-    def __init__(self, transport: NixlTransport, on_write_end: OnWriteEnd,
+    def __init__(self, transport: NixlTransport | RankedTransport, on_write_end: OnWriteEnd,
                  on_notif_end: OnNotifEnd, *, min_wait_s: float = 5e-5,
                  max_wait_s: float = 2e-3, linger_s: float = 0.5,
                  device: Any | None = None, may_post: MayPost | None = None) -> None:

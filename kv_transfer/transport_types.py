@@ -2,8 +2,8 @@
 notification, and the peer table's entries.
 
 Plain records, apart from the transport so that the NIXL calls read without them. A
-``WriteHandle``'s transfer handle (``_xfer``) belongs to the transport that posted it: only that
-transport polls and releases it.
+``WriteHandle``'s transfer handles (``_xfer``: one per peer agent it writes to) belong to the
+transport that posted it: only that transport polls and releases them.
 """
 
 from __future__ import annotations
@@ -26,19 +26,33 @@ class WriteHandle:
 
     __slots__ = ("_xfer", "deadline", "done", "nbytes", "op", "peer", "posted_at", "staging")
 
-    def __init__(self, peer: str, nbytes: int, xfer: object | None, deadline: float,
+    def __init__(self, peer: str, nbytes: int, xfers: list[object], deadline: float,
                  staging: int | None = None, op: str = "write") -> None:
         self.peer = peer
         self.op = op
         self.staging = staging  # offset of its staged bytes, freed when it finishes
         self.nbytes = nbytes
-        self._xfer = xfer
+        self._xfer = xfers  # the NIXL transfers not yet done
         self.posted_at = time.monotonic()
         self.deadline = deadline
-        self.done = xfer is None
+        self.done = not xfers
 
     def __repr__(self) -> str:
         return f"WriteHandle({self.op} {self.peer!r}, {self.nbytes} B, done={self.done})"
+
+
+class PeerAgent(NamedTuple):
+    """One of a peer's NIXL agents we write to (its main one or a rank's): the transport ranks
+    it holds and their (layer, kv, block) regions, rank after rank, as one prepared list."""
+
+    name: str
+    slots: tuple[int, ...]
+    dlist: object
+    device_id: int
+
+    def row(self, slot: int, per_slot: int) -> int:
+        """The first row of ``slot``'s regions in ``dlist``."""
+        return self.slots.index(slot) * per_slot
 
 
 class PreparedPeer(NamedTuple):
@@ -46,10 +60,11 @@ class PreparedPeer(NamedTuple):
 
     info: PeerInfo
     dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, kv, block) regions
-    runs: list[HeadRun] | None  # None: one rank each side, whole blocks through ``dlist``
-    # Several ranks on a side: every rank's (layer, kv, block) regions, rank after rank (the
-    # rows rank-to-rank and staged writes address); None with one rank each side.
-    ranks_dlist: object | None = None
+    # The head runs our transport ranks write; None: one rank each side, whole blocks through
+    # ``dlist``.
+    runs: list[HeadRun] | None
+    # Several ranks on a side: the peer's agents our runs write to, by name.
+    agents: dict[str, PeerAgent] | None = None
 
 
 def mem_type(device_kind: str) -> str:

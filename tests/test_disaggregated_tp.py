@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 from cluster import Cluster, Proc
 from hf_models import hf_greedy
@@ -28,6 +29,9 @@ from hf_models import hf_greedy
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kv_transfer.messages import PeerInfo
+from kvrelay.proto import worker_pb2 as wpb
+from kvrelay.proto import worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -119,8 +123,14 @@ def pools(demo_model_dir, tmp_path_factory):
 def test_greedy_identical_across_tp_sizes(pools, request, want, p_tp: int, d_tp: int,
                                           p_extra: tuple[str, ...],
                                           d_extra: tuple[str, ...]) -> None:
-    pools.use(prefill=[_tp(p_tp) + p_extra], decode=[_tp(d_tp) + d_extra])
+    decode = pools.use(prefill=[_tp(p_tp) + p_extra], decode=[_tp(d_tp) + d_extra])["decode"][0]
     c = pools.cluster
+    # Each rank has its own NIXL agent over its own KV (rank 0's alone registers none of the
+    # others'), named in the endpoint with the transport ranks (its KV head groups) it holds.
+    info = _endpoint(c, decode)
+    groups = 2 if d_extra == GROUPS else 1
+    assert [a.slots for a in info.rank_agents] == [
+        tuple(range(r * groups, (r + 1) * groups)) for r in range(1, d_tp)]
     baseline = c.free_blocks()
     with c.client() as cl:
         for i, n in enumerate(LENGTHS):
@@ -134,6 +144,14 @@ def test_greedy_identical_across_tp_sizes(pools, request, want, p_tp: int, d_tp:
             assert "received" in names and "prefill_end" in names, names
             assert got.usage.cached_prompt_tokens == 0
     assert c.wait_free_blocks(baseline) == baseline
+
+
+def _endpoint(c: Cluster, worker: Proc) -> PeerInfo:
+    """A decode worker's KV endpoint, as the router fetches it."""
+    with grpc.insecure_channel(worker.address) as ch:
+        got = worker_pb2_grpc.DecodeWorkerStub(ch).GetTransferInfo(
+            wpb.TransferInfoRequest(), metadata=c.metadata, timeout=10)
+    return PeerInfo.from_bytes(got.peer_info)
 
 
 def _rank_pids(worker_pid: int) -> list[int]:

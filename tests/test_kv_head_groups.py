@@ -131,8 +131,8 @@ def test_bad_group_counts_are_refused(hf_model_dir) -> None:
 @pytest.mark.slow
 def test_tensor_parallel_ranks_in_groups(hf_model_dir) -> None:
     """TP=2, each rank's two KV heads in two groups: the same tokens as one engine alone, and
-    rank 0 registers every rank's groups as the transport's ranks (so a replica of TP=4
-    writes it rank to rank)."""
+    every rank's groups are the transport's ranks, rank 0 holding its own two (so a replica of
+    TP=4 writes it rank to rank)."""
     model_dir = hf_model_dir("llama_mha")  # 4 KV heads
     sp = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
     prompts = [_prompt(n, 3 + i) for i, n in enumerate((6, 40))]
@@ -143,7 +143,8 @@ def test_tensor_parallel_ranks_in_groups(hf_model_dir) -> None:
         assert [o.token_ids for o in llm.generate(prompts, sp)] == want
         runner = llm.engine.runner
         rk = runner.rank_kv
-        assert rk.head_ranges == ((0, 1), (1, 2), (2, 3), (3, 4)) and len(rk.others) == 3
+        assert rk.head_ranges == ((0, 1), (1, 2), (2, 3), (3, 4)) and len(rk.others) == 1
+        assert rk.slots == (0, 1) and rk.services is not None
         assert runner.transfer_kv.data_ptr() == runner.kv[0].data_ptr()
         s = runner.kv_spec
         ours = KVLayout.from_spec(s, "m", head_ranges=rk.head_ranges, model_kv_heads=4)

@@ -10,7 +10,6 @@ equal transformers'; every block comes back.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
@@ -20,8 +19,9 @@ import torch
 from kvrelay.engine.kv_cache import KVCacheSpec
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.tp_shard import kv_head_range
+from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import IncompatibleKVLayout, KVLayout, head_runs
-from kvrelay.kv_transfer.messages import PeerInfo
+from kvrelay.kv_transfer.messages import PeerInfo, RankAgent
 from kvrelay.kv_transfer.nixl_transport import NixlTransport
 from kvrelay.kv_transfer.staging import needs_staging
 
@@ -162,19 +162,85 @@ def test_a_split_that_cannot_be_mapped_is_refused_at_the_handshake() -> None:
         dst.close()
 
 
-def test_rank_kv_in_shared_memory_is_shared_and_refused_when_it_cannot_fit() -> None:
-    from kvrelay.engine.tp_shard import kv_shm_path, shared_kv_cache, unlink_kv_shm
+class _PerRank:
+    """An engine of one agent per tensor-parallel rank (each over its own KV, in this process
+    here, as each rank's process has one): rank 0's endpoint lists the others."""
 
-    prefix = f"kvrelay-test-{uuid.uuid4().hex[:8]}"
+    def __init__(self, tag: str, layout: KVLayout, full: torch.Tensor | None):
+        self.tensors = []
+        for a, b in layout.head_ranges:
+            t = torch.zeros(layout.spec.shape)
+            if full is not None:
+                t.copy_(full[..., a:b, :])
+            self.tensors.append(t)
+        self.agents = [NixlTransport(f"{tag}-r{r}" if r else tag, t, layout, slots=(r,))
+                       for r, t in enumerate(self.tensors)]
+
+    def info(self) -> PeerInfo:
+        ranks = [(RankAgent(a.name, a.metadata, 0, a.slots), a.slot_addresses)
+                 for a in self.agents[1:]]
+        return PeerInfo.from_bytes(self.agents[0].peer_info(ranks).to_bytes())
+
+    def close(self) -> None:
+        for a in self.agents:
+            a.close()
+
+
+@pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"),
+                         [(4, 1, 2), (4, 2, 1), (4, 2, 2), (1, 2, 1), (1, 1, 2), (2, 2, 1)])
+def test_every_rank_writes_its_own_heads_from_its_own_agent(kv_heads: int, p_tp: int,
+                                                           d_tp: int) -> None:
+    """P ranks each write, from their own agent, the heads they hold to the agents of the D
+    ranks that hold them: together every head of every receiving rank, nothing else, and each
+    rank only its own bytes (a replicated head is written once, by the first rank that holds
+    it)."""
+    g = torch.Generator().manual_seed(kv_heads * 10 + p_tp * 3 + d_tp)
+    full = torch.rand(LAYERS, 2, NB, BLOCK, kv_heads, HEAD_DIM, generator=g)
+    tag = uuid.uuid4().hex[:6]
+    src_layout, dst_layout = _layout(kv_heads, p_tp), _layout(kv_heads, d_tp, NB + 4)
+    src, dst = _PerRank(f"pr-src-{tag}", src_layout, full), _PerRank(f"pr-dst-{tag}", dst_layout,
+                                                                   None)
     try:
-        a = shared_kv_cache(prefix, 1, (2, 3), torch.float32)
-        b = shared_kv_cache(prefix, 1, (2, 3), torch.float32)  # as rank 0 maps rank 1's
-        a[1, 2] = 7.0
-        assert b[1, 2].item() == 7.0 and a.sum().item() == 7.0
-        free = os.statvfs("/dev/shm")
-        too_big = (free.f_bavail * free.f_frsize // 4 + 1,)
-        with pytest.raises(ValueError, match="give /dev/shm more room"):
-            shared_kv_cache(prefix, 2, too_big, torch.float32)
+        info = dst.info()
+        assert [a.slots for a in info.rank_agents] == [(r,) for r in range(1, d_tp)]
+        assert info.agent_of(d_tp - 1)[0] == dst.agents[-1].name
+        local, remote = [1, 2, 7], [9, 3, 4]
+        sent = []
+        for agent in src.agents:
+            agent.add_peer(info)
+            h = agent.write(info.agent_name, None, local, remote)
+            deadline = time.monotonic() + 20
+            while not agent.poll(h):
+                for d in dst.agents:
+                    d.progress()
+                assert time.monotonic() < deadline, "write did not complete"
+                time.sleep(0.001)
+            sent.append(h.nbytes)
+        runs = head_runs(src_layout, dst_layout)
+        itemsize = 4 * BLOCK * HEAD_DIM * len(local) * LAYERS * 2
+        assert sent == [sum(r.count for r in runs if r.src == s) * itemsize
+                        for s in range(p_tp)]
+        for (a, b), t in zip(dst_layout.head_ranges, dst.tensors, strict=True):
+            assert torch.equal(t[:, :, remote], full[:, :, local, :, a:b, :])
+            untouched = [i for i in range(NB + 4) if i not in remote]
+            assert not t[:, :, untouched].any(), "a block nobody asked for was written"
     finally:
-        unlink_kv_shm(prefix, 3)
-    assert not os.path.exists(kv_shm_path(prefix, 1))
+        src.close()
+        dst.close()
+
+
+def test_a_rank_endpoint_must_be_whole() -> None:
+    """A rank's agent alone is not an engine's endpoint; rank agents claiming a transport rank
+    twice are refused on the wire."""
+    tag = uuid.uuid4().hex[:6]
+    eng = _PerRank(f"pr-whole-{tag}", _layout(4, 2), None)
+    try:
+        with pytest.raises(KVTransferError, match="lacks transport ranks"):
+            eng.agents[0].peer_info()
+        info = eng.info()
+        twice = (*info.rank_agents, RankAgent("x", b"md", 0, (1,)))
+        with pytest.raises(ValueError, match="each at most once"):
+            PeerInfo(info.agent_name, info.agent_metadata, info.layout, info.base_address, 0,
+                     info.incarnation, info.rank_addresses, twice)
+    finally:
+        eng.close()

@@ -165,7 +165,8 @@ def test_a_dead_or_stuck_rank_fails_the_replica_in_bounded_time(hf_model_dir, si
 
 def test_serve_places_one_bundle_per_rank(hf_model_dir) -> None:
     """``kvrelay serve --both-tp 2``: a STRICT_PACK placement group of two per-rank bundles and
-    an engine of two ranks; prefill/decode TP is accepted on CPU and refused up front on GPUs."""
+    an engine of two ranks; prefill/decode pools of TP sizes of their own, on CPUs and GPUs (each
+    rank moves its own KV: ``kv_transfer/rank_agents.py``)."""
     pytest.importorskip("ray")
     from kvrelay.cli import build_parser
     from kvrelay.deploy.ray_cli import build_spec
@@ -181,15 +182,14 @@ def test_serve_places_one_bundle_per_rank(hf_model_dir) -> None:
     assert both.tp == 2 and both.strategy == "STRICT_PACK"
     assert both.bundles() == [{"CPU": 1.0}, {"CPU": 1.0}]
     assert PoolSpec(1, 2.0).bundles() == [{"CPU": 2.0}] and PoolSpec(1).strategy == "PACK"
-    # Prefill/decode pools of different TP sizes move KV between CPU caches...
+    # Prefill/decode pools of different TP sizes, on CPUs and on GPUs.
     pd = build_spec(args("--prefill", "1", "--prefill-tp", "2", "--decode", "1", "--decode-tp",
                          "1"), loopback=True)
     assert (pd.pools["prefill"].tp, pd.pools["decode"].tp) == (2, 1)
     assert pd.pools["prefill"].strategy == "STRICT_PACK"
-    # ...but not between GPU caches (every rank's KV is mapped into rank 0 by shared memory).
-    with pytest.raises(ValueError, match=r"--decode-tp 2.*CPU KV caches"):
-        build_spec(args("--prefill", "1", "--decode", "1", "--decode-tp", "2", "--device",
-                        "cuda"), loopback=True)
+    gpu = build_spec(args("--prefill", "1", "--decode", "1", "--decode-tp", "2", "--device",
+                          "cuda"), loopback=True)
+    assert gpu.pools["decode"].tp == 2 and gpu.kv_head_groups("prefill", 4) == 2
 
 
 def test_llm_and_cli_take_a_tensor_parallel_size(hf_model_dir) -> None:
