@@ -47,6 +47,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
         DTYPES,
         HYBRID_KV,
         KV_CACHE_DTYPES,
+        KV_LAYOUTS,
         THREAD_BINDINGS,
     )
 
@@ -72,6 +73,12 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
              "per layer group and lets its windowed layers' pages behind the window go as it "
              "decodes (kept until the pool needs them); off: one block table for every layer. "
              "Both pools of a P/D deployment must agree")
+    opt(g, "--kv-layout", default="auto", choices=list(KV_LAYOUTS),
+        help="inside a KV block, tokens: each token's heads together (what the CPU kernels "
+             "read); heads: each head's tokens together, so a peer of another tensor-parallel "
+             "split moves a contiguous run of heads per block (flash-attn and SDPA read it; on "
+             "CPU with --attention-backend sdpa). auto: heads on CUDA, tokens on CPU. Both pools "
+             "of a P/D deployment must agree")
     opt(g, "--kv-offload-memory", default="0",
         help="a host tier below the KV pool of this size (e.g. 8GiB; 0: none): blocks the pool "
              "evicts stay here and come back on a prefix hit instead of being recomputed "
@@ -138,6 +145,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "both") -> Any
         kv_head_groups=int(getattr(args, "kv_head_groups", 1)),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         hybrid_kv=getattr(args, "hybrid_kv", "auto"),
+        kv_layout=getattr(args, "kv_layout", "auto"),
         kv_offload_memory=getattr(args, "kv_offload_memory", "0"),
         kv_offload_dir=getattr(args, "kv_offload_dir", None),
         kv_offload_disk=getattr(args, "kv_offload_disk", "4GiB"),

@@ -31,6 +31,7 @@ THREAD_BINDINGS = ("auto", "on", "off")  # where the engine threads run: engine.
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the weights' (ModelConfig.dtype)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 HYBRID_KV = ("auto", "off")  # CacheConfig.hybrid_kv
+KV_LAYOUTS = ("auto", "tokens", "heads")  # CacheConfig.kv_layout
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,19 @@ class CacheConfig:
     # pages (both pools of a deployment must agree). A model whose layers share one window (or
     # none) keeps one table either way.
     hybrid_kv: str = "auto"
+    # Inside a block: tokens: each token's heads together ([block_size, heads, head_dim], what
+    # the CPU kernels read); heads: each head's tokens together ([heads, block_size, head_dim]),
+    # so a peer of another tensor-parallel split reads or writes a contiguous run of heads per
+    # block (no staging, no KV head groups); flash-attn and SDPA read it through a strided view.
+    # auto: heads on CUDA, tokens on CPU. Both pools of a P/D deployment must agree.
+    kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_head_groups < 1:
             raise ValueError(f"kv_head_groups must be positive, got {self.kv_head_groups}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {'|'.join(KV_LAYOUTS)}, got "
+                             f"{self.kv_layout!r}")
         if self.hybrid_kv not in HYBRID_KV:
             raise ValueError(f"hybrid_kv must be one of {'|'.join(HYBRID_KV)}, got "
                              f"{self.hybrid_kv!r}")

@@ -6,6 +6,13 @@ attention, DeepSeek's: one "head" of the latent and its rope key, ``models/mla.p
 slot is ``block_id * block_size + offset``; each layer gets views of its planes. This one
 tensor is what a KV transport registers, so its address arithmetic lives here, in one place.
 
+Heads first (``KVCacheSpec.heads_first``, ``--kv-layout heads``): inside a block each head's tokens
+are together, ``[..., num_blocks, num_kv_heads, block_size, head_dim]``, so the heads a peer of
+another tensor-parallel split holds are one contiguous run per (layer, plane, block). Layers
+read it through :func:`plane_view`: a ``[num_blocks, block_size, kv_heads, head_dim]`` view
+with the head stride outside the token's (flash-attn and SDPA read strides); the CPU's native
+kernels read the token-major layout only.
+
 KV head groups (``CacheConfig.kv_head_groups`` = G > 1): ``[G, ...]`` of that layout, group g
 holding KV heads ``[g * H / G, (g + 1) * H / G)``: each group is laid out as a rank of a
 tensor-parallel replica of G ranks lays out its KV, and the transport registers the groups as
@@ -58,6 +65,8 @@ class KVCacheSpec:
     # groups' k slots and ``num_blocks`` their pages, and layer l of block i lives in slot
     # ``groups.slot_of[l]`` of block i's page of group ``groups.group_of[l]``. Part of the layout.
     groups: KVGroups | None = None
+    # Each head's tokens together inside a block (see the module docstring). Part of the layout.
+    heads_first: bool = False
 
     def __post_init__(self) -> None:
         if self.planes not in (1, 2):
@@ -83,8 +92,10 @@ class KVCacheSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_layers, self.planes, self.num_blocks, self.block_size, self.num_kv_heads,
-                self.head_dim)
+        """The tensor's shape as stored (heads before tokens under ``heads_first``)."""
+        inner = (self.num_kv_heads, self.block_size) if self.heads_first else \
+            (self.block_size, self.num_kv_heads)
+        return (self.num_layers, self.planes, self.num_blocks, *inner, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
@@ -162,6 +173,29 @@ def check_kv_head_groups(groups: int, kv_heads: int) -> None:
     if kv_heads % groups:
         raise ValueError(f"--kv-head-groups {groups} must divide the {kv_heads} KV heads each "
                          f"engine (each tensor-parallel rank) holds")
+
+
+def plane_view(plane: torch.Tensor, heads_first: bool) -> torch.Tensor:
+    """What a layer reads and writes of one plane (``kv[layer, K|V]``, as stored): flat
+    ``[slots, kv_heads, head_dim]`` rows (a slot is ``block * block_size + offset``), or, heads
+    first, ``[blocks, block_size, kv_heads, head_dim]`` (strided: no flat slot view exists)."""
+    if heads_first:
+        return plane.transpose(1, 2)
+    nb, bs, kvh, hd = plane.shape
+    return plane.view(nb * bs, kvh, hd)
+
+
+def as_blocks(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A layer plane's cache (``plane_view``) as ``[blocks, block_size, kv_heads, head_dim]``."""
+    return cache if cache.dim() == 4 else cache.view(-1, block_size, *cache.shape[1:])
+
+
+def slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows of ``slots``, ``[len(slots), kv_heads, head_dim]``, either view."""
+    if cache.dim() == 3:
+        return cache.index_select(0, slots)
+    bs = cache.shape[1]
+    return cache[slots // bs, slots % bs]
 
 
 def layer_views(kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from kvrelay.engine.attention import SdpaBackend, StepLayout, forward_context
-from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.config import CacheConfig, EngineConfig
 from kvrelay.engine.cuda.graphs import DecodeGraphRunner
 from kvrelay.engine.device import resolve_device
 from kvrelay.engine.grammar_mask import MaskFiller, StepMasks
@@ -26,9 +26,11 @@ from kvrelay.engine.kv_cache import (
     dtype_name,
     group_views,
     kv_groups_of,
+    plane_view,
 )
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.loader import load_model
+from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.platform import Platform, platform_for
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.sampler import TokenLogprob, sample
@@ -112,15 +114,19 @@ class ModelRunner:
             planes=arch.kv_planes)
         self.kv_groups = groups = cc.kv_head_groups
         check_kv_head_groups(groups, kv_heads)
+        self.heads_first = heads_first = kv_heads_first(cc, self.device, arch, self.backend)
         self.kv_spec = KVCacheSpec(slots, kv_heads // groups, arch.head_dim,
                                    block_size, num_blocks, dtype_name(self.kv_dtype),
                                    layer_windows=arch.layer_windows, planes=arch.kv_planes,
-                                   groups=self.kv_plan)
+                                   groups=self.kv_plan, heads_first=heads_first)
         self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
         if self.kv_plan is None:
-            self.model.bind_kv_cache(self.kv)
+            if heads_first:
+                self.model.bind_kv_cache(self.kv, heads_first=True)
+            else:
+                self.model.bind_kv_cache(self.kv)
         else:
-            bind_hybrid(self.model, self.kv, self.kv_plan)
+            bind_hybrid(self.model, self.kv, self.kv_plan, heads_first)
             if getattr(self.model, "fused_decode", None) is not None:
                 logger.info("hybrid KV: the fused decode layers read one block table; op by op")
                 self.model.fused_decode = None
@@ -366,13 +372,33 @@ class ModelRunner:
         return self.model.compute_logits(hidden[:inputs.meta.slot_mapping.shape[0]])
 
 
-def bind_hybrid(model: torch.nn.Module, kv: torch.Tensor, plan: KVGroups) -> None:
-    """Give each layer flat views of its slot's K and V planes of the hybrid KV tensor
-    ``[k, 2, pages, block_size, H, D]`` and its layer group (whose pages its metadata names)."""
-    _, _, pages, bs, kvh, hd = kv.shape
+def kv_heads_first(cc: CacheConfig, device: torch.device, arch: ModelArch,
+                   backend: str) -> bool:
+    """Whether the KV cache keeps each head's tokens together inside a block
+    (``CacheConfig.kv_layout``): on CUDA by default (a peer of another TP split then moves a
+    run of heads per block), never for a latent cache (one "head": the layouts are the same)."""
+    if cc.kv_layout == "tokens" or arch.kv_latent:
+        return False
+    if cc.kv_layout == "auto":
+        return device.type == "cuda" and cc.kv_head_groups == 1
+    if backend not in ("sdpa", "flash"):
+        raise ValueError(f"--kv-layout heads needs the sdpa or flash attention backend (the "
+                         f"{backend} backend reads each token's heads together): add "
+                         f"--attention-backend sdpa, or keep --kv-layout tokens")
+    if cc.kv_head_groups > 1:
+        raise ValueError("--kv-layout heads and --kv-head-groups both arrange KV heads for a "
+                         "peer of another TP split: use one (heads needs none)")
+    return True
+
+
+def bind_hybrid(model: torch.nn.Module, kv: torch.Tensor, plan: KVGroups,
+                heads_first: bool = False) -> None:
+    """Give each layer views (``kv_cache.plane_view``) of its slot's K and V planes of the
+    hybrid KV tensor ``[k, 2, pages, ...]`` and its layer group (whose pages its metadata
+    names)."""
     for i, layer in enumerate(model.layers):
         s = plan.slot_of[i]
-        views = (kv[s, 0].view(pages * bs, kvh, hd), kv[s, 1].view(pages * bs, kvh, hd))
+        views = (plane_view(kv[s, 0], heads_first), plane_view(kv[s, 1], heads_first))
         layer.attn.k_cache, layer.attn.v_cache = views
         layer.attn.kv_groups = [views]
         layer.attn.kv_group = plan.group_of[i]

@@ -77,10 +77,15 @@ def split_descs(local: KVLayout, local_addrs: Sequence[int], remote: KVLayout,
 
     A block is ``[block_size, heads, head_dim]``: where a run is every head of both ranks' blocks,
     a block is one contiguous row; otherwise each token's slice of the run's heads is one row
-    (strided by each side's heads per token)."""
+    (strided by each side's heads per token). Heads first (``KVLayout.heads_first``, both
+    sides), a block is ``[heads, block_size, head_dim]``: every run is one row per block."""
     bs, hd = local.block_size, local.head_dim
     esz = local.block_bytes // (bs * local.num_kv_heads * hd)
-    tok_l, tok_r = local.num_kv_heads * hd * esz, remote.num_kv_heads * hd * esz
+    heads_first = local.heads_first
+    # Bytes from one token to the next, and from one head to the next, inside a block.
+    tok_l, tok_r = (hd * esz,) * 2 if heads_first else \
+        (local.num_kv_heads * hd * esz, remote.num_kv_heads * hd * esz)
+    head_step = bs * hd * esz if heads_first else hd * esz
     p = np.asarray(planes, dtype=np.uint64)[:, None]
     lb = (p * np.uint64(local.num_blocks)
           + np.asarray(local_block_ids, dtype=np.uint64)[None, :]).ravel()
@@ -89,15 +94,17 @@ def split_descs(local: KVLayout, local_addrs: Sequence[int], remote: KVLayout,
     src_parts, dst_parts = [], []
     for run in runs:
         whole = run.count == local.num_kv_heads == remote.num_kv_heads
-        toks = np.zeros(1, dtype=np.uint64) if whole else np.arange(bs, dtype=np.uint64)
-        length = local.block_bytes if whole else run.count * hd * esz
+        one_row = whole or heads_first
+        toks = np.zeros(1, dtype=np.uint64) if one_row else np.arange(bs, dtype=np.uint64)
+        length = run.count * head_step if heads_first else \
+            local.block_bytes if whole else run.count * hd * esz
         for parts, base, blocks, bb, tok, head, dev in (
                 (src_parts, local_addrs[run.src], lb, local.block_bytes, tok_l, run.src_head,
                  local_device),
                 (dst_parts, remote_addrs[run.dst], rb, remote.block_bytes, tok_r, run.dst_head,
                  remote_device)):
             rows = np.empty((blocks.size * toks.size, 3), dtype=np.uint64)
-            rows[:, 0] = (np.uint64(base + head * hd * esz) + blocks[:, None] * np.uint64(bb)
+            rows[:, 0] = (np.uint64(base + head * head_step) + blocks[:, None] * np.uint64(bb)
                           + toks[None, :] * np.uint64(tok)).ravel()
             rows[:, 1] = length
             rows[:, 2] = dev

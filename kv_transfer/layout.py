@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # (``engine/kv_window.py``): a v2 receiver would. 4: ``planes`` (1: MLA's latent, one plane per
 # layer), which a v3 peer would take for K and V. 5: under tensor parallelism each rank's KV is
 # in its own process, written by its own agent (``PeerInfo.rank_agents``), where a v4 peer writes
-# every rank's through rank 0's.
+# every rank's through rank 0's; and ``heads_first``.
 PROTOCOL_VERSION = 5
 DEVICE_KINDS = ("cpu", "cuda")
 
@@ -67,6 +67,9 @@ class KVLayout:
     # layer). Under it ``num_layers`` counts the groups' slots and ``num_blocks`` their pages,
     # and a destination names a page per group of each block (``KVDestination.remote_pages``).
     kv_groups: str = ""
+    # Inside a block each head's tokens together (``KVCacheSpec.heads_first``): a run of heads
+    # is one contiguous region per (layer, plane, block), whatever the peer's split.
+    heads_first: bool = False
 
     def __post_init__(self) -> None:
         self.spec  # noqa: B018 - validates the shape fields and the dtype
@@ -95,12 +98,14 @@ class KVLayout:
                    spec.num_blocks, spec.dtype, model_id, device_kind,
                    tp_size=max(1, len(head_ranges)), head_ranges=head_ranges,
                    model_kv_heads=model_kv_heads, planes=spec.planes,
-                   kv_groups="" if spec.groups is None else spec.groups.signature)
+                   kv_groups="" if spec.groups is None else spec.groups.signature,
+                   heads_first=spec.heads_first)
 
     @property
     def spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                           self.num_blocks, self.dtype, planes=self.planes)
+                           self.num_blocks, self.dtype, planes=self.planes,
+                           heads_first=self.heads_first)
 
     @property
     def kind(self) -> str:
@@ -113,6 +118,12 @@ class KVLayout:
         """How blocks are addressed, in words (what a mismatch names)."""
         return f"pages per layer group ({self.kv_groups})" if self.kv_groups else \
             "one block table for every layer"
+
+    @property
+    def block_order(self) -> str:
+        """How a block's KV is ordered, in words (what a mismatch names)."""
+        return "heads, then tokens (heads first)" if self.heads_first else \
+            "tokens, then heads"
 
     @property
     def block_bytes(self) -> int:
@@ -157,6 +168,7 @@ _CHECKS: tuple[tuple[str, str, str], ...] = (
     ("model_kv_heads", "has num_kv_heads", "--model (the same checkpoint)"),
     ("head_dim", "has head_dim", "--model (the same checkpoint)"),
     ("block_size", "has block_size", "--block-size"),
+    ("block_order", "orders a block's KV as", "--kv-layout (tokens on both, or heads on both)"),
     ("dtype", "stores KV as", "--kv-cache-dtype (or --dtype, which it follows by default)"),
     ("device_kind", "keeps KV on", "--device kind (cpu or cuda)"),
 )

@@ -16,7 +16,9 @@ descriptor per (receiving rank, layer, K|V, block), as between equal splits. The
 unchanged. Staging needs every head of the receiving blocks on the writing process, so it is
 for a sender of one process (P=1 -> D=N); a sender of several ranks writing a split that is not
 theirs (P=2 -> D=1 without head groups) goes token by token, as does a write whose staging does
-not fit in the free space, so nothing waits for staging.
+not fit in the free space, so nothing waits for staging. Heads first (``--kv-layout heads``, the
+CUDA default) there is nothing to stage: a run of heads is one region per block on both sides,
+one descriptor each (``descriptors.split_descs``).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def repack_note(local: KVLayout, remote: KVLayout, runs: Sequence[HeadRun] | Non
     """Empty where writes to ``remote`` move whole blocks; else a note for the log saying they
     repack and, where one side's split is a multiple of the other's, the KV head groups on the
     other side that would spare it."""
-    if runs is None or not needs_staging(local, remote, runs):
+    if runs is None or not needs_staging(local, remote, runs) or local.heads_first:
         return ""
     note = (f"; our KV heads are split {local.tp_size} way(s), its {remote.tp_size}: every "
             f"write repacks each token's heads first")
@@ -184,7 +186,7 @@ class Stager:
                                               remote_block_ids)
             return xfers, nbytes, None
         offset = None
-        if len(slot_kvs) == local.tp_size:  # every head is ours: stage
+        if len(slot_kvs) == local.tp_size and not local.heads_first:  # every head ours: stage
             offset = self.pack(slot_kvs, local, info.layout, p.runs, planes, local_block_ids)
         if offset is not None:
             xfers: list[object] = []

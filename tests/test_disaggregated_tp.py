@@ -1,9 +1,10 @@
 """Disaggregated serving with tensor parallelism in the pools: a prefill worker of TP=A streams
 its prompt KV to a decode worker of TP=B (real router, worker and rank processes, real NIXL).
 
-For (A, B) in (2, 1), (1, 2), (2, 2), and (2, 1) / (1, 2) / (2, 4) with the smaller side in two
-KV head groups: greedy tokens equal the engine alone and transformers, for prompts within one
-block, across blocks and chunked; every KV block of both workers comes back.
+For (A, B) in (2, 1), (1, 2), (2, 2), (2, 1) / (1, 2) / (2, 4) with the smaller side in two
+KV head groups, and (2, 1) heads first inside a block (``--kv-layout heads``): greedy tokens equal
+the engine alone and transformers, for prompts within one block, across blocks and chunked;
+every KV block of both workers comes back; each rank of a TP worker has its own NIXL agent.
 A rank of a TP=2 decode worker killed mid-stream: its requests migrate, output identical.
 
 One router serves the module (``pools``): each test asks for the workers it needs by their
@@ -66,6 +67,9 @@ def _tp(n: int) -> tuple[str, ...]:
 
 
 GROUPS = ("--kv-head-groups", "2")
+# Heads first inside a block (the CUDA default; on CPU through SDPA): each rank writes its run
+# of heads per block straight into the peer's blocks, whatever the split.
+HEADS = ("--kv-layout", "heads", "--attention-backend", "sdpa")
 
 
 class Pools:
@@ -114,12 +118,13 @@ def pools(demo_model_dir, tmp_path_factory):
 
 
 # Ordered so that one side carries over from each case to the next (and into the kill test's
-# TP=1 prefill and TP=2 decode workers): 9 worker starts for the 7 tests instead of 15.
+# TP=1 prefill and TP=2 decode workers): 11 worker starts for the 8 tests instead of 17.
 @pytest.mark.parametrize(("p_tp", "d_tp", "p_extra", "d_extra"), [
+    (2, 1, HEADS, HEADS),
     # The smaller side in two KV head groups: the writes go rank to rank, no repacking.
     (2, 4, GROUPS, ()), (2, 1, (), GROUPS),
     (2, 1, (), ()), (2, 2, (), ()), (1, 2, GROUPS, ()), (1, 2, (), ())],
-    ids=["2g-4", "2-1g", "2-1", "2-2", "1g-2", "1-2"])
+    ids=["2h-1h", "2g-4", "2-1g", "2-1", "2-2", "1g-2", "1-2"])
 def test_greedy_identical_across_tp_sizes(pools, request, want, p_tp: int, d_tp: int,
                                           p_extra: tuple[str, ...],
                                           d_extra: tuple[str, ...]) -> None:

@@ -19,6 +19,7 @@ import torch
 from kvrelay.engine.kv_cache import KVCacheSpec
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.tp_shard import kv_head_range
+from kvrelay.kv_transfer.descriptors import split_descs
 from kvrelay.kv_transfer.errors import KVTransferError
 from kvrelay.kv_transfer.layout import IncompatibleKVLayout, KVLayout, head_runs
 from kvrelay.kv_transfer.messages import PeerInfo, RankAgent
@@ -39,9 +40,9 @@ def _ranges(kv_heads: int, tp: int) -> tuple[tuple[int, int], ...]:
     return tuple((r.start, r.stop) for r in rs)
 
 
-def _layout(kv_heads: int, tp: int, num_blocks: int = NB) -> KVLayout:
+def _layout(kv_heads: int, tp: int, num_blocks: int = NB, heads_first: bool = False) -> KVLayout:
     per_rank = max(1, kv_heads // tp)
-    spec = KVCacheSpec(LAYERS, per_rank, HEAD_DIM, BLOCK, num_blocks)
+    spec = KVCacheSpec(LAYERS, per_rank, HEAD_DIM, BLOCK, num_blocks, heads_first=heads_first)
     return KVLayout.from_spec(spec, MODEL_ID, head_ranges=_ranges(kv_heads, tp),
                               model_kv_heads=kv_heads)
 
@@ -162,6 +163,11 @@ def test_a_split_that_cannot_be_mapped_is_refused_at_the_handshake() -> None:
         dst.close()
 
 
+def _stored(logical: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """``[..., blocks, block_size, heads, head_dim]`` as ``layout`` stores it."""
+    return logical.transpose(-3, -2) if layout.heads_first else logical
+
+
 class _PerRank:
     """An engine of one agent per tensor-parallel rank (each over its own KV, in this process
     here, as each rank's process has one): rank 0's endpoint lists the others."""
@@ -171,7 +177,7 @@ class _PerRank:
         for a, b in layout.head_ranges:
             t = torch.zeros(layout.spec.shape)
             if full is not None:
-                t.copy_(full[..., a:b, :])
+                t.copy_(_stored(full[..., a:b, :], layout))
             self.tensors.append(t)
         self.agents = [NixlTransport(f"{tag}-r{r}" if r else tag, t, layout, slots=(r,))
                        for r, t in enumerate(self.tensors)]
@@ -186,18 +192,22 @@ class _PerRank:
             a.close()
 
 
+@pytest.mark.parametrize("order", ["tokens", "heads"])
 @pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"),
                          [(4, 1, 2), (4, 2, 1), (4, 2, 2), (1, 2, 1), (1, 1, 2), (2, 2, 1)])
 def test_every_rank_writes_its_own_heads_from_its_own_agent(kv_heads: int, p_tp: int,
-                                                           d_tp: int) -> None:
+                                                           d_tp: int, order: str) -> None:
     """P ranks each write, from their own agent, the heads they hold to the agents of the D
     ranks that hold them: together every head of every receiving rank, nothing else, and each
     rank only its own bytes (a replicated head is written once, by the first rank that holds
-    it)."""
+    it). Both block orders: tokens first (whole blocks or token by token) and heads first (a
+    run of heads per block)."""
     g = torch.Generator().manual_seed(kv_heads * 10 + p_tp * 3 + d_tp)
     full = torch.rand(LAYERS, 2, NB, BLOCK, kv_heads, HEAD_DIM, generator=g)
     tag = uuid.uuid4().hex[:6]
-    src_layout, dst_layout = _layout(kv_heads, p_tp), _layout(kv_heads, d_tp, NB + 4)
+    hf = order == "heads"
+    src_layout = _layout(kv_heads, p_tp, heads_first=hf)
+    dst_layout = _layout(kv_heads, d_tp, NB + 4, heads_first=hf)
     src, dst = _PerRank(f"pr-src-{tag}", src_layout, full), _PerRank(f"pr-dst-{tag}", dst_layout,
                                                                    None)
     try:
@@ -221,12 +231,34 @@ def test_every_rank_writes_its_own_heads_from_its_own_agent(kv_heads: int, p_tp:
         assert sent == [sum(r.count for r in runs if r.src == s) * itemsize
                         for s in range(p_tp)]
         for (a, b), t in zip(dst_layout.head_ranges, dst.tensors, strict=True):
-            assert torch.equal(t[:, :, remote], full[:, :, local, :, a:b, :])
+            assert torch.equal(t[:, :, remote], _stored(full[:, :, local, :, a:b, :], dst_layout))
             untouched = [i for i in range(NB + 4) if i not in remote]
             assert not t[:, :, untouched].any(), "a block nobody asked for was written"
     finally:
         src.close()
         dst.close()
+
+
+def test_heads_first_descriptors_are_one_run_per_block() -> None:
+    """Heads first, P=1 (4 heads) -> D=2 (2 each): receiving rank d's half of a block is one
+    region, on both sides, of 2 heads x BLOCK tokens x HEAD_DIM floats; tokens first the same
+    split is one region per token."""
+    src, dst = _layout(4, 1, heads_first=True), _layout(4, 2, heads_first=True)
+    runs = head_runs(src, dst)
+    planes, local, remote = [0, 3], [5], [2]
+    s_rows, d_rows = split_descs(src, {0: 1000}, dst, (50000, 90000), runs, planes, local,
+                                 remote)
+    half = 2 * BLOCK * HEAD_DIM * 4  # bytes of 2 heads of one block
+    assert s_rows[:, 1].tolist() == [half] * 4 and d_rows[:, 1].tolist() == [half] * 4
+    # Rows: run (receiving rank) major, then plane, then block.
+    assert s_rows[:, 0].tolist() == [
+        1000 + (p * NB + 5) * src.block_bytes + h * BLOCK * HEAD_DIM * 4
+        for h in (0, 2) for p in planes]
+    assert d_rows[:, 0].tolist() == [
+        base + (p * NB + 2) * dst.block_bytes for base in (50000, 90000) for p in planes]
+    tokens = split_descs(_layout(4, 1), {0: 1000}, _layout(4, 2), (50000, 90000),
+                         head_runs(_layout(4, 1), _layout(4, 2)), planes, local, remote)[0]
+    assert len(tokens) == 2 * len(planes) * BLOCK
 
 
 def test_a_rank_endpoint_must_be_whole() -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay.engine.kv_cache import slot_rows
+
 
 @dataclass
 class PrefillSpan:
@@ -174,6 +176,11 @@ class SdpaMetadata(AttentionMetadata):
         spans = [s.ctx_len for s in self.prefills if s.ctx_slots is not None]
         groups = [g.block_tables.numel() * self.block_size for g in self.decode_groups]
         return max(spans + groups, default=0)
+
+    def gather_slots(self, cache: torch.Tensor, slots: torch.Tensor, half: int) -> torch.Tensor:
+        """The cache rows of ``slots`` (``gather`` of flat slot rows; a heads-first cache has
+        none: indexed by block and offset)."""
+        return self.gather(cache, slots, half) if cache.dim() == 3 else slot_rows(cache, slots)
 
     def gather(self, cache: torch.Tensor, index: torch.Tensor, half: int) -> torch.Tensor:
         """``cache.index_select(0, index)``, written into half ``half`` (0: K, 1: V) of the

@@ -29,6 +29,7 @@ from kvrelay.engine.attention.metadata import (
     group_by_length,
 )
 from kvrelay.engine.attention.step import DecodeRows, StepLayout, cache_slots, padded_tables
+from kvrelay.engine.kv_cache import as_blocks
 from kvrelay.engine.pointwise import write_kv_rows
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,16 @@ logger = logging.getLogger(__name__)
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ``[T, kv_heads, head_dim]`` into the flat caches (rows past
-    ``len(slot_mapping)`` pad the step to a bucketed size and are not written)."""
-    write_kv_rows(k_cache, v_cache, k, v, slot_mapping)
+    """Scatter this step's K/V ``[T, kv_heads, head_dim]`` into the caches (rows past
+    ``len(slot_mapping)`` pad the step to a bucketed size and are not written): flat slot
+    rows, or blocks (heads first: ``kv_cache.plane_view``)."""
+    if k_cache.dim() == 3:
+        write_kv_rows(k_cache, v_cache, k, v, slot_mapping)
+        return
+    n, bs = slot_mapping.shape[0], k_cache.shape[1]
+    blocks, offsets = slot_mapping // bs, slot_mapping % bs
+    k_cache[blocks, offsets] = k[:n].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[:n].to(v_cache.dtype)
 
 
 def zero_padding(out: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -133,8 +141,8 @@ def prefill_attention(
             ks = stored(k[span.q_start:span.q_start + span.q_len], k_cache.dtype)
             vs = stored(v[span.q_start:span.q_start + span.q_len], v_cache.dtype)
         else:
-            ks = widened(meta.gather(k_cache, span.ctx_slots, 0), q.dtype)
-            vs = widened(meta.gather(v_cache, span.ctx_slots, 1), q.dtype)
+            ks = widened(meta.gather_slots(k_cache, span.ctx_slots, 0), q.dtype)
+            vs = widened(meta.gather_slots(v_cache, span.ctx_slots, 1), q.dtype)
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = span.mask(window, q.device)
@@ -158,13 +166,12 @@ def grouped_decode_attention(
     ``sinks``: one :func:`sink_attention`) per group of similar context lengths."""
     if not meta.decode_groups:
         return
-    num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[-2], q.shape[2]
     group = num_heads // kv_heads
     bs = meta.block_size
     # Whole blocks at a time: [blocks, block_size, KVH, D] rows are block_size x larger
     # than slot rows, and index_select copies large rows much faster.
-    k_blocks = k_cache.view(-1, bs, kv_heads, head_dim)
-    v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
+    k_blocks, v_blocks = as_blocks(k_cache, bs), as_blocks(v_cache, bs)
     p = meta.num_prefill_tokens
     for g in meta.decode_groups:
         start = p + g.q_start

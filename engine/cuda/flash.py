@@ -21,6 +21,7 @@ import torch
 from kvrelay.engine.attention.backend import AttentionBackend
 from kvrelay.engine.attention.metadata import AttentionMetadata
 from kvrelay.engine.attention.step import DecodeRows, StepLayout, cache_slots, padded_tables
+from kvrelay.engine.kv_cache import as_blocks, slot_rows
 
 
 @dataclass
@@ -111,18 +112,18 @@ def flash_attention(
     assert meta.cu_seqlens_q is not None
     window_size = (window - 1, 0) if window is not None else (-1, -1)
     if meta.flash_block_table is not None:
-        # [slots, kv_heads, d] -> [blocks, block_size, kv_heads, d]: views, no copy
-        paged = (-1, meta.block_size, *k_cache.shape[1:])
+        # [blocks, block_size, kv_heads, d] views, no copy (heads first: strided, which
+        # flash-attn reads through its strides)
         return varlen(
-            q, k_cache.view(paged), v_cache.view(paged),
+            q, as_blocks(k_cache, meta.block_size), as_blocks(v_cache, meta.block_size),
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
             softmax_scale=scale, causal=True, window_size=window_size,
             block_table=meta.flash_block_table,
         )
     assert meta.gather_slots is not None
-    keys = k_cache.index_select(0, meta.gather_slots)
-    values = v_cache.index_select(0, meta.gather_slots)
+    keys = slot_rows(k_cache, meta.gather_slots)
+    values = slot_rows(v_cache, meta.gather_slots)
     return varlen(
         q, keys, values,
         cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,

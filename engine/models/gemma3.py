@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.engine.attention import AttentionFn, LastLayerRows, current_metadata
-from kvrelay.engine.kv_cache import kv_groups_of
+from kvrelay.engine.kv_cache import kv_groups_of, plane_view
 from kvrelay.engine.models.arch import ModelArch, UnsupportedModelError
 from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.models.llama import Attention, FusedPath, Rotary
@@ -195,11 +195,10 @@ class Gemma3ForCausalLM(nn.Module):
             out.update(mlp_targets(layer.mlp, p + "mlp."))
         return out
 
-    def bind_kv_cache(self, kv: torch.Tensor) -> None:
+    def bind_kv_cache(self, kv: torch.Tensor, heads_first: bool = False) -> None:
         groups = kv_groups_of(kv)
-        _, _, nb, bs, kvh, hd = groups[0].shape
         for i, layer in enumerate(self.layers):
-            views = [(g[i, 0].view(nb * bs, kvh, hd), g[i, 1].view(nb * bs, kvh, hd))
+            views = [(plane_view(g[i, 0], heads_first), plane_view(g[i, 1], heads_first))
                      for g in groups]
             layer.attn.k_cache, layer.attn.v_cache = views[0]
             layer.attn.kv_groups = views

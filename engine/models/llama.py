@@ -26,7 +26,7 @@ from kvrelay.engine.attention import (
     current_metadata,
     write_kv,
 )
-from kvrelay.engine.kv_cache import kv_groups_of
+from kvrelay.engine.kv_cache import kv_groups_of, plane_view
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.models.mlp import MLP
@@ -92,7 +92,7 @@ class Attention(nn.Module):
         self.window = arch.layer_windows[layer]
         self.scale = arch.head_dim ** -0.5
         self.attn_fn = attn_fn
-        self.k_cache: torch.Tensor | None = None  # flat [slots, kv_heads, head_dim] views
+        self.k_cache: torch.Tensor | None = None  # kv_cache.plane_view of each plane
         self.v_cache: torch.Tensor | None = None
         # Under KV head groups, every group's (K, V) views (k_cache/v_cache: group 0's).
         self.kv_groups: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -279,13 +279,13 @@ class LlamaForCausalLM(nn.Module):
                 out.update(mlp_targets(m, p + "mlp."))
         return out
 
-    def bind_kv_cache(self, kv: torch.Tensor) -> None:
-        """Give each layer flat views of its K and V planes of the engine's KV tensor (of every
-        head group's, under KV head groups)."""
+    def bind_kv_cache(self, kv: torch.Tensor, heads_first: bool = False) -> None:
+        """Give each layer views of its K and V planes of the engine's KV tensor (of every head
+        group's, under KV head groups): flat slot rows, or blocks when ``heads_first``
+        (``kv_cache.plane_view``)."""
         groups = kv_groups_of(kv)
-        _, _, nb, bs, kvh, hd = groups[0].shape
         for i, layer in enumerate(self.layers):
-            views = [(g[i, 0].view(nb * bs, kvh, hd), g[i, 1].view(nb * bs, kvh, hd))
+            views = [(plane_view(g[i, 0], heads_first), plane_view(g[i, 1], heads_first))
                      for g in groups]
             layer.attn.k_cache, layer.attn.v_cache = views[0]
             layer.attn.kv_groups = views
