@@ -22,6 +22,12 @@ receiver lays its blocks out, then sent as whole blocks), and the last two again
 side in two KV head groups (``--kv-head-groups 2``: one allocation laid out as two ranks' KV, as
 the engine keeps it), which go rank to rank with no repacking; then P=2->D=4 without and with
 the prefill ranks in two groups each. Every rank's KV is registered by one agent per engine.
+
+``--per-rank``: the same payload with one agent per rank on both sides, as the engines run it
+(``kv_transfer/rank_agents.py``): each sending rank posts its part from its own agent (here all
+in the bench process, posted one after another, then polled together), and every block order:
+tokens first (whole blocks rank to rank; other splits token by token, or staged where one
+sender holds every head) and heads first (``--kv-layout heads``: a run of heads per block).
 """
 
 from __future__ import annotations
@@ -158,6 +164,102 @@ def _tp_rows(reps: int) -> None:
         tr.close()
         parent.send("exit")
         proc.join(10)
+
+
+def _order_spec(tp: int, heads_first: bool) -> tuple[KVCacheSpec, KVLayout]:
+    n = SPEC.num_kv_heads // tp
+    spec = KVCacheSpec(SPEC.num_layers, n, SPEC.head_dim, SPEC.block_size, SPEC.num_blocks // 2,
+                       heads_first=heads_first)
+    ranges = tuple((r * n, (r + 1) * n) for r in range(tp))
+    return spec, KVLayout.from_spec(spec, MODEL_ID, head_ranges=ranges,
+                                    model_kv_heads=SPEC.num_kv_heads)
+
+
+def _rank_agents(tag: str, tp: int, heads_first: bool, fill: bool) -> tuple[list, PeerInfo]:
+    """One agent per rank over its own KV, and rank 0's endpoint naming the others."""
+    from kvrelay.kv_transfer.messages import RankAgent
+    from kvrelay.kv_transfer.nixl_transport import NixlTransport
+
+    spec, layout = _order_spec(tp, heads_first)
+    agents = []
+    for r in range(tp):
+        kv = allocate_kv_cache(spec)
+        if fill:
+            kv.copy_(torch.rand(spec.shape))
+        agents.append(NixlTransport(f"{tag}.r{r}" if r else tag, kv, layout, slots=(r,),
+                                    write_timeout_s=60))
+    ranks = [(RankAgent(a.name, a.metadata, 0, a.slots), a.slot_addresses) for a in agents[1:]]
+    return agents, agents[0].peer_info(ranks)
+
+
+def _per_rank_receiver(conn: Connection, tp: int, heads_first: bool) -> None:
+    torch.set_num_threads(1)
+    agents, info = _rank_agents(f"bench-pr-recv-{tp}", tp, heads_first, fill=False)
+    conn.send(info.to_bytes())
+    while True:
+        while not conn.poll(0.002):
+            for a in agents:
+                a.progress()
+        cmd = conn.recv()
+        if cmd == "exit":
+            break
+        conn.send(sum(a._kv[:, :, cmd].double().sum().item() for a in agents))
+    for a in agents:
+        a.close()
+
+
+def _per_rank_rows(reps: int) -> None:
+    ctx = mp.get_context("spawn")
+    logging.getLogger("kvrelay.kv_transfer.nixl_transport").setLevel(logging.ERROR)
+    print(f"\nKV transfer with one NIXL agent per rank ({SPEC.num_kv_heads} KV heads, all "
+          f"{SPEC.num_layers} layers, K and V, 16 MiB), median of {reps}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'P -> D':<8}{'order':>8}{'descriptors':>13}{'GB/s':>8}{'vs 1 -> 1':>11}")
+    base: dict[str, float] = {}
+    for order in ("tokens", "heads"):
+        hf = order == "heads"
+        for p_tp, d_tp in ((1, 1), (2, 2), (2, 1), (1, 2), (2, 4)):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_per_rank_receiver, args=(child, d_tp, hf), daemon=True)
+            proc.start()
+            agents, _ = _rank_agents(f"bench-pr-send-{order}-{p_tp}-{d_tp}", p_tp, hf, True)
+            if not parent.poll(60):
+                raise SystemExit("receiver did not start")
+            info = PeerInfo.from_bytes(parent.recv())
+            for a in agents:
+                a.add_peer(info)
+            blocks = list(range(16 * MiB // (SPEC.num_layers * 2 * SPEC.block_bytes)))
+            moved: list[int] = []
+
+            def write(agents: list = agents, blocks: list[int] = blocks,
+                      moved: list[int] = moved, peer: str = info.agent_name) -> None:
+                hs = [a.write(peer, None, blocks, blocks) for a in agents]
+                for a, h in zip(agents, hs, strict=True):
+                    while not a.poll(h):
+                        pass
+                moved.append(sum(h.nbytes for h in hs))
+
+            t = _time(write, reps)
+            nbytes = len(blocks) * SPEC.num_layers * 2 * SPEC.block_bytes
+            assert set(moved) == {nbytes}, (moved, nbytes)
+            parent.send(blocks)
+            want = sum(a._kv[:, :, blocks].double().sum().item() for a in agents)
+            got = parent.recv() if parent.poll(30) else float("nan")
+            assert abs(got - want) <= 1e-9 * abs(want), (order, p_tp, d_tp)
+            gbs = nbytes / t / 1e9
+            if p_tp == d_tp == 1:
+                base[order] = gbs
+            # One per (layer, plane, block) of each run; token by token where a run is not a
+            # whole block tokens first and no single sender holds every head to stage.
+            runs = max(p_tp, d_tp)
+            per_block = SPEC.block_size if (not hf and p_tp != d_tp and p_tp > 1) else 1
+            n_desc = len(blocks) * SPEC.num_layers * 2 * runs * per_block
+            print(f"{f'{p_tp} -> {d_tp}':<8}{order:>8}{n_desc:>13}{gbs:>8.2f}"
+                  f"{gbs / base[order]:>11.0%}")
+            for a in agents:
+                a.close()
+            parent.send("exit")
+            proc.join(10)
 
 
 def _idle(conn: Connection, seconds: float, prog_thread: bool) -> None:
@@ -399,6 +501,8 @@ def main() -> None:
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--tp", action="store_true", help="also the tensor-parallel rows")
     ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel rows")
+    ap.add_argument("--per-rank", action="store_true",
+                    help="only the rows of one agent per rank, tokens and heads first")
     ap.add_argument("--swa", action="store_true",
                     help="only the sliding-window rows: a handoff's bytes and time, dense vs "
                          "windowed")
@@ -409,6 +513,9 @@ def main() -> None:
         return
     if args.tp_only:
         _tp_rows(args.reps)
+        return
+    if args.per_rank:
+        _per_rank_rows(args.reps)
         return
     from nixl._api import nixl_agent
 
