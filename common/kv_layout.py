@@ -5,7 +5,10 @@ prefill worker writes its KV into a decode worker's blocks. Both are only right 
 worker means the same thing by a block hash: the same model (``model_identity``), the same
 tokens per block (``block_size``), the same KV element type (``kv_dtype``: a bf16 KV pool
 cannot take a float32 prefill's bytes), the same kind of KV (``kv_kind``: K and V per head, or
-multi-head latent attention's one latent per token), and the same hash function, salts included
+multi-head latent attention's one latent per token), the same order inside a block
+(``block_order``: tokens or heads first, ``--kv-layout``), the same addressing (``kv_pages``: one
+block table, or the hybrid layout's pages per layer group, ``--hybrid-kv``), and the same hash
+function, salts included
 (``hash_scheme``, ``hash_probe``). A worker that differs is refused at registration with a
 message naming the field and both values, not admitted to serve zero hits (or, for a prefill
 worker whose KV dtype differs from the decode pool's, never to serve at all: each of its
@@ -31,15 +34,18 @@ from kvrelay.engine.prefix_hash import HASH_SCHEME, block_hashes, salt_root
 from kvrelay.proto import worker_pb2 as wpb
 
 # Bump when a field is added to, or changes meaning in, the handshake. 2: kv_kind.
-LAYOUT_VERSION = 2
+# 3: block_order, kv_pages.
+LAYOUT_VERSION = 3
 # What a token's KV is (``kv_kind``): K and V per head, or one latent (MLA).
 KV_KINDS = ("kv", "latent")
+BLOCK_ORDERS = ("tokens", "heads")  # ``block_order``
 _PROBE_TOKENS = tuple(range(1, 17))
 _PROBE_SALT = "kvrelay-layout-probe"
 MAX_FIELD_LEN = 64  # characters of kv_dtype and hash_scheme a beat may carry
+MAX_PAGES_LEN = 2048  # of kv_pages: a layer-group plan lists every layer
 
-__all__ = ["HASH_SCHEME", "KV_KINDS", "LAYOUT_VERSION", "CacheLayout", "KVLayoutMismatch", "check",
-           "check_hashing", "differences", "hash_probe", "validate"]
+__all__ = ["BLOCK_ORDERS", "HASH_SCHEME", "KV_KINDS", "LAYOUT_VERSION", "CacheLayout",
+           "KVLayoutMismatch", "check", "check_hashing", "differences", "hash_probe", "validate"]
 
 
 @functools.cache
@@ -66,19 +72,24 @@ class CacheLayout:
     hash_probe: int = 0  # 0: this process's (see ``local``)
     version: int = LAYOUT_VERSION
     kv_kind: str = "kv"
+    block_order: str = "tokens"
+    kv_pages: str = ""
 
     @classmethod
     def local(cls, model_identity: str, block_size: int, kv_dtype: str,
-              kv_kind: str = "kv") -> CacheLayout:
+              kv_kind: str = "kv", block_order: str = "tokens",
+              kv_pages: str = "") -> CacheLayout:
         """This process's layout for a KV cache of ``block_size`` tokens of ``kv_dtype``, of
-        ``kv_kind`` ("kv" or "latent")."""
+        ``kv_kind`` ("kv" or "latent"), ordered ``block_order`` inside a block, addressed by
+        ``kv_pages`` ("": one block table)."""
         return cls(model_identity, block_size, kv_dtype, HASH_SCHEME, hash_probe(),
-                   kv_kind=kv_kind)
+                   kv_kind=kv_kind, block_order=block_order, kv_pages=kv_pages)
 
     def to_proto(self) -> wpb.CacheLayout:
         return wpb.CacheLayout(version=self.version, kv_dtype=self.kv_dtype,
                                hash_scheme=self.hash_scheme, hash_probe=self.hash_probe,
-                               kv_kind=self.kv_kind)
+                               kv_kind=self.kv_kind, block_order=self.block_order,
+                               kv_pages=self.kv_pages)
 
     @classmethod
     def from_info(cls, info: wpb.WorkerInfo) -> CacheLayout | None:
@@ -87,7 +98,8 @@ class CacheLayout:
             return None
         kl = info.kv_layout
         return cls(info.model_identity, info.block_size, kl.kv_dtype, kl.hash_scheme,
-                   kl.hash_probe, kl.version, kl.kv_kind or "kv")
+                   kl.hash_probe, kl.version, kl.kv_kind or "kv", kl.block_order or "tokens",
+                   kl.kv_pages)
 
 
 # (field, what it is, what makes two processes agree on it)
@@ -98,6 +110,10 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
      "--dtype, which it follows by default)"),
     ("kv_kind", "KV cache kind: 'kv' per head or 'latent' (MLA)", "start every worker with the "
      "same --model (a latent cache and per-head K/V never mix)"),
+    ("block_order", "order of a KV block: 'tokens' or 'heads' first", "start every worker with "
+     "the same --kv-layout (its auto follows the device: heads on CUDA, tokens on CPU)"),
+    ("kv_pages", "KV block addressing: '' one table, else the hybrid layout's layer groups",
+     "start every worker with the same --hybrid-kv"),
     ("hash_scheme", "prefix-hash scheme", "run the same kvrelay version everywhere"),
     ("hash_probe", "prefix hash of the probe block", "run the same kvrelay version everywhere "
      "(same scheme name, different hashing)"),
@@ -153,3 +169,8 @@ def validate(layout: wpb.CacheLayout) -> None:
     if layout.kv_kind not in ("", *KV_KINDS):
         raise ValueError(f"kv_layout's kv_kind must be one of {KV_KINDS}, got "
                          f"{layout.kv_kind[:MAX_FIELD_LEN]!r}")
+    if layout.block_order not in ("", *BLOCK_ORDERS):
+        raise ValueError(f"kv_layout's block_order must be one of {BLOCK_ORDERS}, got "
+                         f"{layout.block_order[:MAX_FIELD_LEN]!r}")
+    if len(layout.kv_pages) > MAX_PAGES_LEN:
+        raise ValueError(f"kv_layout's kv_pages takes at most {MAX_PAGES_LEN} characters")

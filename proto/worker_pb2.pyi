@@ -170,18 +170,22 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ..., kv_layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
 
 class CacheLayout(_message.Message):
-    __slots__ = ("version", "kv_dtype", "hash_scheme", "hash_probe", "kv_kind")
+    __slots__ = ("version", "kv_dtype", "hash_scheme", "hash_probe", "kv_kind", "block_order", "kv_pages")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     HASH_PROBE_FIELD_NUMBER: _ClassVar[int]
     KV_KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ORDER_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     version: int
     kv_dtype: str
     hash_scheme: str
     hash_probe: int
     kv_kind: str
-    def __init__(self, version: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., hash_scheme: _Optional[str] = ..., hash_probe: _Optional[int] = ..., kv_kind: _Optional[str] = ...) -> None: ...
+    block_order: str
+    kv_pages: str
+    def __init__(self, version: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., hash_scheme: _Optional[str] = ..., hash_probe: _Optional[int] = ..., kv_kind: _Optional[str] = ..., block_order: _Optional[str] = ..., kv_pages: _Optional[str] = ...) -> None: ...
 
 class TierBlocks(_message.Message):
     __slots__ = ("medium", "added", "removed", "full")

@@ -94,6 +94,10 @@ def test_a_prefill_worker_of_another_kv_dtype_is_refused_naming_both(caplog) -> 
 @pytest.mark.parametrize("field, value, shown", [
     ("block_size", 32, "block_size (tokens per KV block) differs: 32 on worker d2, 16 on"),
     ("model_identity", "llama:def", "model_identity (model) differs: 'llama:def' on worker d2"),
+    ("block_order", "heads", "block_order (order of a KV block: 'tokens' or 'heads' first) "
+                             "differs: 'heads' on worker d2, 'tokens' on"),
+    ("kv_pages", "k=2;windows=full,4", "kv_pages (KV block addressing: '' one table, else the "
+                                       "hybrid layout's layer groups) differs"),
     ("version", LAYOUT_VERSION + 1, f"version (of this handshake) differs: {LAYOUT_VERSION + 1}"
                                     f" on worker d2, {LAYOUT_VERSION} on"),
 ])
@@ -156,6 +160,10 @@ def test_a_beat_with_an_oversized_layout_is_out_of_bounds() -> None:
             reg.heartbeat(beat("d1", dataclasses.replace(F32, kv_dtype="f" * 65)))
         with pytest.raises(ValueError, match="needs a kv_dtype"):
             reg.heartbeat(beat("d1", dataclasses.replace(F32, kv_dtype="")))
+        with pytest.raises(ValueError, match="block_order must be one of"):
+            reg.heartbeat(beat("d1", dataclasses.replace(F32, block_order="sideways")))
+        with pytest.raises(ValueError, match="kv_pages takes at most 2048"):
+            reg.heartbeat(beat("d1", dataclasses.replace(F32, kv_pages="x" * 2049)))
     run(body)
 
 
@@ -208,26 +216,31 @@ def test_a_refused_worker_logs_the_routers_reason_at_error_and_joins_once_it_mat
 
 
 @pytest.mark.slow
-def test_a_prefill_process_of_another_kv_dtype_is_refused_at_registration(
+def test_a_prefill_process_of_another_kv_layout_is_refused_at_registration(
         demo_model_dir, tmp_path) -> None:
     """Real processes: a decode worker in the model's fp32, then a prefill worker started with
-    --kv-cache-dtype bfloat16. Before the handshake it registered and never served (each of
-    its KV transfers was refused by the decode worker's layout check); now the router refuses
-    it and its log says why."""
+    --kv-cache-dtype bfloat16, and one with --kv-layout heads. Before the handshake such a
+    worker registered and never served (each of its KV transfers was refused by the decode
+    worker's layout check); now the router refuses it and its log says why."""
     from cluster import Cluster
 
     with Cluster(demo_model_dir, tmp_path, prefill=0, decode=1) as c:
         (d,) = c.registered()
         assert d.info.kv_layout.kv_dtype == "float32"
+        assert d.info.kv_layout.block_order == "tokens" and d.info.kv_layout.kv_pages == ""
         assert d.info.kv_layout.hash_probe == hash_probe()
         p = c.add_worker("prefill", extra=("--kv-cache-dtype", "bfloat16"), wait=False)
-        c.wait_ready(p)
-        deadline = time.monotonic() + 30
-        while "kv_dtype" not in p.log.read_text():
-            assert time.monotonic() < deadline, p.tail()
-            time.sleep(0.1)
-        text = p.log.read_text()
-        assert "ERROR" in text and "'bfloat16' on worker prefill-1" in text, text[-2000:]
+        h = c.add_worker("prefill", extra=("--kv-layout", "heads", "--attention-backend",
+                                           "sdpa"), wait=False)
+        for w, field, shown in ((p, "kv_dtype", "'bfloat16' on worker prefill-1"),
+                                (h, "block_order", "'heads' on worker prefill-2")):
+            c.wait_ready(w)
+            deadline = time.monotonic() + 30
+            while field not in w.log.read_text():
+                assert time.monotonic() < deadline, w.tail()
+                time.sleep(0.1)
+            text = w.log.read_text()
+            assert "ERROR" in text and shown in text, text[-2000:]
         assert [w.info.worker_id for w in c.registered()] == [d.info.worker_id]
         with grpc.insecure_channel(c.control_address) as ch:
             status = worker_pb2_grpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(),

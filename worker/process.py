@@ -227,9 +227,13 @@ class Worker:
         core = self.engine.core
         # What its block hashes and KV bytes mean: a router refuses a worker that differs
         # from its cluster (common/kv_layout.py).
-        layout = CacheLayout.local(core.runner.arch.identity, core.config.cache.block_size,
-                                   dtype_name(core.runner.kv_dtype),
-                                   "latent" if core.runner.arch.kv_latent else "kv")
+        runner = core.runner
+        plan = runner.kv_spec.groups
+        layout = CacheLayout.local(runner.arch.identity, core.config.cache.block_size,
+                                   dtype_name(runner.kv_dtype),
+                                   "latent" if runner.arch.kv_latent else "kv",
+                                   "heads" if runner.heads_first else "tokens",
+                                   "" if plan is None else plan.signature)
         self.info = info = wpb.WorkerInfo(
             worker_id=self.worker_id, role=_ROLE[st.role], address=st.advertised(self.port),
             incarnation=self.incarnation, model_identity=layout.model_identity,
