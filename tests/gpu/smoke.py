@@ -325,6 +325,36 @@ def phase_cuda_graphs() -> dict[str, Any]:
     return {"status": "PASS" if ok else "FAIL", **results}
 
 
+def phase_kv_layout() -> dict[str, Any]:
+    """Heads first inside a KV block (``--kv-layout auto`` on CUDA) against tokens first: the
+    flash path reads the strided block view, CUDA graphs replay decode over it, and greedy
+    tokens (prompts in one block, across blocks, chunked) equal the token-major cache's."""
+    _need_cuda(dry_ok=True)
+    import random
+
+    from kvrelay.engine.llm import LLM
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(7, 250) for _ in range(n)] for n in (5, 300, 700)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got: dict[str, Any] = {}
+    first = "heads" if DRY_DEVICE else "auto"  # a dry run on the CPU asks for it by name
+    for layout in (first, "tokens"):
+        llm = LLM(model_dir("llama"), device=_gpu(), dtype="bfloat16",
+                  attention_backend=BACKEND, block_size=256, num_blocks=48, max_model_len=1024,
+                  max_num_batched_tokens=512, kv_layout=layout, seed=0)
+        runner = llm.engine.runner
+        got[layout] = {"heads_first": runner.heads_first,
+                       "graphs": runner.decode_graphs is not None,
+                       "tokens": [o.token_ids for o in llm.generate(prompts, sp)]}
+        del llm, runner
+    same = got[first]["tokens"] == got["tokens"]["tokens"]
+    ok = same and got[first]["heads_first"]
+    return {"status": "PASS" if ok else "FAIL", "heads_first": got[first]["heads_first"],
+            "graphs": got[first]["graphs"], "greedy_equal": same}
+
+
 def _decoding_core(graphs: bool, max_batch: int = 64, **model: Any) -> Any:
     from kvrelay.engine.config import EngineConfig
     from kvrelay.engine.engine_core import EngineCore
@@ -695,6 +725,7 @@ PHASES: dict[str, tuple[Callable[[], dict[str, Any]], int]] = {
     "bf16_vs_transformers": (phase_bf16_vs_transformers, 120),
     "flash_vs_sdpa": (phase_flash_vs_sdpa, 120),
     "cuda_graphs": (phase_cuda_graphs, 120),
+    "kv_layout": (phase_kv_layout, 90),
     "nixl_vram": (phase_nixl_vram, 120),
     "pd_handoff": (phase_pd_handoff, 120),
     "decode_steps": (phase_decode_steps, 120),
