@@ -19,18 +19,42 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # On a CUDA machine instead of `make install`: torch from its CUDA index (keep TORCH_INDEX_URL
-# paired with the toolkit, see deploy/docker/Dockerfile.cuda), then flash-attn, which compiles
-# against the installed torch and so needs --no-build-isolation (a plain
+# paired with the toolkit, see deploy/docker/Dockerfile.cuda), then flash-attn (the `gpu` extra,
+# pinned), which compiles against the installed torch and so needs --no-build-isolation (a plain
 # `pip install 'kvrelay[gpu]'` builds it against a fresh torch in an isolated env, and fails).
+# flash-attn has no wheel for torch 2.13: the first install compiles it (1-3 h; MAX_JOBS and
+# FLASH_ATTN_CUDA_ARCHS from the environment); later ones reuse the wheel pip cached, keyed by
+# the sdist alone (after changing FLASH_ATTN_CUDA_ARCHS: `pip cache remove flash_attn`).
+# NIXL comes as the `nixl` meta package (both builds); the recipe checks that the one that loads
+# matches torch's CUDA major (the CUDA 12 image installs nixl-cu12 alone).
+#
+# Stamps. This recipe replaces a torch that is not the CUDA build TORCH_INDEX_URL names (say one
+# `make install` put there): `pip install torch==X` would keep a CPU X. It touches the CPU stamp
+# too: the GPU venv holds everything `make install` installs (`.[dev]`), its CUDA torch runs the
+# CPU suite, so `make test` and `make install` skipping their recipe afterwards is right. Were
+# that recipe to run here, it would not swap torch either while the pin is unchanged (X+cu126
+# satisfies torch==X); after a torch pin change run `make install-gpu` first, since the CPU
+# recipe would take the new torch from the default index. `make test-gpu` depends on this stamp
+# alone: on the CPU one, a fresh or stale venv got the CPU recipe and a torch not matched to the
+# toolkit.
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cu126
 GPU_STAMP := $(VENV)/.kvrelay-gpu-installed
+TORCH_CUDA_CHECK = import sys, torch; \
+	build = "cu" + (torch.version.cuda or "").replace(".", ""); \
+	sys.exit(None if build == "$(notdir $(TORCH_INDEX_URL))" else \
+		f"torch {torch.__version__} is not the $(notdir $(TORCH_INDEX_URL)) build")
+NIXL_CUDA_CHECK = import sys, torch, nixl._api as api; \
+	want = "nixl_cu" + (torch.version.cuda or "?").split(".")[0]; \
+	sys.exit(None if api.__name__.startswith(want + ".") else f"NIXL loaded {api.__name__}")
 $(GPU_STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c '$(TORCH_CUDA_CHECK)' 2>/dev/null || $(PY) -m pip uninstall -q -y torch
 	$(PY) -m pip install -q --index-url $(TORCH_INDEX_URL) -c constraints.txt torch==2.13.0
-	$(PY) -c "import torch, sys; sys.exit('not a CUDA build of torch' if torch.version.cuda is None else 0)"
-	$(PY) -m pip install -q "setuptools>=68" wheel packaging ninja psutil einops
+	$(PY) -c '$(TORCH_CUDA_CHECK)'
+	$(PY) -m pip install -q "setuptools>=77" wheel packaging ninja psutil einops
 	$(PY) -m pip install -q --no-build-isolation -c constraints.txt -e '.[dev,gpu]'
+	$(PY) -c '$(NIXL_CUDA_CHECK)'
 	touch $(STAMP) $(GPU_STAMP)
 
 install-gpu: $(GPU_STAMP)
@@ -49,8 +73,9 @@ test: $(STAMP)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -ra --durations=15 \
 		-n $(TEST_WORKERS) --dist loadfile
 
-# The GPU smoke suite (tests/gpu/README.md); every test skips cleanly where CUDA is absent.
-test-gpu: $(STAMP)
+# The GPU suite (tests/gpu/README.md); every test skips cleanly where CUDA is absent. On the
+# GPU stamp, not the CPU one: a missing or stale venv gets the CUDA install, never the CPU one.
+test-gpu: $(GPU_STAMP)
 	KVRELAY_GPU_TESTS=1 $(PY) -m pytest -q -ra tests/gpu
 
 serve: $(STAMP)

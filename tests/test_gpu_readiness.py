@@ -1,23 +1,34 @@
 """The GPU path's decisions, checked on the CPU (issue 24): device selection, the Ray GPU
 request, flash-attn's dtype gate and import fallback, the CUDA memory budget, the KV-ready event's
-device, the Docker image's torch/CUDA pairing and the Kubernetes GPU overlay. What needs a real
-GPU lives in tests/gpu/ (``make test-gpu``)."""
+device, the Docker image's torch/CUDA pairing, the GPU packaging (issue 53: one flash-attn built
+once, nixl-cu12 alone in the CUDA 12 image, `make test-gpu` on the GPU install, NIXL's own
+environment report) and the Kubernetes GPU overlay. What needs a real GPU lives in tests/gpu/
+(``make test-gpu``)."""
 
 from __future__ import annotations
 
 import builtins
 import dataclasses
+import importlib.metadata
+import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE_CUDA = ROOT / "deploy" / "docker" / "Dockerfile.cuda"
@@ -276,6 +287,169 @@ def test_makefile_gpu_targets_use_the_same_pairing() -> None:
     index = re.search(r"^TORCH_INDEX_URL \?= (\S+)$", make, re.M)
     assert index is not None and index.group(1) == _dockerfile_args()["TORCH_INDEX_URL"]
     assert "--no-build-isolation" in make and "test-gpu:" in make
+
+
+# -- GPU packaging (issue 53) -----------------------------------------------------------------
+def _pin(name: str) -> str:
+    [pin] = re.findall(rf"^{re.escape(name)}==(\S+)$", (ROOT / "constraints.txt").read_text(),
+                       re.M)
+    return pin
+
+
+def _stages() -> dict[str, str]:
+    """Dockerfile.cuda's stages by name (the unnamed last one as ``""``), without comments,
+    continuations joined."""
+    text = re.sub(r"^#.*\n", "", DOCKERFILE_CUDA.read_text(), flags=re.M)
+    text = re.sub(r"\s*\\\n\s*", " ", text)
+    stages: dict[str, str] = {}
+    for chunk in re.split(r"^(?=FROM )", text, flags=re.M)[1:]:
+        m = re.match(r"FROM \S+(?: AS (\S+))?\n", chunk)
+        assert m is not None, chunk.splitlines()[0]
+        stages[m.group(1) or ""] = chunk
+    return stages
+
+
+def _python_c(stage: str, marker: str) -> str:
+    """The one ``python -c`` script in the stage's RUN lines that contains ``marker``."""
+    scripts = [argv[i + 1] for ln in stage.splitlines() if ln.startswith("RUN ")
+               for argv in [shlex.split(ln[4:])] for i, a in enumerate(argv[:-1])
+               if a == "-c" and argv[i - 1] == "python"]
+    [script] = [s for s in scripts if marker in s]
+    return script
+
+
+def _pip_installs(stage: str) -> list[list[str]]:
+    """The stage's ``pip install`` commands as argv (RUN lines split at ``&&``)."""
+    runs = [ln[4:] for ln in stage.splitlines() if ln.startswith("RUN ")]
+    return [shlex.split(cmd.split("|")[0]) for run in runs for cmd in run.split("&&")
+            if cmd.split()[:2] == ["pip", "install"]]
+
+
+def _requirements(argv: list[str]) -> list[str]:
+    """What a ``pip install`` argv names to install (not its options or their values)."""
+    out, skip = [], False
+    for tok in argv[2:]:
+        if skip:
+            skip = False
+        elif tok in ("-c", "-r", "--index-url"):
+            skip = True
+        elif not tok.startswith("-"):
+            out.append(tok)
+    return out
+
+
+def test_flash_attn_is_pinned_once_and_built_in_its_own_stage() -> None:
+    """One flash-attn version everywhere; the image compiles it (1-3 h, no wheel for torch 2.13)
+    in a stage that takes nothing from the build context, so code edits keep its cached layer."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    [req] = project["optional-dependencies"]["gpu"]
+    pinned = re.fullmatch(r"flash-attn==(\d+\.\d+\.\d+\S*)", req)
+    assert pinned is not None, f"the gpu extra must pin flash-attn exactly, not {req!r}"
+    version = pinned.group(1)
+    assert _pin("flash-attn") == version
+    assert _dockerfile_args()["FLASH_ATTN_VERSION"] == version
+    stages = _stages()
+    assert list(stages) == ["torch", "flash-attn", "build", ""]
+    flash = stages["flash-attn"]
+    assert flash.startswith("FROM torch AS flash-attn\n"), "built against the image's torch"
+    assert not re.search(r"^(COPY|ADD) ", flash, re.M), "nothing from the build context"
+    assert re.search(r"pip wheel --no-build-isolation --no-deps --no-cache-dir --wheel-dir "
+                     r'/wheels "flash-attn==\$\{FLASH_ATTN_VERSION\}"', flash)
+    build = stages["build"]
+    assert build.startswith("FROM torch AS build\n")
+    assert "flash-attn" not in "".join(a for argv in _pip_installs(build) for a in argv)
+    assert build.index("COPY --from=flash-attn /wheels") < build.index("\nCOPY . .")
+    assert any("/wheels/flash_attn-*.whl" in argv for argv in _pip_installs(build))
+    assert "pip wheel" not in build and "flash-attn" not in stages["torch"]
+
+
+def test_cuda_image_installs_nixl_cu12_not_the_meta_package() -> None:
+    """``nixl`` on PyPI is a meta package: it requires nixl-cu12 and nixl-cu13, and its only
+    content is the ``nixl`` import name (nixl-cu12's wheel holds ``nixl_cu12``). The image takes
+    nixl-cu12, the meta package without its dependencies, and the project's other dependencies
+    from pyproject.toml less ``nixl`` (pip installs an installed package's missing requirements,
+    so the project itself goes in with --no-deps)."""
+    assert _pin("nixl-cu12") == _pin("nixl-cu13") == _pin("nixl")
+    build = _stages()["build"]
+    installs = _pip_installs(build)
+    named = [(argv, req) for argv in installs for req in _requirements(argv)]
+    assert any(req == "nixl-cu12" for _, req in named)
+    for argv, req in named:
+        assert "nixl-cu13" not in req and "nixl[" not in req
+        if req == "nixl" or req.startswith("."):
+            assert "--no-deps" in argv, f"{shlex.join(argv)} would bring nixl-cu13"
+    assert build.index("COPY pyproject.toml constraints.txt") < build.index("\nCOPY . .")
+    # The requirements list the image computes, computed here from the same script.
+    script = _python_c(build, "tomllib")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert out == [d for d in deps if not re.match(r"nixl\b(?!-)", d)] and len(out) == \
+        len(deps) - 1
+    # pip check's filter lets the meta package's missing nixl-cu13 through, and nothing else.
+    check = re.search(r"pip check (\|.*?)\n", build)
+    assert check is not None
+    for lines, ok in ((["No broken requirements found."], True),
+                      (["nixl 1.5.1 requires nixl-cu13, which is not installed."], True),
+                      (["nixl 1.5.1 requires nixl-cu12, which is not installed."], False),
+                      (["ray 2.60.0 requires aiohttp, which is not installed."], False)):
+        r = subprocess.run(["sh", "-c", f"printf '%s\\n' {shlex.join(lines)} {check.group(1)}"],
+                           capture_output=True, text=True, timeout=30)
+        assert (r.returncode == 0) == ok, (lines, r)
+
+
+def test_cuda_image_asserts_which_nixl_build_loads() -> None:
+    """The image's own checks, run here: this venv (the meta package's two builds, a CPU torch)
+    is not the cu12 image, and each check must say so."""
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA torch: this venv may be what the checks accept")
+    build = _stages()["build"]
+    for marker, want in (("must hold nixl-cu12 alone", "the cu12 image must hold nixl-cu12 alone"),
+                         ("want nixl_cu12", "for torch CUDA : want nixl_cu12")):
+        r = subprocess.run([sys.executable, "-c", _python_c(build, marker)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "NIXL_LOG_LEVEL": "WARN"})
+        assert r.returncode != 0 and want in r.stderr, r.stderr
+
+
+def test_make_test_gpu_runs_on_the_gpu_install() -> None:
+    """``make test-gpu`` on a fresh or stale venv runs the CUDA install, never the CPU one (whose
+    torch would not match the toolkit)."""
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^test-gpu: \$\(GPU_STAMP\)$", make, re.M)
+    assert re.search(r"^install-gpu: \$\(GPU_STAMP\)$", make, re.M)
+    if not shutil.which("make"):
+        pytest.skip("no make on PATH")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_INDEX_URL"}
+    out = subprocess.run(["make", "-n", "-B", "test-gpu"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True, env=env).stdout
+    index = _dockerfile_args()["TORCH_INDEX_URL"]
+    assert f"--index-url {index} -c constraints.txt torch==" in out
+    assert "-e '.[dev,gpu]'" in out and "--no-build-isolation" in out
+    assert "-e '.[dev]'" not in out, "the CPU install ran for test-gpu"
+    assert out.rstrip().endswith("pytest -q -ra tests/gpu")
+
+
+def test_nixl_environment_report_comes_from_nixl_itself() -> None:
+    """tests/gpu/test_environment.py's NIXL part (the wheel ships no ``ucx_info``), run here, in
+    a process of its own (UCX hooks the allocator of the process that starts it)."""
+    code = ("import json, runpy; print(json.dumps(runpy.run_path("
+            f"{str(ROOT / 'tests' / 'gpu' / 'test_environment.py')!r})['nixl_report']()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "NIXL_LOG_LEVEL": "WARN"})
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.splitlines()[-1])  # as gpu-report.json holds it
+    assert "error" not in report, report
+    assert report["nixl"] == _pin("nixl")
+    assert report["build"] in ("nixl_cu12", "nixl_cu13")
+    assert report[report["build"].replace("_", "-")] == importlib.metadata.version("nixl")
+    if torch.version.cuda is not None:
+        assert report["build"] == f"nixl_cu{torch.version.cuda.split('.')[0]}"
+    assert "UCX" in report["plugins"]
+    assert {"DRAM_SEG", "VRAM_SEG"} <= set(report["ucx_backend_mem_types"])
+    assert "num_workers" in report["ucx_plugin_params"]
+    # without ucm_cuda UCX takes VRAM for host memory (docs/gpu.md, the first smoke run)
+    assert {"ucm_cuda", "uct_cuda", "uct_cma"} <= set(report["ucx_modules"]), report
 
 
 def test_gpu_suite_is_not_collected_by_the_normal_suite() -> None:
