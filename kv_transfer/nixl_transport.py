@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -370,17 +371,24 @@ class NixlTransport:
     def _post(self, handle: WriteHandle, what: str) -> WriteHandle:
         """Post ``handle``'s prepared transfers (under the lock); a refusal or a failure to post
         releases them and raises. ``what``: "a write to" / "a read from", for the messages."""
-        peer = handle.peer
+        self._advance(handle, self._agent.transfer, f"posting {what}",
+                      f"NIXL refused {what} {handle.peer}")
+        return handle
+
+    def _advance(self, handle: WriteHandle, call: Any, doing: str, refused: str) -> bool:
+        """Apply ``call`` (NIXL's ``transfer`` or ``check_xfer_state``) to each of ``handle``'s
+        transfers not yet done, releasing those done; True once none is left. A failure
+        finishes the handle (every transfer released) and raises."""
         pending = []
         for xfer in handle._xfer:
             try:
-                state = self._agent.transfer(xfer)
+                state = call(xfer)
             except _NIXL_ERRORS as e:
                 self._finish(handle)
-                raise self._failed(e, peer, f"posting {what}") from e
+                raise self._failed(e, handle.peer, doing) from e
             if state == "ERR":
                 self._finish(handle)
-                raise KVTransferError(f"NIXL refused {what} {peer}", retriable=True, peer=peer)
+                raise KVTransferError(refused, retriable=True, peer=handle.peer)
             if state == "DONE":
                 self._release(xfer)
             else:
@@ -388,7 +396,7 @@ class NixlTransport:
         handle._xfer = pending
         if not pending:
             self._finish(handle)
-        return handle
+        return not pending
 
     def poll(self, handle: WriteHandle) -> bool:
         """True once the data is at the peer (remote completion: NIXL flushes the endpoint),
@@ -397,23 +405,8 @@ class NixlTransport:
             return True
         what = _what(handle)
         with self._lock:
-            pending = []
-            for xfer in handle._xfer:
-                try:
-                    state = self._agent.check_xfer_state(xfer)
-                except _NIXL_ERRORS as e:
-                    self._finish(handle)
-                    raise self._failed(e, handle.peer, f"completing {_verb(handle)}") from e
-                if state == "ERR":
-                    self._finish(handle)
-                    raise KVTransferError(f"{what} failed", retriable=True, peer=handle.peer)
-                if state == "DONE":
-                    self._release(xfer)
-                else:
-                    pending.append(xfer)
-            handle._xfer = pending
-            if not pending:
-                self._finish(handle)
+            if self._advance(handle, self._agent.check_xfer_state,
+                             f"completing {_verb(handle)}", f"{what} failed"):
                 return True
             if time.monotonic() >= handle.deadline:
                 self._finish(handle)

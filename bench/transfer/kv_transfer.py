@@ -96,14 +96,22 @@ def _tp_receiver(conn: Connection, tp: int, groups: int) -> None:
     kvs = _tp_kvs(spec, tp, groups)
     tr = NixlTransport(f"bench-tp-recv-{tp}", kvs[0], layout, rank_kvs=kvs[1:])
     conn.send(tr.peer_info().to_bytes())
+    _answer_sums(conn, [tr], kvs)
+    tr.close()
+
+
+def _answer_sums(conn: Connection, agents: list, kvs: list[torch.Tensor]) -> None:
+    """A receiver's loop: keep its agents progressing (a sender's first write waits on the
+    connection handshake) and answer each list of blocks with their sum over ``kvs``, until
+    "exit"."""
     while True:
         while not conn.poll(0.002):
-            tr.progress()
+            for a in agents:
+                a.progress()
         cmd = conn.recv()
         if cmd == "exit":
-            break
+            return
         conn.send(sum(kv[:, :, cmd].double().sum().item() for kv in kvs))
-    tr.close()
 
 
 def _tp_rows(reps: int) -> None:
@@ -196,14 +204,7 @@ def _per_rank_receiver(conn: Connection, tp: int, heads_first: bool) -> None:
     torch.set_num_threads(1)
     agents, info = _rank_agents(f"bench-pr-recv-{tp}", tp, heads_first, fill=False)
     conn.send(info.to_bytes())
-    while True:
-        while not conn.poll(0.002):
-            for a in agents:
-                a.progress()
-        cmd = conn.recv()
-        if cmd == "exit":
-            break
-        conn.send(sum(a._kv[:, :, cmd].double().sum().item() for a in agents))
+    _answer_sums(conn, agents, [a._kv for a in agents])
     for a in agents:
         a.close()
 
