@@ -420,8 +420,11 @@ def test_make_test_gpu_runs_on_the_gpu_install() -> None:
     assert re.search(r"^install-gpu: \$\(GPU_STAMP\)$", make, re.M)
     if not shutil.which("make"):
         pytest.skip("no make on PATH")
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_INDEX_URL"}
-    out = subprocess.run(["make", "-n", "-B", "test-gpu"], cwd=ROOT, capture_output=True,
+    # Under `make test` the outer make's MAKEFLAGS/MAKELEVEL make this one print its directory.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCH_INDEX_URL", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "-n", "-B", "--no-print-directory", "test-gpu"], cwd=ROOT,
+                         capture_output=True,
                          text=True, timeout=60, check=True, env=env).stdout
     index = _dockerfile_args()["TORCH_INDEX_URL"]
     assert f"--index-url {index} -c constraints.txt torch==" in out

@@ -42,7 +42,7 @@ class SpyGroup:
 
 def _gpu_like_shard() -> tuple[TPShard, SpyGroup, SpyGroup]:
     activations, control = SpyGroup(), SpyGroup()
-    return TPShard(0, 2, activations, TIMEOUT, "", control, nccl=True), activations, control  # type: ignore[arg-type]
+    return TPShard(0, 2, activations, TIMEOUT, control, nccl=True), activations, control  # type: ignore[arg-type]
 
 
 def test_a_cpu_tensor_never_reaches_the_nccl_group() -> None:
