@@ -60,7 +60,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_required: bool = Tru
     opt(g, "--device", default="auto", help="auto|cpu|cuda|cuda:N")
     opt(g, "--max-model-len", type=int, default=None)
     opt(g, "--block-size", type=int, default=16, help="tokens per KV block")
-    opt(g, "--kv-cache-memory", default="512MiB", help="KV cache budget (e.g. 512MiB, 4GiB)")
+    opt(g, "--kv-cache-memory", default=None,
+        help="KV cache budget (e.g. 512MiB, 4GiB). Default: on a GPU what "
+             "--gpu-memory-utilization leaves once the largest step has run (measured at "
+             "start), on the CPU 512MiB")
     opt(g, "--gpu-memory-utilization", type=float, default=0.9,
         help="on CUDA the KV cache also stays within this fraction of the GPU's memory")
     opt(g, "--num-kv-blocks", type=int, default=None, help="exact KV blocks (overrides budget)")

@@ -32,6 +32,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # the weights' (ModelConfig
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 HYBRID_KV = ("auto", "off")  # CacheConfig.hybrid_kv
 KV_LAYOUTS = ("auto", "tokens", "heads")  # CacheConfig.kv_layout
+# The KV cache's size on the CPU when --kv-cache-memory is not given (a GPU's cache takes what
+# --gpu-memory-utilization leaves after the largest step instead).
+DEFAULT_KV_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: int = 512 * 2**20  # bytes for the KV tensor
+    # Bytes for the KV tensor. None: on a GPU what --gpu-memory-utilization leaves once the
+    # largest step has run (measured at start), on the CPU DEFAULT_KV_BYTES.
+    kv_cache_memory: int | None = None
     num_blocks: int | None = None  # overrides the memory budget when set
     # On CUDA the KV budget also stays within this fraction of the GPU's memory (after weights).
     gpu_memory_utilization: float = 0.9
@@ -136,9 +141,10 @@ class CacheConfig:
                              f"{self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
-        if self.kv_cache_memory <= 0:
-            raise ValueError("kv_cache_memory must be positive")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+            if self.kv_cache_memory <= 0:
+                raise ValueError("kv_cache_memory must be positive")
         for name in ("kv_offload_memory", "kv_offload_disk"):
             object.__setattr__(self, name, parse_bytes(getattr(self, name)))
             if getattr(self, name) < 0:

@@ -37,6 +37,8 @@ from kvrelay.engine.sampler import TokenLogprob, sample
 from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.step_inputs import (  # padded_rows: imported from here by the tests too
     StepInputs,
+    StepSeq,
+    TokenWindow,
     padded_rows,
     row_order,
     sampled_rows,
@@ -107,40 +109,44 @@ class ModelRunner:
                              "(on both pools)")
         slots = arch.num_layers if self.kv_plan is None else self.kv_plan.k
         per_block = 1 if self.kv_plan is None else self.kv_plan.num_groups
-        num_blocks = per_block * exact if exact else blocks_for_budget(
-            self.platform.kv_budget(cc.kv_cache_memory, cc.gpu_memory_utilization),
-            num_layers=slots, num_kv_heads=kv_heads,
-            head_dim=arch.head_dim, block_size=block_size, dtype=dtype_name(self.kv_dtype),
-            planes=arch.kv_planes)
         self.kv_groups = groups = cc.kv_head_groups
         check_kv_head_groups(groups, kv_heads)
-        self.heads_first = heads_first = kv_heads_first(cc, self.device, arch, self.backend)
-        self.kv_spec = KVCacheSpec(slots, kv_heads // groups, arch.head_dim,
-                                   block_size, num_blocks, dtype_name(self.kv_dtype),
-                                   layer_windows=arch.layer_windows, planes=arch.kv_planes,
-                                   groups=self.kv_plan, heads_first=heads_first)
-        self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
-        if self.kv_plan is None:
-            if heads_first:
-                self.model.bind_kv_cache(self.kv, heads_first=True)
-            else:
-                self.model.bind_kv_cache(self.kv)
-        else:
-            bind_hybrid(self.model, self.kv, self.kv_plan, heads_first)
-            if getattr(self.model, "fused_decode", None) is not None:
-                logger.info("hybrid KV: the fused decode layers read one block table; op by op")
-                self.model.fused_decode = None
-        self.attention.bind_cache(self.kv_spec.num_kv_heads, arch.head_dim, self.kv_dtype,
-                                  self.device)
-        # What a KV transport registers: the tensor, or group 0 and the others as its ranks
-        # (under TP each rank registers its own groups: TPModelRunner).
-        self.transfer_kv = kv_groups_of(self.kv)[0]
-        if groups > 1 and shard is None:
-            self.rank_kv = RankKV.from_views(group_views(self.kv, range(kv_heads)), kv_heads)
-        # The last layer on the rows read alone (where the backend can); TP ranks run every row.
-        self.prune_last = self.attention.prunes_last_layer and shard is None
+        self.heads_first = kv_heads_first(cc, self.device, arch, self.backend)
+        self._kv_heads = kv_heads
+        self.block_size = block_size
+        self.prune_last = False  # until the cache is bound (the backend decides it then)
         # Steps of more rows than this are padded to a bucketed count (see padded_rows).
         self.pad_above: int | None = self.platform.pad_rows_above(self.model)
+
+        def fitting(budget: int) -> int:  # blocks (pages, under the hybrid layout) in budget
+            return blocks_for_budget(budget, num_layers=slots, num_kv_heads=kv_heads,
+                                     head_dim=arch.head_dim, block_size=block_size,
+                                     dtype=dtype_name(self.kv_dtype), planes=arch.kv_planes)
+
+        self.warm_up_bytes: int | None = None  # what the warm-up step took (None: none ran)
+        if exact:
+            num_blocks = per_block * exact
+        elif self.platform.warms_up_before_kv(cc.kv_cache_memory):
+            # As vLLM sizes its cache: the largest step the scheduler may build runs first, over
+            # a cache just large enough for it, and the cache then leaves room for what that
+            # step took (activations, workspaces) within --gpu-memory-utilization.
+            tokens = min(config.scheduler.max_num_batched_tokens, max_len)
+            self._bind_kv(per_block * (-(-tokens // block_size)))
+            self.warm_up_bytes = self.platform.step_memory(
+                lambda: self.warm_up(tokens, min(config.scheduler.max_num_seqs, tokens)))
+            self._let_go_kv()
+            num_blocks = fitting(self.platform.kv_budget(
+                cc.kv_cache_memory, cc.gpu_memory_utilization, activations=self.warm_up_bytes))
+            if shard is not None:  # one block manager addresses every rank: the fewest blocks
+                fewest = torch.tensor([num_blocks], dtype=torch.long)
+                shard.control_all_reduce(fewest, dist.ReduceOp.MIN, shard.timeout)
+                num_blocks = int(fewest.item())
+        else:
+            num_blocks = fitting(self.platform.kv_budget(cc.kv_cache_memory,
+                                                         cc.gpu_memory_utilization))
+        self._bind_kv(num_blocks)
+        # The last layer on the rows read alone (where the backend can); TP ranks run every row.
+        self.prune_last = self.attention.prunes_last_layer and shard is None
         # CUDA graphs for decode steps (decided once, here): they take the last block as the
         # padding rows' scratch, so the block manager gets one block fewer.
         off = self.platform.graphs_off_reason(
@@ -151,7 +157,6 @@ class ModelRunner:
         self.num_usable_blocks = num_blocks if off is not None else num_blocks - per_block
         # A sequence can never hold more tokens than the cache has slots (a page per group).
         self.max_model_len = min(max_len, self.num_usable_blocks // per_block * block_size)
-        self.block_size = block_size
         self.decode_graphs: DecodeGraphRunner | None = None
         if off is None:  # no step holds more sequences than the scheduler runs at once
             self.decode_graphs = self.static_decode(
@@ -176,6 +181,61 @@ class ModelRunner:
                     f"pages of {self.kv_plan.k} layers in {self.kv_plan.num_groups} layer groups",
                     block_size, self.kv.numel() * self.kv.element_size() / 2**20,
                     self.backend, self.max_model_len)
+
+    def _bind_kv(self, num_blocks: int) -> None:
+        """Allocate the KV cache of ``num_blocks`` blocks (pages, under the hybrid layout) and
+        give the model, the attention backend and a KV transport their views of it."""
+        arch, kv_heads, groups = self.arch, self._kv_heads, self.kv_groups
+        self.kv_spec = KVCacheSpec(self._kv_slots(), kv_heads // groups, arch.head_dim,
+                                   self.block_size, num_blocks, dtype_name(self.kv_dtype),
+                                   layer_windows=arch.layer_windows, planes=arch.kv_planes,
+                                   groups=self.kv_plan, heads_first=self.heads_first)
+        self.kv = allocate_kv_cache(self.kv_spec, self.device, groups)
+        if self.kv_plan is None:
+            if self.heads_first:
+                self.model.bind_kv_cache(self.kv, heads_first=True)
+            else:
+                self.model.bind_kv_cache(self.kv)
+        else:
+            bind_hybrid(self.model, self.kv, self.kv_plan, self.heads_first)
+            if getattr(self.model, "fused_decode", None) is not None:
+                logger.info("hybrid KV: the fused decode layers read one block table; op by op")
+                self.model.fused_decode = None
+        self.attention.bind_cache(self.kv_spec.num_kv_heads, arch.head_dim, self.kv_dtype,
+                                  self.device)
+        # What a KV transport registers: the tensor, or group 0 and the others as its ranks
+        # (under TP each rank registers its own groups: TPModelRunner).
+        self.transfer_kv = kv_groups_of(self.kv)[0]
+        if groups > 1 and self.shard is None:
+            self.rank_kv = RankKV.from_views(group_views(self.kv, range(kv_heads)), kv_heads)
+
+    def _kv_slots(self) -> int:
+        """Layers of the KV tensor: the model's, or the hybrid layout's slots per page."""
+        return self.arch.num_layers if self.kv_plan is None else self.kv_plan.k
+
+    def _let_go_kv(self) -> None:
+        """Release the cache bound now (the warm-up's), before the real one is sized: the model
+        is bound to a one-block cache meanwhile, so no view keeps the old one alive."""
+        self._bind_kv(1 if self.kv_plan is None else self.kv_plan.num_groups)
+        self.platform.release_cached_memory()
+
+    @torch.inference_mode()
+    def warm_up(self, tokens: int, rows: int) -> None:
+        """The largest step the scheduler may build, over the cache bound now (which must hold
+        ``tokens``): one prefill of ``tokens`` tokens (every row through the last layer), and
+        logits for ``rows`` of them (a decode step of that many sequences samples as many).
+        Every rank of a tensor-parallel replica runs it at the same point (its collectives)."""
+        bs = self.block_size
+        nb = -(-tokens // bs)
+        plan = self.kv_plan
+        pages = None if plan is None else [
+            [g * nb + i for i in range(nb)] for g in range(plan.num_groups)]
+        seq = StepSeq(0, tokens, TokenWindow(0, [0] * tokens), list(range(nb)), pages)
+        inputs = self.prepare([ScheduledSeq(seq, tokens)], all_rows=True)  # type: ignore
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids.to(self.device),
+                                inputs.positions.to(self.device))
+        self.model.compute_logits(hidden[:rows])
 
     def static_decode(self, max_batch: int, scratch_block: int | None = None) \
             -> DecodeGraphRunner:

@@ -16,6 +16,7 @@ A new platform implements :class:`Platform` in its own package and is picked her
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -56,8 +57,20 @@ class Platform(Protocol):
     def kv_block_size(self, requested: int, backend: AttentionBackend) -> int:
         """The KV block size ``backend`` needs, given the configured one."""
 
-    def kv_budget(self, requested: int, utilization: float) -> int:
-        """Bytes for the KV cache, after the weights are loaded."""
+    def kv_budget(self, requested: int | None, utilization: float, *,
+                  activations: int = 0) -> int:
+        """Bytes for the KV cache, after the weights are loaded: ``requested``
+        (``--kv-cache-memory``; None: what the platform gives by default), leaving room for
+        ``activations`` (what the warm-up step took)."""
+
+    def warms_up_before_kv(self, requested: int | None) -> bool:
+        """Whether the largest step runs before the KV cache is sized (``step_memory``)."""
+
+    def step_memory(self, step: Callable[[], None]) -> int:
+        """Run ``step``; the device memory it took beyond what was held before (its peak)."""
+
+    def release_cached_memory(self) -> None:
+        """Give memory freed to the allocator back to the device (before sizing the cache)."""
 
     def graphs_off_reason(self, *, enforce_eager: bool, max_batch: int, paged_flash: bool,
                           tensor_parallel: bool, num_blocks: int,

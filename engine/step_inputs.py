@@ -9,6 +9,7 @@ logprobs) follows the same ``row_order``.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,30 @@ def padded_rows(n: int) -> int:
         return n
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
+
+
+class TokenWindow:
+    """The tokens ``[start, start + len)`` of a sequence, sliceable by absolute position."""
+
+    __slots__ = ("start", "tokens")
+
+    def __init__(self, start: int, tokens: list[int]):
+        self.start, self.tokens = start, tokens
+
+    def __getitem__(self, s: slice) -> list[int]:
+        return self.tokens[s.start - self.start:s.stop - self.start]
+
+
+@dataclass
+class StepSeq:
+    """What :meth:`ModelRunner.prepare` reads of a sequence, where no scheduler holds one: a
+    tensor-parallel rank's copy of rank 0's, or the warm-up step that sizes the KV cache."""
+
+    num_computed_tokens: int
+    num_tokens: int
+    token_ids: TokenWindow
+    block_table: list[int]
+    page_tables: list[list[int]] | None = None  # the hybrid KV layout's, per layer group
 
 
 class StepInputs(NamedTuple):

@@ -30,7 +30,6 @@ import threading
 import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -42,6 +41,7 @@ from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.kv_cache import group_head_ranges, group_views
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq
 from kvrelay.engine.model_runner import ModelRunner, SampledTokens
+from kvrelay.engine.step_inputs import StepSeq, TokenWindow
 from kvrelay.engine.tp_shard import (
     TensorParallelError,
     TPShard,
@@ -57,29 +57,6 @@ _OP_STOP, _OP_FORWARD = 0, 1
 
 
 # -- the step's inputs, packed -----------------------------------------------------------------
-class _Window:
-    """The tokens ``[start, start + len)`` of a sequence, sliceable by absolute position."""
-
-    __slots__ = ("start", "tokens")
-
-    def __init__(self, start: int, tokens: list[int]):
-        self.start, self.tokens = start, tokens
-
-    def __getitem__(self, s: slice) -> list[int]:
-        return self.tokens[s.start - self.start:s.stop - self.start]
-
-
-@dataclass
-class _RemoteSeq:
-    """What :meth:`ModelRunner.prepare` reads of a sequence, on a rank that has no scheduler."""
-
-    num_computed_tokens: int
-    num_tokens: int
-    token_ids: _Window
-    block_table: list[int]
-    page_tables: list[list[int]] | None = None  # the hybrid KV layout's, per layer group
-
-
 def pack_step(scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
     """``[count, layer groups (0: one table), then per sequence: computed, new, total, table
     length, new tokens, table, and under the hybrid KV layout each layer group's page table (of
@@ -113,7 +90,7 @@ def unpack_step(packed: torch.Tensor) -> list[ScheduledSeq]:
         if groups:
             pts = [v[i + g * nbt:i + (g + 1) * nbt] for g in range(groups)]
             i += groups * nbt
-        out.append(ScheduledSeq(_RemoteSeq(c, total, _Window(c, toks), bt, pts), n))  # type: ignore
+        out.append(ScheduledSeq(StepSeq(c, total, TokenWindow(c, toks), bt, pts), n))  # type: ignore
     return out
 
 

@@ -92,9 +92,10 @@ def test_cache_config_validates_utilization() -> None:
 
 
 def test_cpu_kv_budget_is_untouched() -> None:
-    from kvrelay.engine.cuda.memory import kv_budget_for
+    from kvrelay.engine.cpu.platform import CpuPlatform
 
-    assert kv_budget_for(torch.device("cpu"), 123456, 0.5) == 123456
+    platform = CpuPlatform.__new__(CpuPlatform)  # its budget reads no device
+    assert platform.kv_budget(123456, 0.5, activations=10**9) == 123456
 
 
 # -- Ray GPU requests ------------------------------------------------------------------------

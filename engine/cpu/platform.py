@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvrelay.engine.attention import AttentionBackend, select_backend
-from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.config import DEFAULT_KV_BYTES, ModelConfig
 from kvrelay.engine.cpu import kernel_choice
 from kvrelay.engine.cpu.fused_decode import FusedDecode
 from kvrelay.engine.cpu.packed_linear import (
@@ -101,8 +102,21 @@ class CpuPlatform:
     def kv_block_size(self, requested: int, backend: AttentionBackend) -> int:
         return requested
 
-    def kv_budget(self, requested: int, utilization: float) -> int:
-        return requested
+    def kv_budget(self, requested: int | None, utilization: float, *,
+                  activations: int = 0) -> int:
+        """``--kv-cache-memory``, or 512 MiB: host memory is the operator's to divide (the
+        cache does not size itself to what a host has free)."""
+        return DEFAULT_KV_BYTES if requested is None else requested
+
+    def warms_up_before_kv(self, requested: int | None) -> bool:
+        return False
+
+    def step_memory(self, step: Callable[[], None]) -> int:
+        step()
+        return 0
+
+    def release_cached_memory(self) -> None:
+        pass
 
     def graphs_off_reason(self, **_: object) -> str | None:
         return "not a CUDA device"

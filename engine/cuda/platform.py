@@ -5,6 +5,7 @@ graphs for decode steps and step inputs copied through pinned memory."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,8 +62,25 @@ class CudaPlatform:
         sequence's K/V), in blocks of a multiple of 256 tokens."""
         return paged_flash_block_size(requested) if backend.paged else requested
 
-    def kv_budget(self, requested: int, utilization: float) -> int:
-        return kv_budget_for(self.device, requested, utilization)
+    def kv_budget(self, requested: int | None, utilization: float, *,
+                  activations: int = 0) -> int:
+        return kv_budget_for(self.device, requested, utilization, activations)
+
+    def warms_up_before_kv(self, requested: int | None) -> bool:
+        """Without ``--kv-cache-memory`` the cache takes what ``--gpu-memory-utilization``
+        leaves once the largest step has run (as vLLM's does)."""
+        return requested is None
+
+    def step_memory(self, step: Callable[[], None]) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        step()
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.max_memory_allocated(self.device) - before)
+
+    def release_cached_memory(self) -> None:
+        torch.cuda.empty_cache()
 
     def graphs_off_reason(self, **kw: object) -> str | None:
         off = graphs_off_reason(self.device, **kw)  # type: ignore[arg-type]

@@ -355,6 +355,34 @@ def phase_kv_layout() -> dict[str, Any]:
             "graphs": got[first]["graphs"], "greedy_equal": same}
 
 
+def phase_kv_sizing() -> dict[str, Any]:
+    """Without ``--kv-cache-memory`` the cache takes what ``--gpu-memory-utilization`` (here
+    0.3) leaves once the largest step has run: the warm-up step's bytes, the cache's, and a
+    step of that size run afterwards (it must fit beside the cache)."""
+    _need_cuda()
+    import torch
+
+    from kvrelay.engine.llm import LLM
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    dev = torch.device(_gpu())
+    held = torch.cuda.memory_reserved(dev)
+    llm = LLM(model_dir("llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                        num_attention_heads=12, num_key_value_heads=4),
+              device=_gpu(), dtype="bfloat16", attention_backend=BACKEND,
+              max_num_batched_tokens=2048, gpu_memory_utilization=0.3, seed=0)
+    runner = llm.engine.runner
+    total = torch.cuda.mem_get_info(dev)[1]
+    kv = runner.kv.numel() * runner.kv.element_size()
+    llm.generate([list(range(7, 2055))], SamplingParams(max_tokens=4, ignore_eos=True))
+    peak = torch.cuda.max_memory_reserved(dev)
+    ok = runner.warm_up_bytes is not None and peak <= 0.3 * total + held
+    return {"status": "PASS" if ok else "FAIL",
+            "warm_up_gib": (runner.warm_up_bytes or 0) / 2**30,
+            "kv_gib": kv / 2**30, "kv_blocks": runner.kv_spec.num_blocks,
+            "max_reserved_gib": peak / 2**30, "share_gib": 0.3 * total / 2**30}
+
+
 def _decoding_core(graphs: bool, max_batch: int = 64, **model: Any) -> Any:
     from kvrelay.engine.config import EngineConfig
     from kvrelay.engine.engine_core import EngineCore
@@ -726,6 +754,7 @@ PHASES: dict[str, tuple[Callable[[], dict[str, Any]], int]] = {
     "flash_vs_sdpa": (phase_flash_vs_sdpa, 120),
     "cuda_graphs": (phase_cuda_graphs, 120),
     "kv_layout": (phase_kv_layout, 90),
+    "kv_sizing": (phase_kv_sizing, 90),
     "nixl_vram": (phase_nixl_vram, 120),
     "pd_handoff": (phase_pd_handoff, 120),
     "decode_steps": (phase_decode_steps, 120),
