@@ -198,18 +198,21 @@ class NixlTransport:
             except _NIXL_ERRORS as e:
                 self._agent.remove_remote_agent(info.agent_name)
                 raise self._error(e, info.agent_name, "preparing descriptors of") from e
-            runs, agents = None, None
+            runs, agents, read_runs = None, None, None
             if self.layout.tp_size > 1 or info.layout.tp_size > 1:
                 runs = [r for r in head_runs(self.layout, info.layout) if r.src in self.slots]
+                read_runs = [r for r in head_runs(info.layout, self.layout)
+                             if r.dst in self.slots]
                 try:
-                    agents = self._prep_agents(info, {r.dst for r in runs})
+                    agents = self._prep_agents(info, {r.dst for r in runs}
+                                               | {r.src for r in read_runs})
                 except (KVTransferError, *_NIXL_ERRORS) as e:
                     dlist.release()  # type: ignore[attr-defined]
                     self._agent.remove_remote_agent(info.agent_name)
                     if isinstance(e, KVTransferError):
                         raise
                     raise self._error(e, info.agent_name, "preparing descriptors of") from e
-            self._peers[info.agent_name] = PreparedPeer(info, dlist, runs, agents)
+            self._peers[info.agent_name] = PreparedPeer(info, dlist, runs, agents, read_runs)
             self._incarnations[info.agent_name] = info.incarnation
         note = repack_note(self.layout, info.layout, runs)
         logger.log(logging.WARNING if note else logging.INFO, "added KV peer %s (%d blocks)%s",
@@ -332,8 +335,8 @@ class NixlTransport:
         ``local_block_ids[i]`` (a prefix the peer holds, pulled instead of recomputed);
         ``poll``/``wait`` the handle as a write's. With ``incarnation``, refuse if the peer
         restarted since it named those blocks. ``timeout_s``: the handle's deadline (default the
-        write timeout). Only between engines of one head split each side (TP 1 to TP 1, or equal
-        splits: a block is one region per plane on both)."""
+        write timeout). Under tensor parallelism each of our transport ranks reads its heads
+        from the peer's ranks that hold them (``Stager.read``)."""
         if len(local_block_ids) != len(remote_block_ids) or not len(local_block_ids):
             raise KVTransferError(f"need equally many local and remote blocks, got "
                                   f"{len(local_block_ids)} and {len(remote_block_ids)}",
@@ -344,11 +347,6 @@ class NixlTransport:
             else layer_planes(layers, self.layout.planes)
         with self._lock:
             p = self._peer(peer, incarnation)
-            if p.runs is not None or len(self.slots) > 1:
-                raise KVTransferError(
-                    f"reading KV from {peer} needs one KV tensor on each side (tensor-parallel "
-                    "ranks split heads): pull is not supported between these pools",
-                    retriable=False, peer=peer)
             nb_local, nb_remote = self.layout.num_blocks, p.info.layout.num_blocks
             lo, hi = block_bounds(local_block_ids)
             rlo, rhi = block_bounds(remote_block_ids)
@@ -357,15 +355,21 @@ class NixlTransport:
                     f"block ids out of range: local {lo}..{hi} of {nb_local}, "
                     f"remote {rlo}..{rhi} of {nb_remote} at {peer}", retriable=False, peer=peer)
             try:
-                lidx = plane_block_indices(planes, local_block_ids, nb_local)
-                ridx = plane_block_indices(planes, remote_block_ids, nb_remote)
-                # READ: the local side is the destination, the remote side the source.
-                xfer = self._agent.make_prepped_xfer("READ", self._local, lidx, p.dlist, ridx)
+                if p.read_runs is None:
+                    lidx = plane_block_indices(planes, local_block_ids, nb_local)
+                    ridx = plane_block_indices(planes, remote_block_ids, nb_remote)
+                    # READ: the local side is the destination, the remote side the source.
+                    xfers = [self._agent.make_prepped_xfer("READ", self._local, lidx, p.dlist,
+                                                           ridx)]
+                    nbytes = len(lidx) * self._block_bytes
+                else:  # several ranks: each of ours from the peer's that hold its heads
+                    xfers, nbytes = self._stager.read(p, self._slot_kvs, self.layout,
+                                                      list(planes), local_block_ids,
+                                                      remote_block_ids)
             except _NIXL_ERRORS as e:
                 raise self._failed(e, peer, "building a read from") from e
             timeout = self.write_timeout_s if timeout_s is None else timeout_s
-            handle = WriteHandle(peer, len(lidx) * self._block_bytes, [xfer],
-                                 time.monotonic() + timeout, op="read")
+            handle = WriteHandle(peer, nbytes, xfers, time.monotonic() + timeout, op="read")
             return self._post(handle, "a read from")
 
     def _post(self, handle: WriteHandle, what: str) -> WriteHandle:

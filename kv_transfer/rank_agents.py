@@ -23,9 +23,12 @@ over shared memory between the processes), so it is what the tests exercise on e
 Receiving ranks have nothing to do but let UCX answer connection handshakes: while rank 0 polls
 for notifications (it expects KV) it asks its ranks to keep their workers progressing too.
 
+Prefix pulls go the same way: each rank reads its heads from the peer's ranks that hold them,
+and the read is done when every rank's part is.
+
 The orders (pickled tuples on the connection), rank 0 -> rank r: ``add_peer``, ``evict``,
-``write``, ``cancel``, ``progress``, ``close``; rank r -> rank 0: ``up`` (once), ``ack`` (of
-``add_peer``), ``done``/``failed`` (of ``write``).
+``write``, ``read``, ``cancel``, ``progress``, ``close``; rank r -> rank 0: ``up`` (once), ``ack``
+(of ``add_peer``), ``done``/``failed`` (of ``write`` and ``read``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,18 @@ class _RankLoop:
                 self.conn.send(("done", oid, h.nbytes))
             else:
                 self.inflight[oid] = h
+        elif op == "read":
+            _, oid, peer, remote, local, incarnation, timeout_s, layers = msg
+            try:
+                h = self.transport.read(peer, remote, local, incarnation=incarnation,
+                                        timeout_s=timeout_s, layers=layers)
+            except KVTransferError as e:
+                self.conn.send(("failed", oid, str(e), e.retriable))
+                return True
+            if h.done:
+                self.conn.send(("done", oid, h.nbytes))
+            else:
+                self.inflight[oid] = h
         elif op == "cancel":
             h = self.inflight.pop(msg[1], None)
             if h is not None:
@@ -161,7 +176,7 @@ class RankedHandle(WriteHandle):
     __slots__ = ("local", "order")
 
     def __init__(self, local: WriteHandle, order: int, deadline: float):
-        super().__init__(local.peer, local.nbytes, [], deadline)
+        super().__init__(local.peer, local.nbytes, [], deadline, op=local.op)
         self.done = False
         self.local, self.order = local, order
 
@@ -284,7 +299,7 @@ class RankedTransport:
     def poll(self, handle: WriteHandle) -> bool:
         if handle.done:
             return True
-        if not isinstance(handle, RankedHandle):  # a read: rank 0's alone
+        if not isinstance(handle, RankedHandle):
             return self.local.poll(handle)
         try:
             own_done = self.local.poll(handle.local)
@@ -300,7 +315,8 @@ class RankedTransport:
         if failed is not None:
             self._forget(handle)
             r, a = failed
-            raise KVTransferError(f"tensor-parallel rank {r}'s part of a write to "
+            verb = "read from" if handle.op == "read" else "write to"
+            raise KVTransferError(f"tensor-parallel rank {r}'s part of a {verb} "
                                   f"{handle.peer} failed: {a[2]}", retriable=a[3],
                                   peer=handle.peer)
         if gone:
@@ -316,7 +332,7 @@ class RankedTransport:
             slow = [r for r in range(1, len(self._conns) + 1) if r not in answers]
             self._forget(handle)
             raise KVTransferError(
-                f"a write to {handle.peer} did not complete in "
+                f"a {handle.op} of {handle.peer} did not complete in "
                 f"{handle.deadline - handle.posted_at:.3g} s (tensor-parallel ranks "
                 f"{slow or [0]} not done)", retriable=True, peer=handle.peer)
         return False
@@ -326,7 +342,7 @@ class RankedTransport:
         while not self.poll(handle):
             if deadline is not None and time.monotonic() >= deadline:
                 self.cancel(handle)
-                raise KVTransferError(f"a write to {handle.peer} not done in {timeout:g} s",
+                raise KVTransferError(f"a {handle.op} of {handle.peer} not done in {timeout:g} s",
                                       retriable=True, peer=handle.peer)
             time.sleep(1e-4)
 
@@ -346,8 +362,18 @@ class RankedTransport:
                 self._send_all(("cancel", handle.order))
 
     def read(self, peer: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             **kwargs: Any) -> WriteHandle:
-        return self.local.read(peer, remote_block_ids, local_block_ids, **kwargs)
+             *, incarnation: str | None = None, timeout_s: float | None = None,
+             layers: Sequence[int] | None = None) -> WriteHandle:
+        """A prefix pull: rank 0 reads its heads and orders every other rank to read its own;
+        the handle is done when all have."""
+        own = self.local.read(peer, remote_block_ids, local_block_ids, incarnation=incarnation,
+                              timeout_s=timeout_s, layers=layers)
+        with self._io:
+            oid = next(self._orders)
+            self._open[oid] = {}
+            self._send_all(("read", oid, peer, list(remote_block_ids), list(local_block_ids),
+                            incarnation, timeout_s, None if layers is None else list(layers)))
+        return RankedHandle(own, oid, own.deadline)
 
     # -- notifications and progress --------------------------------------------------------------
     def send_notif(self, peer: str, msg: bytes, *, incarnation: str | None = None) -> None:

@@ -245,6 +245,48 @@ class Stager:
             nbytes += len(src) * local.block_bytes
         return xfers, nbytes
 
+    def read(self, p: PreparedPeer, slot_kvs: Mapping[int, torch.Tensor], local: KVLayout,
+             planes: Sequence[int], local_block_ids: Sequence[int],
+             remote_block_ids: Sequence[int]) -> tuple[list[object], int]:
+        """A read (prefix pull) into our transport ranks (``slot_kvs``) of the heads they hold,
+        from the peer's ranks holding them, one transfer per peer agent: whole blocks where the
+        splits are equal, else a run of heads per block (heads first) or per token. Nothing is
+        staged (the reader would have to unpack). Returns the transfers and their bytes."""
+        assert p.read_runs is not None and p.agents is not None
+        info, own = p.info, tuple(slot_kvs)
+        remote = info.layout
+        whole = all(r.count == local.num_kv_heads == remote.num_kv_heads for r in p.read_runs)
+        if whole and self._local_ranks is None:
+            rows = rank_region_descs([t.data_ptr() for t in slot_kvs.values()], local,
+                                     self._device_id)
+            self._local_ranks = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
+        per_l, per_r = (x.num_layers * x.planes * x.num_blocks for x in (local, remote))
+        li = np.asarray(plane_block_indices(planes, local_block_ids, local.num_blocks))
+        ri = np.asarray(plane_block_indices(planes, remote_block_ids, remote.num_blocks))
+        addrs = {slot: t.data_ptr() for slot, t in slot_kvs.items()}
+        xfers, nbytes = [], 0
+        for agent in p.agents.values():
+            runs = [r for r in p.read_runs if r.src in agent.slots]
+            if not runs:
+                continue
+            if whole:
+                dst = np.concatenate([own.index(r.dst) * per_l + li for r in runs])
+                src = np.concatenate([agent.row(r.src, per_r) + ri for r in runs])
+                xfers.append(self._agent.make_prepped_xfer(
+                    "READ", self._local_ranks, dst.astype(np.int32), agent.dlist,
+                    src.astype(np.int32)))
+                nbytes += len(dst) * local.block_bytes
+                continue
+            # The peer is the source: its rows from its layout, ours from ours.
+            theirs, ours = split_descs(remote, info.rank_addresses, local, addrs, runs, planes,
+                                       remote_block_ids, local_block_ids, agent.device_id,
+                                       self._device_id)
+            xfers.append(self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(ours, self._mem),
+                self._agent.get_xfer_descs(theirs, mem_type(remote.device_kind)), agent.name))
+            nbytes += int(ours[:, 1].sum())
+        return xfers, nbytes
+
     def pack(self, slot_kvs: Mapping[int, torch.Tensor], local: KVLayout, remote: KVLayout,
              runs: Sequence[HeadRun], planes: Sequence[int],
              local_block_ids: Sequence[int]) -> int | None:

@@ -63,8 +63,10 @@ class PreparedPeer(NamedTuple):
     # The head runs our transport ranks write; None: one rank each side, whole blocks through
     # ``dlist``.
     runs: list[HeadRun] | None
-    # Several ranks on a side: the peer's agents our runs write to, by name.
+    # Several ranks on a side: the peer's agents our runs write to or read from, by name.
     agents: dict[str, PeerAgent] | None = None
+    # The head runs a read (prefix pull) moves into our transport ranks: ``src`` the peer's.
+    read_runs: list[HeadRun] | None = None
 
 
 def mem_type(device_kind: str) -> str:

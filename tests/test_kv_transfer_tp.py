@@ -239,6 +239,45 @@ def test_every_rank_writes_its_own_heads_from_its_own_agent(kv_heads: int, p_tp:
         dst.close()
 
 
+@pytest.mark.parametrize("order", ["tokens", "heads"])
+@pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"),
+                         [(4, 1, 2), (4, 2, 1), (4, 2, 2), (1, 2, 1), (1, 1, 2)])
+def test_every_rank_reads_its_own_heads_from_the_peers_ranks(kv_heads: int, p_tp: int,
+                                                            d_tp: int, order: str) -> None:
+    """A prefix pull under tensor parallelism: each P rank reads, from its own agent, the heads
+    it holds out of the D ranks holding them (a replicated head from the first that does), and
+    gets exactly them; nothing else of its cache changes."""
+    g = torch.Generator().manual_seed(kv_heads * 7 + p_tp * 5 + d_tp)
+    full = torch.rand(LAYERS, 2, NB + 4, BLOCK, kv_heads, HEAD_DIM, generator=g)
+    tag = uuid.uuid4().hex[:6]
+    hf = order == "heads"
+    reader_layout = _layout(kv_heads, p_tp, heads_first=hf)
+    holder_layout = _layout(kv_heads, d_tp, NB + 4, heads_first=hf)
+    holder = _PerRank(f"rd-hold-{tag}", holder_layout, full)
+    reader = _PerRank(f"rd-read-{tag}", reader_layout, None)
+    try:
+        info = holder.info()
+        local, remote = [0, 4, 5], [11, 2, 3]
+        for agent in reader.agents:
+            agent.add_peer(info)
+            h = agent.read(info.agent_name, remote, local)
+            deadline = time.monotonic() + 20
+            while not agent.poll(h):
+                for a in holder.agents:
+                    a.progress()
+                assert time.monotonic() < deadline, "read did not complete"
+                time.sleep(0.001)
+            assert h.nbytes == len(local) * LAYERS * 2 * reader_layout.block_bytes
+        for (a, b), t in zip(reader_layout.head_ranges, reader.tensors, strict=True):
+            assert torch.equal(t[:, :, local], _stored(full[:, :, remote, :, a:b, :],
+                                                       reader_layout))
+            rest = [i for i in range(NB) if i not in local]
+            assert not t[:, :, rest].any(), "a block nobody asked for was read into"
+    finally:
+        reader.close()
+        holder.close()
+
+
 def test_heads_first_descriptors_are_one_run_per_block() -> None:
     """Heads first, P=1 (4 heads) -> D=2 (2 each): receiving rank d's half of a block is one
     region, on both sides, of 2 heads x BLOCK tokens x HEAD_DIM floats; tokens first the same
