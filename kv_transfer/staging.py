@@ -206,6 +206,8 @@ class Stager:
         xfers, nbytes = [], 0
         for agent in p.agents.values():
             runs = [r for r in p.runs if r.dst in agent.slots]
+            if not runs:  # an agent we only read from (a head another rank of ours writes)
+                continue
             src, dst = split_descs(local, addrs, info.layout, info.rank_addresses, runs,
                                    planes, local_block_ids, remote_block_ids, self._device_id,
                                    agent.device_id)
@@ -238,6 +240,8 @@ class Stager:
         xfers, nbytes = [], 0
         for agent in p.agents.values():
             runs = [r for r in p.runs if r.dst in agent.slots]
+            if not runs:  # an agent we only read from (a head another rank of ours writes)
+                continue
             src = np.concatenate([own.index(r.src) * per_l + li for r in runs]).astype(np.int32)
             dst = np.concatenate([agent.row(r.dst, per_r) + ri for r in runs]).astype(np.int32)
             xfers.append(self._agent.make_prepped_xfer("WRITE", self._local_ranks, src,
