@@ -221,3 +221,56 @@ def test_a_killed_rank_of_a_tp_decode_worker_migrates_its_requests(pools, llm) -
     assert migrated, "no request was on the TP decode worker"
     for i, (tokens, _) in got.items():
         assert tokens == want[i], f"request {i} (migrated: {i in migrated})"
+
+
+def test_a_killed_rank_of_a_tp_prefill_worker_mid_transfer_loses_no_request(pools, llm) -> None:
+    """Rank 1 of a TP=2 prefill worker dies while its ranks stream prompt KV (chunked, so every
+    step writes): the writes it owed fail, its worker exits, the router sends those prefills to
+    the other prefill worker, every output equals the engine alone's, and the decode worker's
+    blocks (the reservations the dead worker was writing into) all come back."""
+    prompts = [prompt_ids(n, 80 + i) for i, n in enumerate((600, 500, 640, 560, 610, 520))]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [llm.generate(p, sp)[0].token_ids for p in prompts]
+    got_pools = pools.use(prefill=[_tp(2), ()], decode=[()])
+    tp_prefill, decode = got_pools["prefill"][0], got_pools["decode"][0]
+    c = pools.cluster
+    ranks = _rank_pids(tp_prefill.popen.pid)
+    assert len(ranks) == 1, ranks
+    baseline = c.status(decode).load.free_blocks
+    got: dict[int, list[int]] = {}
+    retried: list[int] = []
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            with c.client() as cl:
+                r = cl.generate(prompts[i], sampling(6, 0.0, ignore_eos=True),
+                                cache_salt="killed-prefill-rank")
+                got[i] = list(r.token_ids)
+                starts = [e.worker for e in r.trace if e.name == "prefill_start"]
+                if tp_prefill.name in starts[:-1]:  # begun there, finished elsewhere
+                    retried.append(i)
+        except BaseException as e:  # asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True)
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while c.status(tp_prefill).load.queued_prompt_tokens == 0:
+        assert time.monotonic() < deadline, "the TP prefill worker never prefilled"
+        assert all(t.is_alive() for t in threads), "requests ended before the kill"
+        time.sleep(0.005)
+    os.kill(ranks[0], signal.SIGKILL)
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert not errors, errors
+    assert c.wait_exit(tp_prefill, 60) == 70
+    assert retried, "no prefill was on the TP worker when its rank died"
+    assert got == dict(enumerate(want))
+    deadline = time.monotonic() + 30
+    while c.status(decode).load.free_blocks != baseline:
+        assert time.monotonic() < deadline, "the decode worker kept blocks of the dead writer"
+        time.sleep(0.1)
