@@ -180,7 +180,7 @@ class Controller:
         env_vars = worker_env(os.environ, loopback=self.spec.loopback)
         opts: dict[str, Any] = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
         actor = WorkerActor.options(
-            num_cpus=ps.cpus, num_gpus=ps.gpus, resources=ps.resources or None,
+            num_cpus=ps.cpus, num_gpus=ps.actor_gpus, resources=ps.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
             name=replica_actor_name(wid), **opts).remote()
         try:

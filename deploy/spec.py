@@ -35,9 +35,12 @@ class PoolSpec:
     cpus: float = 1.0  # per replica; also the worker's torch threads on CPU
     gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
-    # Tensor-parallel ranks per replica: one bundle each (cpus/gpus/resources are per rank),
-    # packed onto one node. The worker actor takes bundle 0 and spawns the other ranks itself;
-    # their bundles keep Ray from placing anything else on those cores/GPUs.
+    # Tensor-parallel ranks per replica (cpus/gpus/resources are per rank), packed onto one
+    # node. The worker actor spawns ranks 1..N-1 itself, as its children: on CPUs it takes bundle
+    # 0 of one per rank and theirs keep Ray from placing anything else on those cores; with
+    # GPUs the replica is one bundle of every rank's, all of whose GPUs the actor asks for, since
+    # Ray shows an actor (and so its children) only the GPUs it was given: rank r is cuda:r
+    # among them.
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -47,7 +50,14 @@ class PoolSpec:
             raise ValueError(f"tp must be positive, got {self.tp}")
 
     def bundles(self) -> list[dict[str, float]]:
+        if self.gpus and self.tp > 1:
+            return [{k: v * self.tp for k, v in self.bundle().items()}]
         return [self.bundle()] * self.tp
+
+    @property
+    def actor_gpus(self) -> float:
+        """The GPUs the worker actor asks for: every rank's (its ranks are its children)."""
+        return self.gpus * self.tp
 
     @property
     def strategy(self) -> str:

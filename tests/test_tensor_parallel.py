@@ -164,7 +164,8 @@ def test_a_dead_or_stuck_rank_fails_the_replica_in_bounded_time(hf_model_dir, si
 
 
 def test_serve_places_one_bundle_per_rank(hf_model_dir) -> None:
-    """``kvrelay serve --both-tp 2``: a STRICT_PACK placement group of two per-rank bundles and
+    """``kvrelay serve --both-tp 2``: a STRICT_PACK placement group of two per-rank bundles (one
+    of both ranks' with GPUs) and
     an engine of two ranks; prefill/decode pools of TP sizes of their own, on CPUs and GPUs (each
     rank moves its own KV: ``kv_transfer/rank_agents.py``)."""
     pytest.importorskip("ray")
@@ -182,6 +183,11 @@ def test_serve_places_one_bundle_per_rank(hf_model_dir) -> None:
     assert both.tp == 2 and both.strategy == "STRICT_PACK"
     assert both.bundles() == [{"CPU": 1.0}, {"CPU": 1.0}]
     assert PoolSpec(1, 2.0).bundles() == [{"CPU": 2.0}] and PoolSpec(1).strategy == "PACK"
+    # With GPUs a replica is one bundle of every rank's: its actor asks for all of its GPUs,
+    # since Ray shows an actor (and its rank processes) only the GPUs it was given.
+    gpu_tp = PoolSpec(1, 2.0, gpus=1.0, tp=2)
+    assert gpu_tp.bundles() == [{"CPU": 4.0, "GPU": 2.0}] and gpu_tp.actor_gpus == 2.0
+    assert PoolSpec(1, 2.0, gpus=1.0).bundles() == [{"CPU": 2.0, "GPU": 1.0}]
     # Prefill/decode pools of different TP sizes, on CPUs and on GPUs.
     pd = build_spec(args("--prefill", "1", "--prefill-tp", "2", "--decode", "1", "--decode-tp",
                          "1"), loopback=True)
