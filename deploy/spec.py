@@ -89,10 +89,17 @@ class ServeSpec:
         is at most the other prefill/decode pool's: the engine template's setting, or else,
         when the other's TP size is N times this one's, N if it divides the KV heads each of
         this pool's ranks holds (``kv_heads``: the model's; 0: unknown), so that KV moves
-        between the pools rank to rank. 1 (none) anywhere else."""
+        between the pools rank to rank. 1 (none) anywhere else, and where the KV is stored heads
+        first (``--kv-layout``: by default on GPUs), which moves any split as a run of heads per
+        block already (groups would only cost the GPU its CUDA graphs)."""
         if pool not in ("prefill", "decode"):
             return 1
-        own = self.pools.get(pool, PoolSpec()).tp
+        ps = self.pools.get(pool, PoolSpec())
+        layout = self.engine.cache.kv_layout
+        gpu = ps.gpus > 0 or str(self.engine.model.device).startswith("cuda")
+        if layout == "heads" or (layout == "auto" and gpu):
+            return 1
+        own = ps.tp
         other = self.pools.get("decode" if pool == "prefill" else "prefill", PoolSpec()).tp
         if own > other:
             return 1

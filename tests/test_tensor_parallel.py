@@ -195,7 +195,9 @@ def test_serve_places_one_bundle_per_rank(hf_model_dir) -> None:
     assert pd.pools["prefill"].strategy == "STRICT_PACK"
     gpu = build_spec(args("--prefill", "1", "--decode", "1", "--decode-tp", "2", "--device",
                           "cuda"), loopback=True)
-    assert gpu.pools["decode"].tp == 2 and gpu.kv_head_groups("prefill", 4) == 2
+    # On GPUs the KV is heads first: any split moves a run of heads per block, no groups.
+    assert gpu.pools["decode"].tp == 2 and gpu.kv_head_groups("prefill", 4) == 1
+    assert pd.kv_head_groups("decode", 4) == 2  # on CPUs the TP=1 pool takes the ratio
 
 
 def test_llm_and_cli_take_a_tensor_parallel_size(hf_model_dir) -> None:
