@@ -71,9 +71,17 @@ def _rank1(conn: Any, fault: str) -> None:
     _serve(conn, SimpleNamespace(kv=kv, shard=None))
 
 
+def _rank_context() -> mp.context.BaseContext:
+    """Rank processes as a TP replica starts them: forks of a server that imported torch, NIXL
+    and this module once (a spawned rank imports them again each time, ~4 s)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "nixl._api", __name__])
+    return ctx
+
+
 def _write(fault: str) -> tuple[RankedTransport, NixlTransport, list[torch.Tensor], Any,
                                 mp.process.BaseProcess]:
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     ours, theirs = ctx.Pipe(duplex=True)
     proc = ctx.Process(target=_rank1, args=(theirs, fault), daemon=True)
     proc.start()
