@@ -8,7 +8,8 @@ rank does) over its own KV tensor, and rank 0 (this process) drives it through
 - The write is done only when the last rank is: with rank 1's report held back, the handle stays
   open after rank 0's part landed (so no notification can go out before rank 1's bytes).
 - A rank whose part fails, or whose process is killed mid-write, fails the write, naming the
-  rank, without waiting for the write deadline.
+  rank, without waiting for the write deadline; a rank whose agent cannot start keeps rank 0's
+  transport from starting.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def _rank1(conn: Any, fault: str) -> None:
             raise KVTransferError("injected: rank 1 cannot write", retriable=True)
 
         NixlTransport.write = refuse  # type: ignore[method-assign]
+    if fault == "no-agent":  # its agent cannot come up (as without NIXL's UCX plugin)
+        def no_agent(*args: Any, **kwargs: Any) -> None:
+            raise KVTransferError("injected: no UCX backend", retriable=False)
+
+        NixlTransport.__init__ = no_agent  # type: ignore[method-assign]
     if fault in ("slow", "kill"):
         conn = _HeldBack(conn, 2.0 if fault == "slow" else 60.0)
     _serve(conn, SimpleNamespace(kv=kv, shard=None))
@@ -141,6 +147,26 @@ def test_a_rank_whose_part_fails_fails_the_write() -> None:
         sender.close()
         receiver.close()
         proc.join(10)
+
+
+def test_a_rank_whose_agent_cannot_start_stops_the_transport_from_starting() -> None:
+    """The engine must not start half-connected: rank 0's transport refuses to come up, naming
+    the rank and why."""
+    ctx = _rank_context()
+    ours, theirs = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_rank1, args=(theirs, "no-agent"), daemon=True)
+    proc.start()
+    theirs.close()
+    rank0 = NixlTransport(f"ra-noagent-{uuid.uuid4().hex[:6]}", _full()[..., 0:2, :].contiguous(),
+                          LAYOUT, slots=(0,))
+    try:
+        with pytest.raises(KVTransferError, match="rank 1 could not start its NIXL agent: "
+                                                  "KVTransferError: injected: no UCX backend"):
+            RankedTransport(rank0, RankServices([ours], [proc]))
+    finally:
+        rank0.close()
+        proc.join(10)
+    assert proc.exitcode == 0  # its service ended; nothing was left running
 
 
 def test_a_rank_killed_mid_write_fails_it_at_once() -> None:
