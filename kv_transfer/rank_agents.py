@@ -37,7 +37,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -112,27 +112,13 @@ class _RankLoop:
         op = msg[0]
         if op == "write":
             _, oid, peer, layers, local, remote, incarnation = msg
-            try:
-                h = self.transport.write(peer, layers, local, remote, incarnation=incarnation)
-            except KVTransferError as e:
-                self.conn.send(("failed", oid, str(e), e.retriable))
-                return True
-            if h.done:
-                self.conn.send(("done", oid, h.nbytes))
-            else:
-                self.inflight[oid] = h
+            self.start(oid, lambda: self.transport.write(peer, layers, local, remote,
+                                                         incarnation=incarnation))
         elif op == "read":
             _, oid, peer, remote, local, incarnation, timeout_s, layers = msg
-            try:
-                h = self.transport.read(peer, remote, local, incarnation=incarnation,
-                                        timeout_s=timeout_s, layers=layers)
-            except KVTransferError as e:
-                self.conn.send(("failed", oid, str(e), e.retriable))
-                return True
-            if h.done:
-                self.conn.send(("done", oid, h.nbytes))
-            else:
-                self.inflight[oid] = h
+            self.start(oid, lambda: self.transport.read(peer, remote, local,
+                                                        incarnation=incarnation,
+                                                        timeout_s=timeout_s, layers=layers))
         elif op == "cancel":
             h = self.inflight.pop(msg[1], None)
             if h is not None:
@@ -151,6 +137,19 @@ class _RankLoop:
         elif op == "close":
             return False
         return True
+
+    def start(self, oid: int, post: Callable[[], WriteHandle]) -> None:
+        """Post the transfer rank 0 ordered as ``oid``: its outcome goes back now, or once
+        ``poll_writes`` sees it end."""
+        try:
+            h = post()
+        except KVTransferError as e:
+            self.conn.send(("failed", oid, str(e), e.retriable))
+            return
+        if h.done:
+            self.conn.send(("done", oid, h.nbytes))
+        else:
+            self.inflight[oid] = h
 
     def poll_writes(self) -> bool:
         finished = False

@@ -21,6 +21,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -159,6 +160,24 @@ def _endpoint(c: Cluster, worker: Proc) -> PeerInfo:
     return PeerInfo.from_bytes(got.peer_info)
 
 
+def _kill_under_load(client: Callable[[int], None], n: int, busy: Callable[[], bool], pid: int,
+                     never: str) -> None:
+    """Run ``client(i)`` for ``i < n`` on threads, kill ``pid`` (a rank) once ``busy()``, and
+    wait for every request to end (none may hang)."""
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not busy():
+        assert time.monotonic() < deadline, never
+        assert all(t.is_alive() for t in threads), "requests ended before the kill"
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+
+
 def _rank_pids(worker_pid: int) -> list[int]:
     """The tensor-parallel rank processes of a worker: the children of its multiprocessing fork
     server (a child of the worker)."""
@@ -202,19 +221,8 @@ def test_a_killed_rank_of_a_tp_decode_worker_migrates_its_requests(pools, llm) -
         except BaseException as e:  # asserted below
             errors.append(e)
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True)
-               for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while c.status(tp_decode).load.running < 1:
-        assert time.monotonic() < deadline, "the TP decode worker never streamed"
-        assert all(t.is_alive() for t in threads), "requests ended before the kill"
-        time.sleep(0.02)
-    os.kill(ranks[0], signal.SIGKILL)
-    for t in threads:
-        t.join(150)
-    assert not any(t.is_alive() for t in threads), "a request hung"
+    _kill_under_load(client, len(prompts), lambda: c.status(tp_decode).load.running >= 1,
+                     ranks[0], "the TP decode worker never streamed")
     assert not errors, errors
     assert c.wait_exit(tp_decode, 60) == 70
     migrated = [i for i, (_, trace) in got.items() if "migrate" in trace]
@@ -253,19 +261,9 @@ def test_a_killed_rank_of_a_tp_prefill_worker_mid_transfer_loses_no_request(pool
         except BaseException as e:  # asserted below
             errors.append(e)
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True)
-               for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while c.status(tp_prefill).load.queued_prompt_tokens == 0:
-        assert time.monotonic() < deadline, "the TP prefill worker never prefilled"
-        assert all(t.is_alive() for t in threads), "requests ended before the kill"
-        time.sleep(0.005)
-    os.kill(ranks[0], signal.SIGKILL)
-    for t in threads:
-        t.join(150)
-    assert not any(t.is_alive() for t in threads), "a request hung"
+    _kill_under_load(client, len(prompts),
+                     lambda: c.status(tp_prefill).load.queued_prompt_tokens > 0, ranks[0],
+                     "the TP prefill worker never prefilled")
     assert not errors, errors
     assert c.wait_exit(tp_prefill, 60) == 70
     assert retried, "no prefill was on the TP worker when its rank died"
