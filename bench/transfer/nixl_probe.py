@@ -23,7 +23,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import numpy as np
 
-from bench.transfer.kv_transfer import _tp_receiver, _tp_spec
+from bench.transfer.tp_splits import tp_receiver, tp_spec
 
 
 def _rows(base: int, offsets: np.ndarray, size: int) -> np.ndarray:
@@ -48,9 +48,9 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_tp_receiver, args=(child, 1), daemon=True)
+    proc = ctx.Process(target=tp_receiver, args=(child, 1, 1), daemon=True)
     proc.start()
-    spec, layout = _tp_spec(1)
+    spec, layout = tp_spec(1)
     kv = allocate_kv_cache(spec)
     kv.copy_(torch.rand(spec.shape))
     tr = NixlTransport("probe-send", kv, layout, write_timeout_s=60)
