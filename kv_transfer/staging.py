@@ -4,7 +4,7 @@ Every rank writes from its own agent (``PeerInfo.rank_agents``): the head runs i
 ranks hold, to the agents of the peer's ranks that receive them, one transfer per such agent.
 
 Equal splits (P=N -> D=N, or KV head groups that make them so) go rank to rank as whole blocks
-(``Stager.rank_to_rank``).
+(``Stager.per_agent``, which reads of a prefix pull take too).
 
 Across TP sizes a receiving rank's block holds heads that sit, on the sender, in another layout
 (P=1 -> D=2: half of each token's heads; P=2 -> D=1: each token's heads from two ranks). Written
@@ -177,89 +177,64 @@ class Stager:
         """A write to a peer with several ranks on a side, of the head runs our transport ranks
         (``slot_kvs``) hold: rank to rank where the splits are equal; else staged and sent as
         whole blocks when we hold every head and the buffer has room, else one descriptor per
-        token of each run. Returns the transfers (one per peer agent), their bytes and the
-        staging offset (None: not staged) to free once they are done."""
+        run per block (heads first) or per token. Returns the transfers (one per peer agent),
+        their bytes and the staging offset (None: not staged) to free once they are done."""
         assert p.runs is not None and p.agents is not None
         info = p.info
-        if not needs_staging(local, info.layout, p.runs):
-            xfers, nbytes = self.rank_to_rank(p, slot_kvs, local, planes, local_block_ids,
-                                              remote_block_ids)
-            return xfers, nbytes, None
         offset = None
-        if len(slot_kvs) == local.tp_size and not local.heads_first:  # every head ours: stage
+        if needs_staging(local, info.layout, p.runs) and len(slot_kvs) == local.tp_size \
+                and not local.heads_first:  # every head is ours: stage
             offset = self.pack(slot_kvs, local, info.layout, p.runs, planes, local_block_ids)
-        if offset is not None:
-            xfers: list[object] = []
-            try:
-                for agent in p.agents.values():
-                    xfers.append(self.xfer(offset, info.layout, agent, planes,
-                                           remote_block_ids))
-            except BaseException:
-                self.free(offset)
-                for x in xfers:
-                    self._agent.release_xfer_handle(x)
-                raise
-            nbytes = info.layout.tp_size * len(planes) * len(remote_block_ids) \
-                * info.layout.block_bytes
-            return xfers, nbytes, offset
-        addrs = {slot: t.data_ptr() for slot, t in slot_kvs.items()}
-        xfers, nbytes = [], 0
-        for agent in p.agents.values():
-            runs = [r for r in p.runs if r.dst in agent.slots]
-            if not runs:  # an agent we only read from (a head another rank of ours writes)
-                continue
-            src, dst = split_descs(local, addrs, info.layout, info.rank_addresses, runs,
-                                   planes, local_block_ids, remote_block_ids, self._device_id,
-                                   agent.device_id)
-            xfers.append(self._agent.initialize_xfer(
-                "WRITE", self._agent.get_xfer_descs(src, self._mem),
-                self._agent.get_xfer_descs(dst, mem_type(info.layout.device_kind)),
-                agent.name))
-            nbytes += int(src[:, 1].sum())
-        return xfers, nbytes, None
-
-    def rank_to_rank(self, p: PreparedPeer, slot_kvs: Mapping[int, torch.Tensor],
-                     local: KVLayout, planes: Sequence[int], local_block_ids: Sequence[int],
-                     remote_block_ids: Sequence[int]) -> tuple[list[object], int]:
-        """Equal head splits: each of our transport ranks' whole blocks to its peer rank,
-        through prepared lists of our ranks' and each peer agent's ranks' regions. Prepared,
-        regions adjacent on both sides (a sequence's consecutive blocks) go as one copy: NIXL
-        merges them, where per-write descriptors (``initialize_xfer``) cost ~3-4 us of CMA
-        set-up each (P=2 -> D=2 ran at half the rate of P=1 -> D=1 that way, measured on a
-        2-vCPU Zen 4)."""
-        assert p.runs is not None and p.agents is not None
-        own = tuple(slot_kvs)
-        if self._local_ranks is None:
-            rows = rank_region_descs([t.data_ptr() for t in slot_kvs.values()], local,
-                                     self._device_id)
-            self._local_ranks = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
-        remote = p.info.layout
-        per_l, per_r = (x.num_layers * x.planes * x.num_blocks for x in (local, remote))
-        li = np.asarray(plane_block_indices(planes, local_block_ids, local.num_blocks))
-        ri = np.asarray(plane_block_indices(planes, remote_block_ids, remote.num_blocks))
-        xfers, nbytes = [], 0
-        for agent in p.agents.values():
-            runs = [r for r in p.runs if r.dst in agent.slots]
-            if not runs:  # an agent we only read from (a head another rank of ours writes)
-                continue
-            src = np.concatenate([own.index(r.src) * per_l + li for r in runs]).astype(np.int32)
-            dst = np.concatenate([agent.row(r.dst, per_r) + ri for r in runs]).astype(np.int32)
-            xfers.append(self._agent.make_prepped_xfer("WRITE", self._local_ranks, src,
-                                                       agent.dlist, dst))
-            nbytes += len(src) * local.block_bytes
-        return xfers, nbytes
+        if offset is None:
+            xfers, nbytes = self.per_agent("WRITE", p, p.runs, slot_kvs, local, planes,
+                                           local_block_ids, remote_block_ids)
+            return xfers, nbytes, None
+        xfers: list[object] = []
+        try:
+            for agent in p.agents.values():
+                xfers.append(self.xfer(offset, info.layout, agent, planes, remote_block_ids))
+        except BaseException:
+            self.free(offset)
+            for x in xfers:
+                self._agent.release_xfer_handle(x)
+            raise
+        return xfers, staged_bytes(info.layout, len(planes), len(remote_block_ids)), offset
 
     def read(self, p: PreparedPeer, slot_kvs: Mapping[int, torch.Tensor], local: KVLayout,
              planes: Sequence[int], local_block_ids: Sequence[int],
              remote_block_ids: Sequence[int]) -> tuple[list[object], int]:
         """A read (prefix pull) into our transport ranks (``slot_kvs``) of the heads they hold,
-        from the peer's ranks holding them, one transfer per peer agent: whole blocks where the
-        splits are equal, else a run of heads per block (heads first) or per token. Nothing is
-        staged (the reader would have to unpack). Returns the transfers and their bytes."""
-        assert p.read_runs is not None and p.agents is not None
-        info, own = p.info, tuple(slot_kvs)
-        remote = info.layout
-        whole = all(r.count == local.num_kv_heads == remote.num_kv_heads for r in p.read_runs)
+        from the peer's ranks holding them, one transfer per peer agent (``per_agent``).
+        Nothing is staged (the reader would have to unpack)."""
+        assert p.read_runs is not None
+        return self.per_agent("READ", p, p.read_runs, slot_kvs, local, planes, local_block_ids,
+                              remote_block_ids)
+
+    def per_agent(self, op: str, p: PreparedPeer, runs: Sequence[HeadRun],
+                  slot_kvs: Mapping[int, torch.Tensor], local: KVLayout, planes: Sequence[int],
+                  local_block_ids: Sequence[int],
+                  remote_block_ids: Sequence[int]) -> tuple[list[object], int]:
+        """``op`` ("WRITE": ``runs`` from our transport ranks to the peer's; "READ": from the
+        peer's to ours) as one transfer per peer agent holding the peer's end of a run. Where
+        every run is a whole block on both sides (equal splits) they go through prepared lists
+        of our ranks' and the agent's ranks' regions: regions adjacent on both sides (a
+        sequence's consecutive blocks) go as one copy, NIXL merging them, where per-transfer
+        descriptors (``initialize_xfer``) cost ~3-4 us of CMA set-up each (P=2 -> D=2 ran at
+        half the rate of P=1 -> D=1 that way, measured on a 2-vCPU Zen 4). Otherwise one
+        descriptor per run per block (heads first) or per token (``split_descs``). Returns the
+        transfers and their bytes."""
+        assert p.agents is not None
+        info, remote = p.info, p.info.layout
+        read = op == "READ"
+
+        def ours(r: HeadRun) -> int:
+            return r.dst if read else r.src
+
+        def theirs(r: HeadRun) -> int:
+            return r.src if read else r.dst
+
+        whole = all(r.count == local.num_kv_heads == remote.num_kv_heads for r in runs)
+        own = tuple(slot_kvs)
         if whole and self._local_ranks is None:
             rows = rank_region_descs([t.data_ptr() for t in slot_kvs.values()], local,
                                      self._device_id)
@@ -270,25 +245,30 @@ class Stager:
         addrs = {slot: t.data_ptr() for slot, t in slot_kvs.items()}
         xfers, nbytes = [], 0
         for agent in p.agents.values():
-            runs = [r for r in p.read_runs if r.src in agent.slots]
-            if not runs:
+            mine = [r for r in runs if theirs(r) in agent.slots]
+            if not mine:  # an agent we only read from, or only write to
                 continue
             if whole:
-                dst = np.concatenate([own.index(r.dst) * per_l + li for r in runs])
-                src = np.concatenate([agent.row(r.src, per_r) + ri for r in runs])
+                lrows = np.concatenate([own.index(ours(r)) * per_l + li for r in mine])
+                rrows = np.concatenate([agent.row(theirs(r), per_r) + ri for r in mine])
                 xfers.append(self._agent.make_prepped_xfer(
-                    "READ", self._local_ranks, dst.astype(np.int32), agent.dlist,
-                    src.astype(np.int32)))
-                nbytes += len(dst) * local.block_bytes
+                    op, self._local_ranks, lrows.astype(np.int32), agent.dlist,
+                    rrows.astype(np.int32)))
+                nbytes += len(lrows) * local.block_bytes
                 continue
-            # The peer is the source: its rows from its layout, ours from ours.
-            theirs, ours = split_descs(remote, info.rank_addresses, local, addrs, runs, planes,
-                                       remote_block_ids, local_block_ids, agent.device_id,
-                                       self._device_id)
+            if read:  # the peer is the source: its rows from its layout, ours from ours
+                their_rows, our_rows = split_descs(
+                    remote, info.rank_addresses, local, addrs, mine, planes, remote_block_ids,
+                    local_block_ids, agent.device_id, self._device_id)
+            else:
+                our_rows, their_rows = split_descs(
+                    local, addrs, remote, info.rank_addresses, mine, planes, local_block_ids,
+                    remote_block_ids, self._device_id, agent.device_id)
             xfers.append(self._agent.initialize_xfer(
-                "READ", self._agent.get_xfer_descs(ours, self._mem),
-                self._agent.get_xfer_descs(theirs, mem_type(remote.device_kind)), agent.name))
-            nbytes += int(ours[:, 1].sum())
+                op, self._agent.get_xfer_descs(our_rows, self._mem),
+                self._agent.get_xfer_descs(their_rows, mem_type(remote.device_kind)),
+                agent.name))
+            nbytes += int(our_rows[:, 1].sum())
         return xfers, nbytes
 
     def pack(self, slot_kvs: Mapping[int, torch.Tensor], local: KVLayout, remote: KVLayout,
