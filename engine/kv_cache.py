@@ -196,9 +196,3 @@ def slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return cache.index_select(0, slots)
     bs = cache.shape[1]
     return cache[slots // bs, slots % bs]
-
-
-def layer_views(kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
-    """Each plane of one layer (K and V, or the one latent plane) as ``[num_blocks,
-    block_size, kv_heads, head_dim]`` views."""
-    return tuple(kv[layer].unbind(0))

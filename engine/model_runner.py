@@ -107,7 +107,7 @@ class ModelRunner:
             raise ValueError("--kv-head-groups lays KV out for a P/D peer of one block table: "
                              "with it, serve this sliding-window hybrid with --hybrid-kv off "
                              "(on both pools)")
-        slots = arch.num_layers if self.kv_plan is None else self.kv_plan.k
+        slots = self._kv_slots()
         per_block = 1 if self.kv_plan is None else self.kv_plan.num_groups
         self.kv_groups = groups = cc.kv_head_groups
         check_kv_head_groups(groups, kv_heads)

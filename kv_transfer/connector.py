@@ -95,7 +95,7 @@ class NixlConnector(KVConnector):
         local = NixlTransport(self.config.agent_name, kv, layout,
                               write_timeout_s=self.config.write_timeout_s,
                               rank_kvs=() if ranks is None else ranks.others,
-                              slots=None if ranks is None or not ranks.slots else ranks.slots)
+                              slots=(ranks.slots or None) if ranks is not None else None)
         if ranks is not None and ranks.services is not None:
             try:  # tensor parallelism: every rank's agent writes its own KV (rank_agents.py)
                 self._transport = RankedTransport(local, ranks.services)
