@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -63,11 +64,17 @@ def _engine(name: str, layout: KVLayout, full: torch.Tensor | None, staging_byte
 
 def _write_and_wait(src: NixlTransport, dst: NixlTransport, local: list[int],
                     remote: list[int]) -> int:
-    h = src.write(dst.name, None, local, remote)
+    return _done(src, src.write(dst.name, None, local, remote), [dst])
+
+
+def _done(agent: NixlTransport, h: Any, peers: list[NixlTransport]) -> int:
+    """Poll ``agent``'s transfer ``h`` to done while ``peers`` (the other side's agents) answer
+    the connection handshake; its bytes."""
     deadline = time.monotonic() + 20
-    while not src.poll(h):
-        dst.progress()  # the receiver answers the connection handshake
-        assert time.monotonic() < deadline, "write did not complete"
+    while not agent.poll(h):
+        for p in peers:
+            p.progress()
+        assert time.monotonic() < deadline, f"{h.op} did not complete"
         time.sleep(0.001)
     return h.nbytes
 
@@ -218,14 +225,8 @@ def test_every_rank_writes_its_own_heads_from_its_own_agent(kv_heads: int, p_tp:
         sent = []
         for agent in src.agents:
             agent.add_peer(info)
-            h = agent.write(info.agent_name, None, local, remote)
-            deadline = time.monotonic() + 20
-            while not agent.poll(h):
-                for d in dst.agents:
-                    d.progress()
-                assert time.monotonic() < deadline, "write did not complete"
-                time.sleep(0.001)
-            sent.append(h.nbytes)
+            sent.append(_done(agent, agent.write(info.agent_name, None, local, remote),
+                              dst.agents))
         runs = head_runs(src_layout, dst_layout)
         itemsize = 4 * BLOCK * HEAD_DIM * len(local) * LAYERS * 2
         assert sent == [sum(r.count for r in runs if r.src == s) * itemsize
@@ -260,14 +261,8 @@ def test_every_rank_reads_its_own_heads_from_the_peers_ranks(kv_heads: int, p_tp
         local, remote = [0, 4, 5], [11, 2, 3]
         for agent in reader.agents:
             agent.add_peer(info)
-            h = agent.read(info.agent_name, remote, local)
-            deadline = time.monotonic() + 20
-            while not agent.poll(h):
-                for a in holder.agents:
-                    a.progress()
-                assert time.monotonic() < deadline, "read did not complete"
-                time.sleep(0.001)
-            assert h.nbytes == len(local) * LAYERS * 2 * reader_layout.block_bytes
+            nbytes = _done(agent, agent.read(info.agent_name, remote, local), holder.agents)
+            assert nbytes == len(local) * LAYERS * 2 * reader_layout.block_bytes
         for (a, b), t in zip(reader_layout.head_ranges, reader.tensors, strict=True):
             assert torch.equal(t[:, :, local], _stored(full[:, :, remote, :, a:b, :],
                                                        reader_layout))
