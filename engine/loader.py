@@ -7,7 +7,6 @@ import glob
 import json
 import logging
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +16,9 @@ from safetensors import safe_open
 from kvrelay.engine.attention import AttentionFn
 from kvrelay.engine.models.arch import ModelArch, load_model_config
 from kvrelay.engine.models.registry import model_class
+from kvrelay.engine.models.weights import Cuts
 from kvrelay.engine.platform import Platform, platform_for
-from kvrelay.engine.tp_shard import TPShard, shard_layer, validate_tp
+from kvrelay.engine.tp_shard import TPShard, shard_model, validate_tp
 
 logger = logging.getLogger(__name__)
 
@@ -36,26 +36,12 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, layer after layer (``layer_of``; the tensors of no layer
-    first), whichever file holds it: a loader that cuts each layer as soon as it is in (tensor
-    parallelism) then holds one whole layer at most, not one file's worth."""
-    with contextlib.ExitStack() as stack:
-        entries = []
-        for path in checkpoint_files(model_dir):
-            f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-            entries += [(layer_of(name), name, f) for name in f.keys()]  # noqa: SIM118
-        entries.sort(key=lambda e: -1 if e[0] is None else e[0])  # stable: file order within
-        for _, name, f in entries:
-            yield name, f.get_tensor(name)
-
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer a checkpoint tensor belongs to (``model.layers.3.mlp...`` -> 3)."""
-    m = _LAYER.search(name)
-    return None if m is None else int(m.group(1))
+    """Every tensor of the checkpoint, file after file, each read when it is reached (one
+    tensor in memory at a time, besides what the caller keeps)."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118
+                yield name, f.get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -77,10 +63,11 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     """Build the model with its weights in ``dtype`` and its activations (norm weights, rope
     tables, the residual stream) in ``compute_dtype`` (default ``dtype``), load its weights, then
     hand it to ``platform`` (default: the device's, with its defaults) to pack for its kernels.
-    With ``shard`` the model is cut to that tensor-parallel rank's part before packing, a
-    layer as soon as its last tensor is in: a rank holds its shard and one whole layer at most
-    (the model's parameters are allocated untouched, so a layer's memory is taken only as its
-    tensors are copied in, and given back when it is cut).
+    With ``shard`` the model is cut to that tensor-parallel rank's part before anything is
+    read, its shards made on ``device``, and each checkpoint tensor's kept part copied into
+    them (``tp_shard.shard_model`` with ``weights.Cuts``): a rank holds its shard and the one
+    tensor being read, never the model (the whole parameters are allocated untouched, and
+    never written, so they take no memory).
 
     Each checkpoint tensor is copied straight into its parameter, converted on the way where
     the dtypes differ: a bf16 checkpoint loaded as bf16 never has an fp32 copy of anything
@@ -89,27 +76,25 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
     the caller has read it already."""
     hf_cfg, arch = model_config or load_model_config(model_dir)
     act = dtype if compute_dtype is None else compute_dtype
-    # Under TP on an accelerator the model is built in host memory (untouched, so free until
-    # loaded) and each layer goes to the device once cut: a device allocation is real at once,
-    # and the whole model's parameters would not fit one device (a 70B bf16 model is 141 GB).
+    # Under TP on an accelerator the model is built in host memory (untouched, so free: it is
+    # never written) and each rank's shards are made on its device: a device allocation is real
+    # at once, and the whole model's parameters would not fit one device (a 70B bf16 model is
+    # 141 GB).
     build = device if shard is None else torch.device("cpu")
     with torch.device(build), _default_dtype(dtype):
         model = model_class(arch).from_config(arch, hf_cfg, attn_fn, max_positions,
                                               compute_dtype=act)
+    # The targets are the whole model's (the checkpoint's geometry); a rank's model is cut
+    # before any tensor is read, and each tensor's kept part goes into its shard (``cuts``).
     targets = model.checkpoint_targets()
     expected = set(targets)
-    # A family's tensors the engine does not run (DeepSeek-V3's multi-token-prediction layer)
-    unused = getattr(model, "unused_checkpoint_weight", None)
+    cuts = None
     if shard is not None:
         validate_tp(arch, shard.size)
-    # Per decoder layer, its tensors (``names_of``) and those still to come: at none the layer
-    # is cut (under TP) and its targets let go of (they hold the whole parameters).
-    names_of: dict[int, list[str]] = {}
-    for name in targets:
-        layer = layer_of(name)
-        if layer is not None and layer < len(model.layers):
-            names_of.setdefault(layer, []).append(name)
-    to_come = {layer: set(names) for layer, names in names_of.items()}
+        cuts = Cuts(device)
+        shard_model(model, shard, cuts)
+    # A family's tensors the engine does not run (DeepSeek-V3's multi-token-prediction layer)
+    unused = getattr(model, "unused_checkpoint_weight", None)
     loaded: set[str] = set()
     ignored = 0
     for name, tensor in iter_checkpoint(model_dir):
@@ -120,23 +105,15 @@ def load_model(model_dir: str, *, device: torch.device, dtype: torch.dtype,
                 ignored += 1  # tied head stored anyway; stale rope buffers of old checkpoints
                 continue
             raise ValueError(f"unexpected weight {name!r} in {model_dir} for {arch.architecture}")
-        target.load(name, tensor)
+        target.load(name, tensor, cuts)
         loaded.add(name)
-        layer = layer_of(name)
-        rest = to_come.get(layer) if layer is not None else None
-        if rest is not None:
-            rest.discard(name)
-            if not rest and shard is not None:
-                shard_layer(model, model.layers[layer], shard)
-                model.layers[layer].to(device)
-                for n in names_of[layer]:
-                    del targets[n]
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights: {shown}")
+    del targets, cuts  # the whole parameters a cut replaced (never written: never real)
     if build != device:
-        model.to(device)  # what no layer holds (the embedding, the final norm, the head)
+        model.to(device)  # what is not cut (the embedding, the norms, the head)
     n_params = sum(p.numel() for p in model.parameters())
     platform = platform_for(device) if platform is None else platform
     kernel = platform.prepare_model(model, dtype)

@@ -26,6 +26,7 @@ from kvrelay.engine.models.linear import Linear
 from kvrelay.engine.models.llama import LlamaForCausalLM
 from kvrelay.engine.models.mlp import MLP
 from kvrelay.engine.models.moe import SparseMoE
+from kvrelay.engine.models.weights import Cuts
 
 logger = logging.getLogger(__name__)
 
@@ -163,29 +164,37 @@ def _row_parallel(lin: Linear, shard: TPShard) -> None:
     lin.shard = shard  # type: ignore[attr-defined]
 
 
-def _keep(w: torch.Tensor | None, rows: list[slice], dim: int = 0) -> nn.Parameter | None:
+def _keep(w: torch.Tensor | None, rows: list[slice], dim: int = 0,
+          cuts: Cuts | None = None) -> nn.Parameter | None:
+    """The slices ``rows`` of ``w`` along ``dim``, concatenated: copied from a loaded ``w``, or,
+    with ``cuts`` (a model cut before it is loaded), an empty shard the loader fills."""
     if w is None:
         return None
+    if cuts is not None:
+        return cuts.keep(w, rows, dim)
     parts = [w.narrow(dim, s.start, s.stop - s.start) for s in rows]
     return nn.Parameter(torch.cat(parts, dim).contiguous(), requires_grad=False)
 
 
-def shard_model(model: LlamaForCausalLM, shard: TPShard) -> None:
-    """Cut a loaded (dense, unpacked) model down to ``shard.rank``'s part, in place: before
-    packing, so the kernels pack only the shard. Only the decoder layers are cut (the
-    embedding, the final norm and the head stay whole on every rank)."""
+def shard_model(model: LlamaForCausalLM, shard: TPShard, cuts: Cuts | None = None) -> None:
+    """Cut a (dense, unpacked) model down to ``shard.rank``'s part, in place: before packing,
+    so the kernels pack only the shard. Only the decoder layers are cut (the embedding, the
+    final norm and the head stay whole on every rank). A loaded model's parameters are cut by
+    copying; with ``cuts``, a model not loaded yet gets empty shards and the loader writes each
+    checkpoint tensor's kept part through ``cuts`` (``weights.Cuts``): a rank never holds more
+    than its shard and one checkpoint tensor."""
     for layer in model.layers:
-        shard_layer(model, layer, shard)
+        shard_layer(model, layer, shard, cuts)
 
 
-def shard_layer(model: LlamaForCausalLM, layer: nn.Module, shard: TPShard) -> None:
-    """Cut one loaded decoder layer of ``model`` down to ``shard.rank``'s part, in place: the
-    loader cuts each layer as soon as its tensors are in, so a rank never holds more than its
-    shard and one whole layer. A model that cuts itself (DeepSeek's latent attention) does it
-    in its ``shard_layer_tensor_parallel``."""
+def shard_layer(model: LlamaForCausalLM, layer: nn.Module, shard: TPShard,
+                cuts: Cuts | None = None) -> None:
+    """Cut one decoder layer of ``model`` down to ``shard.rank``'s part, in place (``cuts``: as
+    in ``shard_model``). A model that cuts itself (DeepSeek's latent attention) does it in its
+    ``shard_layer_tensor_parallel``."""
     own = getattr(model, "shard_layer_tensor_parallel", None)
     if own is not None:
-        own(layer, shard)
+        own(layer, shard, cuts)
         return
     arch, r, n = model.arch, shard.rank, shard.size
     hd = arch.head_dim
@@ -196,21 +205,21 @@ def shard_layer(model: LlamaForCausalLM, layer: nn.Module, shard: TPShard) -> No
     k_rows = slice(q_size + kv.start * hd, q_size + kv.stop * hd)
     v_rows = slice(q_size + kv_size + kv.start * hd, q_size + kv_size + kv.stop * hd)
     a, m = layer.attn, layer.mlp
-    a.qkv.weight = _keep(a.qkv.weight, [q_rows, k_rows, v_rows])
-    a.qkv.bias = _keep(a.qkv.bias, [q_rows, k_rows, v_rows])
+    a.qkv.weight = _keep(a.qkv.weight, [q_rows, k_rows, v_rows], cuts=cuts)
+    a.qkv.bias = _keep(a.qkv.bias, [q_rows, k_rows, v_rows], cuts=cuts)
     a.num_heads, a.num_kv_heads = heads, len(kv)
     a.q_size, a.kv_size = heads * hd, len(kv) * hd
     a.qkv.out_features = a.q_size + 2 * a.kv_size
-    a.o.weight = _keep(a.o.weight, [q_rows], dim=1)
+    a.o.weight = _keep(a.o.weight, [q_rows], dim=1, cuts=cuts)
     if getattr(a, "sinks", None) is not None:  # gpt-oss: a sink per query head, with it
-        a.sinks = _keep(a.sinks, [slice(r * heads, (r + 1) * heads)])
+        a.sinks = _keep(a.sinks, [slice(r * heads, (r + 1) * heads)], cuts=cuts)
     if r != 0:
         a.o.bias = None
     _row_parallel(a.o, shard)
-    shard_ffn(m, shard)
+    shard_ffn(m, shard, cuts)
 
 
-def shard_ffn(m: nn.Module, shard: TPShard) -> None:
+def shard_ffn(m: nn.Module, shard: TPShard, cuts: Cuts | None = None) -> None:
     """Rank ``shard.rank``'s part of a layer's feed-forward block: a dense SwiGLU's columns,
     or every expert's. A mixture of experts keeps its router whole (every rank routes the same
     rows alike); each expert (and a shared expert) is cut as a dense MLP is, and its partial
@@ -219,24 +228,24 @@ def shard_ffn(m: nn.Module, shard: TPShard) -> None:
     r, n = shard.rank, shard.size
     if isinstance(m, SparseMoE):
         for expert in m.sharded_mlps():
-            _shard_mlp(expert, r, n)
+            _shard_mlp(expert, r, n, cuts)
         m.reduce = shard.all_reduce
     else:
-        _shard_mlp(m, r, n)
+        _shard_mlp(m, r, n, cuts)
         _row_parallel(m.down, shard)
 
 
-def _shard_mlp(m: MLP, r: int, n: int) -> None:
+def _shard_mlp(m: MLP, r: int, n: int, cuts: Cuts | None = None) -> None:
     """Rank ``r`` of ``n``'s slice of a SwiGLU: its columns of gate and up, its rows of down
     (whose partial product the caller reduces)."""
     inter = m.inter
     i_per = inter // n
     gate_rows = slice(r * i_per, (r + 1) * i_per)
     up_rows = slice(inter + r * i_per, inter + (r + 1) * i_per)
-    m.gate_up.weight = _keep(m.gate_up.weight, [gate_rows, up_rows])
-    m.gate_up.bias = _keep(m.gate_up.bias, [gate_rows, up_rows])
+    m.gate_up.weight = _keep(m.gate_up.weight, [gate_rows, up_rows], cuts=cuts)
+    m.gate_up.bias = _keep(m.gate_up.bias, [gate_rows, up_rows], cuts=cuts)
     m.gate_up.out_features = 2 * i_per
     m.inter = i_per
-    m.down.weight = _keep(m.down.weight, [gate_rows], dim=1)
+    m.down.weight = _keep(m.down.weight, [gate_rows], dim=1, cuts=cuts)
     if r != 0:
         m.down.bias = None

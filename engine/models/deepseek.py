@@ -39,7 +39,7 @@ from kvrelay.engine.models.mla import MLAttention, RopeRows, decode_view, rows_a
 from kvrelay.engine.models.mlp import MLP
 from kvrelay.engine.models.moe import SparseMoE
 from kvrelay.engine.models.rope import rope_inv_freq
-from kvrelay.engine.models.weights import WeightTarget, mlp_targets
+from kvrelay.engine.models.weights import Cuts, WeightTarget, mlp_targets
 
 
 def attn_scale(arch: ModelArch, hf_cfg: Any) -> float:
@@ -151,11 +151,13 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         # the step reads.
         return h if last is None else h.index_select(0, last.rows)
 
-    def shard_layer_tensor_parallel(self, layer: torch.nn.Module, shard: Any) -> None:
+    def shard_layer_tensor_parallel(self, layer: torch.nn.Module, shard: Any,
+                                    cuts: Cuts | None = None) -> None:
         """Rank ``shard.rank``'s part of ``layer`` (``tp_shard.shard_layer`` defers to this):
         its query heads (q_b_proj's or q_proj's rows, kv_b_proj's rows, o_proj's columns,
         all-reduced after), the latent projections and the cache replicated (every rank holds
-        the whole latent), its feed-forward block cut as every family's (``shard_ffn``)."""
+        the whole latent), its feed-forward block cut as every family's (``shard_ffn``);
+        ``cuts``: as in ``tp_shard.shard_model``."""
         from kvrelay.engine.tp_shard import _keep, _row_parallel, shard_ffn
 
         r, n = shard.rank, shard.size
@@ -163,23 +165,23 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         heads = a.num_heads // n
         qs = slice(r * heads * a.qk_dim, (r + 1) * heads * a.qk_dim)
         if a.q_b is not None:
-            a.q_b.weight = _keep(a.q_b.weight, [qs])
+            a.q_b.weight = _keep(a.q_b.weight, [qs], cuts=cuts)
             a.q_b.out_features = heads * a.qk_dim
         else:  # q_proj's rows of the fused input projection, the latent's all
             lat = slice(a.q_in, a.q_in + a.rank + a.rope_dim)
-            a.in_proj.weight = _keep(a.in_proj.weight, [qs, lat])
-            a.in_proj.bias = _keep(a.in_proj.bias, [qs, lat])
+            a.in_proj.weight = _keep(a.in_proj.weight, [qs, lat], cuts=cuts)
+            a.in_proj.bias = _keep(a.in_proj.bias, [qs, lat], cuts=cuts)
             a.q_in = heads * a.qk_dim
             a.in_proj.out_features = a.q_in + a.rank + a.rope_dim
         kv_rows = heads * (a.nope + a.v_dim)
-        a.kv_b = _keep(a.kv_b, [slice(r * kv_rows, (r + 1) * kv_rows)])
+        a.kv_b = _keep(a.kv_b, [slice(r * kv_rows, (r + 1) * kv_rows)], cuts=cuts)
         a.o.weight = _keep(a.o.weight, [slice(r * heads * a.v_dim,
-                                              (r + 1) * heads * a.v_dim)], dim=1)
+                                              (r + 1) * heads * a.v_dim)], dim=1, cuts=cuts)
         if r != 0:
             a.o.bias = None
         _row_parallel(a.o, shard)
         a.num_heads = heads
-        shard_ffn(layer.mlp, shard)
+        shard_ffn(layer.mlp, shard, cuts)
 
 
 def _attention_targets(a: MLAttention, p: str, arch: ModelArch) -> dict[str, WeightTarget]:

@@ -40,7 +40,7 @@ from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 from kvrelay.engine.models.mlp import MLP
 from kvrelay.engine.models.moe import SparseMoE
-from kvrelay.engine.models.weights import WeightTarget
+from kvrelay.engine.models.weights import Cuts, WeightTarget, write
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # GptOssConfig's defaults
 
@@ -151,34 +151,30 @@ class GptOssMoE(SparseMoE):
 class StackedExperts(WeightTarget):
     """One of the four stacked expert tensors, cut into every expert's own parameter: expert
     ``e``'s slice, gate/up de-interleaved (even columns: gate, odd: up) into ``[gate; up]``,
-    the matrices transposed to ``[out, in]``."""
+    the matrices transposed to ``[out, in]``. The parameters are taken when the target is made
+    (the whole model's: a tensor-parallel rank's are cut after, and written through its cuts)."""
 
-    __slots__ = ("moe", "name")
+    __slots__ = ("fused", "name", "params")
 
     def __init__(self, moe: GptOssMoE, name: str):
         super().__init__(moe.experts[0].gate_up.weight)
-        self.moe, self.name = moe, name
+        self.name = name
+        self.fused = name.startswith("gate_up")
+        attr = {"gate_up_proj": ("gate_up", "weight"), "gate_up_proj_bias": ("gate_up", "bias"),
+                "down_proj": ("down", "weight"), "down_proj_bias": ("down", "bias")}[name]
+        self.params = [getattr(getattr(e, attr[0]), attr[1]) for e in moe.experts]
 
-    def _place(self, expert: GptOssExpert) -> tuple[torch.Tensor, bool]:
-        """The parameter this tensor fills in ``expert``, and whether it is a gate/up one."""
-        return {"gate_up_proj": (expert.gate_up.weight, True),
-                "gate_up_proj_bias": (expert.gate_up.bias, True),
-                "down_proj": (expert.down.weight, False),
-                "down_proj_bias": (expert.down.bias, False)}[self.name]
-
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        experts = self.moe.experts
-        for e, expert in enumerate(experts):
-            param, fused = self._place(expert)
+    def load(self, name: str, tensor: torch.Tensor, cuts: Cuts | None = None) -> None:
+        for e, param in enumerate(self.params):
             shape = tuple(param.shape) if param.ndim == 1 else tuple(param.shape[::-1])
-            if tensor.ndim != 1 + len(shape) or tensor.shape[0] != len(experts) \
+            if tensor.ndim != 1 + len(shape) or tensor.shape[0] != len(self.params) \
                     or tuple(tensor.shape[1:]) != shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{(len(experts), *shape)}")
+                                 f"{(len(self.params), *shape)}")
             t = tensor[e]
-            if fused:  # [..., 2 * inter] interleaved -> [gate; up] along the last axis
+            if self.fused:  # [..., 2 * inter] interleaved -> [gate; up] along the last axis
                 t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
-            param.copy_(t if t.ndim == 1 else t.t())
+            write(cuts, param, None, None, t if t.ndim == 1 else t.t())
 
 
 class GptOssDecoderLayer(DecoderLayer):

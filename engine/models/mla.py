@@ -40,7 +40,7 @@ from kvrelay.engine.attention.sdpa import stored, widened
 from kvrelay.engine.models.arch import ModelArch
 from kvrelay.engine.models.linear import Linear, empty_param
 from kvrelay.engine.models.llama import RMSNorm
-from kvrelay.engine.models.weights import WeightTarget
+from kvrelay.engine.models.weights import Cuts, WeightTarget
 from kvrelay.engine.pointwise import rope
 
 
@@ -65,12 +65,12 @@ class RopeRows(WeightTarget):
         super().__init__(param, start, stop)
         self.groups, self.group_rows, self.at, self.width = groups, group_rows, at, width
 
-    def load(self, name: str, tensor: torch.Tensor) -> None:
+    def load(self, name: str, tensor: torch.Tensor, cuts: Cuts | None = None) -> None:
         if tensor.shape[0] != self.groups * self.group_rows:
             raise ValueError(f"weight {name!r} has {tensor.shape[0]} rows, expected "
                              f"{self.groups * self.group_rows}")
         super().load(name, deinterleave_rows(tensor, self.groups, self.group_rows, self.at,
-                                             self.width))
+                                             self.width), cuts)
 
 
 def decode_view(meta: AttentionMetadata) -> AttentionMetadata | None:

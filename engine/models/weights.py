@@ -3,13 +3,80 @@
 A model names its parameters by the names its checkpoints on the Hub use (and transformers'
 ``save_pretrained`` writes); fused parameters (q/k/v, gate/up) take several checkpoint tensors,
 each into its row range.
+
+Under tensor parallelism a rank's model is cut before anything is loaded (``tp_shard``): each
+cut parameter is a new, smaller one, and its ``Cut`` says which slices of the whole parameter
+it keeps. The targets still describe the whole model (the checkpoint's geometry), and every
+write goes through ``Cuts.write``, which copies only the kept part of the tensor into the
+shard. A rank then never holds more than its shard and the one checkpoint tensor being read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from kvrelay.engine.models.mlp import MLP
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What a tensor-parallel rank keeps of a parameter: the slices ``kept`` of the whole one
+    along ``dim``, concatenated in that order into ``shard``."""
+
+    shard: torch.Tensor
+    dim: int
+    kept: tuple[slice, ...]
+
+
+class Cuts:
+    """The cuts of one rank's model, by the whole parameter they replace. ``keep`` makes a cut
+    (an empty shard on ``device``: nothing of the whole parameter is read); ``write`` puts a
+    checkpoint tensor's rows into the whole parameter or, where it was cut, only the kept part
+    into its shard."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._of: dict[int, tuple[torch.Tensor, Cut]] = {}  # id(whole) -> (whole, its cut)
+
+    def keep(self, whole: torch.Tensor, kept: list[slice], dim: int) -> nn.Parameter:
+        shape = list(whole.shape)
+        shape[dim] = sum(s.stop - s.start for s in kept)
+        shard = torch.empty(shape, dtype=whole.dtype, device=self.device)
+        self._of[id(whole)] = (whole, Cut(shard, dim, tuple(kept)))  # holds ``whole``: ids stay
+        return nn.Parameter(shard, requires_grad=False)
+
+    def write(self, whole: torch.Tensor, start: int | None, stop: int | None,
+              tensor: torch.Tensor) -> None:
+        """``whole[start:stop] = tensor``, on the rank's shard of ``whole`` if it was cut."""
+        entry = self._of.get(id(whole))
+        if entry is None:
+            (whole if start is None else whole[start:stop]).copy_(tensor)
+            return
+        cut = entry[1]
+        lo = 0 if start is None else start
+        hi = whole.shape[0] if stop is None else stop
+        at = 0  # where the current kept slice starts in the shard
+        for s in cut.kept:
+            n = s.stop - s.start
+            if cut.dim == 0:  # rows: the part of [lo, hi) this slice keeps
+                a, b = max(s.start, lo), min(s.stop, hi)
+                if a < b:
+                    cut.shard[at + a - s.start:at + b - s.start].copy_(tensor[a - lo:b - lo])
+            else:  # a later axis: the target's rows, this slice of that axis
+                cut.shard[lo:hi].narrow(cut.dim, at, n).copy_(tensor.narrow(cut.dim, s.start, n))
+            at += n
+
+
+def write(cuts: Cuts | None, whole: torch.Tensor, start: int | None, stop: int | None,
+          tensor: torch.Tensor) -> None:
+    """``whole[start:stop] = tensor``, through ``cuts`` when the model was cut (``Cuts.write``)."""
+    if cuts is None:
+        (whole if start is None else whole[start:stop]).copy_(tensor)
+    else:
+        cuts.write(whole, start, stop, tensor)
 
 
 class WeightTarget:
@@ -23,15 +90,15 @@ class WeightTarget:
     def view(self) -> torch.Tensor:
         return self.param if self.start is None else self.param[self.start:self.stop]
 
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy checkpoint tensor ``name`` into its place (converted to the parameter's dtype).
-        A target whose tensor fills several parameters (gpt-oss's experts stacked in one
-        tensor) overrides this."""
+    def load(self, name: str, tensor: torch.Tensor, cuts: Cuts | None = None) -> None:
+        """Copy checkpoint tensor ``name`` into its place (converted to the parameter's dtype),
+        through ``cuts`` when the model is a tensor-parallel rank's. A target whose tensor
+        fills several parameters (gpt-oss's experts stacked in one tensor) overrides this."""
         view = self.view()
         if tuple(view.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(view.shape)}")
-        view.copy_(tensor)
+        write(cuts, self.param, self.start, self.stop, tensor)
 
 
 # A SwiGLU's checkpoint names: (gate, up, down). Mixtral's experts call them w1, w3, w2.
