@@ -3,7 +3,9 @@ model and KV: ``tp_shard.py``).
 
 Rank 0 is the engine's own process and runs :class:`TPModelRunner`; ranks 1..N-1 are started
 here (from a fork server) and loop on :func:`_worker_main`: each step rank 0 broadcasts the
-scheduled batch packed into one int64 tensor, and every rank runs the same forward. The process
+scheduled batch packed into one int64 tensor, and every rank runs the same forward (or, before a
+step that writes blocks forked choices share, the blocks to copy, and every rank copies its
+heads of them). The process
 group is built from a private ``TCPStore`` (no global ``torch.distributed`` state, so several
 replicas can live in one process), and every collective waits at most ``tp_timeout_s``: a dead or
 stuck rank makes rank 0 raise :class:`TensorParallelError` instead of hanging.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import multiprocessing as mp
 import struct
@@ -53,7 +56,7 @@ from kvrelay.engine.tp_shard import (
 
 logger = logging.getLogger(__name__)
 
-_OP_STOP, _OP_FORWARD = 0, 1
+_OP_STOP, _OP_FORWARD, _OP_COPY = 0, 1, 2
 
 
 # -- the step's inputs, packed -----------------------------------------------------------------
@@ -132,6 +135,9 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
                 return
             packed = torch.empty(length, dtype=torch.long)
             shard.broadcast(packed)
+            if op == _OP_COPY:  # copy-on-write of blocks forked sequences share
+                runner.copy_blocks([tuple(pair) for pair in packed.view(-1, 2).tolist()])
+                continue
             inputs = runner.prepare(unpack_step(packed))
             with forward_context(inputs.meta):
                 runner.model(inputs.input_ids.to(runner.device),
@@ -197,8 +203,15 @@ class Ranks:
             f"{self.timeout.total_seconds():g}s; {who}): {cause}")
 
     def send_step(self, scheduled: Seq[ScheduledSeq]) -> None:
-        packed = pack_step(scheduled)
-        header = struct.pack("<qq", _OP_FORWARD, packed.numel())
+        self._send(_OP_FORWARD, pack_step(scheduled))
+
+    def send_copies(self, copies: Seq[tuple[int, int]]) -> None:
+        """Every rank copies KV blocks ``src -> dst`` of its own heads (copy-on-write)."""
+        self._send(_OP_COPY, torch.tensor([b for pair in copies for b in pair],
+                                          dtype=torch.long))
+
+    def _send(self, op: int, packed: torch.Tensor) -> None:
+        header = struct.pack("<qq", op, packed.numel())
         for c in self.conns:
             c.send_bytes(header)
         self.shard.broadcast(packed)
@@ -289,12 +302,14 @@ class TPModelRunner(ModelRunner):
                     self.ranks.size, self.ranks.pids, self.kv_spec.num_kv_heads)
         self._failed: TensorParallelError | None = None
 
-    def _guarded(self, fn: Callable[..., Any], scheduled: Seq[ScheduledSeq], *args: Any) -> Any:
+    def _guarded(self, send: Callable[[], None], fn: Callable[[], Any]) -> Any:
+        """``send()`` (what the other ranks run), then ``fn()`` (rank 0's part); a failure of
+        either breaks the replica for good."""
         if self._failed is not None:
             raise self._failed
         try:
-            self.ranks.send_step(scheduled)
-            return fn(scheduled, *args)
+            send()
+            return fn()
         except (RuntimeError, OSError) as e:
             if isinstance(e, TensorParallelError):
                 raise
@@ -315,7 +330,8 @@ class TPModelRunner(ModelRunner):
 
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
-        return self._guarded(super().run, scheduled, connector)
+        return self._guarded(functools.partial(self.ranks.send_step, scheduled),
+                             functools.partial(super().run, scheduled, connector))
 
     def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:
         def lagged(layer: int) -> None:  # see the module docstring
@@ -325,11 +341,14 @@ class TPModelRunner(ModelRunner):
         return lagged
 
     def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
-        # Forks exist only on a decode engine (a KV connector), which TP does not run yet.
-        raise NotImplementedError("copy-on-write of KV blocks under tensor parallelism")
+        """Copy-on-write of the blocks a decode worker's forked choices share (n > 1), on
+        every rank: each holds its own heads of every block."""
+        self._guarded(functools.partial(self.ranks.send_copies, copies),
+                      functools.partial(super().copy_blocks, copies))
 
     def logits_for(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
-        return self._guarded(super().logits_for, scheduled)
+        return self._guarded(functools.partial(self.ranks.send_step, scheduled),
+                             functools.partial(super().logits_for, scheduled))
 
     @property
     def worker_pids(self) -> list[int | None]:

@@ -152,6 +152,28 @@ def test_greedy_identical_across_tp_sizes(pools, request, want, p_tp: int, d_tp:
     assert c.wait_free_blocks(baseline) == baseline
 
 
+def test_choices_forked_on_a_tp_decode_worker_copy_their_shared_block_on_every_rank(
+        pools) -> None:
+    """n > 1 on a TP=2 decode worker: the choices share the prompt's blocks, and before a
+    choice writes the last, partly filled one, every rank copies its heads of it (copy-on-write
+    broadcast as a step of its own). Had a rank not copied, the choices would write into one
+    block there and read each other's KV: each choice equals the single request of its seed."""
+    pools.use(prefill=[()], decode=[_tp(2)])
+    c = pools.cluster
+    baseline = c.free_blocks()
+    ids = prompt_ids(37, 99)  # not a whole number of blocks: the last one is shared, partly
+    params = {"ignore_eos": True, "top_k": 20}
+    with c.client() as cl:
+        choices: list[list[int]] = [[], [], []]
+        for msg in cl.stream(ids, sampling(GEN, 1.0, n=3, seed=11, **params), timeout=120):
+            choices[msg.index] += msg.token_ids
+        singles = [cl.generate(ids, sampling(GEN, 1.0, seed=11 + k, **params)).token_ids
+                   for k in range(3)]
+    assert choices == singles
+    assert len({tuple(t) for t in choices}) > 1  # the choices did sample apart
+    assert c.wait_free_blocks(baseline) == baseline
+
+
 def _endpoint(c: Cluster, worker: Proc) -> PeerInfo:
     """A decode worker's KV endpoint, as the router fetches it."""
     with grpc.insecure_channel(worker.address) as ch:
