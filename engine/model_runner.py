@@ -151,16 +151,16 @@ class ModelRunner:
         # padding rows' scratch, so the block manager gets one block fewer.
         off = self.platform.graphs_off_reason(
             enforce_eager=mc.enforce_eager, max_batch=mc.cuda_graph_max_batch,
-            paged_flash=self.attention.paged, tensor_parallel=shard is not None,
-            num_blocks=num_blocks, kv_head_groups=groups)
+            paged_flash=self.attention.paged, num_blocks=num_blocks, kv_head_groups=groups)
         # (the hybrid KV layout: a scratch page per layer group, the last ones)
         self.num_usable_blocks = num_blocks if off is not None else num_blocks - per_block
         # A sequence can never hold more tokens than the cache has slots (a page per group).
         self.max_model_len = min(max_len, self.num_usable_blocks // per_block * block_size)
         self.decode_graphs: DecodeGraphRunner | None = None
-        if off is None:  # no step holds more sequences than the scheduler runs at once
-            self.decode_graphs = self.static_decode(
-                min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs))
+        # No step holds more sequences than the scheduler runs at once.
+        self.graph_max_batch = min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+        if off is None:  # (under TP every rank captures here, in step: the all-reduces inside)
+            self.decode_graphs = self.static_decode(self.graph_max_batch)
             self.decode_graphs.capture()
         self.generator = torch.Generator(device=self.device)
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -254,7 +254,7 @@ class ModelRunner:
         return DecodeGraphRunner(
             model=self.model, attention=self.attention, device=self.device,
             block_size=self.block_size, width=width, scratch_block=first, max_batch=max_batch,
-            groups=groups)
+            computes_logits=self.shard is None or self.shard.rank == 0, groups=groups)
 
     @staticmethod
     def device_for(config: EngineConfig, rank: int) -> torch.device:
@@ -365,8 +365,7 @@ class ModelRunner:
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
         graphs = self.decode_graphs  # None on the CPU: one attribute test per step
-        if graphs is not None and graphs.handles(scheduled) and (
-                connector is None or not connector.wants_layer_hooks(scheduled)):
+        if graphs is not None and self.graphed(scheduled, connector):
             return self._run_graphed(graphs, scheduled, connector)
         inputs = self.prepare(scheduled)
         meta = inputs.meta
@@ -387,6 +386,22 @@ class ModelRunner:
         rows = hidden if idx is None else hidden.index_select(0, self._h2d(idx))
         logits = self.model.compute_logits(rows)[:len(inputs.sampled_order)]
         return self._sample(scheduled, logits, inputs.sampled_order, seqs, masks)
+
+    def graphed(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None) -> bool:
+        """Whether this step replays the decode graphs: a decode-only step within the captured
+        sizes, with no per-layer KV work (``save_layer`` cannot be called from a replay)."""
+        graphs = self.decode_graphs
+        return graphs is not None and graphs.handles(scheduled) and (
+            connector is None or not connector.wants_layer_hooks(scheduled))
+
+    def follow_graphed(self, scheduled: Seq[ScheduledSeq]) -> None:
+        """A tensor-parallel rank > 0's part of a step rank 0 replays its decode graphs for:
+        the same padded rows from the same static buffers, replayed where this rank captured
+        them (every rank decides alike), else run eagerly from buffers made at the first such
+        step (the same collectives either way, in the same order)."""
+        if self.decode_graphs is None:
+            self.decode_graphs = self.static_decode(self.graph_max_batch)
+        self.decode_graphs.logits(scheduled)
 
     def _run_graphed(self, graphs: DecodeGraphRunner, scheduled: Seq[ScheduledSeq],
                      connector: KVConnector | None) -> SampledTokens:

@@ -73,8 +73,7 @@ class Platform(Protocol):
         """Give memory freed to the allocator back to the device (before sizing the cache)."""
 
     def graphs_off_reason(self, *, enforce_eager: bool, max_batch: int, paged_flash: bool,
-                          tensor_parallel: bool, num_blocks: int,
-                          kv_head_groups: int = 1) -> str | None:
+                          num_blocks: int, kv_head_groups: int = 1) -> str | None:
         """Why decode steps run eagerly, or None when they replay captured graphs."""
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:

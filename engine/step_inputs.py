@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 
@@ -35,14 +35,24 @@ def padded_rows(n: int) -> int:
 
 
 class TokenWindow:
-    """The tokens ``[start, start + len)`` of a sequence, sliceable by absolute position."""
+    """The tokens ``[start, start + len)`` of a sequence, by absolute position: sliced (the
+    eager step's inputs) or one (a decode row of the static path)."""
 
     __slots__ = ("start", "tokens")
 
     def __init__(self, start: int, tokens: list[int]):
         self.start, self.tokens = start, tokens
 
-    def __getitem__(self, s: slice) -> list[int]:
+    @overload
+    def __getitem__(self, s: int) -> int: ...
+    @overload
+    def __getitem__(self, s: slice) -> list[int]: ...
+    def __getitem__(self, s: int | slice) -> int | list[int]:
+        if isinstance(s, int):
+            if not 0 <= s - self.start < len(self.tokens):
+                raise IndexError(f"token {s} is outside the window [{self.start}, "
+                                 f"{self.start + len(self.tokens)})")
+            return self.tokens[s - self.start]
         return self.tokens[s.start - self.start:s.stop - self.start]
 
 

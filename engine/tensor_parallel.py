@@ -3,9 +3,10 @@ model and KV: ``tp_shard.py``).
 
 Rank 0 is the engine's own process and runs :class:`TPModelRunner`; ranks 1..N-1 are started
 here (from a fork server) and loop on :func:`_worker_main`: each step rank 0 broadcasts the
-scheduled batch packed into one int64 tensor, and every rank runs the same forward (or, before a
-step that writes blocks forked choices share, the blocks to copy, and every rank copies its
-heads of them). The process
+scheduled batch packed into one int64 tensor, and every rank runs the same forward: eagerly, or
+replaying its CUDA graphs of that decode batch, captured by every rank alike at start (or,
+before a step that writes blocks forked choices share, the blocks to copy, and every rank copies
+its heads of them). The process
 group is built from a private ``TCPStore`` (no global ``torch.distributed`` state, so several
 replicas can live in one process), and every collective waits at most ``tp_timeout_s``: a dead or
 stuck rank makes rank 0 raise :class:`TensorParallelError` instead of hanging.
@@ -56,7 +57,7 @@ from kvrelay.engine.tp_shard import (
 
 logger = logging.getLogger(__name__)
 
-_OP_STOP, _OP_FORWARD, _OP_COPY = 0, 1, 2
+_OP_STOP, _OP_FORWARD, _OP_COPY, _OP_GRAPHED = 0, 1, 2, 3
 
 
 # -- the step's inputs, packed -----------------------------------------------------------------
@@ -138,6 +139,9 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
             if op == _OP_COPY:  # copy-on-write of blocks forked sequences share
                 runner.copy_blocks([tuple(pair) for pair in packed.view(-1, 2).tolist()])
                 continue
+            if op == _OP_GRAPHED:  # rank 0 replays its decode graphs
+                runner.follow_graphed(unpack_step(packed))
+                continue
             inputs = runner.prepare(unpack_step(packed))
             with forward_context(inputs.meta):
                 runner.model(inputs.input_ids.to(runner.device),
@@ -202,8 +206,10 @@ class Ranks:
             f"tensor-parallel replica of {self.size} ranks failed while {doing} (timeout "
             f"{self.timeout.total_seconds():g}s; {who}): {cause}")
 
-    def send_step(self, scheduled: Seq[ScheduledSeq]) -> None:
-        self._send(_OP_FORWARD, pack_step(scheduled))
+    def send_step(self, scheduled: Seq[ScheduledSeq], graphed: bool = False) -> None:
+        """The step every rank runs: eagerly, or (``graphed``) from the decode graphs'
+        static buffers, padded as rank 0 pads it."""
+        self._send(_OP_GRAPHED if graphed else _OP_FORWARD, pack_step(scheduled))
 
     def send_copies(self, copies: Seq[tuple[int, int]]) -> None:
         """Every rank copies KV blocks ``src -> dst`` of its own heads (copy-on-write)."""
@@ -330,7 +336,8 @@ class TPModelRunner(ModelRunner):
 
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
-        return self._guarded(functools.partial(self.ranks.send_step, scheduled),
+        graphed = self.graphed(scheduled, connector)
+        return self._guarded(functools.partial(self.ranks.send_step, scheduled, graphed),
                              functools.partial(super().run, scheduled, connector))
 
     def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:

@@ -49,13 +49,12 @@ def test_bucket_for() -> None:
 def test_graphs_only_on_cuda_with_paged_flash() -> None:
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     ok: dict[str, Any] = dict(enforce_eager=False, max_batch=64, paged_flash=True,
-                              tensor_parallel=False, num_blocks=100)
+                              num_blocks=100)
     assert graphs_off_reason(cuda, **ok) is None
     assert graphs_off_reason(cpu, **ok) == "not a CUDA device"
     for change, why in ((dict(enforce_eager=True), "enforce-eager"),
                         (dict(max_batch=0), "max-batch 0"),
                         (dict(paged_flash=False), "block_table"),
-                        (dict(tensor_parallel=True), "tensor parallel"),
                         (dict(num_blocks=1), "no block to spare"),
                         (dict(kv_head_groups=2), "KV head groups")):
         reason = graphs_off_reason(cuda, **{**ok, **change})
@@ -333,43 +332,66 @@ def test_engine_takes_the_graph_path_end_to_end(demo_model_dir: str,
     """The runner's wiring as on CUDA, with the capture left out (the static path then runs
     eagerly on the CPU): the scratch block is withheld from the block manager, decode steps
     go through the static buffers, and greedy outputs equal a plain CPU engine's."""
-    from kvrelay.engine.config import EngineConfig
-    from kvrelay.engine.cpu.platform import CpuPlatform
-    from kvrelay.engine.cuda.graphs import DecodeGraphRunner
-    from kvrelay.engine.engine_core import EngineCore
-
-    def run(graphs: bool) -> tuple[EngineCore, dict[str, list[int]], list[int]]:
-        used: list[int] = []
-        with monkeypatch.context() as m:
-            if graphs:
-                m.setattr(CpuPlatform, "graphs_off_reason", lambda self, **k: None)
-                m.setattr(DecodeGraphRunner, "capture", lambda self: None)
-            core = EngineCore(EngineConfig.from_kwargs(
-                demo_model_dir, block_size=BS, num_blocks=NUM_BLOCKS, attention_backend="sdpa",
-                max_model_len=512, cuda_graph_max_batch=4, max_num_batched_tokens=64))
-        if graphs:
-            real = DecodeGraphRunner.logits
-
-            def spy(self: DecodeGraphRunner, sched: Any) -> torch.Tensor:
-                used.append(len(sched))
-                return real(self, sched)
-
-            monkeypatch.setattr(DecodeGraphRunner, "logits", spy)
-        greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        rng = random.Random(3)
-        for i, n in enumerate((4, 30, 70, 9, 18, 50)):
-            core.add_request(f"r{i}", [rng.randrange(3, 250) for _ in range(n)], greedy)
-        out: dict[str, list[int]] = {}
-        while core.has_unfinished():
-            for o in core.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return core, out, used
-
-    plain, want, _ = run(graphs=False)
-    graphed, got, used = run(graphs=True)
+    plain, want, _ = _run_engine(demo_model_dir, monkeypatch, graphs=False)
+    graphed, got, used = _run_engine(demo_model_dir, monkeypatch, graphs=True)
     assert plain.runner.decode_graphs is None
     assert graphed.runner.decode_graphs is not None
     assert graphed.runner.num_usable_blocks == graphed.block_manager.num_blocks == NUM_BLOCKS - 1
     assert graphed.runner.decode_graphs.scratch_block == NUM_BLOCKS - 1
     assert used and max(used) <= 4  # 6 requests: the larger decode steps ran eagerly
     assert got == want
+
+
+def test_a_tp_replica_runs_graphed_decode_steps_on_every_rank(
+        demo_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under tensor parallelism rank 0 tells the other ranks which steps it replays its decode
+    graphs for, and each runs the same padded rows from its own static buffers (here eagerly,
+    as on the CPU: rank 1, a fresh process, has no graphs and makes its buffers at the first
+    such step). A rank running the step eagerly instead would all-reduce fewer rows than rank 0
+    (3 decodes padded to 4) and the step would fail: greedy outputs equal a plain engine's."""
+    _, want, _ = _run_engine(demo_model_dir, monkeypatch, graphs=False)
+    graphed, got, used = _run_engine(demo_model_dir, monkeypatch, graphs=True, tp=2)
+    try:
+        assert graphed.runner.decode_graphs is not None
+        assert graphed.runner.decode_graphs.computes_logits  # rank 0 samples
+        assert any(n not in capture_sizes(4) for n in used)  # a padded batch ran
+        assert got == want
+    finally:
+        graphed.runner.close()
+
+
+def _run_engine(model_dir: str, monkeypatch: pytest.MonkeyPatch, *, graphs: bool,
+                tp: int = 1) -> tuple[Any, dict[str, list[int]], list[int]]:
+    """A CPU engine's greedy outputs for six requests, and the batch sizes its static decode
+    path ran (``graphs``: the runner's wiring as on CUDA, the capture left out)."""
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.cpu.platform import CpuPlatform
+    from kvrelay.engine.cuda.graphs import DecodeGraphRunner
+    from kvrelay.engine.engine_core import EngineCore
+
+    used: list[int] = []
+    with monkeypatch.context() as m:
+        if graphs:
+            m.setattr(CpuPlatform, "graphs_off_reason", lambda self, **k: None)
+            m.setattr(DecodeGraphRunner, "capture", lambda self: None)
+        core = EngineCore(EngineConfig.from_kwargs(
+            model_dir, block_size=BS, num_blocks=NUM_BLOCKS, attention_backend="sdpa",
+            max_model_len=512, cuda_graph_max_batch=4, max_num_batched_tokens=64,
+            tensor_parallel_size=tp))
+    if graphs:
+        real = DecodeGraphRunner.logits
+
+        def spy(self: DecodeGraphRunner, sched: Any) -> torch.Tensor:
+            used.append(len(sched))
+            return real(self, sched)
+
+        monkeypatch.setattr(DecodeGraphRunner, "logits", spy)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    rng = random.Random(3)
+    for i, n in enumerate((4, 30, 70, 9, 18, 50)):
+        core.add_request(f"r{i}", [rng.randrange(3, 250) for _ in range(n)], greedy)
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return core, out, used

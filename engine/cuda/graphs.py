@@ -57,10 +57,13 @@ def bucket_for(n: int, sizes: Seq[int]) -> int | None:
 
 
 def graphs_off_reason(device: torch.device, *, enforce_eager: bool, max_batch: int,
-                      paged_flash: bool, tensor_parallel: bool, num_blocks: int,
+                      paged_flash: bool, num_blocks: int,
                       kv_head_groups: int = 1) -> str | None:
     """Why decode steps run eagerly on this runner, or None when they replay CUDA graphs.
-    Decided once, when the runner is built: the CPU path never pays for graphs per step."""
+    Decided once, when the runner is built: the CPU path never pays for graphs per step.
+    Under tensor parallelism every rank decides alike (the same configuration, the same block
+    count) and captures the same sizes in the same order, each graph with its all-reduces
+    inside (stream-ordered NCCL collectives capture as any kernel)."""
     if device.type != "cuda":
         return "not a CUDA device"
     if enforce_eager:
@@ -70,8 +73,6 @@ def graphs_off_reason(device: torch.device, *, enforce_eager: bool, max_batch: i
     if not paged_flash:
         # SDPA's decode masks and the gather path size tensors from host-side values.
         return "needs flash-attn reading the paged cache (block_table)"
-    if tensor_parallel:
-        return "not under tensor parallelism (its collectives were never captured)"
     if num_blocks < 2:
         return "the KV cache has no block to spare for padding rows"
     if kv_head_groups > 1:
@@ -193,6 +194,9 @@ class DecodeGraphRunner:
     width: int  # block table columns: enough for the longest sequence the runner allows
     scratch_block: int  # KV block the padding rows write; the block manager never hands it out
     max_batch: int
+    # Whether the graphs end in the logits (rank 0's), or in the hidden states (a tensor-
+    # parallel rank > 0: it samples nothing, and the head is the whole vocabulary on each rank).
+    computes_logits: bool = True
     # Under the hybrid KV layout: per layer group, (its window, its tables' width, its scratch
     # page); each group has buffers of its own (``group_buffers``), ``buffers`` is group 0's.
     groups: tuple[tuple[int | None, int, int], ...] = ()
@@ -254,18 +258,18 @@ class DecodeGraphRunner:
 
     def forward(self, rows: int) -> torch.Tensor:
         """The model over the first ``rows`` rows of the static buffers: ``[rows, vocab]``
-        logits (what a graph captures)."""
+        logits (what a graph captures), or the hidden states without ``computes_logits``."""
         b = self.buffers
         with forward_context(self.metadata(rows)):
             hidden = self.model(b.input_ids[:rows], b.positions[:rows])
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden) if self.computes_logits else hidden
 
     @torch.inference_mode()
     def logits(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
         """Logits ``[len(scheduled), vocab]`` of a decode-only step, in scheduled order: the
         batch padded to its captured size, the graph replayed (or the same forward run eagerly
         where that size was not captured). The rows are views of a static output: use them
-        before the next step."""
+        before the next step. Without ``computes_logits``: the hidden states."""
         rows = graph_batch(scheduled, self.sizes)
         if rows is None:
             raise ValueError("not a decode-only step within the captured sizes")
