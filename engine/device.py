@@ -32,3 +32,20 @@ def resolve_device(name: str, cuda_available: bool | None = None,
             device = torch.device("cuda", torch.cuda.current_device() if device_count is None
                                   else 0)
     return device
+
+
+def rank_device(name: str, rank: int, size: int, cuda_available: bool | None = None,
+                device_count: int | None = None) -> torch.device:
+    """The device of tensor-parallel rank ``rank`` of ``size`` whose rank 0 runs on ``name``
+    (``resolve_device``): on CUDA the ranks take consecutive devices from rank 0's index among
+    those this process sees (on Ray or Kubernetes, the replica's own: ``cuda`` is its first),
+    and a replica that would run past the last is an error at start, naming the devices."""
+    base = resolve_device(name, cuda_available, device_count)
+    if base.type != "cuda" or size == 1:
+        return base
+    count = torch.cuda.device_count() if device_count is None else device_count
+    first = base.index or 0
+    if first + size > count:
+        raise RuntimeError(f"tensor parallelism of {size} from {base} needs CUDA devices "
+                           f"{first}..{first + size - 1}, but this process sees {count}")
+    return torch.device("cuda", first + rank)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from kvrelay.engine.attention import SdpaBackend, StepLayout, forward_context
 from kvrelay.engine.config import CacheConfig, EngineConfig
 from kvrelay.engine.cuda.graphs import DecodeGraphRunner
-from kvrelay.engine.device import resolve_device
+from kvrelay.engine.device import rank_device
 from kvrelay.engine.grammar_mask import MaskFiller, StepMasks
 from kvrelay.engine.hybrid_kv import KVGroups, plan_groups
 from kvrelay.engine.kv_cache import (
@@ -258,9 +258,8 @@ class ModelRunner:
 
     @staticmethod
     def device_for(config: EngineConfig, rank: int) -> torch.device:
-        """The device of tensor-parallel rank ``rank`` (0 without TP)."""
-        device = resolve_device(config.model.device)
-        return torch.device("cuda", rank) if device.type == "cuda" and rank else device
+        """The device of tensor-parallel rank ``rank`` (0 without TP): ``device.rank_device``."""
+        return rank_device(config.model.device, rank, config.model.tensor_parallel_size)
 
     def check_blocks(self, timeout: datetime.timedelta) -> None:
         """Under TP: every rank must have the same number of KV blocks (one block manager

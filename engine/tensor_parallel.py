@@ -119,9 +119,9 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
     timeout = datetime.timedelta(seconds=config.model.tp_timeout_s)
     startup = startup_timeout(config)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=startup)
-    cuda = ModelRunner.device_for(config, rank).type == "cuda"
-    group, control = make_groups(store, rank, size, startup, cuda)
-    shard = TPShard(rank, size, group, timeout, control, nccl=cuda)
+    device = ModelRunner.device_for(config, rank)
+    group, control = make_groups(store, rank, size, startup, device)
+    shard = TPShard(rank, size, group, timeout, control, nccl=device.type == "cuda")
     runner = ModelRunner(config, shard=shard)
     runner.check_blocks(startup)
     threading.Thread(target=_serve, args=(service, runner), name=f"kvrelay-tp-rank{rank}-service",
@@ -174,7 +174,7 @@ class Ranks:
         # without a collective that would time out; the payload goes by broadcast.
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
         services = [ctx.Pipe(duplex=True) for _ in range(1, size)]
-        cuda = ModelRunner.device_for(config, 0).type == "cuda"
+        device = ModelRunner.device_for(config, 0)
         self.procs = [ctx.Process(target=_worker_main, name=f"kvrelay-tp-rank{r}", daemon=True,
                                   args=(config, r, size, self.store.port, pipes[r - 1][0],
                                         services[r - 1][1]))
@@ -187,11 +187,11 @@ class Ranks:
         self.conns = [send for _, send in pipes]
         self.services = RankServices([ours for ours, _ in services], self.procs)
         try:
-            group, control = make_groups(self.store, 0, size, startup, cuda)
+            group, control = make_groups(self.store, 0, size, startup, device)
         except RuntimeError as e:
             self.close()
             raise self.error("joining the process group", e) from e
-        self.shard = TPShard(0, size, group, self.timeout, control, nccl=cuda)
+        self.shard = TPShard(0, size, group, self.timeout, control, nccl=device.type == "cuda")
         self.closed = False
 
     @property

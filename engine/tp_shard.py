@@ -91,14 +91,18 @@ class TPShard:
 
 
 def make_groups(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-                cuda: bool) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """(activation group, control group or None): on GPUs NCCL for activations and gloo for
-    control, each under its own store prefix; on CPUs one gloo group for both."""
-    if not cuda:
+                device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(activation group, control group or None) of the rank on ``device``: on GPUs NCCL for
+    activations and gloo for control, each under its own store prefix; on CPUs one gloo group
+    for both. The NCCL group is bound to the rank's GPU, which is made current first (NCCL
+    sets its communicator up on the current device)."""
+    if device.type != "cuda":
         return dist.ProcessGroupGloo(store, rank, size, timeout), None
+    torch.cuda.set_device(device)
     nccl_opts = dist.ProcessGroupNCCL.Options()
     nccl_opts._timeout = timeout
     activations = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, nccl_opts)
+    activations.bound_device_id = device
     control = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
     return activations, control
 

@@ -62,6 +62,26 @@ def test_cuda_asked_but_invisible_fails_loudly() -> None:
     assert resolve_device("cuda", cuda_available=True, device_count=1) == torch.device("cuda", 0)
 
 
+def test_tp_ranks_take_consecutive_devices_from_rank_0s() -> None:
+    """Rank r of a replica whose rank 0 is on ``cuda:B`` runs on ``cuda:B+r`` (not ``cuda:r``,
+    which put rank 1 of a replica started on cuda:2 onto cuda:1); a replica past the last
+    device this process sees is refused at start, naming the devices it needs."""
+    from kvrelay.engine.device import rank_device
+
+    def ranks(name: str, size: int, count: int) -> list[torch.device]:
+        return [rank_device(name, r, size, cuda_available=True, device_count=count)
+                for r in range(size)]
+
+    assert ranks("cuda", 2, 2) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert ranks("cuda:2", 2, 4) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert ranks("auto", 4, 4) == [torch.device("cuda", i) for i in range(4)]
+    assert ranks("cpu", 2, 4) == [torch.device("cpu")] * 2
+    with pytest.raises(RuntimeError, match=r"needs CUDA devices 3..4, but this process sees 4"):
+        rank_device("cuda:3", 0, 2, cuda_available=True, device_count=4)
+    assert rank_device("cuda:3", 0, 1, cuda_available=True, device_count=4) == \
+        torch.device("cuda", 3)
+
+
 def test_cuda_kv_budget_respects_utilization() -> None:
     from kvrelay.engine.cuda.memory import cuda_kv_budget
 

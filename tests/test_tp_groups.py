@@ -77,7 +77,7 @@ def test_cpu_groups_are_one_gloo_group_that_works() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=TIMEOUT)
-    group, control = make_groups(store, 0, 1, TIMEOUT, cuda=False)
+    group, control = make_groups(store, 0, 1, TIMEOUT, torch.device("cpu"))
     assert control is None
     shard = TPShard(0, 1, group, TIMEOUT)
     x = torch.full((3,), 2.0)
