@@ -31,21 +31,29 @@ from ray.util.scheduling_strategies import (
 from kvrelay.deploy.actors import RouterActor, WorkerActor
 from kvrelay.deploy.autoscaler import AutoscaleConfig
 from kvrelay.deploy.ray_connect import NAMESPACE, worker_env
-from kvrelay.deploy.spec import PoolSpec, ServeSpec, model_kv_heads
+from kvrelay.deploy.spec import DEFAULT_NAME, PoolSpec, ServeSpec, model_kv_heads
 
 if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
     from kvrelay.deploy.planner.ray_loop import PlannerSpec
 
 logger = logging.getLogger(__name__)
 
-CONTROLLER_NAME = "kvrelay-controller"
-ROUTER_NAME = "kvrelay-router"
 POOLS = ("prefill", "decode", "both")
 READY_TIMEOUT_S = 120.0  # started pools -> the router can serve a request
 
 
-def replica_actor_name(worker_id: str) -> str:
-    return f"kvrelay-{worker_id}"
+def controller_name(deployment: str = DEFAULT_NAME) -> str:
+    return f"{deployment}-controller"
+
+
+def router_name(deployment: str = DEFAULT_NAME) -> str:
+    return f"{deployment}-router"
+
+
+def replica_actor_name(worker_id: str, deployment: str = DEFAULT_NAME) -> str:
+    """A replica's actor and placement group: ``kvrelay-prefill-1`` in the default
+    deployment."""
+    return f"{deployment}-{worker_id}"
 
 
 @dataclass
@@ -83,7 +91,7 @@ class Controller:
         from kvrelay.common.logs import setup_logging
 
         setup_logging("controller", self.spec.log_level)
-        opts: dict[str, Any] = {"name": ROUTER_NAME}
+        opts: dict[str, Any] = {"name": router_name(self.spec.name)}
         if self.node_id:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.node_id,
                                                                          soft=False)
@@ -110,9 +118,11 @@ class Controller:
     async def status(self) -> dict[str, Any]:
         cfg = self._autoscale_cfg
         return {"counts": self.counts(), "router": self.router_info,
-                "replicas": {p: [{"worker_id": r.worker_id, "actor": replica_actor_name(
-                    r.worker_id), "address": r.address, "node_id": r.node_id, "pid": r.pid,
-                    "draining": r.draining} for r in rs] for p, rs in self.pools.items()},
+                "replicas": {p: [{"worker_id": r.worker_id,
+                                  "actor": replica_actor_name(r.worker_id, self.spec.name),
+                                  "address": r.address, "node_id": r.node_id, "pid": r.pid,
+                                  "draining": r.draining} for r in rs]
+                             for p, rs in self.pools.items()},
                 "workers": await self.router.workers.remote(),
                 "autoscale": dataclasses.asdict(cfg) if cfg is not None else None,
                 "decisions": [dict(d) for d in self.decisions[-50:]]}
@@ -154,7 +164,8 @@ class Controller:
         ps = self.spec.pools.get(pool, PoolSpec())
         self._serial[pool] += 1
         wid = f"{pool}-{self._serial[pool]}"
-        pg = placement_group(ps.bundles(), strategy=ps.strategy, name=replica_actor_name(wid))
+        pg = placement_group(ps.bundles(), strategy=ps.strategy,
+                             name=replica_actor_name(wid, self.spec.name))
         try:
             await asyncio.wait_for(pg.ready(), self.spec.placement_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
@@ -182,7 +193,7 @@ class Controller:
         actor = WorkerActor.options(
             num_cpus=ps.cpus, num_gpus=ps.actor_gpus, resources=ps.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-            name=replica_actor_name(wid), **opts).remote()
+            name=replica_actor_name(wid, self.spec.name), **opts).remote()
         try:
             info = await actor.start.remote(settings, engine, self.spec.log_level)
             await self._wait_registered(wid, present=True)
@@ -363,16 +374,19 @@ class ClusterHandle:
 
 def start(spec: ServeSpec, timeout: float = 900.0) -> tuple[ClusterHandle, dict[str, Any]]:
     """Start the router and pools on the connected Ray cluster; the controller and the router
-    run on this driver's node."""
+    run on this driver's node. One deployment of each name (``spec.name``) per cluster."""
     try:
-        ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        ray.get_actor(controller_name(spec.name), namespace=NAMESPACE)
     except ValueError:
         pass
     else:
-        raise RuntimeError("kvrelay is already running on this Ray cluster (`kvrelay status`)")
+        named = "" if spec.name == DEFAULT_NAME else f" --name {spec.name}"
+        raise RuntimeError(f"kvrelay deployment {spec.name!r} is already running on this Ray "
+                           f"cluster (`kvrelay status{named}`; another deployment takes "
+                           f"another --name)")
     node_id = ray.get_runtime_context().get_node_id()
     controller = Controller.options(
-        name=CONTROLLER_NAME, namespace=NAMESPACE,
+        name=controller_name(spec.name), namespace=NAMESPACE,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(spec, node_id)
     handle = ClusterHandle(controller)
@@ -387,10 +401,11 @@ def start(spec: ServeSpec, timeout: float = 900.0) -> tuple[ClusterHandle, dict[
     return handle, info
 
 
-def connect() -> ClusterHandle:
-    """The kvrelay running on the Ray cluster this driver is connected to."""
+def connect(name: str = DEFAULT_NAME) -> ClusterHandle:
+    """The kvrelay deployment ``name`` running on the Ray cluster this driver is connected
+    to."""
     try:
-        return ClusterHandle(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE))
+        return ClusterHandle(ray.get_actor(controller_name(name), namespace=NAMESPACE))
     except ValueError:
-        raise RuntimeError("no kvrelay is running on this Ray cluster (start one with "
-                           "`kvrelay serve`)") from None
+        raise RuntimeError(f"no kvrelay deployment {name!r} is running on this Ray cluster "
+                           f"(start one with `kvrelay serve`)") from None

@@ -50,6 +50,7 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     opt(p, "--both", type=int, default=0, help="aggregated (role=both) replicas")
     opt(p, "--address", default=None,
         help="Ray cluster to join (auto | HOST:PORT); unset: embedded local Ray on loopback")
+    _name_option(p)
     opt(p, "--ray-num-cpus", type=int, default=None,
         help=f"logical CPUs of the embedded Ray (default max(cores, {EMBEDDED_MIN_CPUS}): "
         "each replica asks for --cpus-per-replica of them)")
@@ -188,7 +189,7 @@ def build_spec(args: argparse.Namespace, loopback: bool,
                                                              "device": req.device})),
         pools=pools, loopback=loopback,
         autoscale=autoscale, planner=_planner(args),
-        log_level=args.log_level, placement_timeout_s=placement)
+        log_level=args.log_level, placement_timeout_s=placement, name=args.name)
 
 
 def serve_cluster_token(given: str | None) -> str:
@@ -210,6 +211,21 @@ def _planner(args: argparse.Namespace) -> Any:
 
 def _opt_float(v: Any) -> float | None:
     return None if v in (None, "") else float(v)
+
+
+def _name_option(p: argparse.ArgumentParser) -> None:
+    from kvrelay.deploy.spec import DEFAULT_NAME, check_name
+
+    def name(v: str) -> str:
+        try:
+            return check_name(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    p.add_argument("--name", type=name, default=DEFAULT_NAME,
+                   help="the deployment's name on its Ray cluster: several deployments (one "
+                   f"per model, say) share a cluster under different names (default "
+                   f"{DEFAULT_NAME})")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -240,6 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
 
     from kvrelay.deploy.launcher import start
+    from kvrelay.deploy.spec import DEFAULT_NAME
 
     try:
         handle, info = start(spec)
@@ -248,6 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     host = info["host"] if args.host in (None, "0.0.0.0", "::") else args.host
     addr = "auto" if args.address == "auto" else ray.get_runtime_context().gcs_address
+    if args.name != DEFAULT_NAME:
+        addr += f" --name {args.name}"
     print(f"kvrelay is serving {os.path.basename(args.model)} on Ray "
           f"({ray.get_runtime_context().gcs_address})\n"
           f"  pools:   {info['counts']}\n"
@@ -278,7 +297,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
     from kvrelay.deploy.launcher import connect
 
     try:
-        counts = connect().scale(prefill=args.prefill, decode=args.decode, both=args.both)
+        counts = connect(args.name).scale(prefill=args.prefill, decode=args.decode,
+                                          both=args.both)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
     print(json.dumps(counts))
@@ -290,7 +310,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kvrelay.deploy.launcher import connect
 
     try:
-        doc = connect().status()
+        doc = connect(args.name).status()
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
     print(json.dumps(doc, indent=2, default=str))
@@ -304,6 +324,7 @@ def register() -> list[tuple[str, str, Any]]:
 
     def scale(p: argparse.ArgumentParser) -> None:
         p.add_argument("--address", default="auto", help="the Ray cluster (auto | HOST:PORT)")
+        _name_option(p)
         p.add_argument("--prefill", type=int, default=None)
         p.add_argument("--decode", type=int, default=None)
         p.add_argument("--both", type=int, default=None)
@@ -311,6 +332,7 @@ def register() -> list[tuple[str, str, Any]]:
 
     def status(p: argparse.ArgumentParser) -> None:
         p.add_argument("--address", default="auto")
+        _name_option(p)
         p.set_defaults(func=cmd_status)
 
     return [("serve", "run the cluster on Ray (embedded local Ray by default)", serve),

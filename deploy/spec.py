@@ -4,6 +4,7 @@ and each pool's replicas and per-replica resources (one bundle per tensor-parall
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,19 @@ class PoolSpec:
         return {k: v for k, v in b.items() if v}
 
 
+DEFAULT_NAME = "kvrelay"
+_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?")
+
+
+def check_name(name: str) -> str:
+    """A deployment name: lowercase letters, digits and inner dashes, at most 40 (it prefixes
+    Ray actor and placement-group names)."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"deployment name {name!r}: use lowercase letters, digits and inner "
+                         f"dashes, at most 40 characters")
+    return name
+
+
 @dataclass(frozen=True)
 class ServeSpec:
     router: RouterSettings
@@ -83,6 +97,12 @@ class ServeSpec:
     # How long a new replica may wait for its placement group (on KubeRay: for a node to be
     # added) before the scale-up fails.
     placement_timeout_s: float = 600.0
+    # The deployment's name on its Ray cluster: its controller, router, replicas and their
+    # placement groups are named after it, so several (one per model, say) share one cluster.
+    name: str = DEFAULT_NAME
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
 
     def kv_head_groups(self, pool: str, kv_heads: int) -> int:
         """The KV head groups of ``pool``'s engines (see engine/kv_cache.py), where its TP size

@@ -44,7 +44,7 @@ collect_ignore = [] if os.environ.get("KVRELAY_GPU_TESTS") == "1" else ["gpu"]
 # process they run last.
 SHARED = {
     # ray_served stops with it; tests/gpu/test_ray_gpu.py only under `make test-gpu`
-    "ray_session": ("test_ray.py", "test_planner_live.py", "test_ray_gpu.py"),
+    "ray_session": ("test_ray.py", "test_planner_live.py", "test_ray_tp.py", "test_ray_gpu.py"),
     "api_cluster": ("test_coalesce_cluster.py", "test_fuzz_limits.py", "test_maximal_bodies.py",
                     "test_n_cluster.py", "test_sampling_cluster.py",
                     "test_structured_cluster.py"),
