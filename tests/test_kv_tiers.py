@@ -5,6 +5,7 @@ counted miss that recomputes; every pool block and tier slot comes back on abort
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,12 @@ from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.prefix_hash import block_hashes
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.tiers.disk_files import DiskFiles, DiskReadError, layout_fingerprint
+from kvrelay.engine.tiers.disk_files import (
+    HEAD_BYTES,
+    DiskFiles,
+    DiskReadError,
+    layout_fingerprint,
+)
 from kvrelay.engine.tiers.media import DEVICE, DISK, HOST
 from kvrelay.engine.tiers.tier_index import TierIndex
 
@@ -73,8 +79,22 @@ def test_tier_index_lru_pins_and_readiness() -> None:
     assert idx.lookup(2, 7, (2,)) is None, "another parent is another block"
 
 
-def test_disk_file_round_trip_and_every_corruption_is_refused(tmp_path: Path) -> None:
-    files = DiskFiles(tmp_path, layout_fingerprint("layout-a"))
+def _files(root: Path, layout: str = "layout-a", keep: bool = False) -> DiskFiles:
+    return DiskFiles(root, layout_fingerprint(layout), slots=8, payload_bytes=256,
+                     max_tokens=4, keep=keep)
+
+
+def _flip(files: DiskFiles, at: int) -> None:
+    """Flip one byte of the tier's file at ``at``."""
+    with open(files.file, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 0xFF]))
+
+
+def test_disk_record_round_trip_and_every_corruption_is_refused(tmp_path: Path) -> None:
+    files = _files(tmp_path)
     payload = torch.arange(64, dtype=torch.float32)
     files.write(3, 11, 10, (5, 6), payload)
     into = torch.zeros(64)
@@ -85,36 +105,66 @@ def test_disk_file_round_trip_and_every_corruption_is_refused(tmp_path: Path) ->
             files.read(3, block, parent, toks, torch.zeros(64))
     with pytest.raises(DiskReadError, match="layout"):
         _read_foreign(tmp_path, into)
-    data = files.path(3).read_bytes()
-    files.path(3).write_bytes(data[:-10])
+    end = files.offset(3) + files.payload_at + files.payload_bytes
+    _flip(files, end - 1)  # the payload's last byte
+    with pytest.raises(DiskReadError, match="payload checksum"):
+        files.read(3, 11, 10, (5, 6), torch.zeros(64))
+    _flip(files, end - 1)
+    files.read(3, 11, 10, (5, 6), into)  # whole again
+    _flip(files, files.offset(3) + HEAD_BYTES + 8)  # the second token id
+    with pytest.raises(DiskReadError, match="header checksum"):
+        files.read(3, 11, 10, (5, 6), torch.zeros(64))
+    files.write(7, 11, 10, (5, 6), payload)
+    os.truncate(files.file, files.offset(7) + files.payload_at + 100)  # cut inside the payload
     with pytest.raises(DiskReadError, match="truncated"):
-        files.read(3, 11, 10, (5, 6), torch.zeros(64))
-    flipped = bytearray(data)
-    flipped[-1] ^= 0xFF
-    files.path(3).write_bytes(bytes(flipped))
-    with pytest.raises(DiskReadError, match="checksum"):
-        files.read(3, 11, 10, (5, 6), torch.zeros(64))
+        files.read(7, 11, 10, (5, 6), torch.zeros(64))
     with pytest.raises(DiskReadError):
         files.read(4, 11, 10, (5, 6), torch.zeros(64))  # never written
+    with pytest.raises(ValueError, match="payload of 16 bytes"):
+        files.write(4, 1, 0, (1,), torch.zeros(4))
+    files.close()
+    assert not files.file.exists()
 
 
 def _read_foreign(tmp_path: Path, into: torch.Tensor) -> None:
-    """A file written under one layout, read by a tier of another."""
-    writer = DiskFiles(tmp_path / "x", layout_fingerprint("layout-a"))
+    """A record written under one layout, read by a tier of another."""
+    writer = _files(tmp_path / "x", "layout-a", keep=True)
     writer.write(0, 1, 0, (1,), into)
-    reader = DiskFiles(tmp_path / "y", layout_fingerprint("layout-b"))
-    reader.dir = writer.dir  # as if a worker of another layout found the files
+    writer.close()
+    reader = _files(tmp_path / "x", "layout-b", keep=True)  # finds the file, takes nothing
+    assert reader.found == []
     reader.read(0, 1, 0, (1,), into)
 
 
-def test_workers_sharing_a_tier_directory_get_one_each(tmp_path: Path) -> None:
-    a = DiskFiles(tmp_path, layout_fingerprint("l"))
-    b = DiskFiles(tmp_path, layout_fingerprint("l"))
-    assert a.dir != b.dir and a.dir.parent == b.dir.parent == tmp_path
-    a.write(0, 1, 0, (1,), torch.ones(4))
+def test_a_kept_tier_file_gives_back_the_intact_records_of_its_layout(tmp_path: Path) -> None:
+    a = _files(tmp_path, keep=True)
+    for slot in (1, 2, 5):
+        a.write(slot, 100 + slot, 99, (slot, slot + 1), torch.full((64,), float(slot)))
+    a.remove(2)
     a.close()
-    c = DiskFiles(tmp_path, layout_fingerprint("l"))  # takes the directory a gave up...
-    assert c.dir == a.dir and not list(c.dir.glob("slot-*"))  # ...and none of its files
+    b = _files(tmp_path, keep=True)
+    assert b.dir == a.dir and b.found == [(1, 101, 99, (1, 2)), (5, 105, 99, (5, 6))]
+    into = torch.zeros(64)
+    b.read(5, 105, 99, (5, 6), into)
+    assert torch.equal(into, torch.full((64,), 5.0))
+    b.close()
+    c = _files(tmp_path)  # not kept: nothing is taken, and the earlier records are gone
+    assert c.found == []
+    with pytest.raises(DiskReadError):
+        c.read(5, 105, 99, (5, 6), into)
+    c.close()
+
+
+def test_workers_sharing_a_tier_directory_get_one_each(tmp_path: Path) -> None:
+    a = _files(tmp_path)
+    b = _files(tmp_path)
+    assert a.dir != b.dir and a.dir.parent == b.dir.parent == tmp_path
+    a.write(0, 1, 0, (1,), torch.ones(64))
+    a.close()
+    c = _files(tmp_path)  # takes the directory a gave up...
+    assert c.dir == a.dir and c.found == []  # ...and none of its blocks
+    with pytest.raises(DiskReadError):
+        c.read(0, 1, 0, (1,), torch.ones(64))
     b.close()
     c.close()
 
@@ -200,10 +250,9 @@ def test_disk_tier_spills_and_loads_back_and_a_bad_file_recomputes(demo_model_di
         assert set(h1) <= core.cached_hash_sets()[DISK]
         assert core.tiers is not None and core.tiers.disk_index is not None
         slot = core.tiers.disk_index.slot_of(h1[5])
-        path = core.tiers.disk.path(slot)  # type: ignore[union-attr]
-        data = bytearray(path.read_bytes())
-        data[-100] ^= 0x55
-        path.write_bytes(bytes(data))
+        disk = core.tiers.disk
+        assert slot is not None and disk is not None
+        _flip(disk, disk.offset(slot) + disk.payload_at + disk.payload_bytes - 100)
         failures = core.stats().kv_tiers[DISK].load_failures
         again, cached = run(core, "b1", prompt(1))
         assert again == reference[1]
@@ -216,8 +265,8 @@ def test_disk_tier_spills_and_loads_back_and_a_bad_file_recomputes(demo_model_di
 def test_a_kept_disk_tier_serves_the_worker_that_restarts_on_it(demo_model_dir, reference,
                                                                  tmp_path: Path) -> None:
     """--kv-offload-keep: the disk tier's files outlive the engine; the next one on the
-    directory indexes the complete ones of its layout (a truncated file is removed) and serves
-    them with the recomputed tokens; without keep the files go at start."""
+    directory indexes the intact records of its layout (a torn one is not taken) and serves
+    them with the recomputed tokens; without keep the records go at start."""
     tiers = dict(kv_offload_memory=40 * SLOT_BYTES, kv_offload_dir=str(tmp_path),
                  kv_offload_disk=200 * SLOT_BYTES, kv_offload_keep=True)
     first = make_core(demo_model_dir, **tiers)
@@ -227,20 +276,22 @@ def test_a_kept_disk_tier_serves_the_worker_that_restarts_on_it(demo_model_dir, 
         settle(first)
         assert first.tiers is not None and first.tiers.disk is not None
         h1 = block_hashes(prompt(1), BLOCK)
-        bad = first.tiers.disk.path(first.tiers.disk_index.slot_of(h1[4]))  # type: ignore
+        disk = first.tiers.disk
+        bad = first.tiers.disk_index.slot_of(h1[4])  # type: ignore[union-attr]
+        assert bad is not None
     finally:
         first.close()
-    bad.write_bytes(bad.read_bytes()[:-10])  # truncated after its writer left
+    _flip(disk, disk.offset(bad) + HEAD_BYTES)  # torn after its writer left: a token id
 
     second = make_core(demo_model_dir, **tiers)
     try:
         on_disk = second.cached_hash_sets()[DISK]
         assert set(block_hashes(prompt(0), BLOCK)) <= on_disk
-        assert h1[3] in on_disk and h1[4] not in on_disk and not bad.exists()
+        assert h1[3] in on_disk and h1[4] not in on_disk
         again, cached = run(second, "b0", prompt(0))
         assert again == reference[0] and cached == (160 - 1) // BLOCK * BLOCK
         again, cached = run(second, "b1", prompt(1))
-        assert again == reference[1] and cached == 4 * BLOCK, "up to the truncated block"
+        assert again == reference[1] and cached == 4 * BLOCK, "up to the torn block"
         assert second.stats().kv_tiers[DISK].load_failures == 0
     finally:
         second.close()

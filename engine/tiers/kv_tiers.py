@@ -102,7 +102,9 @@ class KVTiers:
         if config.disk_dir is not None:
             if config.disk_slots < 1:
                 raise ValueError("a disk tier needs room for at least one block")
-            self.disk = DiskFiles(config.disk_dir, fingerprint, keep=config.keep_disk)
+            self.disk = DiskFiles(config.disk_dir, fingerprint, slots=config.disk_slots,
+                                  payload_bytes=self.slot_bytes, max_tokens=block_size,
+                                  keep=config.keep_disk)
             self.disk_index = TierIndex(config.disk_slots)
             self.stats[DISK] = TierStats(DISK, config.disk_slots)
             self.io = TierIO()
