@@ -51,28 +51,41 @@ def evict(c, first_seed: int) -> None:
         c.generate(prompt_ids(s), sampling(4, 0.0, ignore_eos=True))
 
 
+def host_hits(c) -> dict[str, int]:
+    """Each live worker's host-tier hits, as its status reports them."""
+    return {p.name: sum(t.hit_blocks for t in c.status(p).load.tiers if t.medium == "host")
+            for p in c.workers if p.alive()}
+
+
 def test_an_evicted_prompt_comes_back_from_the_tiers(cluster, llm) -> None:
     baseline = cluster.free_blocks()
     ids = prompt_ids(1000)
+    before = host_hits(cluster)
     with cluster.client() as c:
         first = c.generate(ids, sampling(16, 0.0, ignore_eos=True))
         assert first.token_ids == alone(llm, ids, 16)
-        evict(c, 2000)
-        again = c.generate(ids, sampling(16, 0.0, ignore_eos=True))
-    assert again.token_ids == first.token_ids
-    assert again.usage.cached_prompt_tokens >= N // 16 * 16 - 16, again.usage
-    assert cluster.wait_free_blocks(baseline) == baseline
-    # It came from the host tiers (both workers': the prefill worker's to compute the last
-    # token, the decode worker's for its reservation), as their beats report.
-    deadline = time.monotonic() + 10
-    while True:
-        hits = {p.name: sum(t.hit_blocks for t in cluster.status(p).load.tiers
-                            if t.medium == "host") for p in cluster.workers if p.alive()}
-        served = hits["prefill-1"] and any(v for k, v in hits.items() if k.startswith("decode"))
-        if served or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        # The router picks the decode worker by its estimate (the KV transfer a held prefix
+        # saves against each worker's step time): on a busy host it may take the other decode
+        # worker, whose tiers never held this prompt. After a second round both have held it.
+        for attempt in range(2):
+            evict(c, 2000 + 100 * attempt)
+            again = c.generate(ids, sampling(16, 0.0, ignore_eos=True))
+            assert again.token_ids == first.token_ids
+            assert again.usage.cached_prompt_tokens >= N // 16 * 16 - 16, again.usage
+            # It came from the host tiers (both workers': the prefill worker's to compute the
+            # last token, the decode worker's for its reservation), as their status reports.
+            deadline = time.monotonic() + 5
+            while True:
+                hits = {k: v - before.get(k, 0) for k, v in host_hits(cluster).items()}
+                served = hits["prefill-1"] and any(v for k, v in hits.items()
+                                                   if k.startswith("decode"))
+                if served or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            if served:
+                break
     assert served, hits
+    assert cluster.wait_free_blocks(baseline) == baseline
 
 
 def test_a_tier_hit_survives_a_decode_worker_migration(cluster, llm) -> None:
