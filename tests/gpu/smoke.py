@@ -383,6 +383,50 @@ def phase_kv_sizing() -> dict[str, Any]:
             "max_reserved_gib": peak / 2**30, "share_gib": 0.3 * total / 2**30}
 
 
+def phase_tp_shard_load() -> dict[str, Any]:
+    """Rank 0 of TP=2 loads its shard straight to the GPU (``tp_shard.shard_model`` with
+    ``weights.Cuts``, no process group needed to load): every parameter on the device, the
+    device holding the shard and not the model, and the shard's weights the checkpoint's own
+    rows and columns."""
+    _need_cuda()
+    import datetime
+
+    import torch
+
+    from kvrelay.engine.loader import iter_checkpoint, load_model
+    from kvrelay.engine.tp_shard import TPShard
+
+    dev = torch.device(_gpu())
+    md = model_dir("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                   num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                   dtype=torch.bfloat16)
+    full = {name: t for name, t in iter_checkpoint(md)}
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    shard = TPShard(rank=0, size=2, group=None,  # type: ignore[arg-type]
+                    timeout=datetime.timedelta(seconds=30))
+    model, _ = load_model(md, device=dev, dtype=torch.bfloat16, attn_fn=None,  # type: ignore
+                          max_positions=256, shard=shard)
+    torch.cuda.synchronize(dev)
+    held = torch.cuda.memory_allocated(dev) - before
+    params = list(model.parameters())
+    on_device = all(p.device == dev for p in params)
+    shard_bytes = sum(p.numel() * p.element_size() for p in params)
+    full_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    a, m = model.layers[1].attn, model.layers[1].mlp
+    q = full["model.layers.1.self_attn.q_proj.weight"]
+    o = full["model.layers.1.self_attn.o_proj.weight"]
+    gate = full["model.layers.1.mlp.gate_proj.weight"]
+    rows_ok = (torch.equal(a.qkv.weight[:q.shape[0] // 2].cpu(), q[:q.shape[0] // 2])
+               and torch.equal(a.o.weight.cpu(), o[:, :o.shape[1] // 2])
+               and torch.equal(m.gate_up.weight[:gate.shape[0] // 2].cpu(),
+                               gate[:gate.shape[0] // 2]))
+    ok = on_device and rows_ok and held < 0.75 * full_bytes
+    return {"status": "PASS" if ok else "FAIL", "on_device": on_device, "rows_equal": rows_ok,
+            "device_mib": held / 2**20, "shard_mib": shard_bytes / 2**20,
+            "checkpoint_mib": full_bytes / 2**20}
+
+
 def _decoding_core(graphs: bool, max_batch: int = 64, **model: Any) -> Any:
     from kvrelay.engine.config import EngineConfig
     from kvrelay.engine.engine_core import EngineCore
@@ -761,6 +805,7 @@ PHASES: dict[str, tuple[Callable[[], dict[str, Any]], int]] = {
     "host_syncs": (phase_host_syncs, 90),
     "eager_profile": (phase_eager_profile, 90),
     "nccl_world1": (phase_nccl_world1, 60),
+    "tp_shard_load": (phase_tp_shard_load, 60),
 }
 
 
