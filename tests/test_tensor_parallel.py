@@ -120,6 +120,30 @@ def test_tp2_prefix_cache_hits(hf_model_dir) -> None:
         core.runner.close()
 
 
+def test_tp2_prompt_logprobs_over_chunks_match_transformers(hf_model_dir) -> None:
+    """Prompt logprobs under TP: rank 0 reads them off every row of each prefill chunk (TP
+    ranks run every row), equal to transformers' log-softmax of the same prompt."""
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    model_dir = hf_model_dir("llama")
+    ids = prompts(9, (40,))[0]
+    core = tp_core(model_dir, max_num_batched_tokens=16)  # three chunks
+    try:
+        core.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                                  prompt_logprobs=2))
+        got = None
+        while core.has_unfinished():
+            for o in core.step():
+                got = o.prompt_logprobs if o.prompt_logprobs is not None else got
+    finally:
+        core.runner.close()
+    ref = torch.log_softmax(hf_forward_logits(model_dir, ids).float(), dim=-1)
+    assert got is not None and [lp.token_id for lp in got] == ids[1:]
+    want = [float(ref[i, t]) for i, t in enumerate(ids[1:])]
+    assert [lp.logprob for lp in got] == pytest.approx(want, abs=1e-4)
+    assert [lp.top[0][0] for lp in got] == ref[:len(ids) - 1].argmax(-1).tolist()
+
+
 def test_tp2_preemption(hf_model_dir) -> None:
     model_dir = hf_model_dir("llama", num_key_value_heads=1)
     ps = prompts(5, (30, 25, 35, 20))
