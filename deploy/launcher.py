@@ -407,5 +407,15 @@ def connect(name: str = DEFAULT_NAME) -> ClusterHandle:
     try:
         return ClusterHandle(ray.get_actor(controller_name(name), namespace=NAMESPACE))
     except ValueError:
-        raise RuntimeError(f"no kvrelay deployment {name!r} is running on this Ray cluster "
-                           f"(start one with `kvrelay serve`)") from None
+        running = deployments()
+        hint = (f"running here: {', '.join(running)} (pick one with --name)" if running
+                else "start one with `kvrelay serve`")
+        raise RuntimeError(f"no kvrelay deployment {name!r} is running on this Ray cluster; "
+                           f"{hint}") from None
+
+
+def deployments() -> list[str]:
+    """The names of the kvrelay deployments running on the connected Ray cluster."""
+    suffix = controller_name("")
+    return sorted(n[:-len(suffix)] for n in ray.util.list_named_actors()
+                  if n.endswith(suffix) and len(n) > len(suffix))

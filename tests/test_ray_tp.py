@@ -79,6 +79,8 @@ def test_a_tp_deployment_beside_another_serves_the_engine_alone_tokens(
         assert ray_served.counts() == {"prefill": 1, "decode": 1, "both": 0}
         with pytest.raises(RuntimeError, match=f"deployment '{name}' is already running"):
             start(spec)
+        with pytest.raises(RuntimeError, match=f"running here: kvrelay, {name} \\(pick one"):
+            connect("absent")
         with Client(served.target) as c:
             for n, (ids, tokens) in want.items():
                 got = c.generate(ids, sampling(GEN, 0.0, ignore_eos=True))
