@@ -6,7 +6,7 @@ shard plus the one tensor being read, not by the model (a 70B bf16 model is 141 
 of TP=8 held all of it before), nor by a whole layer (as when each layer was cut once loaded).
 
 Measured in fresh processes (the peak of their anonymous memory during the load) on a bf16
-Llama of a few wide layers (a layer several times its largest tensor, so holding a layer shows):
+Llama of two wide layers (a layer several times its largest tensor, so holding a layer shows):
 rank 0 of TP=2 against the whole model loaded alone."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hf_models import make_hf_model
 
 from kvrelay.engine.loader import iter_checkpoint
 
-HIDDEN, INTER, LAYERS, VOCAB = 1024, 8192, 3, 4096
+HIDDEN, INTER, LAYERS, VOCAB = 1024, 4096, 2, 4096
 
 # The peak of the process's anonymous memory (RssAnon: what the parameters take; the
 # checkpoint's mapped file pages are page cache, counted in RSS but shared and reclaimable),
