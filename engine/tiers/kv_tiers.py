@@ -14,11 +14,11 @@ block it stores is written to disk behind it by the IO thread (from the pinned s
 order stored), so evicting one costs nothing; a victim not on disk yet has its bytes copied to
 a staging buffer at once (so the slot can be reused) and written from there. **Loads** from
 disk run on the IO thread too, ahead of spills, started as soon as a request arrives
-(``prefetch``), into a host slot that is ready only after the file verified; **promotion**
+(``prefetch``), into a host slot that is ready only after the record verified; **promotion**
 host → pool is a copy on the engine thread when the request is admitted.
 
 Every entry carries its block's chain hash, parent hash and token ids; a lookup compares all
-three, and a disk read verifies the file's layout fingerprint and payload CRC, so only KV that is
+three, and a disk read verifies the record's layout fingerprint and CRCs, so only KV that is
 exactly this request's prefix, complete, is ever served: anything else is a miss, counted, and
 the request recomputes.
 """
@@ -68,7 +68,7 @@ class TierConfig:
     host_slots: int
     disk_dir: str | None = None
     disk_slots: int = 0
-    keep_disk: bool = False  # the disk tier's files outlive the process (``DiskFiles``)
+    keep_disk: bool = False  # the disk tier's file outlives the process (``DiskFiles``)
 
 
 class KVTiers:
@@ -120,9 +120,8 @@ class KVTiers:
 
     def _adopt_disk_files(self) -> None:
         """Index the blocks an earlier process left in the disk tier (``keep_disk``): each
-        ready at its own slot, as if this process had spilled it (a file past this tier's
-        size, or a second copy of a block, is removed). Their payloads are checked when loaded,
-        as every disk read is."""
+        ready at its own slot, as if this process had spilled it (a second copy of a block is
+        blanked). Their payloads are checked when loaded, as every disk read is."""
         assert self.disk is not None and self.disk_index is not None
         adopted = 0
         for slot, h, parent, tokens in self.disk.found:
