@@ -25,7 +25,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import torch
 
-from bench.transfer.rig import MiB, handoff_row
+from bench.transfer.rig import handoff_row, print_handoff_rows
 from kvrelay.engine.kv_cache import KVCacheSpec
 
 BS = 16
@@ -56,14 +56,10 @@ def main() -> None:
         per_token = spec.bytes_per_block_all_layers // BS
         assert nbytes == per_token * args.prompt, (label, nbytes, per_token)
         rows.append((label, nbytes, t))
-    gqa = rows[1][1]
     print(f"\nKV handoff P -> D: {args.layers} layers of DeepSeek-V3's width, bf16, prompt "
           f"{args.prompt} tokens, median of {args.reps}, load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs")
-    print(f"{'layer cache':<42}{'MiB moved':>10}{'KiB/token':>11}{'vs GQA':>9}{'ms/1K tok':>11}")
-    for label, nbytes, t in rows:
-        print(f"{label:<42}{nbytes / MiB:>10.2f}{nbytes / args.prompt / 1024:>11.2f}"
-              f"{nbytes / gqa:>9.1%}{t * 1e3 / (args.prompt / 1000):>11.2f}")
+    print_handoff_rows(rows, args.prompt, "layer cache", "GQA", rows[1][1])
     print("\nper token per layer (bytes, bf16): " + ", ".join(
         f"{label.split(' (')[0]} {spec_of(s, 1, BS).bytes_per_block_all_layers // BS}"
         for label, s in SHAPES.items()))

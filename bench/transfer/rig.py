@@ -1,6 +1,7 @@
 """What the KV transfer benchmarks share: the payload's KV shape, the median timer, a receiving
 process's answer loop (it keeps its agents progressing and checksums blocks), and a prompt's
-P -> D handoff through the connectors (``handoff_row``)."""
+P -> D handoff through the connectors (``handoff_row``) and the table of such rows
+(``print_handoff_rows``)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,19 @@ def _connector_receiver(conn: Connection, name: str, spec: dict[str, Any], promp
             seq.status = SequenceStatus.WAITING_FOR_KV
             c.request_waiting_for_kv(seq)
     c.close()
+
+
+def print_handoff_rows(rows: Sequence[tuple[str, int, float]], prompt: int, label: str,
+                       base: str, base_bytes: int) -> None:
+    """``handoff_row``'s results (label, bytes moved, seconds) of a ``prompt``-token prompt, a
+    line each: MiB moved, KiB per token, the share of ``base``'s bytes (``base_bytes``) and
+    milliseconds per 1K prompt tokens; ``label`` heads the first column."""
+    width = max(len(label), *(len(r[0]) for r in rows)) + 2
+    vs = f"vs {base}"
+    print(f"{label:<{width}}{'MiB moved':>10}{'KiB/token':>11}{vs:>10}{'ms/1K tok':>11}")
+    for name, nbytes, t in rows:
+        print(f"{name:<{width}}{nbytes / MiB:>10.2f}{nbytes / prompt / 1024:>11.2f}"
+              f"{nbytes / base_bytes:>10.1%}{t * 1e3 / (prompt / 1000):>11.2f}")
 
 
 def handoff_row(label: str, spec: KVCacheSpec, prompt: int, reps: int) -> tuple[int, float]:

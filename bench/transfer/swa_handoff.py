@@ -16,7 +16,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import torch
 
-from bench.transfer.rig import MiB, handoff_row
+from bench.transfer.rig import handoff_row, print_handoff_rows
 from kvrelay.engine.kv_cache import KVCacheSpec
 
 # -- sliding-window hybrids (``--swa``): bytes and time of a prompt's handoff ------------------
@@ -45,14 +45,10 @@ def swa_rows(reps: int) -> list[tuple[str, int, float]]:
     for label, windows in SWA_SHAPES.items():
         nbytes, t = handoff_row(label, _swa_spec(windows), SWA_PROMPT, reps)
         rows.append((label, nbytes, t))
-    dense = rows[0][1]
     print(f"\nsliding-window KV handoff: {SWA_LAYERS} layers x 4 KV heads x 256 bf16, window "
           f"{SWA_WINDOW}, prompt {SWA_PROMPT} tokens, median of {reps}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'model':<34}{'MiB moved':>10}{'KiB/token':>11}{'vs dense':>10}{'ms/1K tok':>11}")
-    for label, nbytes, t in rows:
-        print(f"{label:<34}{nbytes / MiB:>10.1f}{nbytes / SWA_PROMPT / 1024:>11.2f}"
-              f"{nbytes / dense:>10.1%}{t * 1e3 / (SWA_PROMPT / 1000):>11.2f}")
+    print_handoff_rows(rows, SWA_PROMPT, "model", "dense", rows[0][1])
     return rows
 
 
