@@ -168,31 +168,25 @@ def _row_parallel(lin: Linear, shard: TPShard) -> None:
     lin.shard = shard  # type: ignore[attr-defined]
 
 
-def _keep(w: torch.Tensor | None, rows: list[slice], dim: int = 0,
-          cuts: Cuts | None = None) -> nn.Parameter | None:
-    """The slices ``rows`` of ``w`` along ``dim``, concatenated: copied from a loaded ``w``, or,
-    with ``cuts`` (a model cut before it is loaded), an empty shard the loader fills."""
-    if w is None:
-        return None
-    if cuts is not None:
-        return cuts.keep(w, rows, dim)
-    parts = [w.narrow(dim, s.start, s.stop - s.start) for s in rows]
-    return nn.Parameter(torch.cat(parts, dim).contiguous(), requires_grad=False)
+def _keep(w: torch.Tensor | None, rows: list[slice], dim: int = 0, *,
+          cuts: Cuts) -> nn.Parameter | None:
+    """The slices ``rows`` of ``w`` along ``dim``, concatenated: an empty shard the loader
+    fills through ``cuts`` (None where ``w`` is)."""
+    return None if w is None else cuts.keep(w, rows, dim)
 
 
-def shard_model(model: LlamaForCausalLM, shard: TPShard, cuts: Cuts | None = None) -> None:
-    """Cut a (dense, unpacked) model down to ``shard.rank``'s part, in place: before packing,
-    so the kernels pack only the shard. Only the decoder layers are cut (the embedding, the
-    final norm and the head stay whole on every rank). A loaded model's parameters are cut by
-    copying; with ``cuts``, a model not loaded yet gets empty shards and the loader writes each
-    checkpoint tensor's kept part through ``cuts`` (``weights.Cuts``): a rank never holds more
-    than its shard and one checkpoint tensor."""
+def shard_model(model: LlamaForCausalLM, shard: TPShard, cuts: Cuts) -> None:
+    """Cut a model not loaded yet (dense, unpacked) down to ``shard.rank``'s part, in place:
+    before packing, so the kernels pack only the shard. Only the decoder layers are cut (the
+    embedding, the final norm and the head stay whole on every rank). Each cut parameter is an
+    empty shard, and the loader writes each checkpoint tensor's kept part through ``cuts``
+    (``weights.Cuts``): a rank never holds more than its shard and one checkpoint tensor."""
     for layer in model.layers:
         shard_layer(model, layer, shard, cuts)
 
 
 def shard_layer(model: LlamaForCausalLM, layer: nn.Module, shard: TPShard,
-                cuts: Cuts | None = None) -> None:
+                cuts: Cuts) -> None:
     """Cut one decoder layer of ``model`` down to ``shard.rank``'s part, in place (``cuts``: as
     in ``shard_model``). A model that cuts itself (DeepSeek's latent attention) does it in its
     ``shard_layer_tensor_parallel``."""
@@ -223,7 +217,7 @@ def shard_layer(model: LlamaForCausalLM, layer: nn.Module, shard: TPShard,
     shard_ffn(m, shard, cuts)
 
 
-def shard_ffn(m: nn.Module, shard: TPShard, cuts: Cuts | None = None) -> None:
+def shard_ffn(m: nn.Module, shard: TPShard, cuts: Cuts) -> None:
     """Rank ``shard.rank``'s part of a layer's feed-forward block: a dense SwiGLU's columns,
     or every expert's. A mixture of experts keeps its router whole (every rank routes the same
     rows alike); each expert (and a shared expert) is cut as a dense MLP is, and its partial
@@ -239,7 +233,7 @@ def shard_ffn(m: nn.Module, shard: TPShard, cuts: Cuts | None = None) -> None:
         _row_parallel(m.down, shard)
 
 
-def _shard_mlp(m: MLP, r: int, n: int, cuts: Cuts | None = None) -> None:
+def _shard_mlp(m: MLP, r: int, n: int, cuts: Cuts) -> None:
     """Rank ``r`` of ``n``'s slice of a SwiGLU: its columns of gate and up, its rows of down
     (whose partial product the caller reduces)."""
     inter = m.inter

@@ -152,7 +152,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return h if last is None else h.index_select(0, last.rows)
 
     def shard_layer_tensor_parallel(self, layer: torch.nn.Module, shard: Any,
-                                    cuts: Cuts | None = None) -> None:
+                                    cuts: Cuts) -> None:
         """Rank ``shard.rank``'s part of ``layer`` (``tp_shard.shard_layer`` defers to this):
         its query heads (q_b_proj's or q_proj's rows, kv_b_proj's rows, o_proj's columns,
         all-reduced after), the latent projections and the cache replicated (every rank holds
