@@ -130,17 +130,34 @@ class DiskFiles:
         """(hash, parent hash, token ids) of the record at ``slot``, if its header is one of
         this layout, intact, for a payload of this tier's size."""
         raw = os.pread(self._fd, self.payload_at, self.offset(slot))
-        if len(raw) < HEAD_BYTES or raw[:4] != MAGIC:
+        if raw[:4] != MAGIC:  # never written (a hole reads as zeros), or blanked
             return None
-        _, version, head_len, fp, h, parent, n_tok, n_bytes, _ = _HEAD.unpack_from(raw)
-        if version != VERSION or fp != self.fingerprint or n_bytes != self.payload_bytes \
-                or n_tok > self.max_tokens or head_len != HEAD_BYTES + 8 * n_tok:
-            return None
-        tokens = raw[HEAD_BYTES:head_len]
-        (crc,) = _CRC.unpack_from(raw, _HEAD.size)
-        if zlib.crc32(tokens, zlib.crc32(raw[:_HEAD.size])) != crc:
+        try:
+            h, parent, tokens, _, _ = self._parse(raw)
+        except DiskReadError:
             return None
         return h, parent, tuple(array("q", tokens))
+
+    def _parse(self, raw: bytes) -> tuple[int, int, bytes, int, int]:
+        """A record's header (``raw``: the record's first ``payload_at`` bytes): (hash, parent
+        hash, token ids as bytes, payload CRC, header length); raises DiskReadError unless it
+        is an intact header of this layout, for a payload of this tier's size."""
+        if len(raw) < HEAD_BYTES:
+            raise DiskReadError("truncated header")
+        magic, version, head_len, fp, h, parent, n_tok, n_bytes, crc = _HEAD.unpack_from(raw)
+        if magic != MAGIC or version != VERSION:
+            raise DiskReadError(f"not a version-{VERSION} tier record")
+        if fp != self.fingerprint:
+            raise DiskReadError("written under another KV layout")
+        if n_bytes != self.payload_bytes:
+            raise DiskReadError(f"payload of {n_bytes} bytes, expected {self.payload_bytes}")
+        if n_tok > self.max_tokens or head_len != HEAD_BYTES + 8 * n_tok:
+            raise DiskReadError(f"a header of {n_tok} token ids and {head_len} bytes")
+        tokens = raw[HEAD_BYTES:head_len]
+        if zlib.crc32(tokens, zlib.crc32(raw[:_HEAD.size])) != _CRC.unpack_from(
+                raw, _HEAD.size)[0]:
+            raise DiskReadError("header checksum mismatch")
+        return h, parent, tokens, crc, head_len
 
     def close(self) -> None:
         """Close the tier's file (removed unless kept) and give its directory up."""
@@ -181,34 +198,23 @@ class DiskFiles:
         buf = memoryview(into.view(torch.uint8).reshape(-1).numpy())
         try:
             at = self.offset(slot)
-            raw = os.pread(self._fd, self.payload_at, at)
-            if len(raw) < HEAD_BYTES:
-                raise DiskReadError("truncated header")
-            magic, version, head_len, fp, h, parent, n_tok, n_bytes, crc = \
-                _HEAD.unpack_from(raw)
-            if magic != MAGIC or version != VERSION:
-                raise DiskReadError(f"not a version-{VERSION} tier record")
-            if fp != self.fingerprint:
-                raise DiskReadError("written under another KV layout")
-            if (h, parent, n_tok) != (block_hash, parent_hash, len(token_ids)) \
-                    or head_len != HEAD_BYTES + 8 * n_tok:
+            h, parent, tokens, crc, head_len = self._parse(os.pread(self._fd, self.payload_at,
+                                                                    at))
+            if (h, parent) != (block_hash, parent_hash):
                 raise DiskReadError("holds another block")
-            if n_bytes != len(buf):
-                raise DiskReadError(f"payload of {n_bytes} bytes, expected {len(buf)}")
-            tokens = raw[HEAD_BYTES:head_len]
-            if zlib.crc32(tokens, zlib.crc32(raw[:_HEAD.size])) != _CRC.unpack_from(
-                    raw, _HEAD.size)[0]:
-                raise DiskReadError("header checksum mismatch")
             if array("q", token_ids).tobytes() != tokens:
                 raise DiskReadError("holds other tokens")
+            if len(buf) != self.payload_bytes:
+                raise DiskReadError(f"payload of {self.payload_bytes} bytes, expected "
+                                    f"{len(buf)}")
             got = os.preadv(self._fd, [buf], at + self.payload_at)
-            if got != n_bytes:
-                raise DiskReadError(f"truncated payload ({got} of {n_bytes} bytes)")
+            if got != self.payload_bytes:
+                raise DiskReadError(f"truncated payload ({got} of {self.payload_bytes} bytes)")
             if zlib.crc32(buf) != crc:
                 raise DiskReadError("payload checksum mismatch")
         except OSError as e:
             raise DiskReadError(str(e)) from e
-        return head_len + n_bytes
+        return head_len + self.payload_bytes
 
     def remove(self, slot: int) -> None:
         """Blank ``slot``'s header: a kept tier's next process does not take it."""
