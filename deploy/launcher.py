@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import (
 from kvrelay.deploy.actors import RouterActor, WorkerActor
 from kvrelay.deploy.autoscaler import AutoscaleConfig
 from kvrelay.deploy.ray_connect import NAMESPACE, worker_env
-from kvrelay.deploy.spec import DEFAULT_NAME, PoolSpec, ServeSpec, model_kv_heads
+from kvrelay.deploy.spec import DEFAULT_NAME, PoolSpec, ServeSpec, model_kv_heads, name_flag
 
 if TYPE_CHECKING:  # kvrelay.worker.process loads torch: the router actor's process must not
     from kvrelay.deploy.planner.ray_loop import PlannerSpec
@@ -380,10 +380,9 @@ def start(spec: ServeSpec, timeout: float = 900.0) -> tuple[ClusterHandle, dict[
     except ValueError:
         pass
     else:
-        named = "" if spec.name == DEFAULT_NAME else f" --name {spec.name}"
         raise RuntimeError(f"kvrelay deployment {spec.name!r} is already running on this Ray "
-                           f"cluster (`kvrelay status{named}`; another deployment takes "
-                           f"another --name)")
+                           f"cluster (`kvrelay status{name_flag(spec.name)}`; another "
+                           f"deployment takes another --name)")
     node_id = ray.get_runtime_context().get_node_id()
     controller = Controller.options(
         name=controller_name(spec.name), namespace=NAMESPACE,

@@ -256,7 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
 
     from kvrelay.deploy.launcher import start
-    from kvrelay.deploy.spec import DEFAULT_NAME
+    from kvrelay.deploy.spec import name_flag
 
     try:
         handle, info = start(spec)
@@ -265,8 +265,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     host = info["host"] if args.host in (None, "0.0.0.0", "::") else args.host
     addr = "auto" if args.address == "auto" else ray.get_runtime_context().gcs_address
-    if args.name != DEFAULT_NAME:
-        addr += f" --name {args.name}"
+    addr += name_flag(args.name)  # what ``scale`` and ``status`` take after --address
     print(f"kvrelay is serving {os.path.basename(args.model)} on Ray "
           f"({ray.get_runtime_context().gcs_address})\n"
           f"  pools:   {info['counts']}\n"

@@ -84,6 +84,11 @@ def check_name(name: str) -> str:
     return name
 
 
+def name_flag(name: str) -> str:
+    """`` --name NAME`` for a command naming deployment ``name``; nothing for the default."""
+    return "" if name == DEFAULT_NAME else f" --name {name}"
+
+
 @dataclass(frozen=True)
 class ServeSpec:
     router: RouterSettings
