@@ -4,11 +4,12 @@ when its decode worker is killed mid-stream and the request migrates; every bloc
 
 from __future__ import annotations
 
+import contextlib
 import random
-import time
 
 import pytest
 from cluster import Cluster
+from polling import wait_for
 
 from kvrelay.client import sampling
 from kvrelay.engine.llm import LLM
@@ -61,6 +62,15 @@ def test_an_evicted_prompt_comes_back_from_the_tiers(cluster, llm) -> None:
     baseline = cluster.free_blocks()
     ids = prompt_ids(1000)
     before = host_hits(cluster)
+    served: dict[str, int] | None = None
+
+    def both_served(since: dict[str, int]) -> dict[str, int] | None:
+        """The host-tier hits since ``since``, once the prefill worker and a decode worker
+        both have some."""
+        hits = {k: v - since.get(k, 0) for k, v in host_hits(cluster).items()}
+        decode = any(v for k, v in hits.items() if k.startswith("decode"))
+        return hits if hits["prefill-1"] and decode else None
+
     with cluster.client() as c:
         first = c.generate(ids, sampling(16, 0.0, ignore_eos=True))
         assert first.token_ids == alone(llm, ids, 16)
@@ -74,17 +84,10 @@ def test_an_evicted_prompt_comes_back_from_the_tiers(cluster, llm) -> None:
             assert again.usage.cached_prompt_tokens >= N // 16 * 16 - 16, again.usage
             # It came from the host tiers (both workers': the prefill worker's to compute the
             # last token, the decode worker's for its reservation), as their status reports.
-            deadline = time.monotonic() + 5
-            while True:
-                hits = {k: v - before.get(k, 0) for k, v in host_hits(cluster).items()}
-                served = hits["prefill-1"] and any(v for k, v in hits.items()
-                                                   if k.startswith("decode"))
-                if served or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            if served:
+            with contextlib.suppress(TimeoutError):
+                served = wait_for(lambda: both_served(before), 5, "host-tier hits", every=0.2)
                 break
-    assert served, hits
+    assert served, host_hits(cluster)
     assert cluster.wait_free_blocks(baseline) == baseline
 
 
