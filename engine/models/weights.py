@@ -7,8 +7,9 @@ each into its row range.
 Under tensor parallelism a rank's model is cut before anything is loaded (``tp_shard``): each
 cut parameter is a new, smaller one, and its ``Cut`` says which slices of the whole parameter
 it keeps. The targets still describe the whole model (the checkpoint's geometry), and every
-write goes through ``Cuts.write``, which copies only the kept part of the tensor into the
-shard. A rank then never holds more than its shard and the one checkpoint tensor being read.
+write goes through ``write`` (``Cut.write`` for a cut parameter), which copies only the kept
+part of the tensor into the shard. A rank then never holds more than its shard and the one
+checkpoint tensor being read.
 """
 
 from __future__ import annotations
@@ -30,12 +31,26 @@ class Cut:
     dim: int
     kept: tuple[slice, ...]
 
+    def write(self, lo: int, hi: int, tensor: torch.Tensor) -> None:
+        """The whole parameter's rows ``[lo, hi)`` are ``tensor``: copy what this cut keeps of
+        them into the shard."""
+        at = 0  # where the current kept slice starts in the shard
+        for s in self.kept:
+            n = s.stop - s.start
+            if self.dim == 0:  # rows: the part of [lo, hi) this slice keeps
+                a, b = max(s.start, lo), min(s.stop, hi)
+                if a < b:
+                    self.shard[at + a - s.start:at + b - s.start].copy_(tensor[a - lo:b - lo])
+            else:  # a later axis: the target's rows, this slice of that axis
+                self.shard[lo:hi].narrow(self.dim, at, n).copy_(
+                    tensor.narrow(self.dim, s.start, n))
+            at += n
+
 
 class Cuts:
     """The cuts of one rank's model, by the whole parameter they replace. ``keep`` makes a cut
-    (an empty shard on ``device``: nothing of the whole parameter is read); ``write`` puts a
-    checkpoint tensor's rows into the whole parameter or, where it was cut, only the kept part
-    into its shard."""
+    (an empty shard on ``device``: nothing of the whole parameter is read); ``of`` finds the cut
+    a write into the whole parameter goes through (``write``)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -48,35 +63,21 @@ class Cuts:
         self._of[id(whole)] = (whole, Cut(shard, dim, tuple(kept)))  # holds ``whole``: ids stay
         return nn.Parameter(shard, requires_grad=False)
 
-    def write(self, whole: torch.Tensor, start: int | None, stop: int | None,
-              tensor: torch.Tensor) -> None:
-        """``whole[start:stop] = tensor``, on the rank's shard of ``whole`` if it was cut."""
+    def of(self, whole: torch.Tensor) -> Cut | None:
         entry = self._of.get(id(whole))
-        if entry is None:
-            (whole if start is None else whole[start:stop]).copy_(tensor)
-            return
-        cut = entry[1]
-        lo = 0 if start is None else start
-        hi = whole.shape[0] if stop is None else stop
-        at = 0  # where the current kept slice starts in the shard
-        for s in cut.kept:
-            n = s.stop - s.start
-            if cut.dim == 0:  # rows: the part of [lo, hi) this slice keeps
-                a, b = max(s.start, lo), min(s.stop, hi)
-                if a < b:
-                    cut.shard[at + a - s.start:at + b - s.start].copy_(tensor[a - lo:b - lo])
-            else:  # a later axis: the target's rows, this slice of that axis
-                cut.shard[lo:hi].narrow(cut.dim, at, n).copy_(tensor.narrow(cut.dim, s.start, n))
-            at += n
+        return None if entry is None else entry[1]
 
 
 def write(cuts: Cuts | None, whole: torch.Tensor, start: int | None, stop: int | None,
           tensor: torch.Tensor) -> None:
-    """``whole[start:stop] = tensor``, through ``cuts`` when the model was cut (``Cuts.write``)."""
-    if cuts is None:
+    """``whole[start:stop] = tensor``; where ``cuts`` cut ``whole``, only the kept part, into
+    the rank's shard."""
+    cut = None if cuts is None else cuts.of(whole)
+    if cut is None:
         (whole if start is None else whole[start:stop]).copy_(tensor)
     else:
-        cuts.write(whole, start, stop, tensor)
+        cut.write(0 if start is None else start, whole.shape[0] if stop is None else stop,
+                  tensor)
 
 
 class WeightTarget:
