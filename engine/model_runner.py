@@ -363,9 +363,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
-        graphs = self.decode_graphs  # None on the CPU: one attribute test per step
-        if graphs is not None and self.graphed(scheduled, connector):
-            return self._run_graphed(graphs, scheduled, connector)
+        return self.run_step(scheduled, connector, self.graphed(scheduled, connector))
+
+    def run_step(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None,
+                 graphed: bool) -> SampledTokens:
+        """The step, through the decode graphs where ``graphed`` (``graphed``'s answer)."""
+        if graphed:
+            assert self.decode_graphs is not None
+            return self._run_graphed(self.decode_graphs, scheduled, connector)
         inputs = self.prepare(scheduled)
         meta = inputs.meta
         seqs = [scheduled[i].seq for i in inputs.sampled_order]
@@ -388,7 +393,8 @@ class ModelRunner:
 
     def graphed(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None) -> bool:
         """Whether this step replays the decode graphs: a decode-only step within the captured
-        sizes, with no per-layer KV work (``save_layer`` cannot be called from a replay)."""
+        sizes, with no per-layer KV work (``save_layer`` cannot be called from a replay). On
+        the CPU (no graphs) one attribute test."""
         graphs = self.decode_graphs
         return graphs is not None and graphs.handles(scheduled) and (
             connector is None or not connector.wants_layer_hooks(scheduled))

@@ -336,9 +336,9 @@ class TPModelRunner(ModelRunner):
 
     def run(self, scheduled: Seq[ScheduledSeq], connector: KVConnector | None = None) \
             -> SampledTokens:
-        graphed = self.graphed(scheduled, connector)
+        graphed = self.graphed(scheduled, connector)  # decided once, for every rank
         return self._guarded(functools.partial(self.ranks.send_step, scheduled, graphed),
-                             functools.partial(super().run, scheduled, connector))
+                             functools.partial(self.run_step, scheduled, connector, graphed))
 
     def _kv_written_hook(self, connector: KVConnector) -> Callable[[int], None]:
         def lagged(layer: int) -> None:  # see the module docstring
