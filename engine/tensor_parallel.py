@@ -148,13 +148,26 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int,
                              inputs.positions.to(runner.device))
 
 
+# What the ranks' fork server imports before it forks them: this module (torch with it), and
+# what a layer above registers with ``preload_in_ranks`` (the KV transfer: its UCX).
+_RANK_PRELOAD = [__name__]
+
+
+def preload_in_ranks(module: str) -> None:
+    """Have the ranks' fork server import ``module`` too, once, before it forks them: for work
+    every rank would otherwise repeat (takes effect where this process has not started its
+    ranks' fork server yet)."""
+    if module not in _RANK_PRELOAD:
+        _RANK_PRELOAD.append(module)
+
+
 def _rank_context() -> mp.context.BaseContext:
     """Ranks start from a fork server that has imported this module (torch with it) once: a
     spawned rank spends ~1.5-3 CPU s importing torch before it can join, and a process that
     starts several replicas (or a replica of many ranks) paid that for each rank. Each rank is
     still a fresh single-threaded fork, not a copy of this process's threads and caches."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload(list(_RANK_PRELOAD))
     return ctx
 
 

@@ -42,6 +42,7 @@ import torch
 from kvrelay.common.timeline import mark
 from kvrelay.engine.kv_connector import KVConnector, RankKV, ScheduledSeq, TransferEvents
 from kvrelay.engine.kv_window import LayerWindows
+from kvrelay.engine.tensor_parallel import preload_in_ranks
 from kvrelay.kv_transfer.config import NixlConnectorConfig
 from kvrelay.kv_transfer.cuda_sync import bind_thread_to
 from kvrelay.kv_transfer.errors import KVTransferError
@@ -52,7 +53,7 @@ from kvrelay.kv_transfer.messages import (
     PeerInfo,
     PendingDestination,
 )
-from kvrelay.kv_transfer.nixl_transport import NixlTransport
+from kvrelay.kv_transfer.nixl_transport import UCX_PRELOAD_MODULE, NixlTransport
 from kvrelay.kv_transfer.notice import lease_key
 from kvrelay.kv_transfer.rank_agents import RankedTransport
 from kvrelay.kv_transfer.receiver_progress import ReceiverProgress
@@ -69,6 +70,8 @@ logger = logging.getLogger(__name__)
 class NixlConnector(KVConnector):
     def __init__(self, config: NixlConnectorConfig) -> None:
         self.config = config
+        # Under TP every rank makes an agent: their fork server loads UCX once for them.
+        preload_in_ranks(UCX_PRELOAD_MODULE)
         self._tx = Sending(config)
         self._rx = Receiving(config.sender_gone_grace_s, config.quarantine_backstop_s)
         self._transport: NixlTransport | RankedTransport | None = None

@@ -72,6 +72,9 @@ except ImportError as e:  # no silent fallback: a disaggregated worker cannot ru
 
 logger = logging.getLogger(__name__)
 
+# The module a fork server imports to run ``preload_ucx`` (its import is the side effect).
+UCX_PRELOAD_MODULE = "kvrelay.kv_transfer.ucx_preload"
+
 
 def preload_ucx() -> bool:
     """Load NIXL's UCX plugin (and UCX with it) now, in a process that will fork the ones

@@ -16,10 +16,9 @@ import gc
 import kvrelay.cli
 import kvrelay.engine.tensor_parallel  # a worker's TP ranks fork from it too
 import kvrelay.kv_transfer.connector  # NIXL's bindings: imported, no agent made
-import kvrelay.kv_transfer.nixl_transport
+import kvrelay.kv_transfer.ucx_preload  # UCX loaded: its clock calibration, once for every fork
 import kvrelay.worker.process
 
-kvrelay.kv_transfer.nixl_transport.preload_ucx()  # UCX's clock calibration, once for every fork
 kvrelay.cli.build_parser()  # what the command line imports lazily (the planner's options)
 gc.collect()
 gc.freeze()

@@ -240,3 +240,26 @@ def test_a_notification_on_a_fresh_connection_arrives_without_any_write(sender) 
     finally:
         th.close()
         stop(p, conn)
+
+
+def test_ucx_preload_loads_the_plugin_nixl_itself_loads(monkeypatch, tmp_path) -> None:
+    """What a fork server loads before it forks (``kvrelay.fork_preload``): NIXL's own UCX
+    plugin, so that a forked process's first agent finds it loaded and opens no other copy;
+    where ``NIXL_PLUGIN_DIR`` names a folder without it, nothing."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from kvrelay.kv_transfer.nixl_transport import preload_ucx
+
+    def loaded() -> set[str]:
+        with open("/proc/self/maps") as maps:
+            return {ln.split()[-1] for ln in maps if ln.rstrip().endswith("/libplugin_UCX.so")}
+
+    monkeypatch.setenv("NIXL_PLUGIN_DIR", str(tmp_path))
+    assert preload_ucx() is False
+    monkeypatch.delenv("NIXL_PLUGIN_DIR")
+    assert preload_ucx() is True
+    plugin = loaded()
+    assert len(plugin) == 1
+    nixl_agent(f"preload-{uuid.uuid4().hex[:8]}",
+               nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    assert loaded() == plugin
