@@ -130,10 +130,51 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str,
     sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
     # A worker of several tensor-parallel ranks starts them as its own children (see Forked).
     mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-    from kvrelay.cli import main
+    from kvrelay.cli import build_parser, main
 
+    if getattr(build_parser().parse_args(argv), "tensor_parallel_size", 1) > 1:
+        _fork_rank_server()
     sys.argv = ["kvrelay", *argv]
     sys.exit(main(argv))
+
+
+def _fork_rank_server() -> None:
+    """Make this process's multiprocessing fork server (the one its TP ranks start from,
+    ``engine/tensor_parallel.py``) a fork of this process, now, while it is a single-threaded
+    copy of the harness's server: torch, the engine and UCX (``kvrelay.fork_preload``) are
+    imported already. Started as multiprocessing starts one, it would be a new interpreter that
+    imports them again: ~1.5-2.3 CPU s for every TP worker a test starts.
+
+    What ``ForkServer.ensure_running`` does, with ``os.fork`` for its exec: the listening socket,
+    the "alive" pipe (the server exits when every process holding its write end has), and the
+    server's address and pid where this process's multiprocessing looks for them."""
+    import socket
+    from multiprocessing import connection, util
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        return
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: it exits by itself once the alive pipe closes
+            code = 1
+            try:
+                os.close(alive_w)
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
 
 
 class _PopenView:

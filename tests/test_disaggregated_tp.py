@@ -216,6 +216,9 @@ def _rank_pids(worker_pid: int) -> list[int]:
             continue
     servers = {pid for pid, (ppid, cmd) in procs.items()
                if ppid == worker_pid and b"forkserver" in cmd}
+    # The harness forks that server from the worker (kvrelay/forking.py), so it has the
+    # worker's command line; an interpreter multiprocessing started would have its own.
+    assert all(procs[s][1] == procs[worker_pid][1] for s in servers), "rank server exec'd"
     return [pid for pid, (ppid, _) in procs.items() if ppid in servers]
 
 
