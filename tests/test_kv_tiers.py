@@ -126,6 +126,27 @@ def test_disk_record_round_trip_and_every_corruption_is_refused(tmp_path: Path) 
     assert not files.file.exists()
 
 
+def test_records_carry_zlibs_crc32_whichever_library_computed_it(tmp_path: Path) -> None:
+    """The tier's CRC-32 is zlib's (zlib-ng computes the same one faster): a record a process
+    with zlib-ng wrote passes a check made with zlib, and the other way round."""
+    import zlib
+
+    from kvrelay.engine.tiers import disk_files
+
+    data = os.urandom(70_000)
+    assert disk_files.crc32(data) == zlib.crc32(data)
+    assert disk_files.crc32(data[1000:], disk_files.crc32(data[:1000])) == zlib.crc32(data)
+    files = _files(tmp_path)
+    payload = torch.arange(64, dtype=torch.float32)
+    files.write(0, 11, 10, (5, 6), payload)
+    with open(files.file, "rb") as f:
+        f.seek(files.offset(0))
+        head = f.read(HEAD_BYTES)
+    assert int.from_bytes(head[HEAD_BYTES - 8:HEAD_BYTES - 4], "little") == \
+        zlib.crc32(payload.numpy().tobytes())
+    files.close()
+
+
 def _read_foreign(tmp_path: Path, into: torch.Tensor) -> None:
     """A record written under one layout, read by a tier of another."""
     writer = _files(tmp_path / "x", "layout-a", keep=True)
