@@ -175,8 +175,13 @@ def main() -> None:
                     help="fresh prompts for the tiers' cost where nothing is reused (0: skip)")
     ap.add_argument("--no-reuse-tokens", type=int, default=2048)
     ap.add_argument("--only-no-reuse", action="store_true", help="skip the load/recompute rows")
+    ap.add_argument("--disk-dir", default=None,
+                    help="where the disk tiers' files go (default: a temporary folder; "
+                         "/dev/shm for a tier in shared memory)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvrelay-tier-")
+    disk = tmp if args.disk_dir is None else tempfile.mkdtemp(prefix="kvrelay-tier-",
+                                                              dir=args.disk_dir)
     model = args.model
     if model is None:
         from kvrelay.engine.demo_model import write_demo_model
@@ -192,7 +197,7 @@ def main() -> None:
     print(f"{'tokens':>7} {'recompute s':>12} {'host s':>8} {'disk s':>8} {'host x':>7} "
           f"{'disk x':>7} {'host ms/blk':>12} {'disk ms/blk':>12} {'convoy 8/1':>11}")
     for n in () if args.only_no_reuse else (int(x) for x in args.lengths.split(",")):
-        rows = [one_length(model, n, args.threads, os.path.join(tmp, f"disk-{n}-{k}"), k)
+        rows = [one_length(model, n, args.threads, os.path.join(disk, f"disk-{n}-{k}"), k)
                 for k in range(args.reps)]
         for r in rows:  # each run's own ratios (paired: the machine's speed drifts)
             r["host_x"], r["disk_x"] = r["recompute"] / r["host"], r["recompute"] / r["disk"]
@@ -204,7 +209,7 @@ def main() -> None:
               f"{med['convoy_x']:>11.2f}", flush=True)
     if args.no_reuse:
         n = args.no_reuse_tokens
-        r = no_reuse_cost(model, args.threads, os.path.join(tmp, "disk-fresh"), n,
+        r = no_reuse_cost(model, args.threads, os.path.join(disk, "disk-fresh"), n,
                           args.no_reuse)
         print(f"\nno reuse ({args.no_reuse} fresh {n}-token prompts, the engines taking turns): "
               f"prefill {r['plain']:.2f} s without tiers, {r['tiered']:.2f} s with; 32 decode "
