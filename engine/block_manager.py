@@ -376,9 +376,9 @@ class BlockManager:
     def promote(self, seq: Sequence, max_tokens: int, reserve: int = 0) -> int | None:
         """Extend ``seq``'s cached prefix (after ``allocate_prefix``) with the blocks the host
         tier holds next, copied into fresh pool blocks, keeping ``reserve`` blocks free. When
-        the next block is on disk, its load (and the rest of the run's) is started; returns that
-        block's hash while its load is in flight (the caller may wait for it, see
-        ``KVTiers.is_loading``, rather than recompute), else None."""
+        the next block is on disk, its load (and the rest of the run's) is started; returns the
+        hash of the last of those loads while the next block's is in flight (the caller may
+        wait for it, see ``KVTiers.is_loading``, rather than recompute), else None."""
         tiers = self.tiers
         if tiers is None:
             return None
@@ -415,7 +415,13 @@ class BlockManager:
         if not rest or k == room:
             return None
         tiers.prefetch(rest)
-        return rest[0].hash if tiers.is_loading(rest[0].hash) else None
+        if not tiers.is_loading(rest[0].hash):
+            return None
+        # The last of the run's loads in flight, not the first: the loads finish in order, and
+        # a request admitted again as each one lands re-matched its whole prompt and freed its
+        # blocks every step in between (an 8192-token prefix on disk: ~17 such steps, ~3x the
+        # wait for eight requests sharing it as for one; bench/engine/tier_load.py's convoy).
+        return next(r.hash for r in reversed(rest) if tiers.is_loading(r.hash))
 
     def prefetch(self, seq: Sequence) -> None:
         """Start loading from disk the prompt blocks of ``seq`` (block-less, just arrived) that

@@ -328,7 +328,11 @@ def test_requests_sharing_a_prefix_being_loaded_share_its_loads(demo_model_dir, 
                                                                  tmp_path: Path) -> None:
     """Four prompts that extend one prefix on disk (long prompts until their prefix matched):
     each block is read once, and all four are admitted together once it has loaded, not one
-    long prompt a step."""
+    long prompt a step; and each is matched against the cache again once, when the last of its
+    prefix's loads is in, not as each block lands (the reads are slowed to land a few steps
+    apart)."""
+    import time
+
     core = make_core(demo_model_dir, kv_offload_memory=40 * SLOT_BYTES,
                      kv_offload_dir=str(tmp_path), kv_offload_disk=200 * SLOT_BYTES,
                      long_prefill_threshold=32)
@@ -339,6 +343,20 @@ def test_requests_sharing_a_prefix_being_loaded_share_its_loads(demo_model_dir, 
         blocks = 160 // BLOCK
         assert set(block_hashes(prompt(0), BLOCK)) <= core.cached_hash_sets()[DISK]
         assert not set(block_hashes(prompt(0), BLOCK)) & core.cached_hash_sets()[DEVICE]
+        assert core.tiers is not None and core.tiers.disk is not None
+        disk, bm = core.tiers.disk, core.block_manager
+        read, match = disk.read, bm.match_prefix
+        matches = []
+
+        def slow_read(*a, **kw):
+            time.sleep(0.003)
+            return read(*a, **kw)
+
+        def counted_match(*a, **kw):
+            matches.append(1)
+            return match(*a, **kw)
+
+        disk.read, bm.match_prefix = slow_read, counted_match  # type: ignore[method-assign]
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         for j in range(4):
             core.add_request(f"c{j}", prompt(0) + [7 + j], first)
@@ -350,8 +368,9 @@ def test_requests_sharing_a_prefix_being_loaded_share_its_loads(demo_model_dir, 
             if len(finished_at) == 4:
                 break
         assert len(set(finished_at.values())) == 1, finished_at
-        read = core.stats().kv_tiers[DISK].hit_blocks
-        assert 0 < read <= blocks, "each block read at most once, for all four"
+        hits = core.stats().kv_tiers[DISK].hit_blocks
+        assert 0 < hits <= blocks, "each block read at most once, for all four"
+        assert len(matches) <= 2 * 4, f"{len(matches)} prefix matches for four requests"
     finally:
         core.close()
 
