@@ -21,7 +21,10 @@ Then a convoy: P pushed to disk again, one request of P plus a last token of its
 timed to its first token; P pushed to disk again, 8 such requests at once, timed until all have
 their first token. ``convoy 8/1`` is the ratio: requests sharing a prefix being loaded wait on
 the same loads (each block is read once), not on one another (LMCache users saw 12x TTFT when
-every request loaded its own copy).
+every request loaded its own copy). The same two with P already in the pool give ``pool 8/1``:
+what eight rows cost to compute against one, loads or not (on a 2-core CPU a step of eight
+rows of the ~150M model is compute-bound: ~2.5x one row). ``8 load/pool`` is what loading P
+adds to the eight: the convoy's own cost.
 """
 
 from __future__ import annotations
@@ -95,15 +98,21 @@ def one_length(model: str, n: int, threads: int, disk_dir: str, seed: int) -> di
         out["disk_ms_per_block"] = st[DISK].load_seconds_per_block * 1e3
         # A convoy: CONVOY requests sharing P (each with a suffix of its own) arrive together
         # while P is on disk; they wait on the same loads, not on each other's.
-        for k, first in ((1, "t"), (CONVOY, "u")):
-            push_to_disk(core, [q, r, s])
+        # Then the same requests with P already in the pool (a request of P alone just ran):
+        # what their rows cost to compute, with nothing to load.
+        for k, first in ((1, "t"), (CONVOY, "u"), (1, "v"), (CONVOY, "w")):
+            hot = first in ("v", "w")
+            if hot:
+                ttft(core, f"{first}-hot", p)
+            else:
+                push_to_disk(core, [q, r, s])
             suffixes = [prompt(1, seed * 100 + k * 10 + j, vocab) for j in range(k)]
             t = time.perf_counter()
             for j, suf in enumerate(suffixes):
                 core.add_request(f"{first}{j}", p + suf, FIRST)
             while core.has_unfinished():
                 core.step()
-            out[f"convoy{k}"] = time.perf_counter() - t
+            out[f"{'pool' if hot else 'convoy'}{k}"] = time.perf_counter() - t
         return out
     finally:
         core.close()
@@ -195,18 +204,22 @@ def main() -> None:
             json.dump(cfg, f)
     print(f"model {model}, {args.threads} threads, median of {args.reps}")
     print(f"{'tokens':>7} {'recompute s':>12} {'host s':>8} {'disk s':>8} {'host x':>7} "
-          f"{'disk x':>7} {'host ms/blk':>12} {'disk ms/blk':>12} {'convoy 8/1':>11}")
+          f"{'disk x':>7} {'host ms/blk':>12} {'disk ms/blk':>12} {'convoy 8/1':>11} "
+          f"{'pool 8/1':>9} {'8 load/pool':>12}")
     for n in () if args.only_no_reuse else (int(x) for x in args.lengths.split(",")):
         rows = [one_length(model, n, args.threads, os.path.join(disk, f"disk-{n}-{k}"), k)
                 for k in range(args.reps)]
         for r in rows:  # each run's own ratios (paired: the machine's speed drifts)
             r["host_x"], r["disk_x"] = r["recompute"] / r["host"], r["recompute"] / r["disk"]
             r["convoy_x"] = r[f"convoy{CONVOY}"] / r["convoy1"]
+            r["pool_x"] = r[f"pool{CONVOY}"] / r["pool1"]
+            r["load_pool_x"] = r[f"convoy{CONVOY}"] / r[f"pool{CONVOY}"]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         print(f"{n:>7} {med['recompute']:>12.3f} {med['host']:>8.3f} {med['disk']:>8.3f} "
               f"{med['host_x']:>7.1f} {med['disk_x']:>7.1f} "
               f"{med['host_ms_per_block']:>12.3f} {med['disk_ms_per_block']:>12.3f} "
-              f"{med['convoy_x']:>11.2f}", flush=True)
+              f"{med['convoy_x']:>11.2f} {med['pool_x']:>9.2f} {med['load_pool_x']:>12.2f}",
+              flush=True)
     if args.no_reuse:
         n = args.no_reuse_tokens
         r = no_reuse_cost(model, args.threads, os.path.join(disk, "disk-fresh"), n,
