@@ -439,8 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command ``args`` (``build_parser``'s) names; its exit status."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -130,12 +130,13 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str,
     sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
     # A worker of several tensor-parallel ranks starts them as its own children (see Forked).
     mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-    from kvrelay.cli import build_parser, main
+    from kvrelay.cli import build_parser, run
 
-    if getattr(build_parser().parse_args(argv), "tensor_parallel_size", 1) > 1:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "tensor_parallel_size", 1) > 1:
         _fork_rank_server()
     sys.argv = ["kvrelay", *argv]
-    sys.exit(main(argv))
+    sys.exit(run(args))
 
 
 def _fork_rank_server() -> None:
