@@ -100,8 +100,8 @@ def one_length(model: str, n: int, threads: int, disk_dir: str, seed: int) -> di
         # while P is on disk; they wait on the same loads, not on each other's.
         # Then the same requests with P already in the pool (a request of P alone just ran):
         # what their rows cost to compute, with nothing to load.
-        for k, first in ((1, "t"), (CONVOY, "u"), (1, "v"), (CONVOY, "w")):
-            hot = first in ("v", "w")
+        for k, first, hot in ((1, "t", False), (CONVOY, "u", False), (1, "v", True),
+                              (CONVOY, "w", True)):
             if hot:
                 ttft(core, f"{first}-hot", p)
             else:
